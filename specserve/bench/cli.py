@@ -1,0 +1,27 @@
+"""`specserve bench one-batch | ...`."""
+
+from __future__ import annotations
+
+
+def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (print JSON and a table)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    ob = bsub.add_parser("one-batch", help="static batch: prefill and decode throughput")
+    ob.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    ob.add_argument("--input-len", type=int, default=128)
+    ob.add_argument("--output-len", type=int, default=256)
+    add_engine_args(ob)
+
+    def run_one_batch_cmd(args):
+        from specserve.bench.one_batch import dump, run_one_batch
+        from specserve.engine import Engine
+
+        rows = []
+        with Engine(**engine_kwargs(args)) as engine:
+            for bs in args.batch_size:
+                rows.append(run_one_batch(engine, bs, args.input_len, args.output_len))
+        dump(rows)
+        return 0
+
+    ob.set_defaults(func=run_one_batch_cmd)

@@ -1,0 +1,161 @@
+"""`specserve generate | serve | bench ...`: every Engine argument is a flag."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from typing import Any
+
+from specserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+
+ENGINE_HELP = {
+    "model_path": "Model: a packaged name (smollm2-135m, the default), a .gguf file, an HF folder, "
+    "or a preset with --load-format dummy (llama3-8b, smollm2-135m, tiny).",
+    "tokenizer_path": "Tokenizer folder or .gguf file, if not the model's own.",
+    "load_format": "auto | gguf | safetensors | dummy (random weights of the model's shape).",
+    "dtype": f"Weight and KV dtype: {' | '.join(DTYPES)} (auto: bfloat16 on GPU, float32 on CPU).",
+    "device": "auto | cpu | cuda | cuda:N.",
+    "page_size": "KV slots per page (any integer >= 1).",
+    "max_total_tokens": "KV cache size in tokens (default: from free memory on GPU, 16384 on CPU).",
+    "max_running_requests": "Most requests decoding at once.",
+    "chunked_prefill_size": "Most prompt tokens per prefill batch (-1: no chunking).",
+    "context_length": "Longest prompt + output (default: the model's).",
+    "skip_tokenizer_init": "Do not load a tokenizer; requests carry token ids.",
+    "attention_backend": f"{' | '.join(ATTENTION_BACKENDS)}.",
+    "random_seed": "Seed for random weights and for requests without their own seed.",
+    "mem_fraction_static": "CUDA: share of GPU memory for weights and KV cache.",
+    "debug_check_invariants": "Check KV ownership after every step (slow; for tests).",
+    "speculative_algorithm": "EAGLE | EAGLE3 | STANDALONE (off when not given).",
+    "speculative_draft_model_path": "Draft checkpoint folder (EAGLE/EAGLE3) or draft model (STANDALONE).",
+    "speculative_num_steps": "Draft depth: forward passes of the draft per step.",
+    "speculative_eagle_topk": "Children kept per expanded draft node (1 = chain).",
+    "speculative_num_draft_tokens": "Tree size verified per step, root included (<= 1 + steps * topk).",
+    "log_level": "debug | info | warning | error.",
+}
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        if f.name == "decisions":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        help_text = ENGINE_HELP.get(f.name, "") + (
+            f" (default: {default})" if default not in (None, False) else ""
+        )
+        if isinstance(default, bool):
+            g.add_argument(flag, action="store_true", help=help_text)
+        else:
+            kind = {int: int, float: float}.get(type(default), None)
+            if kind is None and f.name in (
+                "max_total_tokens",
+                "max_running_requests",
+                "chunked_prefill_size",
+                "context_length",
+                "speculative_num_steps",
+                "speculative_eagle_topk",
+                "speculative_num_draft_tokens",
+            ):
+                kind = int
+            g.add_argument(flag, type=kind or str, default=None, help=help_text)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    out = {}
+    for f in fields(EngineConfig):
+        if f.name == "decisions":
+            continue
+        v = getattr(args, f.name, None)
+        if v is not None and v is not False:
+            out[f.name] = v
+    return out
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_dict(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "stop": args.stop or [],
+        "ignore_eos": args.ignore_eos,
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specserve.engine import Engine
+
+    with Engine(**engine_kwargs(args)) as engine:
+        sp = sampling_dict(args)
+        if args.chat:
+            ids = engine.tokenize_chat([{"role": "user", "content": args.prompt}])
+            result = engine.generate(input_ids=ids, sampling_params=sp, stream=not args.json)
+        else:
+            result = engine.generate(prompt=args.prompt, sampling_params=sp, stream=not args.json)
+        if args.json:
+            print(json.dumps(result, indent=2))
+            return 0
+        final = None
+        for chunk in result:
+            sys.stdout.write(chunk["text"])
+            sys.stdout.flush()
+            final = chunk
+        meta = final["meta_info"] if final else {}
+        summary = f"\n\n[{meta.get('completion_tokens')} tokens, {meta.get('e2e_latency', 0):.2f}s, finish: {meta.get('finish_reason')}"
+        if "spec_accept_length" in meta:
+            summary += f", accept length {meta['spec_accept_length']:.2f}"
+        print(summary + "]")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
+    gen.add_argument(
+        "--json", action="store_true", help="print the full output as JSON instead of streaming"
+    )
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    from specserve.bench.cli import add_bench_parser
+    from specserve.server.cli import add_serve_parser
+
+    add_serve_parser(sub, add_engine_args, engine_kwargs)
+    add_bench_parser(sub, add_engine_args, engine_kwargs)
+
+    args = parser.parse_args(argv)
+    from specserve.errors import InvalidArgument
+
+    try:
+        return args.func(args)
+    except InvalidArgument as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Every engine knob in one dataclass, validated and resolved in one place.
+
+`EngineConfig.resolve()` returns a new, frozen configuration in which every "auto" value
+is decided, plus the list of decisions with their reasons (logged at start-up and shown
+by `Engine.resolved_args()`). Invalid values and combinations raise `InvalidArgument`
+naming the field and the allowed values. Nothing is mutated after resolution.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from specserve.errors import InvalidArgument, require
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SPEC_ALGORITHMS = (None, "EAGLE", "EAGLE3", "STANDALONE")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str = "smollm2-135m"
+    tokenizer_path: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    page_size: int = 1
+    max_total_tokens: int | None = None  # KV slots; auto from memory
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = None  # tokens per prefill batch; -1 disables chunking
+    context_length: int | None = None
+    skip_tokenizer_init: bool = False
+    attention_backend: str = "auto"
+    random_seed: int = 0
+    mem_fraction_static: float = 0.85  # CUDA: share of free memory for weights + KV
+    debug_check_invariants: bool = False  # walk the KV ownership after every step (tests)
+    # speculative decoding (SGLang's names)
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    log_level: str = "warning"
+    # filled by resolve(): (field, value, reason)
+    decisions: tuple[tuple[str, Any, str], ...] = field(default=(), compare=False)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "decisions"]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        known = set(cls.field_names())
+        for k in kwargs:
+            if k not in known:
+                raise InvalidArgument(
+                    k, f"unknown engine argument; allowed: {', '.join(sorted(known))}"
+                )
+        return cls(**kwargs)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["decisions"] = [{"field": f, "value": v, "reason": r} for f, v, r in self.decisions]
+        return d
+
+    # ------------------------------------------------------------------------------------
+    def resolve(self, cuda_available: bool | None = None) -> EngineConfig:
+        import torch
+
+        if cuda_available is None:
+            cuda_available = torch.cuda.is_available()
+        decided: list[tuple[str, Any, str]] = []
+        c = self
+
+        def decide(name: str, value: Any, reason: str) -> None:
+            nonlocal c
+            c = replace(c, **{name: value})
+            decided.append((name, value, reason))
+
+        _check_choice("dtype", c.dtype, DTYPES)
+        _check_choice("attention_backend", c.attention_backend, ATTENTION_BACKENDS)
+        _check_int("page_size", c.page_size, minimum=1)
+        for name in ("max_total_tokens", "max_running_requests", "context_length"):
+            if getattr(c, name) is not None:
+                _check_int(name, getattr(c, name), minimum=1)
+        if c.chunked_prefill_size is not None:
+            _check_int("chunked_prefill_size", c.chunked_prefill_size, minimum=-1)
+            require(
+                c.chunked_prefill_size != 0,
+                "chunked_prefill_size",
+                "must be >= 1, or -1 to disable chunking",
+            )
+        require(0.0 < c.mem_fraction_static < 1.0, "mem_fraction_static", "must be in (0, 1)")
+
+        if c.device == "auto":
+            decide(
+                "device",
+                "cuda" if cuda_available else "cpu",
+                "CUDA is available" if cuda_available else "no CUDA device",
+            )
+        require(
+            c.device == "cpu" or c.device.startswith("cuda"),
+            "device",
+            f"{c.device!r} is not one of auto, cpu, cuda, cuda:N",
+        )
+        if c.device.startswith("cuda") and not cuda_available:
+            raise InvalidArgument("device", f"{c.device!r} requested but CUDA is not available")
+        on_gpu = c.device.startswith("cuda")
+        if c.dtype == "auto":
+            decide(
+                "dtype",
+                "bfloat16" if on_gpu else "float32",
+                "bf16 on GPU" if on_gpu else "float32 on CPU (no fast bf16 matmul)",
+            )
+        if c.attention_backend == "auto":
+            decide("attention_backend", "torch", "the torch reference backend is the one available")
+        if c.max_running_requests is None:
+            decide("max_running_requests", 256 if on_gpu else 64, "default for the device")
+        if c.chunked_prefill_size is None:
+            decide("chunked_prefill_size", 8192 if on_gpu else 2048, "default for the device")
+        from specserve.spec.config import resolve_speculative
+
+        c, spec_decisions = resolve_speculative(c)
+        decided.extend(spec_decisions)
+        return replace(c, decisions=tuple(decided))
+
+    def log_decisions(self) -> None:
+        for name, value, reason in self.decisions:
+            log.info("config: %s = %r (%s)", name, value, reason)
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    require(value in allowed, name, f"{value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    require(
+        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+        name,
+        f"must be an integer >= {minimum}, got {value!r}",
+    )
+
+
+def env_default(name: str, default: Any) -> Any:
+    """SPECSERVE_<NAME> from the environment, if set."""
+    return os.environ.get(f"SPECSERVE_{name.upper()}", default)

@@ -1,0 +1,289 @@
+"""The offline API: `Engine(...).generate(...)`, streaming, abort, shutdown.
+
+One background thread runs the step loop; callers submit requests and wait on per-request
+queues, so `generate` may be called from several threads at once (the HTTP server does).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from specserve.config import EngineConfig
+from specserve.errors import InvalidArgument
+from specserve.runtime.engine_core import EngineCore
+from specserve.runtime.request import Request
+from specserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def request_output(req: Request, incremental: bool = False) -> dict[str, Any]:
+    """SGLang-shaped output. incremental: only text and ids not sent before."""
+    if incremental:
+        text = req.text[req.stream_sent_chars :]
+        ids = req.output_ids[req.stream_sent_tokens :]
+        req.stream_sent_chars, req.stream_sent_tokens = len(req.text), len(req.output_ids)
+    else:
+        text, ids = req.text, list(req.output_ids)
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": len(req.output_ids),
+        "finish_reason": req.finish_reason,
+        "e2e_latency": (req.finish_time or time.perf_counter()) - req.arrival,
+        "num_retractions": req.num_retractions,
+    }
+    if req.first_token_time is not None:
+        meta["ttft"] = req.first_token_time - req.arrival
+    if req.spec_verify_ct:
+        meta["spec_verify_ct"] = req.spec_verify_ct
+        meta["spec_accept_length"] = len(req.output_ids) / req.spec_verify_ct
+        meta["spec_accept_histogram"] = list(req.spec_accept_histogram)
+    return {"text": text, "output_ids": ids, "meta_info": meta, "finished": req.finished}
+
+
+class Engine:
+    """Arguments follow SGLang's names; see `EngineConfig` (and `specserve generate --help`)."""
+
+    def __init__(self, **kwargs: Any):
+        cfg = EngineConfig.from_kwargs(**kwargs)
+        logging.basicConfig(level=getattr(logging, str(cfg.log_level).upper(), logging.WARNING))
+        self.config = cfg.resolve()
+        self.config.log_decisions()
+        self.core = EngineCore(self.config)
+        self.tokenizer = self.core.tokenizer
+        self._inbox: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._rid_counter = itertools.count()
+        self._seed_rng = random.Random(self.config.random_seed)
+        self._lock = threading.Lock()
+        self.step_hooks: list[Callable[[EngineCore], None]] = []
+        self._thread = threading.Thread(target=self._loop, name="specserve-loop", daemon=True)
+        self._thread.start()
+
+    # ---- public API ---------------------------------------------------------------------------
+    def resolved_args(self) -> dict[str, Any]:
+        return self.config.as_dict()
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | SamplingParams | list | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict] | Iterator[dict]:
+        """One request (str / list[int]) returns a dict; a batch returns a list of dicts.
+        stream=True (one request only) returns an iterator of incremental outputs."""
+        single, prompts = self._normalize_inputs(prompt, input_ids)
+        params = self._normalize_params(sampling_params, len(prompts))
+        rids = self._normalize_rids(rid, len(prompts))
+        reqs = [
+            self._make_request(p, sp, r, field) for (p, field), sp, r in zip(prompts, params, rids)
+        ]
+        if stream:
+            if not single:
+                raise InvalidArgument("stream", "streaming takes one prompt at a time")
+            return self._stream(reqs[0])
+        queues = [self._submit(r) for r in reqs]
+        outs = [self._wait(q) for q in queues]
+        return outs[0] if single else outs
+
+    def generate_stream(
+        self, prompt=None, sampling_params=None, input_ids=None, rid=None
+    ) -> Iterator[dict]:
+        return self.generate(prompt, sampling_params, input_ids, stream=True, rid=rid)
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict | SamplingParams | None,
+        on_output,
+        rid: str | None = None,
+    ) -> str:
+        """Low-level: validated submission with a callback `on_output(dict)` called from the loop
+        thread with incremental outputs (the server uses this)."""
+        req = self._make_request(
+            prompt_ids, SamplingParams.from_any(sampling_params), rid, "input_ids"
+        )
+        req.on_output = lambda r: on_output(request_output(r, incremental=True))
+        self._inbox.put(("add", req))
+        self._wake.set()
+        return req.rid
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+        from specserve.model.tokenizer import apply_chat_template
+
+        return apply_chat_template(self.tokenizer, messages)
+
+    # ---- inputs -----------------------------------------------------------------------------
+    def _normalize_inputs(self, prompt, input_ids) -> tuple[bool, list[tuple[list[int], str]]]:
+        if (prompt is None) == (input_ids is None):
+            raise InvalidArgument("prompt", "give exactly one of prompt or input_ids")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise InvalidArgument(
+                    "prompt", "text needs a tokenizer; pass input_ids (skip_tokenizer_init is on)"
+                )
+            if isinstance(prompt, str):
+                return True, [(self._encode(prompt), "prompt")]
+            if (
+                not isinstance(prompt, list)
+                or not prompt
+                or not all(isinstance(p, str) for p in prompt)
+            ):
+                raise InvalidArgument("prompt", "must be a string or a non-empty list of strings")
+            return False, [(self._encode(p), "prompt") for p in prompt]
+        if not isinstance(input_ids, list) or not input_ids:
+            raise InvalidArgument(
+                "input_ids", "must be a non-empty list of token ids or of lists of token ids"
+            )
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+            return True, [(list(input_ids), "input_ids")]
+        if all(isinstance(x, list) for x in input_ids):
+            return False, [(list(x), "input_ids") for x in input_ids]
+        raise InvalidArgument("input_ids", "must be a list of ints or a list of lists of ints")
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    @staticmethod
+    def _normalize_params(sp, n: int) -> list[SamplingParams]:
+        if isinstance(sp, list):
+            if len(sp) != n:
+                raise InvalidArgument("sampling_params", f"has {len(sp)} entries for {n} prompts")
+            return [SamplingParams.from_any(x) for x in sp]
+        one = SamplingParams.from_any(sp)
+        return [one] * n
+
+    @staticmethod
+    def _normalize_rids(rid, n: int) -> list[str | None]:
+        if rid is None:
+            return [None] * n
+        if isinstance(rid, str):
+            if n != 1:
+                raise InvalidArgument("rid", "give one id per prompt")
+            return [rid]
+        if len(rid) != n:
+            raise InvalidArgument("rid", f"has {len(rid)} ids for {n} prompts")
+        return list(rid)
+
+    def _make_request(
+        self, ids: list[int], params: SamplingParams, rid: str | None, field: str
+    ) -> Request:
+        self.core.validate_prompt(ids, field)
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgument("stop", "stop strings need a tokenizer; use stop_token_ids")
+        with self._lock:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(31)
+        return Request(rid=rid or uuid.uuid4().hex, prompt_ids=list(ids), params=params, seed=seed)
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    def _submit(self, req: Request) -> queue.Queue:
+        q: queue.Queue = queue.Queue()
+        req.on_output = lambda r: q.put(request_output(r, incremental=True))
+        self._inbox.put(("add", req))
+        self._wake.set()
+        return q
+
+    def _wait(self, q: queue.Queue) -> dict:
+        text, ids = [], []
+        while True:
+            out = q.get()
+            if isinstance(out, BaseException):
+                raise out
+            text.append(out["text"])
+            ids.extend(out["output_ids"])
+            if out["finished"]:
+                out["text"], out["output_ids"] = "".join(text), ids
+                return out
+
+    def _stream(self, req: Request) -> Iterator[dict]:
+        q = self._submit(req)
+        finished = False
+        try:
+            while not finished:
+                out = q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out["finished"]
+                yield out
+        finally:
+            if not finished:
+                self.abort(req.rid)
+
+    def _loop(self) -> None:
+        core = self.core
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not core.has_work():
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            try:
+                touched = core.step()
+            except Exception as e:  # keep serving: fail the live requests with the reason
+                log.exception("step failed")
+                touched = self._fail_all(f"internal error: {type(e).__name__}: {e}")
+            for hook in self.step_hooks:
+                hook(core)
+            for r in touched:
+                if r.on_output is not None:
+                    r.on_output(r)
+        self._drain_inbox()
+        for r in self._fail_all("engine shut down"):
+            if r.on_output is not None:
+                r.on_output(r)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                if self._stop.is_set():
+                    item.finish("abort", message="engine shut down")
+                    item.on_output(item)
+                    continue
+                try:
+                    self.core.add_request(item)
+                except InvalidArgument as e:
+                    item.finish("abort", message=str(e))
+                    item.on_output(item)
+            else:
+                self.core.abort(item)  # reaped (and reported) by the next step
+
+    def _fail_all(self, message: str) -> list[Request]:
+        failed = []
+        for r in list(self.core.requests.values()):
+            r.finish("abort", message=message)
+            failed.append(r)
+        self.core._reap_finished()
+        return failed

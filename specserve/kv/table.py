@@ -1,0 +1,94 @@
+"""Which KV slots each request owns: request id -> its pages, in logical order.
+
+A request's token at logical position p lives in slot `pages[p // page_size] * page_size +
+p % page_size`. Target and draft models share this table (each has its own KV tensors
+indexed by the same slots), so one reservation covers both.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from specserve.kv.allocator import PageAllocator
+
+
+class KVInvariantError(AssertionError):
+    pass
+
+
+class KVTable:
+    def __init__(self, allocator: PageAllocator):
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self._pages: dict[str, list[int]] = {}
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def capacity(self, rid: str) -> int:
+        return len(self._pages.get(rid, ())) * self.page_size
+
+    def extra_pages_needed(self, rid: str, num_tokens: int) -> int:
+        return max(0, self.pages_for(num_tokens) - len(self._pages.get(rid, ())))
+
+    def reserve(self, rid: str, num_tokens: int) -> bool:
+        """Make room for logical positions [0, num_tokens); all or nothing."""
+        need = self.extra_pages_needed(rid, num_tokens)
+        if need == 0:
+            self._pages.setdefault(rid, [])
+            return True
+        pages = self.allocator.alloc(need)
+        if pages is None:
+            return False
+        self._pages.setdefault(rid, []).extend(pages)
+        return True
+
+    def truncate(self, rid: str, num_tokens: int) -> None:
+        """Give back the pages past logical position num_tokens."""
+        pages = self._pages.get(rid)
+        if pages is None:
+            return
+        keep = self.pages_for(num_tokens)
+        if keep < len(pages):
+            self.allocator.free(pages[keep:])
+            del pages[keep:]
+
+    def release(self, rid: str) -> None:
+        pages = self._pages.pop(rid, None)
+        if pages:
+            self.allocator.free(pages)
+
+    def owners(self) -> list[str]:
+        return list(self._pages)
+
+    def slots(self, rid: str, start: int, end: int) -> torch.Tensor:
+        """Slot ids (int64, CPU) of logical positions [start, end)."""
+        pages = self._pages[rid]
+        if end > len(pages) * self.page_size:
+            raise KVInvariantError(f"{rid}: positions up to {end} exceed reserved capacity")
+        pos = torch.arange(start, end, dtype=torch.int64)
+        page_ids = torch.tensor(pages, dtype=torch.int64)
+        return page_ids[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def slots_at(self, rid: str, positions: torch.Tensor) -> torch.Tensor:
+        page_ids = torch.tensor(self._pages[rid], dtype=torch.int64)
+        return page_ids[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    def check_invariants(self, live_rids: set[str] | None = None) -> None:
+        """Every page is free or owned by exactly one live request; nothing leaks."""
+        counts = Counter(self.allocator.free_pages())
+        for rid, pages in self._pages.items():
+            if live_rids is not None and rid not in live_rids:
+                raise KVInvariantError(f"request {rid} holds {len(pages)} pages but is not live")
+            counts.update(pages)
+        dup = [p for p, c in counts.items() if c > 1]
+        if dup:
+            raise KVInvariantError(f"pages owned twice or owned and free: {sorted(dup)[:8]}")
+        expected = set(range(1, self.allocator.num_pages))
+        seen = set(counts)
+        if seen != expected:
+            lost = sorted(expected - seen)[:8]
+            bogus = sorted(seen - expected)[:8]
+            raise KVInvariantError(f"pages lost {lost} or out of range {bogus}")

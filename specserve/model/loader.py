@@ -1,0 +1,136 @@
+"""Load a target model from a packaged name, a GGUF file, an HF folder, or random weights."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from specserve.errors import InvalidArgument
+from specserve.model.config import PRESETS, ModelConfig
+from specserve.model.gguf_loader import iter_gguf_weights, load_gguf_config
+from specserve.model.hf_loader import iter_safetensors, load_hf_config
+from specserve.model.llama import LlamaForCausalLM
+from specserve.model.registry import packaged_model_names, resolve_packaged
+from specserve.model.tokenizer import has_tokenizer_files, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+
+
+@dataclass
+class ModelSource:
+    path: str  # file, folder or preset name
+    kind: str  # 'gguf' | 'hf' | 'preset'
+
+
+def locate(model_path: str, load_format: str) -> ModelSource:
+    if load_format not in LOAD_FORMATS:
+        raise InvalidArgument("load_format", f"{load_format!r} is not one of {LOAD_FORMATS}")
+    packaged = resolve_packaged(model_path)
+    if packaged is not None:
+        if load_format == "dummy":
+            return ModelSource(model_path.lower(), "preset")
+        return ModelSource(packaged, "gguf")
+    if os.path.isfile(model_path) and model_path.endswith(".gguf"):
+        return ModelSource(model_path, "gguf")
+    if os.path.isdir(model_path):
+        return ModelSource(model_path, "hf")
+    if load_format == "dummy" and model_path in PRESETS:
+        return ModelSource(model_path, "preset")
+    allowed = packaged_model_names() + [f"{p} (with load_format='dummy')" for p in PRESETS]
+    raise InvalidArgument(
+        "model_path",
+        f"{model_path!r} is not a .gguf file, a model folder, or a known name; known names: {', '.join(allowed)}",
+    )
+
+
+def read_config(src: ModelSource) -> ModelConfig:
+    if src.kind == "gguf":
+        return load_gguf_config(src.path)
+    if src.kind == "hf":
+        return load_hf_config(src.path)
+    return PRESETS[src.path]
+
+
+def random_init_(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.zero_()
+            else:
+                cpu = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=g)
+                p.copy_(cpu.to(p.dtype))
+
+
+def build_model(
+    cfg: ModelConfig,
+    src: ModelSource,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    # Buffers (RoPE frequencies) were created on meta: recompute them for real.
+    for m in model.modules():
+        if hasattr(m, "inv_freq"):
+            from specserve.model.rope import rope_inv_freq
+
+            m.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    if load_format == "dummy" or src.kind == "preset":
+        random_init_(model, seed)
+    elif src.kind == "gguf":
+        model.load_weights(iter_gguf_weights(src.path, cfg))
+    else:
+        model.load_weights(iter_safetensors(src.path))
+    return model.eval()
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: ModelConfig
+    tokenizer: object | None
+    source: ModelSource
+
+
+def load_model(
+    model_path: str,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    skip_tokenizer_init: bool = False,
+    tokenizer_path: str | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    src = locate(model_path, load_format)
+    cfg = read_config(src)
+    model = build_model(cfg, src, load_format, dtype, device, seed)
+    tokenizer = None
+    if not skip_tokenizer_init:
+        if tokenizer_path:
+            tokenizer = load_tokenizer(
+                tokenizer_path, "gguf" if tokenizer_path.endswith(".gguf") else "hf"
+            )
+        elif src.kind == "gguf":
+            tokenizer = load_tokenizer(src.path, "gguf")
+        elif src.kind == "hf" and has_tokenizer_files(src.path):
+            tokenizer = load_tokenizer(src.path, "hf")
+        elif src.kind == "preset" and src.path in ("smollm2-135m", "smollm2-135m-instruct"):
+            packaged = resolve_packaged(src.path)
+            tokenizer = load_tokenizer(packaged, "gguf") if packaged else None
+        else:
+            log.warning(
+                "no tokenizer found for %s: token ids only (as with skip_tokenizer_init)",
+                model_path,
+            )
+    return LoadedModel(model, cfg, tokenizer, src)

@@ -1,0 +1,51 @@
+"""Rotary position embedding (rotate-half convention, as in Hugging Face Llama)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specserve.model.config import RopeScaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.float()
+    # Llama 3.1: keep high frequencies, divide low frequencies by `factor`, blend between.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(is_medium, blended, out).float()
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)[:, None, :]
+        sin = torch.cat([freqs.sin(), freqs.sin()], dim=-1)[:, None, :]
+        return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)

@@ -1,0 +1,120 @@
+"""Paged attention over a flat batch: metadata, the backend interface, the torch reference.
+
+Layout (FlashInfer-style ragged indices). Request b owns query tokens
+`qo_indptr[b]:qo_indptr[b+1]` of the flat batch and sees the KV slots
+`kv_indices[kv_indptr[b]:kv_indptr[b+1]]`, in logical order. The first
+`kv_len - extra_len` of those are its cached prefix, visible to all its queries; the last
+`extra_len` are governed by a mask:
+- no mask: causal, aligned at the end (query i sees extra j iff j <= i + extra_len - q_len);
+  plain prefill/extend is `extra_len == q_len`.
+- `custom_mask`: bool [q_len, extra_len] per request, flattened row-major and concatenated;
+  `mask_indptr[b]` is where request b's block starts. Tree verification and tree drafting
+  use it (a node sees its ancestors and itself).
+New K/V are written into `out_cache_loc` (one slot per query token) before attending.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.kv.pool import KVCache
+
+
+@dataclass
+class AttentionMetadata:
+    qo_indptr: torch.Tensor  # [B+1] int32/64, device
+    kv_indptr: torch.Tensor  # [B+1]
+    kv_indices: torch.Tensor  # [sum kv_len] slot ids
+    extra_lens: torch.Tensor  # [B]
+    out_cache_loc: torch.Tensor  # [T]
+    custom_mask: torch.Tensor | None = None  # [sum q_len*extra_len] bool
+    mask_indptr: torch.Tensor | None = None  # [B+1]
+    # Host copies for the reference backend and for launch sizes; never read back from device.
+    host_qo_indptr: list[int] = field(default_factory=list)
+    host_kv_indptr: list[int] = field(default_factory=list)
+    host_extra_lens: list[int] = field(default_factory=list)
+    host_mask_indptr: list[int] | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.host_qo_indptr) - 1
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer of a forward; a model runner owns one backend."""
+
+    @abstractmethod
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,  # [T, heads, head_dim]
+        k: torch.Tensor,  # [T, kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, heads, head_dim]
+        ...
+
+
+@dataclass
+class ForwardContext:
+    """Per-forward state handed down the model (no process-wide globals: a draft model and a
+    target model in one process each get their own context)."""
+
+    backend: AttentionBackend
+    kv_cache: KVCache
+    meta: AttentionMetadata
+    capture_layers: frozenset[int] = frozenset()
+
+    def attention(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        return self.backend.forward(layer_id, q, k, v, self.kv_cache, self.meta)
+
+
+def visible_mask(meta: AttentionMetadata, b: int, device: torch.device) -> torch.Tensor:
+    """bool [q_len, kv_len] of what request b's queries may see."""
+    q_len = meta.host_qo_indptr[b + 1] - meta.host_qo_indptr[b]
+    kv_len = meta.host_kv_indptr[b + 1] - meta.host_kv_indptr[b]
+    extra = meta.host_extra_lens[b]
+    prefix = kv_len - extra
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    if meta.custom_mask is not None:
+        assert meta.host_mask_indptr is not None
+        start = meta.host_mask_indptr[b]
+        block = meta.custom_mask[start : start + q_len * extra].view(q_len, extra)
+        mask[:, prefix:] = block
+    else:
+        i = torch.arange(q_len, device=device)[:, None]
+        j = torch.arange(extra, device=device)[None, :]
+        mask[:, prefix:] = j <= i + (extra - q_len)
+    return mask
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Obviously-correct reference: one request at a time, float32 softmax. CPU and CUDA."""
+
+    def forward(self, layer_id, q, k, v, kv_cache, meta):
+        kv_cache.write(layer_id, meta.out_cache_loc, k, v)
+        k_all, v_all = kv_cache.layer(layer_id)
+        out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
+        scale = q.shape[-1] ** -0.5
+        for b in range(meta.batch_size):
+            qs, qe = meta.host_qo_indptr[b], meta.host_qo_indptr[b + 1]
+            if qe == qs:
+                continue
+            ks, ke = meta.host_kv_indptr[b], meta.host_kv_indptr[b + 1]
+            slots = meta.kv_indices[ks:ke]
+            kb = k_all[slots].float().repeat_interleave(group, dim=1)  # [m, heads, d]
+            vb = v_all[slots].float().repeat_interleave(group, dim=1)
+            qb = q[qs:qe].float()  # [n, heads, d]
+            scores = torch.einsum("nhd,mhd->hnm", qb, kb) * scale
+            mask = visible_mask(meta, b, q.device)
+            scores = scores.masked_fill(~mask[None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[qs:qe] = torch.einsum("hnm,mhd->nhd", probs, vb).to(q.dtype)
+        return out

@@ -1,0 +1,103 @@
+"""Token sampling on the device, without host synchronisation.
+
+Randomness is counter-based: the Gumbel noise for a token depends only on (request seed,
+position of the token being sampled, vocabulary index). Consequences we rely on:
+- a seeded request samples the same text whatever it is batched with;
+- speculative verification draws, at a tree node, exactly the noise plain decoding would
+  draw for that position, so with the same seed speculative and plain sampling give the
+  same tokens (which is stronger than "the same distribution");
+- a retracted and resumed request continues exactly as it would have.
+Sampling x = argmax(logits / T + Gumbel) is an exact draw from softmax(logits / T)
+restricted to the tokens that survive top_k / top_p / min_p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31: products with 32-bit values stay inside int64.
+_MULTIPLIERS = (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39, 0x045D9F3B)
+
+
+def _mix32(x: torch.Tensor, round_: int) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * _MULTIPLIERS[round_ % 4]) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MULTIPLIERS[(round_ + 1) % 4]) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [R, vocab] in (0, 1), a pure function of (seed, position, index)."""
+    s = _mix32(seeds.to(torch.int64) & _MASK32, 0)
+    s = _mix32(s ^ (positions.to(torch.int64) & _MASK32), 1)
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = _mix32(s[:, None] ^ idx[None, :], 2)
+    x = _mix32(x ^ (s[:, None] >> 7), 3)
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters on the device (one row per token to be sampled)."""
+
+    temperatures: torch.Tensor  # [R] float32, 0 = greedy
+    top_ks: torch.Tensor  # [R] int64, <= 0 = off
+    top_ps: torch.Tensor  # [R] float32
+    min_ps: torch.Tensor  # [R] float32
+    seeds: torch.Tensor  # [R] int64
+    all_greedy: bool  # host-known: skip the noise entirely
+    needs_filter: bool  # host-known: skip sorting when nobody uses top_k/top_p/min_p
+
+    def expand(self, repeats: torch.Tensor, total: int) -> SamplingTensors:
+        """Repeat request rows to node rows (repeats on device; total known on host)."""
+
+        def rep(t: torch.Tensor) -> torch.Tensor:
+            return torch.repeat_interleave(t, repeats, output_size=total)
+
+        return SamplingTensors(
+            rep(self.temperatures),
+            rep(self.top_ks),
+            rep(self.top_ps),
+            rep(self.min_ps),
+            rep(self.seeds),
+            self.all_greedy,
+            self.needs_filter,
+        )
+
+
+def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Set to -inf every token removed by top_k, top_p or min_p (at least one survives)."""
+    probs = torch.softmax(logits, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(st.top_ks > 0, st.top_ks, torch.full_like(st.top_ks, vocab))
+    remove = rank >= k[:, None]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    remove |= mass_before >= st.top_ps[:, None]
+    remove |= sorted_probs < (st.min_ps[:, None] * sorted_probs[:, :1])
+    remove[:, 0] = False
+    removed = torch.zeros_like(remove).scatter(1, order, remove)
+    return logits.masked_fill(removed, float("-inf"))
+
+
+def target_distribution_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """logits / T with filters applied: softmax of this is the distribution we sample from."""
+    temps = torch.where(st.temperatures > 0, st.temperatures, torch.ones_like(st.temperatures))
+    scaled = logits.float() / temps[:, None]
+    return filter_logits(scaled, st) if st.needs_filter else scaled
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor) -> torch.Tensor:
+    """One token per row. logits [R, V] float32; positions [R]: where the sampled token goes."""
+    greedy = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy
+    scaled = target_distribution_logits(logits, st)
+    gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, positions, logits.shape[-1])))
+    sampled = (scaled + gumbel).argmax(dim=-1)
+    return torch.where(st.temperatures > 0, sampled, greedy)

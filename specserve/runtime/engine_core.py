@@ -1,0 +1,229 @@
+"""The engine's step loop without threads: load, admit, schedule, run, apply results."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.errors import InvalidArgument
+from specserve.kv.allocator import PageAllocator
+from specserve.kv.pool import KVCache
+from specserve.kv.table import KVTable
+from specserve.model.loader import load_model
+from specserve.ops.attention import TorchAttentionBackend
+from specserve.runtime.model_runner import ModelRunner
+from specserve.runtime.request import ReqState, Request
+from specserve.runtime.scheduler import Scheduler, SchedulerLimits
+from specserve.runtime.stop import StopChecker
+from specserve.runtime.worker import Worker
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_DEFAULT_KV_TOKENS = 16384
+
+
+def make_attention_backend(name: str):
+    if name == "triton":
+        from specserve.ops.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = _DTYPES[cfg.dtype]
+        torch.manual_seed(cfg.random_seed)
+        loaded = load_model(
+            cfg.model_path,
+            cfg.load_format,
+            self.dtype,
+            self.device,
+            skip_tokenizer_init=cfg.skip_tokenizer_init,
+            tokenizer_path=cfg.tokenizer_path,
+            seed=cfg.random_seed,
+        )
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.context_len = min(
+            cfg.context_length or loaded.config.max_position_embeddings,
+            loaded.config.max_position_embeddings,
+        )
+        mc = loaded.config
+
+        from specserve.spec.factory import build_drafter
+
+        self.drafter_factory = build_drafter
+        draft = (
+            build_drafter(cfg, loaded, self.device, self.dtype)
+            if cfg.speculative_algorithm
+            else None
+        )
+
+        per_slot = KVCache.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if draft is not None:
+            per_slot += draft.kv_bytes_per_slot
+        max_tokens = cfg.max_total_tokens or self._auto_kv_tokens(per_slot)
+        num_pages = 1 + -(-max_tokens // cfg.page_size)  # + the scratch page
+        num_slots = num_pages * cfg.page_size
+        self.max_total_tokens = (num_pages - 1) * cfg.page_size
+        self.kv_cache = KVCache(
+            mc.num_layers, num_slots, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+        )
+        self.table = KVTable(PageAllocator(num_pages, cfg.page_size))
+        backend = make_attention_backend(cfg.attention_backend)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, backend)
+        if draft is not None:
+            draft.attach(self.table, num_slots, backend, self.runner)
+        self.worker = Worker(self.runner, self.table, self.device, draft)
+        self.scheduler = Scheduler(
+            self.table,
+            SchedulerLimits(
+                max_running_requests=cfg.max_running_requests,
+                chunked_prefill_size=cfg.chunked_prefill_size,
+                decode_window=self.worker.decode_window,
+                kv_lookahead=self.worker.kv_lookahead,
+            ),
+        )
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self.stop_checker = StopChecker(self.tokenizer, eos, self.context_len)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.spec_totals = {"verify_ct": 0, "accepted": 0}
+        log.info(
+            "engine ready: %s, %d layers, KV %d tokens (page_size %d), device %s %s",
+            cfg.model_path,
+            mc.num_layers,
+            self.max_total_tokens,
+            cfg.page_size,
+            cfg.device,
+            cfg.dtype,
+        )
+
+    def _auto_kv_tokens(self, per_slot: int) -> int:
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_TOKENS
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = free - (1.0 - self.cfg.mem_fraction_static) * total
+        if budget <= per_slot * 1024:
+            raise InvalidArgument(
+                "mem_fraction_static", "leaves no memory for the KV cache after the weights"
+            )
+        return int(budget // per_slot)
+
+    # ---- requests -----------------------------------------------------------------------
+    def validate_prompt(self, ids: list[int], field: str) -> None:
+        if not ids:
+            raise InvalidArgument(field, "is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument(field, f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.context_len:
+            raise InvalidArgument(
+                field,
+                f"has {len(ids)} tokens; the context length is {self.context_len} (prompt must be shorter)",
+            )
+        if len(ids) > self.scheduler.max_prompt_tokens():
+            raise InvalidArgument(
+                field,
+                f"has {len(ids)} tokens but the KV cache holds at most {self.scheduler.max_prompt_tokens()} "
+                f"for one request (raise max_total_tokens)",
+            )
+
+    def add_request(self, req: Request) -> None:
+        if req.rid in self.requests:
+            raise InvalidArgument("rid", f"request id {req.rid!r} is already in use")
+        self.requests[req.rid] = req
+        if req.params.max_new_tokens == 0:
+            req.finish("length", length=0)
+            return
+        self.scheduler.add(req)
+
+    def abort(self, rid: str, message: str = "aborted by request") -> Request | None:
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return None
+        req.finish("abort", message=message)
+        return req
+
+    # ---- the loop --------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or any(r.finished for r in self.requests.values())
+
+    def step(self) -> list[Request]:
+        """Run one batch. Returns the requests with something new (finished ones included);
+        finished requests are forgotten here and their KV freed."""
+        touched = self._reap_finished()
+        plan = self.scheduler.schedule()
+        touched += self._reap_finished()  # the scheduler may finish a lone request (KV full)
+        if plan is not None:
+            kind, batch = plan
+            if kind == "prefill":
+                touched += self._run_prefill(batch)
+            else:
+                touched += self._run_decode(batch)
+            self.num_steps += 1
+        touched += self._reap_finished()
+        if self.cfg.debug_check_invariants:
+            self.check_invariants()
+        seen, out = set(), []
+        for r in touched:
+            if r.rid not in seen:
+                seen.add(r.rid)
+                out.append(r)
+        return out
+
+    def _run_prefill(self, chunks) -> list[Request]:
+        sampled = self.worker.prefill(chunks)
+        touched = []
+        for c in chunks:
+            self.scheduler.prefill_done(c)
+            if c.completes:
+                req = c.req
+                if req.first_token_time is None:
+                    req.first_token_time = time.perf_counter()
+                self.stop_checker.append_tokens(req, [sampled[req.rid]])
+                touched.append(req)
+        return touched
+
+    def _run_decode(self, reqs: list[Request]) -> list[Request]:
+        out = self.worker.decode(reqs)
+        for req, tokens, n in zip(reqs, out.emitted, out.accept_lens):
+            self.scheduler.decode_done(req, n)
+            self.stop_checker.append_tokens(req, tokens)
+            if self.worker.drafter is not None:
+                req.spec_verify_ct += 1
+                hist = req.spec_accept_histogram
+                while len(hist) < n:
+                    hist.append(0)
+                hist[n - 1] += 1
+                self.spec_totals["verify_ct"] += 1
+                self.spec_totals["accepted"] += n
+        return list(reqs)
+
+    def _reap_finished(self) -> list[Request]:
+        done = [r for r in self.requests.values() if r.finished]
+        for r in done:
+            self.scheduler.remove(r)
+            del self.requests[r.rid]
+        return done
+
+    def check_invariants(self) -> None:
+        live = {r.rid for r in self.scheduler.live_requests()}
+        self.table.check_invariants(live)
+        for r in self.scheduler.running:
+            assert r.state is ReqState.RUNNING
+            assert r.kv_len == len(r.all_ids) - 1, (
+                f"{r.rid}: kv_len {r.kv_len} != {len(r.all_ids) - 1}"
+            )
+            assert self.table.capacity(r.rid) >= r.kv_len

@@ -1,0 +1,88 @@
+"""A request and its explicit life cycle.
+
+WAITING --(scheduled for prefill)--> PREFILLING --(last chunk done)--> RUNNING
+RUNNING --(KV exhausted: retract)--> WAITING   (outputs kept; resumed by re-prefilling them)
+any --(stop condition / abort / error)--> FINISHED
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from specserve.sampling_params import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ALLOWED = {
+    ReqState.WAITING: {ReqState.PREFILLING, ReqState.FINISHED},
+    ReqState.PREFILLING: {
+        ReqState.PREFILLING,
+        ReqState.RUNNING,
+        ReqState.WAITING,
+        ReqState.FINISHED,
+    },
+    ReqState.RUNNING: {ReqState.WAITING, ReqState.FINISHED},
+    ReqState.FINISHED: set(),
+}
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    on_output: Callable[[Request], None] | None = None
+    state: ReqState = ReqState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    # Tokens of all_ids whose target KV is cached. While RUNNING: len(all_ids) - 1 (the last
+    # token is the next step's input). While PREFILLING: how far prefill got.
+    kv_len: int = 0
+    finish_reason: dict[str, Any] | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_retractions: int = 0
+    # speculative decoding statistics (SGLang's names)
+    spec_verify_ct: int = 0
+    spec_accept_histogram: list[int] = field(default_factory=list)
+    # detokenized output (maintained by the engine's detokenizer)
+    text: str = ""
+    stream_sent_tokens: int = 0
+    stream_sent_chars: int = 0
+    detok: Any = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        """Tokens a (re-)prefill must process: everything known so far."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is ReqState.FINISHED
+
+    def set_state(self, new: ReqState) -> None:
+        if new not in _ALLOWED[self.state]:
+            raise RuntimeError(f"request {self.rid}: illegal transition {self.state} -> {new}")
+        self.state = new
+
+    def finish(self, reason: str, **details: Any) -> None:
+        if self.finished:
+            return
+        self.set_state(ReqState.FINISHED)
+        self.finish_reason = {"type": reason, **details}
+        self.finish_time = time.perf_counter()

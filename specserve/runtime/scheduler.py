@@ -1,0 +1,161 @@
+"""Continuous batching: which requests run next, KV reservations, and retraction.
+
+Pure CPU bookkeeping. Each step is either a prefill batch (new or resumed requests, chunked
+to `chunked_prefill_size` tokens) or a decode batch (every running request). While both
+kinds have work they alternate, so long prompts cannot starve running requests. Before a
+decode step every running request gets `decode_window` logical positions past its KV; if
+pages run out, the newest requests are retracted (KV freed, outputs kept, resumed later by
+re-prefilling), so no request is lost and none changes its output.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from specserve.kv.table import KVTable
+from specserve.runtime.request import ReqState, Request
+from specserve.runtime.worker import PrefillChunk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerLimits:
+    max_running_requests: int
+    chunked_prefill_size: int  # tokens per prefill batch; <= 0: unlimited
+    decode_window: int  # logical positions a decode step writes past kv_len
+    kv_lookahead: int  # positions past kv_len kept between steps
+
+
+class Scheduler:
+    def __init__(self, table: KVTable, limits: SchedulerLimits):
+        self.table = table
+        self.limits = limits
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._last_was_prefill = False
+        self.num_retractions = 0
+
+    # ---- admission ----------------------------------------------------------------------
+    @property
+    def usable_tokens(self) -> int:
+        return self.table.allocator.num_usable_pages * self.table.page_size
+
+    def max_prompt_tokens(self) -> int:
+        """The longest fill that can ever run: alone in the cache, with one step's window."""
+        return self.usable_tokens - self.limits.decode_window - self.limits.kv_lookahead
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Forget a finished request and free its KV."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.table.release(req.rid)
+
+    def live_requests(self) -> list[Request]:
+        return list(self.waiting) + self.running
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- choosing the next batch ------------------------------------------------------------
+    def schedule(self) -> tuple[str, list] | None:
+        prefill_first = bool(self.waiting) and (not self._last_was_prefill or not self.running)
+        order = (self._schedule_prefill, self._schedule_decode)
+        for fn in order if prefill_first else order[::-1]:
+            batch = fn()
+            if batch:
+                self._last_was_prefill = fn == self._schedule_prefill
+                return ("prefill" if self._last_was_prefill else "decode", batch)
+        return None
+
+    def _decode_headroom_pages(self) -> int:
+        w = self.limits.decode_window
+        return sum(self.table.extra_pages_needed(r.rid, r.kv_len + w) for r in self.running)
+
+    def _schedule_prefill(self) -> list[PrefillChunk]:
+        budget = self.limits.chunked_prefill_size
+        if budget <= 0:
+            budget = 1 << 62
+        chunks: list[PrefillChunk] = []
+        active = len(self.running) + sum(r.state is ReqState.PREFILLING for r in self.waiting)
+        headroom = self._decode_headroom_pages()
+        for req in list(self.waiting):
+            if req.state is ReqState.WAITING and active >= self.limits.max_running_requests:
+                break
+            n = min(req.fill_len - req.kv_len, budget)
+            end = req.kv_len + n
+            want = end + (self.limits.kv_lookahead if end == req.fill_len else 0)
+            need = self.table.extra_pages_needed(req.rid, want)
+            if need > self.table.allocator.num_free_pages - headroom or not self.table.reserve(
+                req.rid, want
+            ):
+                break
+            if req.state is ReqState.WAITING:
+                active += 1
+            req.set_state(ReqState.PREFILLING)
+            chunks.append(PrefillChunk(req, req.kv_len, end))
+            budget -= n
+            if budget <= 0:
+                break
+        return chunks
+
+    def _schedule_decode(self) -> list[Request]:
+        w = self.limits.decode_window
+        while self.running:
+            need = sum(self.table.extra_pages_needed(r.rid, r.kv_len + w) for r in self.running)
+            if need <= self.table.allocator.num_free_pages:
+                break
+            victim = self._pick_victim()
+            if victim is None:
+                lone = self.running[0]
+                lone.finish("length", length=len(lone.output_ids), message="KV cache exhausted")
+                return []
+            self.retract(victim)
+        for r in self.running:
+            ok = self.table.reserve(r.rid, r.kv_len + w)
+            assert ok, "reservation failed after the capacity check"
+        return list(self.running)
+
+    def _pick_victim(self) -> Request | None:
+        partial = [r for r in self.waiting if r.state is ReqState.PREFILLING]
+        if partial:
+            return partial[-1]
+        if len(self.running) > 1:
+            return max(self.running, key=lambda r: r.arrival)
+        return None
+
+    def retract(self, req: Request) -> None:
+        """Free a request's KV and queue it to resume; its outputs so far are kept."""
+        self.table.release(req.rid)
+        req.kv_len = 0
+        req.num_retractions += 1
+        self.num_retractions += 1
+        if req in self.running:
+            self.running.remove(req)
+            req.set_state(ReqState.WAITING)
+            self.waiting.appendleft(req)
+        else:
+            req.set_state(ReqState.WAITING)
+        log.debug("retracted %s (outputs kept: %d)", req.rid, len(req.output_ids))
+
+    # ---- applying results --------------------------------------------------------------------
+    def prefill_done(self, chunk: PrefillChunk) -> None:
+        req = chunk.req
+        req.kv_len = chunk.end
+        if chunk.completes:
+            self.waiting.remove(req)
+            req.set_state(ReqState.RUNNING)
+            self.running.append(req)
+        else:
+            req.set_state(ReqState.PREFILLING)
+
+    def decode_done(self, req: Request, accept_len: int) -> None:
+        req.kv_len += accept_len
+        self.table.truncate(req.rid, req.kv_len + self.limits.kv_lookahead)

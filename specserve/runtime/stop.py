@@ -1,0 +1,58 @@
+"""Appending tokens to a request and deciding when it stops.
+
+Speculative steps emit several tokens at once; a stop condition met inside that run ends
+the request at that token, and nothing after it is kept.
+"""
+
+from __future__ import annotations
+
+from specserve.runtime.detokenizer import IncrementalDetokenizer
+from specserve.runtime.request import Request
+
+
+class StopChecker:
+    def __init__(self, tokenizer, eos_token_ids: set[int], context_len: int):
+        self.tokenizer = tokenizer
+        self.eos = eos_token_ids
+        self.context_len = context_len
+
+    def append_tokens(self, req: Request, tokens: list[int]) -> int:
+        """Append up to len(tokens) tokens, stopping at the first finishing one. Returns how
+        many were kept."""
+        p = req.params
+        if req.detok is None and self.tokenizer is not None:
+            req.detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
+        for kept, tok in enumerate(tokens, start=1):
+            req.output_ids.append(tok)
+            len_before = len(req.text)
+            if req.detok is not None:
+                req.text += req.detok.append(tok)
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
+                req.finish("stop", matched=tok)
+                return kept
+            if p.stop and self._match_stop_string(req, len_before):
+                return kept
+            if len(req.output_ids) >= p.max_new_tokens:
+                req.finish("length", length=len(req.output_ids))
+                break
+            if len(req.prompt_ids) + len(req.output_ids) >= self.context_len:
+                req.finish("length", length=len(req.output_ids), message="context length reached")
+                break
+        else:
+            return len(tokens)
+        if req.detok is not None:
+            req.text += req.detok.flush()
+        return kept
+
+    @staticmethod
+    def _match_stop_string(req: Request, len_before: int) -> bool:
+        longest = max(len(s) for s in req.params.stop)
+        # A stop string not present before this token must end inside the new text.
+        tail_start = max(0, len_before - longest + 1)
+        for s in req.params.stop:
+            idx = req.text.find(s, tail_start)
+            if idx >= 0:
+                req.text = req.text[:idx]
+                req.finish("stop", matched=s)
+                return True
+        return False

@@ -1,0 +1,25 @@
+"""Compaction of an accepted tree path's KV to the contiguous front of the request's window.
+
+Node i of a tree wrote its KV at logical position kv_len + i; after acceptance the path
+node at depth d must sit at kv_len + d. Working in logical positions and translating to
+slots through the request's page table makes this correct for every page size. Sources
+are gathered before any destination is written, so overlapping moves are safe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.kv.pool import KVCache
+
+
+def commit_accepted_path(
+    caches: list[KVCache], window_slots: torch.Tensor, path: torch.Tensor
+) -> None:
+    """window_slots: [B, W] slots of logical positions kv_len .. kv_len+W-1 per request;
+    path: [B, D+1] accepted node ids by depth (padded by repeating the last one, whose
+    copies land in positions past the accepted length, which are scratch)."""
+    src = torch.gather(window_slots, 1, path).reshape(-1)
+    dst = window_slots[:, : path.shape[1]].reshape(-1)
+    for cache in caches:
+        cache.move(src, dst)

@@ -1,0 +1,86 @@
+"""Draft trees and the tensor maths of verification, on the device, without host sync.
+
+Per request the tree has a fixed width N (`num_draft_tokens`, a named config constant): node
+0 is the root (the last verified token, not yet in the KV cache), nodes are in topological
+order (parent index < child index), `depths[i]` <= max_depth (`num_steps`). Node i is the
+token at position `kv_len + depths[i]` and its KV goes to logical position `kv_len + i`
+(scratch) until the accepted path is compacted to `kv_len + depth`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTrees:
+    tokens: torch.Tensor  # [B, N] int64
+    parents: torch.Tensor  # [B, N] int64, -1 for the root
+    depths: torch.Tensor  # [B, N] int64
+    max_depth: int  # host constant: no node is deeper
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    @staticmethod
+    def root_only(roots: torch.Tensor) -> DraftTrees:
+        """Plain decoding is verification of a one-node tree."""
+        zeros = torch.zeros_like(roots)[:, None]
+        return DraftTrees(roots[:, None], zeros - 1, zeros, 0)
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """bool [B, N, N]: mask[b, i, j] is True iff node j is node i or one of its ancestors."""
+    b, n = parents.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
+    safe_parent = torch.where(parents < 0, torch.arange(n, device=parents.device), parents)
+    mask = eye.clone()
+    for _ in range(max_depth):
+        mask = eye | torch.gather(mask, 1, safe_parent[:, :, None].expand(b, n, n))
+    return mask
+
+
+@dataclass
+class Acceptance:
+    accept_len: torch.Tensor  # [B] nodes accepted incl. the root (= tokens emitted this step)
+    path: torch.Tensor  # [B, max_depth + 1] node ids of the accepted path; padded by repeats
+    bonus: torch.Tensor  # [B] the target's token after the last accepted node
+    emitted: torch.Tensor  # [B, max_depth + 1] tokens emitted: path tokens[1:] then bonus
+
+
+def accept(trees: DraftTrees, target_tokens: torch.Tensor) -> Acceptance:
+    """Walk each tree from the root, following the child equal to the target's own token.
+
+    target_tokens[b, i] is the token the target draws at node i (argmax, or a seeded sample
+    of its filtered distribution). Following the draft only where it agrees with that draw
+    makes every emitted token exactly the target's own: lossless for greedy and sampling.
+    Siblings carry distinct tokens, so at most one child matches.
+    """
+    parents, tokens = trees.parents, trees.tokens
+    b, n = tokens.shape
+    safe_parent = parents.clamp(min=0)
+    agrees = tokens == torch.gather(target_tokens, 1, safe_parent)
+    accepted = torch.zeros(b, n, dtype=torch.bool, device=tokens.device)
+    accepted[:, 0] = True
+    for _ in range(trees.max_depth):
+        accepted = accepted | ((parents >= 0) & agrees & torch.gather(accepted, 1, safe_parent))
+    accept_len = accepted.sum(dim=1)
+    width = trees.max_depth + 1
+    # path[b, depth] = accepted node at that depth; depths beyond the path repeat the last.
+    path = torch.zeros(b, width, dtype=torch.int64, device=tokens.device)
+    node_ids = torch.arange(n, device=tokens.device).expand(b, n)
+    key = torch.where(accepted, trees.depths, torch.full_like(trees.depths, width))
+    # Accepted nodes have distinct depths, so each depth gets exactly one id; rejected nodes
+    # add zero into the last bucket.
+    path.scatter_add_(1, key.clamp(max=width - 1), torch.where(accepted, node_ids, 0))
+    depth_idx = torch.arange(width, device=tokens.device)[None, :]
+    last = torch.gather(path, 1, (accept_len - 1)[:, None])
+    path = torch.where(depth_idx < accept_len[:, None], path, last)
+    bonus = torch.gather(target_tokens, 1, last).squeeze(1)
+    path_tokens = torch.gather(tokens, 1, path)
+    emitted = torch.cat([path_tokens[:, 1:], bonus[:, None]], dim=1)
+    emitted = torch.where(depth_idx == (accept_len - 1)[:, None], bonus[:, None], emitted)
+    return Acceptance(accept_len, path, bonus, emitted)
