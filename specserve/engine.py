@@ -74,6 +74,24 @@ class Engine:
     def resolved_args(self) -> dict[str, Any]:
         return self.config.as_dict()
 
+    def stats(self) -> dict[str, Any]:
+        """A consistent-enough snapshot for metrics (read without stopping the loop)."""
+        core = self.core
+        alloc = core.table.allocator
+        used_pages = alloc.num_usable_pages - alloc.num_free_pages
+        verify_ct = core.spec_totals["verify_ct"]
+        return {
+            "num_running_requests": len(core.scheduler.running),
+            "num_waiting_requests": len(core.scheduler.waiting),
+            "kv_total_tokens": core.max_total_tokens,
+            "kv_used_tokens": used_pages * alloc.page_size,
+            "kv_usage": used_pages / max(1, alloc.num_usable_pages),
+            "num_retractions": core.scheduler.num_retractions,
+            "num_steps": core.num_steps,
+            "spec_verify_ct": verify_ct,
+            "spec_accept_length": core.spec_totals["accepted"] / verify_ct if verify_ct else None,
+        }
+
     def generate(
         self,
         prompt: str | list[str] | None = None,
