@@ -215,6 +215,7 @@ class EngineCore:
         done = [r for r in self.requests.values() if r.finished]
         for r in done:
             self.scheduler.remove(r)
+            self.worker.forget(r.rid)
             del self.requests[r.rid]
         return done
 

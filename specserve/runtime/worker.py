@@ -46,6 +46,7 @@ class DecodeBatch:
     roots: torch.Tensor  # [B] last token of each request
     window: int  # W: logical positions reserved past kv_len this step
     window_slots: torch.Tensor  # [B, W] device
+    window_slots_host: torch.Tensor  # [B, W] CPU (for host-built attention indices)
     sampling: SamplingTensors
 
 
@@ -70,6 +71,10 @@ class Worker:
         self.drafter = drafter
 
     # ---- sizes the scheduler must reserve ------------------------------------------------
+    def forget(self, rid: str) -> None:
+        if self.drafter is not None:
+            self.drafter.forget(rid)
+
     @property
     def decode_window(self) -> int:
         """Logical positions past kv_len a decode step writes (target tree + draft scratch)."""
@@ -128,6 +133,7 @@ class Worker:
             roots=torch.tensor([r.all_ids[-1] for r in reqs], dtype=torch.int64).to(dev),
             window=window,
             window_slots=slots.to(dev),
+            window_slots_host=slots,
             sampling=sampling_tensors(reqs, dev),
         )
 
@@ -165,6 +171,5 @@ class Worker:
         st = batch.sampling.expand(torch.full((b,), n, device=dev), b * n)
         target_tokens = sample(logits, st, positions + 1).view(b, n)
         acc = accept(trees, target_tokens)
-        caches = [self.target.kv_cache]
-        commit_accepted_path(caches, batch.window_slots, acc.path)
+        commit_accepted_path([self.target.kv_cache], batch.window_slots, acc.path)
         return acc, out

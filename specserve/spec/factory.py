@@ -2,6 +2,47 @@
 
 from __future__ import annotations
 
+import torch
 
-def build_drafter(cfg, target, device, dtype):
-    raise NotImplementedError("speculative decoding is not available yet")
+from specserve.errors import InvalidArgument
+from specserve.model.loader import load_model
+from specserve.spec.draft_heads import StandaloneHead
+from specserve.spec.drafter import TreeDrafter
+from specserve.spec.eagle_checkpoint import eagle3_capture_layers, load_eagle_head
+
+
+def build_drafter(cfg, target, device: torch.device, dtype: torch.dtype) -> TreeDrafter:
+    algo = cfg.speculative_algorithm
+    path = cfg.speculative_draft_model_path
+    capture: frozenset[int] = frozenset()
+    if algo == "STANDALONE":
+        # A dummy target pairs with a dummy draft of the same seed (the target as its own draft).
+        fmt = "dummy" if cfg.load_format == "dummy" else "auto"
+        draft = load_model(path, fmt, dtype, device, skip_tokenizer_init=True, seed=cfg.random_seed)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise InvalidArgument(
+                "speculative_draft_model_path",
+                f"draft vocabulary {draft.config.vocab_size} != target vocabulary {target.config.vocab_size}",
+            )
+        head = StandaloneHead(draft.model)
+    else:
+        try:
+            head, raw = load_eagle_head(path, algo, target.model)
+        except (FileNotFoundError, ValueError, KeyError) as e:
+            raise InvalidArgument("speculative_draft_model_path", str(e)) from e
+        if algo == "EAGLE3":
+            capture = frozenset(eagle3_capture_layers(raw, target.config.num_layers))
+    vocab = target.config.vocab_size if algo != "EAGLE3" else head.lm_head.out_features
+    if cfg.speculative_eagle_topk > vocab:
+        raise InvalidArgument(
+            "speculative_eagle_topk", f"must not exceed the draft vocabulary ({vocab})"
+        )
+    return TreeDrafter(
+        head,
+        cfg.speculative_num_steps,
+        cfg.speculative_eagle_topk,
+        cfg.speculative_num_draft_tokens,
+        capture,
+        device,
+        dtype,
+    )

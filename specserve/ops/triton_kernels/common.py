@@ -1,0 +1,59 @@
+"""Shared pieces of the attention kernels."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Scores are kept in log2 units (scale * log2(e) folded into one multiply) so that the softmax
+# uses exp2, which maps to a single hardware instruction.
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def attend_kv_block(
+    acc,  # [ROWS, BLOCK_D] float32, un-normalised output so far
+    m_i,  # [ROWS] float32, running row max (log2 units), -inf where nothing seen yet
+    l_i,  # [ROWS] float32, running sum of exp2(score - m_i)
+    q,  # [ROWS, BLOCK_D] queries in the compute dtype
+    K,
+    V,
+    slots,  # [BLOCK_N] int64 slot ids of this KV block (any value where not valid)
+    visible,  # bool, broadcastable to [ROWS, BLOCK_N]: which scores count
+    kv_head,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    offs_d,
+    d_mask,
+    n_mask,  # [BLOCK_N] which entries of the block exist (guards the loads)
+    qk_scale,  # softmax scale * log2(e)
+):
+    """One flash-attention step: gather K/V rows by slot id, update (acc, m_i, l_i)."""
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(
+        K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    # "ieee" keeps float32 inputs exact (Triton's default for fp32 is tf32); for 16-bit inputs
+    # it changes nothing.
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row may have seen nothing yet and see nothing in this block either (masked tree rows):
+    # subtract 0 instead of -inf so that exp2 yields 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    # As in flash-attention, the probabilities go into the second product in the input dtype;
+    # the accumulator stays float32.
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+    return acc, m_new, l_i

@@ -1,0 +1,166 @@
+"""Flash-attention over paged KV for requests with any number of queries.
+
+Request b's KV (gathered through `kv_indices`, so page size does not matter) is a cached
+prefix that every query sees, followed by `extra_len` entries under a mask: causal aligned at
+the end, or a per-request bool block [q_len, extra_len] (tree verification / drafting). The two
+parts are separate loops so the prefix loop does no mask work.
+
+GQA: rows of a program are (query, head-in-group) pairs of one KV head, so each K/V block is
+loaded once for the whole group, and tiny q_len (tree nodes, q_len == 1 with a mask) still
+fill the 16-row minimum of tl.dot when the group is large.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.ops.triton_kernels.common import LOG2E, attend_kv_block
+
+
+@triton.jit
+def _extend_kernel(
+    Q,  # [T, H, D]
+    K,  # [num_slots, Hkv, D]
+    V,
+    Out,  # [T, H, D]
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    extra_lens,
+    custom_mask,  # uint8 view of the flattened bool blocks (unused without CUSTOM_MASK)
+    mask_indptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    CUSTOM_MASK: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    b = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(qo_indptr + b).to(tl.int64)
+    q_len = tl.load(qo_indptr + b + 1).to(tl.int64) - q_start
+    kv_start = tl.load(kv_indptr + b).to(tl.int64)
+    kv_len = tl.load(kv_indptr + b + 1).to(tl.int64) - kv_start
+    extra = tl.load(extra_lens + b).to(tl.int64)
+    prefix = kv_len - extra
+
+    # Row r of this block is query r // GROUP, head kv_head * GROUP + r % GROUP.
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_mask = qi < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + (q_start + qi)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    # The grid is sized for the longest request; blocks past this request's rows do no work.
+    active = m_block * BLOCK_M < q_len * GROUP
+    prefix_end = tl.where(active, prefix, 0)
+    if CUSTOM_MASK:
+        extra_end = kv_len
+        mask_start = tl.load(mask_indptr + b).to(tl.int64)
+    else:
+        # Causal: query i sees extra entry j iff j <= i + extra - q_len, so the block's last
+        # query bounds how far into the extra part it needs to go.
+        last_q = tl.minimum((m_block + 1) * BLOCK_M, q_len * GROUP) // GROUP - 1
+        extra_end = prefix + tl.minimum(extra, tl.maximum(last_q + extra - q_len + 1, 0))
+    extra_end = tl.where(active, extra_end, prefix)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # 1) Cached prefix: visible to every query.
+    for start in range(0, prefix_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < prefix_end
+        slots = tl.load(kv_indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
+        acc, m_i, l_i = attend_kv_block(
+            acc, m_i, l_i, q, K, V, slots, n_mask[None, :], kv_head,
+            stride_ks, stride_kh, stride_vs, stride_vh, offs_d, d_mask, n_mask, qk_scale,
+        )  # fmt: skip
+
+    # 2) Extra part under the mask. Blocks start at `prefix`, not at a multiple of BLOCK_N:
+    # the gather makes alignment irrelevant.
+    for start in range(prefix, extra_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < extra_end
+        slots = tl.load(kv_indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
+        j = offs_n - prefix  # column within the extra part
+        if CUSTOM_MASK:
+            bits = tl.load(
+                custom_mask + mask_start + qi[:, None] * extra + j[None, :],
+                mask=row_mask[:, None] & n_mask[None, :],
+                other=0,
+            )
+            visible = (bits != 0) & n_mask[None, :]
+        else:
+            visible = (j[None, :] <= (qi + extra - q_len)[:, None]) & n_mask[None, :]
+        acc, m_i, l_i = attend_kv_block(
+            acc, m_i, l_i, q, K, V, slots, visible, kv_head,
+            stride_ks, stride_kh, stride_vs, stride_vh, offs_d, d_mask, n_mask, qk_scale,
+        )  # fmt: skip
+
+    # A row that saw nothing (only possible with a degenerate mask) gets 0, not NaN.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        Out + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,  # [T, H, D], last dim contiguous
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,
+    out: torch.Tensor,  # [T, H, D]
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    extra_lens: torch.Tensor,
+    custom_mask: torch.Tensor | None,
+    mask_indptr: torch.Tensor | None,
+    batch_size: int,
+    max_q_len: int,
+) -> None:
+    """`batch_size` and `max_q_len` come from the host lists: nothing here reads the device."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    # 64x64 tiles suit head_dim <= 128 in 16-bit; float32 tiles are twice the bytes, so use
+    # narrower KV blocks there to stay within shared memory.
+    block_m = 64
+    block_n = 32 if q.element_size() >= 4 and block_d > 64 else 64
+    has_mask = custom_mask is not None
+    mask_arg = custom_mask.view(torch.uint8) if has_mask else qo_indptr  # placeholder pointer
+    grid = (triton.cdiv(max_q_len * group, block_m), batch_size, num_kv_heads)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, extra_lens,
+        mask_arg, mask_indptr if has_mask else qo_indptr,
+        head_dim**-0.5 * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        CUSTOM_MASK=has_mask, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip

@@ -1,0 +1,142 @@
+"""Draft networks: EAGLE (fc over [embedding; feature] + decoder layer), EAGLE3 (three-layer
+features, reduced vocabulary), and a standalone small LM. Each maps (tokens, features,
+positions) to a draft hidden state `g` and ranks next tokens from `g`.
+
+`position_offset` (delta): the draft's KV entry for token x_j sits at position j - 1 + delta.
+EAGLE pairs x_j with the target's hidden state at j - 1 (delta 0); a standalone LM keeps
+x_j at j (delta 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.model.config import ModelConfig
+from specserve.model.llama import MLP, Attention, DecoderLayer, RMSNorm
+from specserve.ops.attention import ForwardContext
+
+
+class DraftHead(nn.Module):
+    position_offset = 0
+    target_feature: str = "final"  # 'final' (normed last hidden), 'aux' (captured layers), 'none'
+    config: ModelConfig
+
+    def forward(self, input_ids, features, positions, ctx: ForwardContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def topk(self, g: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities [T, k], target token ids [T, k]) of the k likeliest next tokens."""
+        logp = torch.log_softmax(self.logits(g), dim=-1)
+        values, ids = logp.topk(k, dim=-1)
+        return values, self.map_ids(ids)
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def map_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+
+class _EagleLayer0(DecoderLayer):
+    """EAGLE-1's first layer has no input norm: fc's output goes straight into attention."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__(cfg, layer_id)
+        self.input_layernorm = nn.Identity()
+
+
+class EagleHead(DraftHead):
+    target_feature = "final"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        target_embed: nn.Embedding,
+        target_lm_head: torch.Tensor,
+        fc_bias: bool = True,
+    ):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
+        self.layers = nn.ModuleList(
+            (_EagleLayer0(cfg, 0) if i == 0 else DecoderLayer(cfg, i))
+            for i in range(cfg.num_layers)
+        )
+        self._embed = [target_embed]  # shared, not a submodule (not saved, not moved twice)
+        self._lm_head = [target_lm_head]
+
+    def forward(self, input_ids, features, positions, ctx):
+        h = self.fc(
+            torch.cat([self._embed[0](input_ids), features.to(self.fc.weight.dtype)], dim=-1)
+        )
+        for layer in self.layers:
+            h = layer(h, positions, ctx)
+        return h
+
+    def logits(self, g):
+        return F.linear(g, self._lm_head[0]).float()
+
+
+class _Eagle3Attention(Attention):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, 0, input_size=2 * cfg.hidden_size)
+
+
+class Eagle3Head(DraftHead):
+    """One decoder layer whose attention reads [norm(embedding); norm(feature)] (2H wide);
+    the 3H feature from three target layers is first projected by fc; later draft steps feed
+    the draft's own H-wide output instead. Its lm_head covers a reduced vocabulary and
+    `d2t[i]` maps draft id i to target id i + d2t[i]."""
+
+    target_feature = "aux"
+
+    def __init__(self, cfg: ModelConfig, draft_vocab_size: int, target_embed: nn.Embedding):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = _Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
+        self._embed = [target_embed]
+
+    def forward(self, input_ids, features, positions, ctx):
+        feats = features.to(self.fc.weight.dtype)
+        if feats.shape[-1] != self.config.hidden_size:
+            feats = self.fc(feats)
+        x = torch.cat(
+            [self.input_layernorm(self._embed[0](input_ids)), self.hidden_norm(feats)], dim=-1
+        )
+        h = feats + self.self_attn(x, positions, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def logits(self, g):
+        return self.lm_head(self.norm(g)).float()
+
+    def map_ids(self, ids):
+        return ids + self.d2t[ids]
+
+
+class StandaloneHead(DraftHead):
+    """Any smaller LM with the target's vocabulary."""
+
+    position_offset = 1
+    target_feature = "none"
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.config = model.config
+
+    def forward(self, input_ids, features, positions, ctx):
+        return self.model(input_ids, positions, ctx).hidden
+
+    def logits(self, g):
+        return self.model.compute_logits(g)

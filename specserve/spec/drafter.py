@@ -1,0 +1,262 @@
+"""Tree drafting (EAGLE-2 style) and the draft model's KV upkeep.
+
+Per decode step and request, from the root's draft state g_root:
+  depth 1:  the topk likeliest tokens after the root;
+  depth d:  the draft runs on the current frontier (topk nodes at depth d-1) and each
+            frontier node proposes topk children; the topk children with the best path
+            score (sum of draft log-probabilities) form the next frontier.
+Then the best `num_draft_tokens - 1` candidates plus the root form the tree. The draft's own
+greedy chain (top-1 of the top-1 ...) is always kept first, so a tree never verifies less of
+the greedy continuation than a chain of the same depth would.
+
+A child's score never exceeds its parent's (log-probabilities are <= 0) and ties are
+broken by candidate id (parents have smaller ids), so the chosen set always contains every
+chosen node's parent: the tree is closed by construction.
+
+Draft KV: the draft entry of token x_j lives at logical position j - 1 + delta (delta is
+the head's position_offset). Frontier nodes forwarded while drafting write scratch KV at
+window positions [delta, delta + (num_steps-1)*topk); each attends to the draft prefix and
+to its own ancestors only. After verification the accepted tokens are re-run through the
+draft ("draft extend") so its KV for them is exactly what a plain pass would compute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.kv.pool import KVCache
+from specserve.ops.attention import ForwardContext
+from specserve.runtime.forward_batch import Segment, build_metadata
+from specserve.spec.draft_heads import DraftHead
+from specserve.spec.tree import DraftTrees
+
+_GREEDY_KEY = 1.0e6  # above any log-probability (<= 0); minus depth keeps parents first
+
+
+class TreeDrafter:
+    def __init__(
+        self,
+        head: DraftHead,
+        num_steps: int,
+        topk: int,
+        num_draft_tokens: int,
+        capture_layers: frozenset[int],
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        self.head = head.to(device=device, dtype=dtype).eval()
+        if hasattr(self.head, "d2t"):
+            self.head.d2t = self.head.d2t.to(torch.int64)
+        self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
+        self.max_depth = min(num_steps, num_draft_tokens - 1)
+        self.delta = head.position_offset
+        self.lookahead = self.delta
+        # Logical positions past kv_len one step may write: the target's tree, the draft's
+        # scratch for forwarded frontier nodes, and the draft extend of the accepted path.
+        self.window = max(
+            num_draft_tokens, self.delta + (num_steps - 1) * topk, self.delta + self.max_depth + 1
+        )
+        self.capture_layers = capture_layers
+        self.device, self.dtype = device, dtype
+        self.root_g: dict[str, torch.Tensor] = {}
+        c = head.config
+        self.kv_bytes_per_slot = KVCache.bytes_per_slot(
+            c.num_layers, c.num_kv_heads, c.head_dim, dtype
+        )
+
+    def attach(self, table, num_slots: int, backend, target_runner) -> None:
+        c = self.head.config
+        self.table = table
+        self.backend = backend
+        self.kv = KVCache(
+            c.num_layers, num_slots, c.num_kv_heads, c.head_dim, self.dtype, self.device
+        )
+
+    def forget(self, rid: str) -> None:
+        self.root_g.pop(rid, None)
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _features(self, target_out, rows: torch.Tensor | None) -> torch.Tensor | None:
+        kind = self.head.target_feature
+        if kind == "none":
+            return None
+        if kind == "final":
+            h = target_out.hidden
+        else:
+            h = torch.cat(target_out.aux_hidden, dim=-1)
+        return h if rows is None else h[rows]
+
+    def _run(self, tokens, features, positions, segments, out_slots, mask=None) -> torch.Tensor:
+        meta = build_metadata(segments, out_slots, self.device, custom_mask=mask)
+        ctx = ForwardContext(self.backend, self.kv, meta)
+        if features is None:
+            features = torch.zeros(tokens.shape[0], 1, device=self.device, dtype=self.dtype)
+        with torch.inference_mode():
+            return self.head(tokens, features, positions, ctx)
+
+    # ---- prefill ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def extend_after_prefill(self, chunks, input_ids, positions, target_out, done, sampled) -> None:
+        """Draft entries for the chunk: EAGLE pairs x_{j} with h_{j-1}; a standalone draft
+        takes the chunk's tokens (plus the sampled token once the prompt is complete)."""
+        d = self.delta
+        host_tokens, token_pos, seg, out, feat_rows = [], [], [], [], []
+        sampled_at: list[tuple[int, int]] = []  # (flat index, index into `sampled`)
+        last_rows: dict[str, int] = {}
+        row = 0
+        done_index = {i: j for j, i in enumerate(done)}
+        for i, c in enumerate(chunks):
+            ids = c.req.all_ids
+            first, last = c.start + 1 - d, c.end + (1 if (c.completes or d == 0) else 0)
+            # token x_j for j in [first, last): position j - 1 + d
+            for j in range(first, last):
+                if j < len(ids):
+                    host_tokens.append(ids[j])
+                else:
+                    sampled_at.append((len(host_tokens), done_index[i]))
+                    host_tokens.append(0)
+            n = last - first
+            p0 = first - 1 + d
+            if d == 0:
+                feat_rows.extend(range(row, row + n))
+            seg.append(Segment(self.table.slots(c.req.rid, 0, p0 + n), n, n))
+            out.append(self.table.slots(c.req.rid, p0, p0 + n))
+            token_pos.extend(range(p0, p0 + n))
+            row += c.end - c.start
+            if c.completes:
+                last_rows[c.req.rid] = len(host_tokens) - 1
+        tokens = torch.tensor(host_tokens, dtype=torch.int64).to(self.device)
+        if sampled_at:
+            idx = torch.tensor([a for a, _ in sampled_at]).to(self.device)
+            src = torch.tensor([b for _, b in sampled_at]).to(self.device)
+            tokens[idx] = sampled[src]
+        feats = (
+            self._features(target_out, torch.tensor(feat_rows).to(self.device)) if d == 0 else None
+        )
+        pos = torch.tensor(token_pos, dtype=torch.int64).to(self.device)
+        g = self._run(tokens, feats, pos, seg, torch.cat(out))
+        for rid, r in last_rows.items():
+            self.root_g[rid] = g[r]
+
+    # ---- drafting -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, batch) -> DraftTrees:
+        k, d, dev = self.topk, self.delta, self.device
+        bsz = len(batch.reqs)
+        g_root = torch.stack([self.root_g[r.rid] for r in batch.reqs])
+        logp, tok = self.head.topk(g_root, k)
+        ranks = torch.arange(k, device=dev)
+        cand_tokens, cand_keys, cand_parents, cand_depths = [tok], [], [torch.zeros_like(tok)], [1]
+        f_ids = (1 + ranks).expand(bsz, k)
+        f_scores = logp.double()
+        f_greedy = (ranks == 0).expand(bsz, k)
+        cand_keys.append(torch.where(f_greedy, _GREEDY_KEY - 1.0, f_scores))
+        f_tokens, f_feat = tok, g_root[:, None, :].expand(bsz, k, g_root.shape[-1])
+        scratch = (self.num_steps - 1) * k
+        f_anc = torch.zeros(bsz, k, max(scratch, 1), dtype=torch.bool, device=dev)
+        next_id = 1 + k
+        prefix_slots = [
+            self.table.slots(r.rid, 0, kv + d) for r, kv in zip(batch.reqs, batch.kv_lens)
+        ]
+        for depth in range(1, self.num_steps):
+            col0 = (depth - 1) * k
+            f_anc[:, ranks, col0 + ranks] = True  # each frontier node sees itself
+            width = depth * k
+            segments = [
+                Segment(torch.cat([p, batch.window_slots_host[b, d : d + width]]), k, width)
+                for b, p in enumerate(prefix_slots)
+            ]
+            out_slots = batch.window_slots[:, d + col0 : d + col0 + k].reshape(-1)
+            positions = (batch.kv_lens_dev[:, None] + (d - 1 + depth)).expand(bsz, k).reshape(-1)
+            mask = f_anc[:, :, :width].reshape(-1)
+            g = self._run(
+                f_tokens.reshape(-1),
+                f_feat.reshape(bsz * k, -1),
+                positions,
+                segments,
+                out_slots,
+                mask,
+            )
+            c_logp, c_tok = self.head.topk(g, k)
+            c_scores = (f_scores[:, :, None] + c_logp.view(bsz, k, k).double()).reshape(bsz, k * k)
+            c_tokens = c_tok.view(bsz, k * k)
+            c_parent = f_ids[:, :, None].expand(bsz, k, k).reshape(bsz, k * k)
+            c_greedy = (f_greedy[:, :, None] & (ranks == 0)[None, None, :]).reshape(bsz, k * k)
+            c_ids = next_id + torch.arange(k * k, device=dev).expand(bsz, k * k)
+            next_id += k * k
+            c_keys = torch.where(c_greedy, _GREEDY_KEY - (depth + 1.0), c_scores)
+            cand_tokens.append(c_tokens)
+            cand_keys.append(c_keys)
+            cand_parents.append(c_parent)
+            cand_depths.append(depth + 1)
+            # next frontier: best k children (their parent frontier index is sel // k)
+            sel = c_keys.topk(k, dim=1).indices
+            parent_idx = sel // k
+            f_ids = torch.gather(c_ids, 1, sel)
+            f_tokens = torch.gather(c_tokens, 1, sel)
+            f_scores = torch.gather(c_scores, 1, sel)
+            f_greedy = torch.gather(c_greedy, 1, sel)
+            g3 = g.view(bsz, k, -1)
+            f_feat = torch.gather(g3, 1, parent_idx[:, :, None].expand(bsz, k, g3.shape[-1]))
+            f_anc = torch.gather(
+                f_anc, 1, parent_idx[:, :, None].expand(bsz, k, f_anc.shape[-1])
+            ).clone()
+        return self._select_tree(batch.roots, cand_tokens, cand_keys, cand_parents, cand_depths)
+
+    def _select_tree(self, roots, cand_tokens, cand_keys, cand_parents, cand_depths) -> DraftTrees:
+        n = self.num_draft_tokens
+        tokens = torch.cat(cand_tokens, dim=1)  # [B, C], candidate id = column + 1
+        keys = torch.cat(cand_keys, dim=1)
+        parents = torch.cat(cand_parents, dim=1)
+        depths = torch.cat(
+            [torch.full_like(t, dep) for t, dep in zip(cand_tokens, cand_depths)], dim=1
+        )
+        bsz, num_cand = tokens.shape
+        order = torch.sort(keys, dim=1, descending=True, stable=True).indices[:, : n - 1]
+        chosen = torch.sort(order, dim=1).values  # candidate order = topological order
+        # old id -> new node index (root 0 -> 0)
+        new_index = torch.full((bsz, num_cand + 1), -1, dtype=torch.int64, device=tokens.device)
+        new_index[:, 0] = 0
+        new_index.scatter_(
+            1, chosen + 1, torch.arange(1, n, device=tokens.device).expand(bsz, n - 1)
+        )
+        tree_parents = torch.gather(new_index, 1, torch.gather(parents, 1, chosen))
+        return DraftTrees(
+            tokens=torch.cat([roots[:, None], torch.gather(tokens, 1, chosen)], dim=1),
+            parents=torch.cat([torch.full_like(roots[:, None], -1), tree_parents], dim=1),
+            depths=torch.cat(
+                [torch.zeros_like(roots[:, None]), torch.gather(depths, 1, chosen)], dim=1
+            ),
+            max_depth=self.max_depth,
+        )
+
+    # ---- after verification ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def extend_after_verify(self, batch, trees: DraftTrees, acc, target_out) -> None:
+        """Run the draft over the accepted tokens (fixed width max_depth+1 per request; entries
+        past the accepted length land in scratch positions and are never read)."""
+        d, w = self.delta, self.max_depth + 1
+        bsz, n = trees.tokens.shape
+        tokens = acc.emitted.reshape(-1)
+        rows = (torch.arange(bsz, device=self.device)[:, None] * n + acc.path).reshape(-1)
+        feats = self._features(target_out, rows)
+        positions = (
+            batch.kv_lens_dev[:, None] + d + torch.arange(w, device=self.device)[None, :]
+        ).reshape(-1)
+        segments = [
+            Segment(
+                torch.cat(
+                    [self.table.slots(r.rid, 0, kv + d), batch.window_slots_host[b, d : d + w]]
+                ),
+                w,
+                w,
+            )
+            for b, (r, kv) in enumerate(zip(batch.reqs, batch.kv_lens))
+        ]
+        out_slots = batch.window_slots[:, d : d + w].reshape(-1)
+        g = self._run(tokens, feats, positions, segments, out_slots).view(bsz, w, -1)
+        last = torch.gather(
+            g, 1, (acc.accept_len - 1)[:, None, None].expand(bsz, 1, g.shape[-1])
+        ).squeeze(1)
+        for b, r in enumerate(batch.reqs):
+            self.root_g[r.rid] = last[b]

@@ -1,0 +1,203 @@
+"""EAGLE / EAGLE3 draft checkpoints in the layout their authors publish (and SGLang/vLLM read).
+
+A folder with `config.json` (a Llama config: hidden_size, num_hidden_layers, heads,
+intermediate_size, vocab_size, rms_norm_eps, rope_theta; EAGLE3 adds `draft_vocab_size` and
+optionally `eagle_config.eagle_aux_hidden_state_layer_ids`) and weights in
+`model.safetensors` or `pytorch_model.bin`:
+- EAGLE:  fc.weight [H, 2H] (+ fc.bias), layers.N.self_attn.{q,k,v,o}_proj.weight,
+          layers.N.mlp.{gate,up,down}_proj.weight, layers.N.{input,post_attention}_layernorm.weight
+          (layer 0's input norm is unused); embed_tokens/lm_head come from the target.
+- EAGLE3: fc.weight [H, 3H], midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
+          midlayer.self_attn.{q,k,v}_proj.weight [*, 2H], midlayer.self_attn.o_proj.weight,
+          midlayer.mlp.*, norm.weight, lm_head.weight [draft_vocab, H], d2t [draft_vocab] (int64
+          offsets: target id = draft id + d2t[draft id]), t2d [vocab] (bool, unused here).
+See docs/EAGLE_FORMAT.md.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specserve.model.config import ModelConfig
+from specserve.model.llama import load_hf_named_weights
+from specserve.spec.draft_heads import Eagle3Head, EagleHead
+
+_IGNORED = ("embed_tokens.weight", "t2d", "layers.0.input_layernorm.weight")
+
+
+def read_state_dict(folder: str) -> dict[str, torch.Tensor]:
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    state: dict[str, torch.Tensor] = {}
+    if files:
+        for f in files:
+            state.update(load_file(f))
+        return state
+    bins = sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin")))
+    if not bins:
+        raise FileNotFoundError(f"{folder} has neither *.safetensors nor pytorch_model*.bin")
+    for f in bins:
+        state.update(torch.load(f, map_location="cpu", weights_only=True))
+    return state
+
+
+def _strip(name: str) -> str:
+    return name[len("model.") :] if name.startswith("model.") else name
+
+
+def read_draft_config(folder: str) -> tuple[dict, ModelConfig]:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"draft checkpoint {folder} has no config.json")
+    with open(path) as f:
+        raw = json.load(f)
+    return raw, ModelConfig.from_hf_dict(raw)
+
+
+def eagle3_capture_layers(raw: dict, target_layers: int) -> list[int]:
+    """Target layers whose input residual stream EAGLE3 reads (SGLang's default otherwise)."""
+    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return [i + 1 for i in ids]  # published ids name the layer whose *output* is taken
+    return [2, target_layers // 2, target_layers - 3]
+
+
+def load_eagle_head(folder: str, algorithm: str, target) -> tuple[torch.nn.Module, dict]:
+    raw, cfg = read_draft_config(folder)
+    state = {_strip(k): v for k, v in read_state_dict(folder).items()}
+    state = {k: v for k, v in state.items() if not k.endswith(_IGNORED) or k == "lm_head.weight"}
+    if cfg.hidden_size != target.config.hidden_size:
+        raise ValueError(
+            f"draft hidden_size {cfg.hidden_size} != target hidden_size {target.config.hidden_size}"
+        )
+    if algorithm == "EAGLE":
+        if "fc.weight" not in state or state["fc.weight"].shape[1] != 2 * cfg.hidden_size:
+            raise ValueError(f"{folder} is not an EAGLE checkpoint (fc.weight must be [H, 2H])")
+        head = EagleHead(
+            cfg, target.model.embed_tokens, target.lm_head_weight, fc_bias="fc.bias" in state
+        )
+        load_hf_named_weights(head, state.items())
+    else:
+        if "fc.weight" not in state or state["fc.weight"].shape[1] != 3 * cfg.hidden_size:
+            raise ValueError(f"{folder} is not an EAGLE3 checkpoint (fc.weight must be [H, 3H])")
+        draft_vocab = raw.get("draft_vocab_size") or state["lm_head.weight"].shape[0]
+        head = Eagle3Head(cfg, draft_vocab, target.model.embed_tokens)
+        d2t = state.pop("d2t", None)
+        if d2t is None:
+            if draft_vocab != target.config.vocab_size:
+                raise ValueError("EAGLE3 checkpoint with a reduced vocabulary lacks d2t")
+            d2t = torch.zeros(draft_vocab, dtype=torch.int64)
+        renamed = [
+            (k[len("midlayer.") :] if k.startswith("midlayer.") else k, v) for k, v in state.items()
+        ]
+        load_hf_named_weights(head, renamed)
+        head.d2t.copy_(d2t.to(torch.int64))
+    return head, raw
+
+
+def save_eagle_checkpoint(
+    folder: str, head: torch.nn.Module, base_config: dict, extra_config: dict | None = None
+) -> None:
+    """Write a head in the published layout (the inverse of load_eagle_head)."""
+    os.makedirs(folder, exist_ok=True)
+    state: dict[str, torch.Tensor] = {}
+    for name, t in head.state_dict().items():
+        if name.startswith("_"):
+            continue
+        for fused, parts in (
+            ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            ("gate_up_proj", ("gate_proj", "up_proj")),
+        ):
+            if f".{fused}." in f".{name}":
+                sizes = _split_sizes(head, fused, t)
+                for part, chunk in zip(parts, t.split(sizes, dim=0)):
+                    state[_publish_name(head, name.replace(fused, part))] = chunk.contiguous()
+                break
+        else:
+            if name.endswith("rotary.inv_freq"):
+                continue
+            state[_publish_name(head, name)] = t.contiguous()
+    state = {k: v.detach().cpu() for k, v in state.items()}
+    save_file(state, os.path.join(folder, "model.safetensors"))
+    cfg = dict(base_config)
+    cfg.update(extra_config or {})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def _split_sizes(head, fused: str, t: torch.Tensor) -> list[int]:
+    cfg = head.config
+    if fused == "qkv_proj":
+        q = cfg.num_heads * cfg.head_dim
+        kv = cfg.num_kv_heads * cfg.head_dim
+        return [q, kv, kv]
+    return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+def _publish_name(head, name: str) -> str:
+    if isinstance(head, Eagle3Head) and name.split(".")[0] in (
+        "input_layernorm",
+        "hidden_norm",
+        "self_attn",
+        "post_attention_layernorm",
+        "mlp",
+    ):
+        return "midlayer." + name
+    return name
+
+
+def hf_style_config(cfg: ModelConfig, architecture: str, **extra) -> dict:
+    """A Llama config.json for a draft head of shape `cfg`."""
+    out = {
+        "architectures": [architecture],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": False,
+    }
+    out.update(extra)
+    return out
+
+
+def write_random_eagle_checkpoint(
+    folder: str,
+    target_config: ModelConfig,
+    algorithm: str = "EAGLE",
+    draft_vocab_size: int | None = None,
+    seed: int = 0,
+) -> str:
+    """A random-weight draft head for `target_config`, in the published layout (benchmarks and
+    tests; a trained head is written the same way)."""
+    from specserve.model.loader import random_init_
+
+    cfg = target_config.with_changes(num_layers=1, tie_word_embeddings=False)
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    if algorithm == "EAGLE":
+        head = EagleHead(cfg, embed, embed.weight)
+        extra = {}
+    elif algorithm == "EAGLE3":
+        dv = draft_vocab_size or cfg.vocab_size
+        head = Eagle3Head(cfg, dv, embed)
+        g = torch.Generator().manual_seed(seed)
+        # a reduced vocabulary keeps a sorted random subset of target ids
+        keep = torch.sort(torch.randperm(cfg.vocab_size, generator=g)[:dv]).values
+        head.d2t.copy_(keep - torch.arange(dv))
+        extra = {"draft_vocab_size": dv}
+    else:
+        raise ValueError(f"algorithm must be EAGLE or EAGLE3, got {algorithm!r}")
+    random_init_(head, seed)
+    arch = "LlamaForCausalLMEagle3" if algorithm == "EAGLE3" else "LlamaForCausalLMEagle"
+    save_eagle_checkpoint(folder, head, hf_style_config(cfg, arch, **extra))
+    return folder
