@@ -1,0 +1,69 @@
+"""Shared helpers for engine-level tests: tiny models on disk and reference checks."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from specserve.kv.pool import KVCache
+from specserve.ops.attention import TorchAttentionBackend
+from specserve.runtime.forward_batch import Segment, build_metadata
+from specserve.runtime.model_runner import ModelRunner
+
+TINY = dict(model_path="tiny", load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu")
+
+
+def write_dummy_config(folder: str, **overrides) -> str:
+    """An HF-style config.json only: load it with load_format='dummy' for random weights."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 32,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "eos_token_id": 2,
+    }
+    cfg.update(overrides)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return folder
+
+
+def mixed_prompts(n: int, vocab: int, seed: int = 0, min_len: int = 1, max_len: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n_,), generator=g).tolist() for n_ in lens]
+
+
+def reference_kv(model, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """K and V of every layer for a plain causal prefill of `tokens` (fresh cache)."""
+    cfg = model.config
+    n = len(tokens)
+    cache = KVCache(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype, "cpu")
+    slots = torch.arange(n)
+    meta = build_metadata([Segment(slots, n, n)], slots, torch.device("cpu"))
+    ModelRunner(model, cache, TorchAttentionBackend()).forward(torch.tensor(tokens), torch.arange(n), meta)
+    return cache.k, cache.v
+
+
+def assert_kv_matches_plain_prefill(core, atol: float = 1e-4) -> int:
+    """Every running request's cached target KV equals a plain prefill of its tokens."""
+    checked = 0
+    for req in core.scheduler.running:
+        tokens = req.all_ids[: req.kv_len]
+        ref_k, ref_v = reference_kv(core.runner.model, tokens)
+        slots = core.table.slots(req.rid, 0, req.kv_len)
+        for layer in range(len(ref_k)):
+            torch.testing.assert_close(core.kv_cache.k[layer][slots], ref_k[layer], atol=atol, rtol=1e-4)
+            torch.testing.assert_close(core.kv_cache.v[layer][slots], ref_v[layer], atol=atol, rtol=1e-4)
+        checked += 1
+    return checked

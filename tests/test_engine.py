@@ -1,0 +1,160 @@
+"""Engine behaviour on a tiny random-weight model: batching, paging, retraction, inputs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from specserve import Engine, InvalidArgument
+from tests.engine_utils import TINY, mixed_prompts
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def reference_outputs():
+    prompts = mixed_prompts(8, 512, seed=1)
+    with Engine(**TINY) as e:
+        alone = [e.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
+    return prompts, alone
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_batch_invariance_across_page_sizes(reference_outputs, page_size):
+    prompts, alone = reference_outputs
+    with Engine(**TINY, page_size=page_size, debug_check_invariants=True) as e:
+        batched = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+        assert e.stats()["kv_used_tokens"] == 0
+    assert batched == alone
+
+
+def test_chunked_prefill_gives_identical_outputs(reference_outputs):
+    prompts, alone = reference_outputs
+    with Engine(**TINY, chunked_prefill_size=7, page_size=4, debug_check_invariants=True) as e:
+        outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+    assert outs == alone
+
+
+def test_retraction_under_tiny_kv_budget_loses_nothing():
+    prompts = mixed_prompts(64, 512, seed=2, min_len=4, max_len=20)
+    sp = {"temperature": 0.0, "max_new_tokens": 30, "ignore_eos": True}
+    with Engine(**TINY) as e:
+        expected = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)]
+    # Room for about 4 requests at full length.
+    with Engine(**TINY, max_total_tokens=200, page_size=4, debug_check_invariants=True) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=sp)
+        stats = e.stats()
+        e.core.check_invariants()
+        assert e.core.table.allocator.num_free_pages == e.core.table.allocator.num_usable_pages
+    assert [o["output_ids"] for o in outs] == expected
+    assert stats["num_retractions"] > 0, "the budget was meant to force retraction"
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_invariant():
+    prompts = mixed_prompts(4, 512, seed=3)
+    sp = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 1234, "max_new_tokens": 16, "ignore_eos": True}
+    with Engine(**TINY) as e:
+        alone = [e.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts]
+        batched = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)]
+        other_seed = e.generate(input_ids=prompts[0], sampling_params={**sp, "seed": 99})["output_ids"]
+    assert alone == batched
+    assert other_seed != alone[0]
+
+
+def test_streaming_concatenates_to_the_full_output():
+    with Engine(**TINY) as e:
+        full = e.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+        chunks = list(e.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, stream=True))
+    assert chunks[-1]["finished"] and not any(c["finished"] for c in chunks[:-1])
+    assert [t for c in chunks for t in c["output_ids"]] == full["output_ids"]
+
+
+def test_stop_token_ids_end_the_request_at_that_token():
+    with Engine(**TINY) as e:
+        full = e.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["output_ids"]
+        stop_at = full[10]
+        out = e.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "stop_token_ids": [stop_at]})
+    first = full.index(stop_at)
+    assert out["output_ids"] == full[: first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"input_ids": [1, 2], "sampling_params": {"top_p": 1.5}}, "top_p"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": -0.1}}, "temperature"),
+        ({"input_ids": [1, 2], "sampling_params": {"top_k": -5}}, "top_k"),
+        ({"input_ids": [1, 2], "sampling_params": {"bogus": 1}}, "bogus"),
+        ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [1, 99999]}, "input_ids"),
+        ({"input_ids": [1] * 5000}, "input_ids"),
+        ({"prompt": "text needs a tokenizer"}, "prompt"),
+    ],
+)
+def test_bad_requests_name_the_field_and_the_engine_keeps_serving(kwargs, field):
+    engine = _shared_engine()
+    with pytest.raises(InvalidArgument) as info:
+        engine.generate(**kwargs)
+    assert info.value.field == field
+    assert field in str(info.value)
+    ok = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+    assert len(ok["output_ids"]) == 2
+
+
+def test_bad_engine_arguments_are_refused():
+    with pytest.raises(InvalidArgument) as info:
+        Engine(model_path="no-such-model")
+    assert info.value.field == "model_path"
+    with pytest.raises(InvalidArgument) as info:
+        Engine(**TINY, page_size=0)
+    assert info.value.field == "page_size"
+    with pytest.raises(InvalidArgument) as info:
+        Engine(**TINY, not_an_arg=1)
+    assert info.value.field == "not_an_arg"
+
+
+def test_abort_frees_the_request_and_its_kv():
+    engine = _shared_engine()
+    results = {}
+
+    def run():
+        results["out"] = engine.generate(
+            input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 100000, "ignore_eos": True}, rid="long-one"
+        )
+
+    t = threading.Thread(target=run)
+    t.start()
+    import time
+
+    deadline = time.time() + 10
+    while engine.stats()["num_running_requests"] == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    engine.abort("long-one")
+    t.join(timeout=10)
+    out = results["out"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert engine.stats()["kv_used_tokens"] == 0
+
+
+def test_max_new_tokens_zero_and_context_limit():
+    engine = _shared_engine()
+    out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+_ENGINE = {}
+
+
+def _shared_engine() -> Engine:
+    if "e" not in _ENGINE:
+        _ENGINE["e"] = Engine(**TINY, context_length=1024)
+    return _ENGINE["e"]
+
+
+def teardown_module(module):
+    if "e" in _ENGINE:
+        _ENGINE.pop("e").shutdown()
