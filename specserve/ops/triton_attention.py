@@ -4,11 +4,12 @@
   merge, see `triton_kernels.decode`.
 - Everything else (prefill, chunked prefill over a cached prefix, mixed batches, tree
   verification and drafting with `custom_mask`): one flash-attention kernel, see
-  `triton_kernels.extend`.
+  `triton_kernels.extend`; when its grid is too small for the GPU (tree verify at small batch)
+  the cached prefix is split across programs and merged like decode splits.
 
 K/V are written into the cache with torch indexing first, exactly as the reference does.
 No host-device synchronisation: launch sizes come from the host lists of the metadata
-(`host_qo_indptr`, `host_kv_indptr`), never from reading device tensors.
+(`host_qo_indptr`, `host_kv_indptr`, `host_extra_lens`), never from reading device tensors.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import triton
 from specserve.kv.pool import KVCache
 from specserve.ops.attention import AttentionBackend, AttentionMetadata
 from specserve.ops.triton_kernels import decode_attention, extend_attention
+from specserve.ops.triton_kernels.extend import EXTEND_BLOCK_M
 
-_DECODE_BLOCK_N = 64
+_BLOCK_N = 64  # KV positions per step of the decode kernel; split chunks are multiples of it
+_MAX_SPLITS = 16
 
 
 @dataclass(frozen=True)
@@ -31,13 +34,14 @@ class _LaunchPlan:
 
     is_decode: bool
     max_q_len: int
-    num_splits: int
+    num_splits: int  # KV splits (decode) or cached-prefix splits (extend); 1 = none
     kv_per_split: int
 
 
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, num_kv_splits: int | None = None, min_kv_per_split: int = 256):
-        """num_kv_splits: force the decode split count (tests); None picks it from the GPU size.
+        """num_kv_splits: force the split count of both paths (tests, benchmarks); None picks
+        it from the GPU size and the lengths.
         min_kv_per_split: shortest chunk worth its own program (smaller chunks cost more in
         the merge than they save)."""
         self.num_kv_splits = num_kv_splits
@@ -55,27 +59,37 @@ class TritonAttentionBackend(AttentionBackend):
                 self._num_sms = 4
         return self._num_sms
 
-    def _make_plan(self, meta: AttentionMetadata, num_kv_heads: int, device) -> _LaunchPlan:
-        qo, kv = meta.host_qo_indptr, meta.host_kv_indptr
-        batch = meta.batch_size
-        q_lens = [qo[i + 1] - qo[i] for i in range(batch)]
-        max_q_len = max(q_lens, default=0)
-        is_decode = batch > 0 and meta.custom_mask is None and min(q_lens) == max_q_len == 1
-        if not is_decode:
-            return _LaunchPlan(False, max_q_len, 1, 0)
-        max_kv = max(kv[i + 1] - kv[i] for i in range(batch))
+    def _splits(self, programs: int, max_len: int, device: torch.device) -> tuple[int, int]:
+        """(split count, positions per split) for splitting `max_len` KV positions so that
+        `programs` programs become about two per SM, with no chunk under min_kv_per_split."""
         if self.num_kv_splits is not None:
             splits = self.num_kv_splits
         else:
-            # Aim for about two programs per SM, but no chunk shorter than min_kv_per_split.
-            splits = triton.cdiv(2 * self._sm_count(device), batch * num_kv_heads)
-            splits = min(splits, triton.cdiv(max_kv, self.min_kv_per_split), 64)
+            splits = triton.cdiv(2 * self._sm_count(device), max(programs, 1))
+            splits = min(splits, triton.cdiv(max_len, self.min_kv_per_split), _MAX_SPLITS)
         splits = max(1, splits)
         # Chunks are whole KV blocks; recompute the count so no trailing split is always empty.
-        kv_per_split = max(1, triton.cdiv(triton.cdiv(max_kv, splits), _DECODE_BLOCK_N))
-        kv_per_split *= _DECODE_BLOCK_N
-        splits = max(1, triton.cdiv(max_kv, kv_per_split))
-        return _LaunchPlan(True, 1, splits, kv_per_split)
+        per_split = triton.cdiv(triton.cdiv(max(max_len, 1), splits), _BLOCK_N) * _BLOCK_N
+        return max(1, triton.cdiv(max_len, per_split)), per_split
+
+    def _make_plan(self, meta: AttentionMetadata, kv_heads: int, group: int, device) -> _LaunchPlan:
+        qo, kv, extra = meta.host_qo_indptr, meta.host_kv_indptr, meta.host_extra_lens
+        batch = meta.batch_size
+        q_lens = [qo[i + 1] - qo[i] for i in range(batch)]
+        kv_lens = [kv[i + 1] - kv[i] for i in range(batch)]
+        max_q_len = max(q_lens, default=0)
+        if meta.custom_mask is None and min(q_lens) == max_q_len == 1:
+            splits, per_split = self._splits(batch * kv_heads, max(kv_lens), device)
+            return _LaunchPlan(True, 1, splits, per_split)
+        # Extend: only the cached prefix is split (the masked extra part stays in the last
+        # split), and only when the unsplit grid leaves the GPU idle (tree verify at small
+        # batch); big prefills have programs to spare and would pay for the partials.
+        programs = triton.cdiv(max_q_len * group, EXTEND_BLOCK_M) * batch * kv_heads
+        max_prefix = max(n - e for n, e in zip(kv_lens, extra))
+        if self.num_kv_splits is None and programs >= self._sm_count(device):
+            return _LaunchPlan(False, max_q_len, 1, 0)
+        splits, per_split = self._splits(programs, max_prefix, device)
+        return _LaunchPlan(False, max_q_len, splits, per_split)
 
     def forward(
         self,
@@ -94,19 +108,20 @@ class TritonAttentionBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         if self._plan_for is not meta:
-            self._plan = self._make_plan(meta, k_cache.shape[1], q.device)
+            kv_heads = k_cache.shape[1]
+            self._plan = self._make_plan(meta, kv_heads, q.shape[1] // kv_heads, q.device)
             self._plan_for = meta
         plan = self._plan
         assert plan is not None
         if plan.is_decode:
             decode_attention(
                 q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, out,
-                plan.num_splits, plan.kv_per_split, block_n=_DECODE_BLOCK_N,
+                plan.num_splits, plan.kv_per_split, block_n=_BLOCK_N,
             )  # fmt: skip
         else:
             extend_attention(
                 q, k_cache, v_cache, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
                 meta.extra_lens, meta.custom_mask, meta.mask_indptr,
-                meta.batch_size, plan.max_q_len,
+                meta.batch_size, plan.max_q_len, plan.num_splits, plan.kv_per_split,
             )  # fmt: skip
         return out

@@ -8,6 +8,12 @@ parts are separate loops so the prefix loop does no mask work.
 GQA: rows of a program are (query, head-in-group) pairs of one KV head, so each K/V block is
 loaded once for the whole group, and tiny q_len (tree nodes, q_len == 1 with a mask) still
 fill the 16-row minimum of tl.dot when the group is large.
+
+Split prefix: a 64-node tree verify at batch 1 has only (64 * group / BLOCK_M) * kv_heads
+programs (32 for Llama-3-8B), far fewer than the GPU's SMs, each walking the whole context.
+With NUM_SPLITS > 1 the prefix is cut into chunks handled by separate programs (the last one
+also does the extra part), and `merge_splits_kernel` combines their partial results, as in
+split-KV decoding.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import triton
 import triton.language as tl
 
 from specserve.ops.triton_kernels.common import LOG2E, attend_kv_block
+from specserve.ops.triton_kernels.decode import merge_splits_kernel
+
+EXTEND_BLOCK_M = 64  # rows ((query, head) pairs) per program
 
 
 @triton.jit
@@ -24,7 +33,8 @@ def _extend_kernel(
     Q,  # [T, H, D]
     K,  # [num_slots, Hkv, D]
     V,
-    Out,  # [T, H, D]
+    Out,  # [T, H, D]; with NUM_SPLITS > 1, the float32 partials [T, H, S, D]
+    LSE_part,  # [T, H, S] float32 (NUM_SPLITS > 1 only)
     qo_indptr,
     kv_indptr,
     kv_indices,
@@ -32,6 +42,7 @@ def _extend_kernel(
     custom_mask,  # uint8 view of the flattened bool blocks (unused without CUSTOM_MASK)
     mask_indptr,
     qk_scale,
+    prefix_per_split,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -41,6 +52,7 @@ def _extend_kernel(
     stride_ot,
     stride_oh,
     CUSTOM_MASK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -49,7 +61,9 @@ def _extend_kernel(
 ):
     m_block = tl.program_id(0)
     b = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    num_heads = (tl.num_programs(2) // NUM_SPLITS) * GROUP
 
     q_start = tl.load(qo_indptr + b).to(tl.int64)
     q_len = tl.load(qo_indptr + b + 1).to(tl.int64) - q_start
@@ -73,7 +87,14 @@ def _extend_kernel(
 
     # The grid is sized for the longest request; blocks past this request's rows do no work.
     active = m_block * BLOCK_M < q_len * GROUP
-    prefix_end = tl.where(active, prefix, 0)
+    if NUM_SPLITS == 1:
+        prefix_lo = 0
+        prefix_hi = tl.where(active, prefix, 0)
+        do_extra = active
+    else:
+        prefix_lo = split * prefix_per_split
+        prefix_hi = tl.where(active, tl.minimum(prefix_lo + prefix_per_split, prefix), 0)
+        do_extra = active & (split == NUM_SPLITS - 1)
     if CUSTOM_MASK:
         extra_end = kv_len
         mask_start = tl.load(mask_indptr + b).to(tl.int64)
@@ -82,16 +103,16 @@ def _extend_kernel(
         # query bounds how far into the extra part it needs to go.
         last_q = tl.minimum((m_block + 1) * BLOCK_M, q_len * GROUP) // GROUP - 1
         extra_end = prefix + tl.minimum(extra, tl.maximum(last_q + extra - q_len + 1, 0))
-    extra_end = tl.where(active, extra_end, prefix)
+    extra_end = tl.where(do_extra, extra_end, prefix)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # 1) Cached prefix: visible to every query.
-    for start in range(0, prefix_end, BLOCK_N):
+    # 1) Cached prefix (this split's chunk of it): visible to every query.
+    for start in range(prefix_lo, prefix_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < prefix_end
+        n_mask = offs_n < prefix_hi
         slots = tl.load(kv_indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
         acc, m_i, l_i = attend_kv_block(
             acc, m_i, l_i, q, K, V, slots, n_mask[None, :], kv_head,
@@ -119,13 +140,19 @@ def _extend_kernel(
             stride_ks, stride_kh, stride_vs, stride_vh, offs_d, d_mask, n_mask, qk_scale,
         )  # fmt: skip
 
-    # A row that saw nothing (only possible with a degenerate mask) gets 0, not NaN.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        Out + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=row_mask[:, None] & d_mask[None, :],
-    )
+    # A row that saw nothing (an empty split, or a degenerate mask) gets 0, not NaN, and in a
+    # split run an lse of -inf, so the merge gives it no weight.
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    out_mask = row_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        out_ptr = Out + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh
+        tl.store(out_ptr + offs_d[None, :], out.to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        part = ((q_start + qi) * num_heads + heads) * NUM_SPLITS + split  # into [T, H, S]
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(LSE_part + part, lse, mask=row_mask)
+        tl.store(Out + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
 
 
 def extend_attention(
@@ -141,26 +168,44 @@ def extend_attention(
     mask_indptr: torch.Tensor | None,
     batch_size: int,
     max_q_len: int,
+    num_splits: int = 1,
+    prefix_per_split: int = 0,
 ) -> None:
-    """`batch_size` and `max_q_len` come from the host lists: nothing here reads the device."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    """Host integers (batch size, longest q_len, split plan) size the launch: nothing here
+    reads device memory. With num_splits > 1, split s covers prefix positions
+    [s * prefix_per_split, (s + 1) * prefix_per_split) and the last split the extra part."""
+    num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     # 64x64 tiles suit head_dim <= 128 in 16-bit; float32 tiles are twice the bytes, so use
     # narrower KV blocks there to stay within shared memory.
-    block_m = 64
+    block_m = EXTEND_BLOCK_M
     block_n = 32 if q.element_size() >= 4 and block_d > 64 else 64
     has_mask = custom_mask is not None
     mask_arg = custom_mask.view(torch.uint8) if has_mask else qo_indptr  # placeholder pointer
-    grid = (triton.cdiv(max_q_len * group, block_m), batch_size, num_kv_heads)
+    if num_splits > 1:
+        dst = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        dst, lse = out, out  # lse unused
+    grid = (triton.cdiv(max_q_len * group, block_m), batch_size, num_kv_heads * num_splits)
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, qo_indptr, kv_indptr, kv_indices, extra_lens,
+        q, k_cache, v_cache, dst, lse, qo_indptr, kv_indptr, kv_indices, extra_lens,
         mask_arg, mask_indptr if has_mask else qo_indptr,
-        head_dim**-0.5 * LOG2E,
+        head_dim**-0.5 * LOG2E, prefix_per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        CUSTOM_MASK=has_mask, GROUP=group, HEAD_DIM=head_dim,
+        CUSTOM_MASK=has_mask, NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=4, num_stages=2,
     )  # fmt: skip
+    if num_splits > 1:
+        merge_splits_kernel[(num_tokens, num_heads)](
+            dst, lse, out, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=1 if block_d <= 64 else 2,
+        )  # fmt: skip

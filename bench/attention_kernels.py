@@ -1,0 +1,151 @@
+"""Time TritonAttentionBackend against TorchAttentionBackend on Llama-3-8B attention shapes.
+
+    .venv/bin/python bench/attention_kernels.py [--json out.json] [--page-size 16] [--quick]
+
+Cases (32 query heads, 8 KV heads, head_dim 128, bf16, one layer, K/V write included):
+- decode: batch 1/16/64 x context 1k/4k/16k;
+- tree verify: 64 tree nodes (custom mask) per request over a cached context;
+- extend: a 64-token causal chunk over a cached context.
+GB/s counts the bytes that must move at least once: the visible K/V (gathered from the cache),
+q, the new k/v and the output. Needs CUDA; times with triton.testing.do_bench (median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
+
+
+def build(batch: int, ctx: int, q_len: int, tree: bool, page_size: int, seed: int = 0):
+    """Each request: `ctx` cached tokens plus q_len new ones, scattered over random pages."""
+    from specserve.kv.pool import KVCache
+    from specserve.ops.attention import AttentionMetadata
+
+    g = torch.Generator().manual_seed(seed)
+    kv_len = ctx + q_len
+    pages_per_req = -(-kv_len // page_size)
+    num_pages = batch * pages_per_req + 1
+    perm = torch.randperm(num_pages, generator=g)
+    pos = torch.arange(kv_len)
+    slots, locs, masks = [], [], []
+    for b in range(batch):
+        pages = perm[b * pages_per_req : (b + 1) * pages_per_req]
+        s = pages[pos // page_size] * page_size + pos % page_size
+        slots.append(s)
+        locs.append(s[ctx:])
+        if tree:  # random tree, parent[i] < i, ancestor-or-self mask
+            m = torch.eye(q_len, dtype=torch.bool)
+            for i in range(1, q_len):
+                p = int(torch.randint(-1, i, (1,), generator=g))
+                if p >= 0:
+                    m[i] |= m[p]
+            masks.append(m.flatten())
+    qo = [b * q_len for b in range(batch + 1)]
+    kv = [b * kv_len for b in range(batch + 1)]
+    extra = [q_len] * batch
+    mptr = [b * q_len * q_len for b in range(batch + 1)]
+
+    def dev(x):
+        return torch.as_tensor(x, dtype=torch.int64).cuda()
+
+    meta = AttentionMetadata(
+        qo_indptr=dev(qo),
+        kv_indptr=dev(kv),
+        kv_indices=dev(torch.cat(slots)),
+        extra_lens=dev(extra),
+        out_cache_loc=dev(torch.cat(locs)),
+        custom_mask=torch.cat(masks).cuda() if tree else None,
+        mask_indptr=dev(mptr) if tree else None,
+        host_qo_indptr=qo,
+        host_kv_indptr=kv,
+        host_extra_lens=extra,
+        host_mask_indptr=mptr if tree else None,
+    )
+    cache = KVCache(1, num_pages * page_size, KV_HEADS, HEAD_DIM, DTYPE, "cuda")
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    t = batch * q_len
+    q = torch.randn(t, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(t, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn(t, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    kv_bytes = batch * kv_len * KV_HEADS * HEAD_DIM * 2 * cache.k[0].element_size()
+    io_bytes = (2 * q.numel() + k.numel() + v.numel()) * q.element_size()
+    return q, k, v, cache, meta, kv_bytes + io_bytes
+
+
+def run_case(name, batch, ctx, q_len, tree, page_size, with_torch) -> dict:
+    from triton.testing import do_bench
+
+    from specserve.ops.attention import TorchAttentionBackend
+    from specserve.ops.triton_attention import TritonAttentionBackend
+
+    q, k, v, cache, meta, nbytes = build(batch, ctx, q_len, tree, page_size)
+    tri, ref = TritonAttentionBackend(), TorchAttentionBackend()
+    out_t = tri.forward(0, q, k, v, cache, meta)
+    out_r = ref.forward(0, q, k, v, cache, meta)
+    err = (out_t.float() - out_r.float()).abs().max().item()
+    t_ms = do_bench(lambda: tri.forward(0, q, k, v, cache, meta), return_mode="median")
+    r_ms = None
+    if with_torch:
+        r_ms = do_bench(lambda: ref.forward(0, q, k, v, cache, meta), rep=50, return_mode="median")
+    return {
+        "case": name,
+        "batch": batch,
+        "context": ctx,
+        "q_len": q_len,
+        "triton_us": round(t_ms * 1e3, 1),
+        "torch_us": None if r_ms is None else round(r_ms * 1e3, 1),
+        "speedup": None if r_ms is None else round(r_ms / t_ms, 1),
+        "triton_GBps": round(nbytes / (t_ms * 1e-3) / 1e9, 1),
+        "max_abs_err": err,
+        "num_kv_splits": tri._plan.num_splits if tri._plan else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="contexts 1k/4k only")
+    ap.add_argument("--no-torch", action="store_true", help="skip the (slow) reference timings")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/attention_kernels.py needs a CUDA GPU (Triton kernels); none found.")
+
+    contexts = [1024, 4096] if args.quick else [1024, 4096, 16384]
+    cases = [("decode", b, c, 1, False) for b in (1, 16, 64) for c in contexts]
+    cases += [("tree_verify64", b, c, 64, True) for b in (1, 16) for c in contexts]
+    cases += [("extend64", b, c, 64, False) for b in (1, 16) for c in contexts]
+
+    results = []
+    for name, batch, ctx, q_len, tree in cases:
+        row = run_case(name, batch, ctx, q_len, tree, args.page_size, not args.no_torch)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+
+    info = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "page_size": args.page_size,
+        "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bf16"},
+    }
+    print(json.dumps({"info": info, "results": results}, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "results": results}, f, indent=1)
+    cols = ["case", "batch", "context", "triton_us", "torch_us", "speedup", "triton_GBps"]
+    cols += ["num_kv_splits", "max_abs_err"]
+    print("\n| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in results:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
