@@ -1,12 +1,43 @@
-"""`specserve serve`: placeholder registration until the HTTP server lands."""
+"""`specserve serve [engine flags] [server flags]`: the OpenAI-compatible HTTP server."""
 
 from __future__ import annotations
 
 
 def add_serve_parser(sub, add_engine_args, engine_kwargs) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="Serve the engine over HTTP: /v1/chat/completions, /v1/completions, "
+        "/v1/models, /generate, /health, /metrics (see docs/SERVER.md).",
+    )
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=30000, help="port to bind (default: 30000)")
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name in /v1/models and responses (default: the model path)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="most requests submitted and not finished; more get HTTP 503 (default: no limit)",
+    )
+    g.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=128,
+        help="max_tokens of OpenAI requests that do not set it, capped by the remaining "
+        "context; 0 means the whole remaining context (default: 128)",
+    )
+    g.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting "
+        "them (default: 30)",
+    )
     add_engine_args(p)
 
     def run(args):

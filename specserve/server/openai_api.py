@@ -1,0 +1,295 @@
+"""/v1/completions and /v1/chat/completions: request -> engine requests -> OpenAI responses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from specserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse,
+)
+from specserve.server.state import Run, ServerState, watch_disconnect
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def finish_reason(meta: dict[str, Any]) -> str | None:
+    kind = (meta.get("finish_reason") or {}).get("type")
+    return {"stop": "stop", "length": "length"}.get(kind, kind)
+
+
+def matched_stop(meta: dict[str, Any]) -> Any:
+    return (meta.get("finish_reason") or {}).get("matched")
+
+
+def usage(metas: list[dict[str, Any]]) -> dict[str, Any]:
+    prompt = sum(m.get("prompt_tokens", 0) for m in metas)
+    completion = sum(m.get("completion_tokens", 0) for m in metas)
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    verify = sum(m.get("spec_verify_ct", 0) for m in metas)
+    if verify:  # speculative decoding: tokens per verify step
+        out["spec_verify_ct"] = verify
+        out["spec_accept_length"] = completion / verify
+    return out
+
+
+def _max_new_tokens(state: ServerState, req, prompts: list[list[int]], prompt_param: str):
+    requested, max_param = req.requested_max_tokens()
+    return [state.check_context(ids, requested, prompt_param, max_param) for ids in prompts]
+
+
+def _rename(req, prompt_param: str) -> dict[str, str]:
+    _, max_param = req.requested_max_tokens()
+    return {"input_ids": prompt_param, "prompt": prompt_param, "max_new_tokens": max_param}
+
+
+async def _collect_or_abort(request: Request, run: Run) -> list[dict[str, Any]]:
+    """Wait for the run's final outputs; abort it if the client disconnects meanwhile."""
+    watcher = asyncio.create_task(watch_disconnect(request, run.abort))
+    try:
+        return await run.collect()
+    finally:
+        watcher.cancel()
+        run.abort()  # no-op unless cancelled (graceful-shutdown timeout) before finishing
+
+
+def _check_common(state: ServerState, req) -> None:
+    if not state.accepts_model(req.model):
+        raise APIError(
+            f"model: the model {req.model!r} does not exist; this server serves "
+            f"{state.model_name!r}",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+    req.check_stream_options()
+
+
+async def _streamed(request: Request, run: Run, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Wrap an SSE generator: abort the run when the client disconnects or on any exit."""
+    watcher = asyncio.create_task(watch_disconnect(request, run.abort))
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        watcher.cancel()
+        run.abort()
+
+
+# ---- /v1/completions --------------------------------------------------------------------------
+async def completions(request: Request, state: ServerState):
+    req = parse(CompletionRequest, await request.body())
+    _check_common(state, req)
+    prompts = [state.encode(p, "prompt") if isinstance(p, str) else list(p) for p in req.prompts()]
+    max_new = _max_new_tokens(state, req, prompts, "prompt")
+    params = [req.sampling_params(m) for m in max_new]
+    run = state.start(prompts, params, _rename(req, "prompt"))
+    created = int(time.time())
+    cid = f"cmpl-{run.id}"
+    with_ids = req.return_token_ids or state.tokenizer is None
+
+    if req.stream:
+        return StreamingResponse(
+            _streamed(request, run, _completion_chunks(run, req, state, cid, created, with_ids)),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+
+    outs = await _collect_or_abort(request, run)
+    choices = []
+    for i, out in enumerate(outs):
+        meta = out["meta_info"]
+        if finish_reason(meta) == "abort":
+            raise state.abort_error(meta)
+        choice: dict[str, Any] = {
+            "index": i,
+            "text": out["text"],
+            "logprobs": None,
+            "finish_reason": finish_reason(meta),
+            "matched_stop": matched_stop(meta),
+        }
+        if with_ids:
+            choice["token_ids"] = out["output_ids"]
+        choices.append(choice)
+    return JSONResponse(
+        {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": choices,
+            "usage": usage([o["meta_info"] for o in outs]),
+        }
+    )
+
+
+async def _completion_chunks(
+    run: Run, req: CompletionRequest, state: ServerState, cid: str, created: int, with_ids: bool
+) -> AsyncIterator[str]:
+    include_usage = req.include_usage()
+    metas: dict[int, dict[str, Any]] = {}
+
+    def chunk(index: int, text: str, reason: str | None, ids: list[int] | None = None) -> str:
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": reason,
+        }
+        if ids is not None:
+            choice["token_ids"] = ids
+        body: dict[str, Any] = {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": [choice],
+        }
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    async for index, out in run.events():
+        text, ids = out["text"], out["output_ids"]
+        if text or (with_ids and ids):
+            yield chunk(index, text, None, ids if with_ids else None)
+        if out["finished"]:
+            meta = out["meta_info"]
+            metas[index] = meta
+            if finish_reason(meta) == "abort":
+                yield sse(state.abort_error(meta).body())
+                yield SSE_DONE
+                return
+            yield chunk(index, "", finish_reason(meta), [] if with_ids else None)
+    if include_usage:
+        yield sse(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": state.model_name,
+                "choices": [],
+                "usage": usage([metas[i] for i in sorted(metas)]),
+            }
+        )
+    yield SSE_DONE
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------------
+async def chat_completions(request: Request, state: ServerState):
+    req = parse(ChatCompletionRequest, await request.body())
+    _check_common(state, req)
+    ids = state.encode_chat(req.chat_messages())
+    max_new = _max_new_tokens(state, req, [ids], "messages")
+    run = state.start([ids], [req.sampling_params(max_new[0])], _rename(req, "messages"))
+    created = int(time.time())
+    cid = f"chatcmpl-{run.id}"
+    with_ids = req.return_token_ids
+
+    if req.stream:
+        return StreamingResponse(
+            _streamed(request, run, _chat_chunks(run, req, state, cid, created, with_ids)),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+
+    (out,) = await _collect_or_abort(request, run)
+    meta = out["meta_info"]
+    if finish_reason(meta) == "abort":
+        raise state.abort_error(meta)
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": out["text"]},
+        "logprobs": None,
+        "finish_reason": finish_reason(meta),
+        "matched_stop": matched_stop(meta),
+    }
+    if with_ids:
+        choice["token_ids"] = out["output_ids"]
+    return JSONResponse(
+        {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": [choice],
+            "usage": usage([meta]),
+        }
+    )
+
+
+async def _chat_chunks(
+    run: Run,
+    req: ChatCompletionRequest,
+    state: ServerState,
+    cid: str,
+    created: int,
+    with_ids: bool,
+) -> AsyncIterator[str]:
+    include_usage = req.include_usage()
+
+    def chunk(delta: dict[str, Any], reason: str | None, ids: list[int] | None = None) -> str:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": reason,
+        }
+        if ids is not None:
+            choice["token_ids"] = ids
+        body: dict[str, Any] = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.model_name,
+            "choices": [choice],
+        }
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    meta: dict[str, Any] = {}
+    async for _, out in run.events():
+        text, ids = out["text"], out["output_ids"]
+        if text or (with_ids and ids):
+            yield chunk({"content": text}, None, ids if with_ids else None)
+        if out["finished"]:
+            meta = out["meta_info"]
+            if finish_reason(meta) == "abort":
+                yield sse(state.abort_error(meta).body())
+                yield SSE_DONE
+                return
+            yield chunk({}, finish_reason(meta))
+    if include_usage:
+        yield sse(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": state.model_name,
+                "choices": [],
+                "usage": usage([meta]),
+            }
+        )
+    yield SSE_DONE

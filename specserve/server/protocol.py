@@ -1,0 +1,405 @@
+"""Request bodies of the HTTP API (pydantic, strict) and the conversion of validation errors
+into OpenAI-style 400 answers that name the offending field.
+
+Bodies are parsed with `model_validate_json` in strict mode: a string is not a number, a float
+is not an integer, a number is not a boolean. Fields of the OpenAI API that this server does
+not implement are accepted only at their neutral value (e.g. `logprobs: false`), so a client
+never silently gets something other than what it asked for. Unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def _bad(field: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_value", message, {"field": field})
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_stop(v: Any) -> list[str] | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise _bad("stop", "must be a string or a list of strings")
+    if any(not s for s in v):
+        raise _bad("stop", "stop strings must not be empty")
+    if len(v) > 16:
+        raise _bad("stop", f"at most 16 stop strings are supported, got {len(v)}")
+    return v
+
+
+def _token_ids(v: Any) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(_is_int(t) for t in v)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _CommonRequest(_Strict):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    stop: Any = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions (SGLang / vLLM names).
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    # OpenAI fields accepted only at their neutral value.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        return _check_stop(v)
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        if v is not None and v != 1:
+            raise _bad("n", f"only n=1 is supported, got {v}")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v):
+        if v:
+            raise _bad("penalty", "is not supported (only 0)")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _rep_penalty(cls, v):
+        if v is not None and v != 1.0:
+            raise _bad("repetition_penalty", "is not supported (only 1.0)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v:
+            raise _bad("logit_bias", "is not supported")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v):
+        if v is not None and any(t < 0 for t in v):
+            raise _bad("stop_token_ids", "token ids must be >= 0")
+        return v
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                "stream_options: only allowed when stream is true", param="stream_options"
+            )
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        """Engine (SGLang-named) sampling parameters; OpenAI's defaults where not given."""
+        sp: dict[str, Any] = {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": -1 if self.top_k in (None, 0) else self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "max_new_tokens": max_new_tokens,
+            "stop": list(self.stop or []),
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        if self.seed is not None:
+            sp["seed"] = self.seed
+        return sp
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: Any = Field(...)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, str) or _token_ids(v):
+            return v
+        if isinstance(v, list) and v:
+            if all(isinstance(p, str) for p in v) or all(_token_ids(p) for p in v):
+                return v
+        raise _bad(
+            "prompt",
+            "must be a string, a non-empty list of strings, a non-empty list of token ids, "
+            "or a non-empty list of non-empty lists of token ids",
+        )
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v):
+        if v:
+            raise _bad("echo", "is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        if v:
+            raise _bad("suffix", "is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v is not None and v != 1:
+            raise _bad("best_of", f"only best_of=1 is supported, got {v}")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v:
+            raise _bad("logprobs", "is not supported")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of single prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str) or _token_ids(p):
+            return [p]
+        return list(p)
+
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any = Field(...)
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v:
+            parts = []
+            for part in v:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise _bad(
+                        "content", "only text content parts ({'type': 'text', ...}) are supported"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise _bad("content", "a text content part needs a string 'text'")
+                parts.append(part["text"])
+            return "\n".join(parts)
+        raise _bad("content", "must be a string or a non-empty list of text content parts")
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v):
+        if v is not None and v < 1:
+            raise _bad("max_tokens", "must be >= 1")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v:
+            raise _bad("logprobs", "is not supported")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v):
+        if v:
+            raise _bad("top_logprobs", "is not supported")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        if v:
+            raise _bad("tools", "tool calling is not supported")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v not in (None, "none", "auto"):
+            raise _bad("tool_choice", "tool calling is not supported")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        if v is not None and v.get("type") != "text":
+            raise _bad("response_format", "only {'type': 'text'} is supported")
+        return v
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        out = []
+        for m in self.messages:
+            # The chat templates of small models know "system" but not OpenAI's "developer".
+            role = "system" if m.role == "developer" else m.role
+            out.append({"role": role, "content": m.content})
+        return out
+
+
+class GenerateRequest(_Strict):
+    """SGLang's native /generate body."""
+
+    text: Any = None
+    input_ids: Any = None
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+    rid: str | None = None
+    return_logprob: bool = False
+
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v):
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
+            return v
+        raise _bad("text", "must be a string or a non-empty list of strings")
+
+    @field_validator("input_ids")
+    @classmethod
+    def _input_ids(cls, v):
+        if v is None or _token_ids(v):
+            return v
+        if isinstance(v, list) and v and all(_token_ids(p) for p in v):
+            return v
+        raise _bad(
+            "input_ids",
+            "must be a non-empty list of token ids or a non-empty list of such lists",
+        )
+
+    @field_validator("return_logprob")
+    @classmethod
+    def _return_logprob(cls, v):
+        if v:
+            raise _bad("return_logprob", "is not supported")
+        return v
+
+
+# ---- validation errors -> APIError ---------------------------------------------------------
+def _loc_to_param(loc: tuple) -> str | None:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or None
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def validation_error_to_api_error(err: ValidationError) -> APIError:
+    first = err.errors(include_url=False)[0]
+    kind, loc, msg = first["type"], tuple(first["loc"]), first["msg"]
+    if kind == "json_invalid":
+        return APIError(f"request body is not valid JSON: {msg}")
+    if not loc and kind in ("model_type", "model_attributes_type", "dict_type"):
+        return APIError(
+            f"request body must be a JSON object, got {type(first.get('input')).__name__}"
+        )
+    param = _loc_to_param(loc)
+    message = f"{param}: {msg}"
+    if kind not in ("missing", "invalid_value") and "input" in first:
+        message += f" (got {_short(first['input'])})"
+    if len(err.errors()) > 1:
+        message += f" ({len(err.errors()) - 1} more error(s) in the body)"
+    return APIError(message, param=param)
+
+
+def parse(model: type[BaseModel], body: bytes):
+    if not body.strip():
+        raise APIError("request body is empty; send a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error_to_api_error(e) from None
