@@ -8,6 +8,9 @@ Cases (32 query heads, 8 KV heads, head_dim 128, bf16, one layer, K/V write incl
 - extend: a 64-token causal chunk over a cached context.
 GB/s counts the bytes that must move at least once: the visible K/V (gathered from the cache),
 q, the new k/v and the output. Needs CUDA; times with triton.testing.do_bench (median).
+`triton_us` is the eager backend call (Python launch overhead included: ~5 launches);
+`graph_us` replays it from a CUDA graph, i.e. GPU time as a graph-captured engine sees it.
+`--tune` instead sweeps kernel configs and split counts (graph-timed) on a few shapes.
 """
 
 from __future__ import annotations
@@ -15,8 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
+from pathlib import Path
 
 import torch
+
+# Runnable as a plain script from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
 
@@ -78,6 +86,37 @@ def build(batch: int, ctx: int, q_len: int, tree: bool, page_size: int, seed: in
     return q, k, v, cache, meta, kv_bytes + io_bytes
 
 
+def graph_ms(fn) -> float | None:
+    """Median ms of replaying fn from a CUDA graph (no Python launch overhead)."""
+    from triton.testing import do_bench
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and warm outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, return_mode="median")
+
+
+def warm_up_clocks(seconds: float = 1.0) -> None:
+    """The GPU idles at low clocks; keep it busy a moment so the first case is not slow."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        for _ in range(20):
+            a @ a
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) > seconds * 1e3:
+            return
+
+
 def run_case(name, batch, ctx, q_len, tree, page_size, with_torch) -> dict:
     from triton.testing import do_bench
 
@@ -90,6 +129,7 @@ def run_case(name, batch, ctx, q_len, tree, page_size, with_torch) -> dict:
     out_r = ref.forward(0, q, k, v, cache, meta)
     err = (out_t.float() - out_r.float()).abs().max().item()
     t_ms = do_bench(lambda: tri.forward(0, q, k, v, cache, meta), return_mode="median")
+    g_ms = graph_ms(lambda: tri.forward(0, q, k, v, cache, meta))
     r_ms = None
     if with_torch:
         r_ms = do_bench(lambda: ref.forward(0, q, k, v, cache, meta), rep=50, return_mode="median")
@@ -99,9 +139,11 @@ def run_case(name, batch, ctx, q_len, tree, page_size, with_torch) -> dict:
         "context": ctx,
         "q_len": q_len,
         "triton_us": round(t_ms * 1e3, 1),
+        "graph_us": round(g_ms * 1e3, 1),
         "torch_us": None if r_ms is None else round(r_ms * 1e3, 1),
         "speedup": None if r_ms is None else round(r_ms / t_ms, 1),
         "triton_GBps": round(nbytes / (t_ms * 1e-3) / 1e9, 1),
+        "graph_GBps": round(nbytes / (g_ms * 1e-3) / 1e9, 1),
         "max_abs_err": err,
         "num_kv_splits": tri._plan.num_splits if tri._plan else None,
     }
@@ -113,9 +155,14 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="contexts 1k/4k only")
     ap.add_argument("--no-torch", action="store_true", help="skip the (slow) reference timings")
+    ap.add_argument("--tune", action="store_true", help="sweep kernel configs instead")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/attention_kernels.py needs a CUDA GPU (Triton kernels); none found.")
+    warm_up_clocks()
+    if args.tune:
+        tune(args.page_size)
+        return
 
     contexts = [1024, 4096] if args.quick else [1024, 4096, 16384]
     cases = [("decode", b, c, 1, False) for b in (1, 16, 64) for c in contexts]
@@ -139,12 +186,78 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "results": results}, f, indent=1)
-    cols = ["case", "batch", "context", "triton_us", "torch_us", "speedup", "triton_GBps"]
-    cols += ["num_kv_splits", "max_abs_err"]
+    cols = ["case", "batch", "context", "triton_us", "graph_us", "torch_us", "speedup"]
+    cols += ["triton_GBps", "graph_GBps", "num_kv_splits", "max_abs_err"]
     print("\n| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in results:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+
+
+def tune(page_size: int) -> None:
+    """Graph-timed sweep of split counts and tile configs; prints one line per variant."""
+    from specserve.ops.triton_attention import TritonAttentionBackend
+    from specserve.ops.triton_kernels import decode_attention, extend_attention
+
+    def line(tag, cfg, ms, nbytes):
+        print(f"{tag:34s} {str(cfg):70s} {ms * 1e3:9.1f} us {nbytes / ms / 1e6:8.1f} GB/s")
+
+    def try_graph_ms(fn) -> float:
+        try:
+            return graph_ms(fn)
+        except Exception as e:  # e.g. a tile config that does not fit in shared memory
+            print(f"  failed: {type(e).__name__}: {str(e)[:100]}")
+            return float("inf")
+
+    decode_cfgs = [
+        {"block_n": 64, "num_warps": 4, "num_stages": 2},
+        {"block_n": 64, "num_warps": 4, "num_stages": 3},
+        {"block_n": 128, "num_warps": 4, "num_stages": 2},
+        {"block_n": 32, "num_warps": 4, "num_stages": 3},
+        {"block_n": 64, "num_warps": 8, "num_stages": 2},
+    ]
+    for batch, ctx in [(1, 16384), (1, 4096), (16, 16384), (64, 4096)]:
+        q, k, v, cache, meta, nbytes = build(batch, ctx, 1, False, page_size)
+        auto = TritonAttentionBackend()
+        auto.forward(0, q, k, v, cache, meta)
+        print(f"decode b={batch} ctx={ctx}: auto plan {auto._plan}")
+        out = torch.empty_like(q)
+        for splits in sorted({1, 4, 8, 16, 32, 64, auto._plan.num_splits}):
+            per = -(-(ctx + 1) // splits)
+            for cfg in decode_cfgs:
+                args = (q, cache.k[0], cache.v[0], meta.kv_indptr, meta.kv_indices, out)
+                ms = try_graph_ms(partial(decode_attention, *args, splits, per, cfg))
+                line(f"decode b={batch} ctx={ctx} S={splits}", cfg, ms, nbytes)
+
+    extend_cfgs = [
+        {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
+        {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
+        {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2},
+        {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
+        {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2},
+        {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
+        {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3},
+    ]
+    shapes = [("tree", 16, 4096, 64, True), ("extend", 16, 4096, 64, False)]
+    shapes += [("prefill", 1, 0, 4096, False), ("tree", 1, 16384, 64, True)]
+    for name, batch, ctx, q_len, tree in shapes:
+        q, k, v, cache, meta, nbytes = build(batch, ctx, q_len, tree, page_size)
+        auto = TritonAttentionBackend()
+        auto.forward(0, q, k, v, cache, meta)
+        print(f"{name} b={batch} ctx={ctx} q={q_len}: auto plan {auto._plan}")
+        out = torch.empty_like(q)
+        split_opts = sorted(
+            {1, auto._plan.num_splits} | ({8, 16, 32} if batch == 1 and ctx else set())
+        )
+        for splits in split_opts:
+            per = -(-ctx // splits) if ctx else 0
+            for cfg in extend_cfgs:
+                args = (q, cache.k[0], cache.v[0], out, meta.qo_indptr, meta.kv_indptr)
+                args += (meta.kv_indices, meta.extra_lens, meta.custom_mask, meta.mask_indptr)
+                ms = try_graph_ms(partial(extend_attention, *args, batch, q_len, splits, per, cfg))
+                flops = 4 * batch * q_len * HEADS * HEAD_DIM * (ctx + q_len / 2)
+                tflops = flops / ms / 1e9
+                line(f"{name} b={batch} ctx={ctx} S={splits} {tflops:5.0f}TF", cfg, ms, nbytes)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ from specserve.ops.attention import AttentionBackend, AttentionMetadata
 from specserve.ops.triton_kernels import decode_attention, extend_attention
 from specserve.ops.triton_kernels.extend import EXTEND_BLOCK_M
 
-_BLOCK_N = 64  # KV positions per step of the decode kernel; split chunks are multiples of it
-_MAX_SPLITS = 16
+_BLOCK_N = 64  # split chunks are whole multiples of the kernels' KV block
+_MAX_SPLITS = 64
+_PROGRAMS_PER_SM = 4  # splitting aims for this many programs per SM
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _splits(self, programs: int, max_len: int, device: torch.device) -> tuple[int, int]:
         """(split count, positions per split) for splitting `max_len` KV positions so that
-        `programs` programs become about two per SM, with no chunk under min_kv_per_split."""
+        `programs` programs become about _PROGRAMS_PER_SM per SM, with no chunk under
+        min_kv_per_split."""
         if self.num_kv_splits is not None:
             splits = self.num_kv_splits
         else:
-            splits = triton.cdiv(2 * self._sm_count(device), max(programs, 1))
+            splits = triton.cdiv(_PROGRAMS_PER_SM * self._sm_count(device), max(programs, 1))
             splits = min(splits, triton.cdiv(max_len, self.min_kv_per_split), _MAX_SPLITS)
         splits = max(1, splits)
         # Chunks are whole KV blocks; recompute the count so no trailing split is always empty.
@@ -116,7 +118,7 @@ class TritonAttentionBackend(AttentionBackend):
         if plan.is_decode:
             decode_attention(
                 q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, out,
-                plan.num_splits, plan.kv_per_split, block_n=_BLOCK_N,
+                plan.num_splits, plan.kv_per_split,
             )  # fmt: skip
         else:
             extend_attention(

@@ -34,7 +34,6 @@ def _decode_split_kernel(
     stride_kh,
     stride_vs,
     stride_vh,
-    NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,  # GROUP padded to >= 16 (tl.dot's minimum)
@@ -44,6 +43,7 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)  # a runtime value: no recompilation per split count
     num_heads = tl.num_programs(1) * GROUP
 
     kv_start = tl.load(kv_indptr + b).to(tl.int64)
@@ -78,7 +78,7 @@ def _decode_split_kernel(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    row = (b * num_heads + heads) * NUM_SPLITS + split  # index into [B, H, S]
+    row = (b * num_heads + heads) * num_splits + split  # index into [B, H, S]
     tl.store(LSE_part + row, lse, mask=h_mask)
     tl.store(
         O_part + row[:, None] * HEAD_DIM + offs_d[None, :],
@@ -94,9 +94,9 @@ def merge_splits_kernel(
     Out,  # [T, H, D]
     stride_ot,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # num_splits rounded up to a power of two
     BLOCK_D: tl.constexpr,
 ):
     """out = sum_s w_s * o_s / sum_s w_s with w_s = exp2(lse_s - max lse): exact softmax merge."""
@@ -104,10 +104,10 @@ def merge_splits_kernel(
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
     offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    base = (t * num_heads + h) * NUM_SPLITS
+    base = (t * num_heads + h) * num_splits
     lse = tl.load(LSE_part + base + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # all empty (no KV): all zero
@@ -132,9 +132,11 @@ def decode_attention(
     out: torch.Tensor,  # [B, H, D]
     num_splits: int,
     kv_per_split: int,
-    block_n: int = 64,
+    config: dict | None = None,
 ) -> None:
-    """Launch sizes are all host integers; nothing here reads device memory."""
+    """Launch sizes are all host integers; nothing here reads device memory.
+    config overrides block_n / num_warps / num_stages (tuning)."""
+    cfg = {"block_n": 64, "num_warps": 4, "num_stages": 2, **(config or {})}
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -148,13 +150,13 @@ def decode_attention(
         head_dim**-0.5 * LOG2E, kv_per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
-        NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4, num_stages=2,
+        GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg["block_n"], BLOCK_D=block_d,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     merge_splits_kernel[(batch, num_heads)](
-        o_part, lse_part, out, out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+        o_part, lse_part, out, out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
         num_warps=1 if block_d <= 64 else 2,
     )  # fmt: skip

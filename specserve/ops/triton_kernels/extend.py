@@ -11,7 +11,7 @@ fill the 16-row minimum of tl.dot when the group is large.
 
 Split prefix: a 64-node tree verify at batch 1 has only (64 * group / BLOCK_M) * kv_heads
 programs (32 for Llama-3-8B), far fewer than the GPU's SMs, each walking the whole context.
-With NUM_SPLITS > 1 the prefix is cut into chunks handled by separate programs (the last one
+With num_splits > 1 the prefix is cut into chunks handled by separate programs (the last one
 also does the extra part), and `merge_splits_kernel` combines their partial results, as in
 split-KV decoding.
 """
@@ -33,8 +33,8 @@ def _extend_kernel(
     Q,  # [T, H, D]
     K,  # [num_slots, Hkv, D]
     V,
-    Out,  # [T, H, D]; with NUM_SPLITS > 1, the float32 partials [T, H, S, D]
-    LSE_part,  # [T, H, S] float32 (NUM_SPLITS > 1 only)
+    Out,  # [T, H, D]; with SPLIT, the float32 partials [T, H, S, D]
+    LSE_part,  # [T, H, S] float32 (SPLIT only)
     qo_indptr,
     kv_indptr,
     kv_indices,
@@ -42,6 +42,7 @@ def _extend_kernel(
     custom_mask,  # uint8 view of the flattened bool blocks (unused without CUSTOM_MASK)
     mask_indptr,
     qk_scale,
+    num_splits,
     prefix_per_split,
     stride_qt,
     stride_qh,
@@ -52,7 +53,7 @@ def _extend_kernel(
     stride_ot,
     stride_oh,
     CUSTOM_MASK: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for merge_splits_kernel
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -61,9 +62,9 @@ def _extend_kernel(
 ):
     m_block = tl.program_id(0)
     b = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
-    num_heads = (tl.num_programs(2) // NUM_SPLITS) * GROUP
+    kv_head = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+    num_heads = (tl.num_programs(2) // num_splits) * GROUP
 
     q_start = tl.load(qo_indptr + b).to(tl.int64)
     q_len = tl.load(qo_indptr + b + 1).to(tl.int64) - q_start
@@ -87,14 +88,14 @@ def _extend_kernel(
 
     # The grid is sized for the longest request; blocks past this request's rows do no work.
     active = m_block * BLOCK_M < q_len * GROUP
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         prefix_lo = 0
         prefix_hi = tl.where(active, prefix, 0)
         do_extra = active
     else:
         prefix_lo = split * prefix_per_split
         prefix_hi = tl.where(active, tl.minimum(prefix_lo + prefix_per_split, prefix), 0)
-        do_extra = active & (split == NUM_SPLITS - 1)
+        do_extra = active & (split == num_splits - 1)
     if CUSTOM_MASK:
         extra_end = kv_len
         mask_start = tl.load(mask_indptr + b).to(tl.int64)
@@ -145,11 +146,11 @@ def _extend_kernel(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     out_mask = row_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out_ptr = Out + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh
         tl.store(out_ptr + offs_d[None, :], out.to(Out.dtype.element_ty), mask=out_mask)
     else:
-        part = ((q_start + qi) * num_heads + heads) * NUM_SPLITS + split  # into [T, H, S]
+        part = ((q_start + qi) * num_heads + heads) * num_splits + split  # into [T, H, S]
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(LSE_part + part, lse, mask=row_mask)
         tl.store(Out + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
@@ -170,18 +171,25 @@ def extend_attention(
     max_q_len: int,
     num_splits: int = 1,
     prefix_per_split: int = 0,
+    config: dict | None = None,
 ) -> None:
     """Host integers (batch size, longest q_len, split plan) size the launch: nothing here
     reads device memory. With num_splits > 1, split s covers prefix positions
-    [s * prefix_per_split, (s + 1) * prefix_per_split) and the last split the extra part."""
+    [s * prefix_per_split, (s + 1) * prefix_per_split) and the last split the extra part.
+    config overrides block_m / block_n / num_warps / num_stages (tuning)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     # 64x64 tiles suit head_dim <= 128 in 16-bit; float32 tiles are twice the bytes, so use
     # narrower KV blocks there to stay within shared memory.
-    block_m = EXTEND_BLOCK_M
-    block_n = 32 if q.element_size() >= 4 and block_d > 64 else 64
+    cfg = {
+        "block_m": EXTEND_BLOCK_M,
+        "block_n": 32 if q.element_size() >= 4 and block_d > 64 else 64,
+        "num_warps": 4,
+        "num_stages": 2,
+        **(config or {}),
+    }
     has_mask = custom_mask is not None
     mask_arg = custom_mask.view(torch.uint8) if has_mask else qo_indptr  # placeholder pointer
     if num_splits > 1:
@@ -191,21 +199,21 @@ def extend_attention(
         lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         dst, lse = out, out  # lse unused
-    grid = (triton.cdiv(max_q_len * group, block_m), batch_size, num_kv_heads * num_splits)
+    grid = (triton.cdiv(max_q_len * group, cfg["block_m"]), batch_size, num_kv_heads * num_splits)
     _extend_kernel[grid](
         q, k_cache, v_cache, dst, lse, qo_indptr, kv_indptr, kv_indices, extra_lens,
         mask_arg, mask_indptr if has_mask else qo_indptr,
-        head_dim**-0.5 * LOG2E, prefix_per_split,
+        head_dim**-0.5 * LOG2E, num_splits, prefix_per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        CUSTOM_MASK=has_mask, NUM_SPLITS=num_splits, GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4, num_stages=2,
+        CUSTOM_MASK=has_mask, SPLIT=num_splits > 1, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=block_d,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_kernel[(num_tokens, num_heads)](
-            dst, lse, out, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+            dst, lse, out, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
             num_warps=1 if block_d <= 64 else 2,
         )  # fmt: skip
