@@ -116,6 +116,8 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
             "served_model_name": state.model_name,
             "is_generation": True,
             "context_length": state.context_len,
+            "vocab_size": engine.core.model_config.vocab_size,
+            "has_tokenizer": state.tokenizer is not None,
         }
 
     # ---- operations -------------------------------------------------------------------------
