@@ -12,7 +12,9 @@ from specserve.ops.attention import TorchAttentionBackend
 from specserve.runtime.forward_batch import Segment, build_metadata
 from specserve.runtime.model_runner import ModelRunner
 
-TINY = dict(model_path="tiny", load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu")
+TINY = dict(
+    model_path="tiny", load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu"
+)
 
 
 def write_dummy_config(folder: str, **overrides) -> str:
@@ -38,7 +40,9 @@ def write_dummy_config(folder: str, **overrides) -> str:
     return folder
 
 
-def mixed_prompts(n: int, vocab: int, seed: int = 0, min_len: int = 1, max_len: int = 40) -> list[list[int]]:
+def mixed_prompts(
+    n: int, vocab: int, seed: int = 0, min_len: int = 1, max_len: int = 40
+) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
     return [torch.randint(3, vocab, (n_,), generator=g).tolist() for n_ in lens]
@@ -48,10 +52,14 @@ def reference_kv(model, tokens: list[int]) -> tuple[list[torch.Tensor], list[tor
     """K and V of every layer for a plain causal prefill of `tokens` (fresh cache)."""
     cfg = model.config
     n = len(tokens)
-    cache = KVCache(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype, "cpu")
+    cache = KVCache(
+        cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype, "cpu"
+    )
     slots = torch.arange(n)
     meta = build_metadata([Segment(slots, n, n)], slots, torch.device("cpu"))
-    ModelRunner(model, cache, TorchAttentionBackend()).forward(torch.tensor(tokens), torch.arange(n), meta)
+    ModelRunner(model, cache, TorchAttentionBackend()).forward(
+        torch.tensor(tokens), torch.arange(n), meta
+    )
     return cache.k, cache.v
 
 
@@ -63,7 +71,27 @@ def assert_kv_matches_plain_prefill(core, atol: float = 1e-4) -> int:
         ref_k, ref_v = reference_kv(core.runner.model, tokens)
         slots = core.table.slots(req.rid, 0, req.kv_len)
         for layer in range(len(ref_k)):
-            torch.testing.assert_close(core.kv_cache.k[layer][slots], ref_k[layer], atol=atol, rtol=1e-4)
-            torch.testing.assert_close(core.kv_cache.v[layer][slots], ref_v[layer], atol=atol, rtol=1e-4)
+            torch.testing.assert_close(
+                core.kv_cache.k[layer][slots], ref_k[layer], atol=atol, rtol=1e-4
+            )
+            torch.testing.assert_close(
+                core.kv_cache.v[layer][slots], ref_v[layer], atol=atol, rtol=1e-4
+            )
         checked += 1
     return checked
+
+
+def reference_logits(model, tokens: list[int]) -> torch.Tensor:
+    """float32 logits [len(tokens), vocab] of a plain causal forward (fresh cache)."""
+    cfg = model.config
+    n = len(tokens)
+    cache = KVCache(
+        cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype, "cpu"
+    )
+    slots = torch.arange(n)
+    meta = build_metadata([Segment(slots, n, n)], slots, torch.device("cpu"))
+    out = ModelRunner(model, cache, TorchAttentionBackend()).forward(
+        torch.tensor(tokens), torch.arange(n), meta
+    )
+    with torch.inference_mode():
+        return model.compute_logits(out.hidden)

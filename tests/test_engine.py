@@ -54,11 +54,20 @@ def test_retraction_under_tiny_kv_budget_loses_nothing():
 
 def test_seeded_sampling_is_reproducible_and_batch_invariant():
     prompts = mixed_prompts(4, 512, seed=3)
-    sp = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 1234, "max_new_tokens": 16, "ignore_eos": True}
+    sp = {
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "top_k": 50,
+        "seed": 1234,
+        "max_new_tokens": 16,
+        "ignore_eos": True,
+    }
     with Engine(**TINY) as e:
         alone = [e.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts]
         batched = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)]
-        other_seed = e.generate(input_ids=prompts[0], sampling_params={**sp, "seed": 99})["output_ids"]
+        other_seed = e.generate(input_ids=prompts[0], sampling_params={**sp, "seed": 99})[
+            "output_ids"
+        ]
     assert alone == batched
     assert other_seed != alone[0]
 
@@ -75,7 +84,9 @@ def test_stop_token_ids_end_the_request_at_that_token():
     with Engine(**TINY) as e:
         full = e.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["output_ids"]
         stop_at = full[10]
-        out = e.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "stop_token_ids": [stop_at]})
+        out = e.generate(
+            input_ids=[5, 6, 7], sampling_params={**GREEDY, "stop_token_ids": [stop_at]}
+        )
     first = full.index(stop_at)
     assert out["output_ids"] == full[: first + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
@@ -123,7 +134,9 @@ def test_abort_frees_the_request_and_its_kv():
 
     def run():
         results["out"] = engine.generate(
-            input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 100000, "ignore_eos": True}, rid="long-one"
+            input_ids=[4, 5, 6],
+            sampling_params={"max_new_tokens": 100000, "ignore_eos": True},
+            rid="long-one",
         )
 
     t = threading.Thread(target=run)

@@ -8,12 +8,18 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling ("rope_type": "llama3")."""
+    """Llama-3 style frequency scaling ("rope_type": "llama3").
+
+    freq_factors: explicit per-frequency divisors of the inverse frequencies (head_dim // 2
+    values), as llama.cpp stores llama3 scaling in GGUF files (`rope_freqs.weight`); when set,
+    they are used instead of the parameters above.
+    """
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,20 @@
 
 llama.cpp's converter permutes the rows of q and k weights so that RoPE pairs are
 interleaved; our model uses the rotate-half layout, so the permutation is undone here.
+
+The file is parsed by a small reader of our own (`read_gguf`): `gguf.GGUFReader` builds a
+numpy view per string of the vocabulary and the merges, which takes seconds for a 49k
+vocabulary, and we only need the scalar keys, array lengths and the tensor table. Tensor
+bytes are memory-mapped; `gguf.quants.dequantize` turns them into float32.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import mmap
+import struct
+from collections.abc import Container, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,69 +38,217 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
+# GGUF metadata value types -> struct format (scalars).
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q"}
+_SCALAR.update({11: "<q", 12: "<d"})
+_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32}
+_NP.update({6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64})
+_STRING, _ARRAY = 8, 9
 
-def _reader(path: str):
+
+@dataclass(frozen=True)
+class StringArray:
+    """A metadata array of strings that was skipped (e.g. the vocabulary): its length only."""
+
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # torch order (slowest first)
+    ggml_type: int
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+@dataclass
+class GGUFFile:
+    path: str
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensor]
+    _buf: Any = None  # the mmap; tensor data are views into it
+
+    def tensor_bytes(self, t: GGUFTensor) -> np.ndarray:
+        """uint8 [rows..., bytes per row] view of a tensor's data (read-only)."""
+        import gguf
+
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)]
+        row_bytes = t.shape[-1] // block * type_size
+        flat = np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        return flat.reshape(*t.shape[:-1], row_bytes)
+
+    def tensor_float32(self, t: GGUFTensor) -> np.ndarray:
+        import gguf
+        from gguf.quants import dequantize
+
+        qtype = gguf.GGMLQuantizationType(t.ggml_type)
+        raw = self.tensor_bytes(t)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            arr = raw.view(np.float32).copy()  # own the memory: the mmap is read-only
+        elif qtype.name in _BLOCK_TYPES:
+            arr = _dequantize_blocks(raw, qtype.name)
+        else:
+            arr = dequantize(raw, qtype)
+        return np.ascontiguousarray(arr, dtype=np.float32).reshape(t.shape)
+
+
+# Block formats whose `gguf.quants` class dequantizes any number of blocks in one call.
+_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _dequantize_blocks(raw: np.ndarray, type_name: str, chunk: int = 1 << 16) -> np.ndarray:
+    """Same values as `gguf.quants.dequantize` (same numpy code), but over large chunks of
+    blocks rather than 16 rows at a time: about twice as fast on a 135M model."""
+    from gguf import quants
+
+    cls = getattr(quants, type_name)
+    blocks = raw.reshape(-1, cls.type_size)
+    out = np.empty((blocks.shape[0], cls.block_size), dtype=np.float32)
+    for i in range(0, blocks.shape[0], chunk):
+        out[i : i + chunk] = cls.dequantize_blocks(blocks[i : i + chunk])
+    return out
+
+
+def read_gguf(path: str, keep_string_arrays: Container[str] = ()) -> GGUFFile:
+    """Parse a GGUF file's metadata and tensor table. String arrays not named in
+    `keep_string_arrays` are skipped (a `StringArray` holding their length)."""
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if buf[:4] != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (bad magic bytes)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+    pos = 24
+
+    def read_str(p: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", buf, p)
+        return buf[p + 8 : p + 8 + n].decode("utf-8", errors="replace"), p + 8 + n
+
+    def read_value(p: int, vtype: int, key: str) -> tuple[Any, int]:
+        if vtype in _SCALAR:
+            fmt = _SCALAR[vtype]
+            return struct.unpack_from(fmt, buf, p)[0], p + struct.calcsize(fmt)
+        if vtype == _STRING:
+            return read_str(p)
+        if vtype == _ARRAY:
+            etype, count = struct.unpack_from("<IQ", buf, p)
+            p += 12
+            if etype in _NP:
+                arr = np.frombuffer(buf, dtype=_NP[etype], count=count, offset=p)
+                return arr.tolist(), p + arr.nbytes
+            if etype == _STRING:
+                if key in keep_string_arrays:
+                    out = []
+                    for _ in range(count):
+                        s, p = read_str(p)
+                        out.append(s)
+                    return out, p
+                for _ in range(count):
+                    (n,) = struct.unpack_from("<Q", buf, p)
+                    p += 8 + n
+                return StringArray(count), p
+            out = []
+            for _ in range(count):
+                v, p = read_value(p, etype, key)
+                out.append(v)
+            return out, p
+        raise ValueError(f"{path}: unknown GGUF metadata type {vtype} for {key!r}")
+
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key, pos = read_str(pos)
+        (vtype,) = struct.unpack_from("<I", buf, pos)
+        metadata[key], pos = read_value(pos + 4, vtype, key)
+
     import gguf
 
-    return gguf.GGUFReader(path)
+    entries = []
+    for _ in range(n_tensors):
+        name, pos = read_str(pos)
+        (n_dims,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+        ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        entries.append((name, tuple(int(d) for d in reversed(dims)), ggml_type, offset))
+    align = int(metadata.get("general.alignment", 32))
+    data_start = -(-pos // align) * align
+    tensors = []
+    for name, shape, ggml_type, offset in entries:
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+        n = int(np.prod(shape, dtype=np.int64))
+        nbytes = n // block * type_size
+        start = data_start + offset
+        if start + nbytes > len(buf):
+            raise ValueError(f"{path}: tensor {name!r} runs past the end of the file")
+        tensors.append(GGUFTensor(name, shape, ggml_type, start, nbytes))
+    return GGUFFile(path, metadata, tensors, buf)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    if len(f.types) and f.types[0].name == "STRING":
-        return bytes(f.parts[f.data[0]]).decode("utf-8")
-    if len(f.types) and f.types[0].name == "ARRAY":
-        return [
-            f.parts[i].tolist()[0] if len(f.parts[i]) == 1 else bytes(f.parts[i]) for i in f.data
-        ]
-    return f.parts[f.data[0]].tolist()[0]
-
-
-def load_gguf_config(path: str) -> ModelConfig:
-    r = _reader(path)
-    arch = _field(r, "general.architecture")
+def load_gguf_config(path: str, gf: GGUFFile | None = None) -> ModelConfig:
+    gf = gf or read_gguf(path)
+    m = gf.metadata
+    arch = m.get("general.architecture")
     if arch not in _SUPPORTED_ARCHS:
         raise ValueError(
-            f"GGUF architecture {arch!r} is not supported ({sorted(_SUPPORTED_ARCHS)})"
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {sorted(_SUPPORTED_ARCHS)})"
         )
     a = arch
-    heads = _field(r, f"{a}.attention.head_count")
-    hidden = _field(r, f"{a}.embedding_length")
+    heads = m[f"{a}.attention.head_count"]
+    hidden = m[f"{a}.embedding_length"]
     head_dim = (
-        _field(r, f"{a}.attention.key_length")
-        or _field(r, f"{a}.rope.dimension_count")
-        or hidden // heads
+        m.get(f"{a}.attention.key_length") or m.get(f"{a}.rope.dimension_count") or hidden // heads
     )
-    names = {t.name for t in r.tensors}
-    tokens = r.fields.get("tokenizer.ggml.tokens")
-    vocab = _field(r, f"{a}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    tensors = {t.name: t for t in gf.tensors}
+    tokens = m.get("tokenizer.ggml.tokens")
+    vocab = m.get(f"{a}.vocab_size") or (len(tokens) if tokens is not None else None)
+    if vocab is None and "token_embd.weight" in tensors:
+        vocab = tensors["token_embd.weight"].shape[0]
     scaling = None
-    if _field(r, f"{a}.rope.scaling.type") == "llama3" or "rope_freqs.weight" in names:
+    if "rope_freqs.weight" in tensors:
+        # llama.cpp stores llama3 scaling as per-frequency divisors of the inverse frequencies
+        # (convert_hf_to_gguf computes them from factor/low/high/original context): use them
+        # as they are rather than guessing the parameters they came from.
+        factors = gf.tensor_float32(tensors["rope_freqs.weight"]).reshape(-1)
         scaling = RopeScaling(
-            factor=float(_field(r, f"{a}.rope.scaling.factor", 8.0)),
+            factor=float(factors.max()),
             original_max_position_embeddings=int(
-                _field(r, f"{a}.rope.scaling.original_context_length", 8192)
+                m.get(f"{a}.rope.scaling.original_context_length", 8192)
+            ),
+            freq_factors=tuple(float(x) for x in factors),
+        )
+    elif m.get(f"{a}.rope.scaling.type") == "llama3":
+        scaling = RopeScaling(
+            factor=float(m.get(f"{a}.rope.scaling.factor", 8.0)),
+            original_max_position_embeddings=int(
+                m.get(f"{a}.rope.scaling.original_context_length", 8192)
             ),
         )
-    eos = _field(r, "tokenizer.ggml.eos_token_id")
+    elif m.get(f"{a}.rope.scaling.type") not in (None, "none"):
+        raise ValueError(
+            f"{path}: rope scaling {m.get(f'{a}.rope.scaling.type')!r} is not supported (llama3 or none)"
+        )
+    eos = m.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=_field(r, f"{a}.feed_forward_length"),
-        num_layers=_field(r, f"{a}.block_count"),
+        intermediate_size=m[f"{a}.feed_forward_length"],
+        num_layers=m[f"{a}.block_count"],
         num_heads=heads,
-        num_kv_heads=_field(r, f"{a}.attention.head_count_kv", heads),
+        num_kv_heads=m.get(f"{a}.attention.head_count_kv", heads),
         head_dim=head_dim,
-        rms_norm_eps=float(_field(r, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(r, f"{a}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(m.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(m.get(f"{a}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        max_position_embeddings=_field(r, f"{a}.context_length", 4096),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
-        bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
+        max_position_embeddings=m.get(f"{a}.context_length", 4096),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        bos_token_id=m.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
         architecture=arch,
     )
@@ -104,20 +261,17 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
-def iter_gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(
+    path: str, cfg: ModelConfig, gf: GGUFFile | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Hugging Face-named float32 tensors from a GGUF file."""
-    from gguf.quants import dequantize
-
-    r = _reader(path)
+    gf = gf or read_gguf(path)
     permute = cfg.architecture == "llama"
-    for t in r.tensors:
+    for t in gf.tensors:
         name = t.name
         if name == "rope_freqs.weight":
-            continue
-        arr = dequantize(t.data, t.tensor_type)
-        # GGUF lists dims fastest-first; numpy data is already [rows, cols] in C order.
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        tensor = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))
+            continue  # read into the config (RopeScaling.freq_factors)
+        tensor = torch.from_numpy(gf.tensor_float32(t))
         if name == "token_embd.weight":
             yield "model.embed_tokens.weight", tensor
         elif name == "output_norm.weight":
@@ -138,4 +292,8 @@ def iter_gguf_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.
 
 
 def gguf_chat_template(path: str) -> str | None:
-    return _field(_reader(path), "tokenizer.chat_template")
+    return read_gguf(path).metadata.get("tokenizer.chat_template")
+
+
+def gguf_architecture(path: str) -> str | None:
+    return read_gguf(path).metadata.get("general.architecture")

@@ -94,7 +94,12 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Pass the weight: Embedding's own init calls normal_, which on the meta device (where
+        # the loader builds models) imports torch._dynamo, seconds of start-up for nothing.
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        if weight.device.type != "meta":
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -179,12 +184,27 @@ def load_hf_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.
     for target_name, shards in parts.items():
         if target_name not in params:
             raise KeyError(f"checkpoint tensors for {target_name!r} have no place in the model")
-        ordered = [shards[i] for i in sorted(shards)]
-        _copy(params[target_name], torch.cat(ordered, dim=0), target_name)
+        _copy_stacked(params[target_name], [shards[i] for i in sorted(shards)], target_name)
         written.add(target_name)
     missing = sorted(set(params) - written)
     if missing:
         raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
+
+
+def _copy_stacked(param: torch.Tensor, shards: list[torch.Tensor], name: str) -> None:
+    """Copy shards stacked along dim 0 into `param` (what torch.cat then _copy would do,
+    without materializing the concatenation)."""
+    shape = (sum(s.shape[0] for s in shards), *shards[0].shape[1:])
+    if tuple(param.shape) != shape or any(s.shape[1:] != shards[0].shape[1:] for s in shards):
+        got = [tuple(s.shape) for s in shards]
+        raise ValueError(
+            f"{name}: checkpoint shards {got} do not stack to model shape {tuple(param.shape)}"
+        )
+    offset = 0
+    with torch.no_grad():
+        for s in shards:
+            param[offset : offset + s.shape[0]].copy_(s.to(param.dtype))
+            offset += s.shape[0]
 
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

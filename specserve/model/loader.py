@@ -92,7 +92,7 @@ def build_model(
         model.load_weights(iter_gguf_weights(src.path, cfg))
     else:
         model.load_weights(iter_safetensors(src.path))
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 @dataclass

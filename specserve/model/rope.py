@@ -10,9 +10,21 @@ from specserve.model.config import RopeScaling
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    # Computed on the CPU even inside a `torch.device("meta")` block (the loader builds models
+    # there and recomputes this afterwards): meta-device arithmetic imports torch._dynamo,
+    # seconds of start-up.
+    exps = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim
+    inv_freq = 1.0 / (theta**exps)
     if scaling is None:
         return inv_freq.float()
+    if scaling.freq_factors is not None:
+        factors = torch.tensor(scaling.freq_factors, dtype=torch.float64, device="cpu")
+        if factors.numel() != inv_freq.numel():
+            raise ValueError(
+                f"rope: {factors.numel()} frequency factors for head_dim {head_dim} "
+                f"(expected {inv_freq.numel()})"
+            )
+        return (inv_freq / factors).float()
     # Llama 3.1: keep high frequencies, divide low frequencies by `factor`, blend between.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor

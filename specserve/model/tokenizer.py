@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
-from specserve.model.gguf_loader import gguf_chat_template
+from specserve.model.gguf_loader import gguf_architecture, gguf_chat_template
+
+log = logging.getLogger(__name__)
 
 
 def load_tokenizer(source: str, kind: str):
@@ -12,13 +15,40 @@ def load_tokenizer(source: str, kind: str):
     from transformers import AutoTokenizer
 
     if kind == "gguf":
-        tok = AutoTokenizer.from_pretrained(
-            os.path.dirname(os.path.abspath(source)), gguf_file=os.path.basename(source)
-        )
+        folder, name = os.path.dirname(os.path.abspath(source)), os.path.basename(source)
+        tok = _gguf_tokenizer_direct(source, folder, name)
+        if tok is None:
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         if not getattr(tok, "chat_template", None):
             tok.chat_template = gguf_chat_template(source)
         return tok
     return AutoTokenizer.from_pretrained(source)
+
+
+def _gguf_tokenizer_direct(source: str, folder: str, name: str):
+    """The tokenizer class AutoTokenizer would pick for this GGUF, loaded directly.
+
+    AutoTokenizer with `gguf_file` first builds the whole model config from the file with
+    transformers' legacy GGUF reader (seconds for a 49k vocabulary) only to choose the class
+    from `model_type`; the tokenizer itself is built from the file's metadata by the class.
+    Same class, same result, without that detour. Returns None when AutoTokenizer would
+    decide from something else (a tokenizer_config.json next to the file) or on any failure.
+    """
+    if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        return None
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.models.auto.tokenization_auto import (
+            TOKENIZER_MAPPING_NAMES,
+            tokenizer_class_from_name,
+        )
+
+        class_name = TOKENIZER_MAPPING_NAMES.get(gguf_architecture(source) or "")
+        cls = tokenizer_class_from_name(class_name) if class_name else None
+        return (cls or PreTrainedTokenizerFast).from_pretrained(folder, gguf_file=name)
+    except Exception as e:  # fall back to the general path
+        log.debug("direct GGUF tokenizer load failed (%s); using AutoTokenizer", e)
+        return None
 
 
 def has_tokenizer_files(folder: str) -> bool:

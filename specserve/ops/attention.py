@@ -95,13 +95,37 @@ def visible_mask(meta: AttentionMetadata, b: int, device: torch.device) -> torch
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Obviously-correct reference: one request at a time, float32 softmax. CPU and CUDA."""
+    """Obviously-correct reference, float32 softmax; CPU and CUDA.
+
+    Small batches are padded into one dense [B, heads, max_q, max_kv] problem (the padding
+    gather and the visibility mask are built once per forward and shared by all layers);
+    batches whose padded problem would be large fall back to one request at a time."""
+
+    max_dense_elements = 1 << 24
 
     def forward(self, layer_id, q, k, v, kv_cache, meta):
         kv_cache.write(layer_id, meta.out_cache_loc, k, v)
+        dense = _dense_layout(meta, q.device, q.shape[1])
+        if dense is None:
+            return self._per_request(layer_id, q, kv_cache, meta)
+        q_rows, kv_slots, mask, out_rows = dense
+        k_all, v_all = kv_cache.layer(layer_id)
+        group = q.shape[1] // k_all.shape[1]
+        kb = k_all[kv_slots].float().repeat_interleave(group, dim=2)  # [B, m, heads, d]
+        vb = v_all[kv_slots].float().repeat_interleave(group, dim=2)
+        qb = q.float()[q_rows]  # [B, n, heads, d]
+        scores = torch.einsum("bnhd,bmhd->bhnm", qb, kb) * (q.shape[-1] ** -0.5)
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded query rows see nothing
+        out = torch.einsum("bhnm,bmhd->bnhd", probs, vb)
+        result = torch.empty_like(q)
+        result[out_rows[1]] = out[out_rows[0], out_rows[2]].to(q.dtype)
+        return result
+
+    def _per_request(self, layer_id, q, kv_cache, meta):
         k_all, v_all = kv_cache.layer(layer_id)
         out = torch.empty_like(q)
-        group = q.shape[1] // k.shape[1]
+        group = q.shape[1] // k_all.shape[1]
         scale = q.shape[-1] ** -0.5
         for b in range(meta.batch_size):
             qs, qe = meta.host_qo_indptr[b], meta.host_qo_indptr[b + 1]
@@ -118,3 +142,43 @@ class TorchAttentionBackend(AttentionBackend):
             probs = torch.softmax(scores, dim=-1)
             out[qs:qe] = torch.einsum("hnm,mhd->nhd", probs, vb).to(q.dtype)
         return out
+
+
+def _dense_layout(meta: AttentionMetadata, device: torch.device, heads: int):
+    """(q_rows [B, n], kv_slots [B, m], mask [B, n, m], (b, row, i) scatter of real queries),
+    cached on the metadata; None when the padded problem is too large."""
+    cached = getattr(meta, "_dense", "unset")
+    if cached != "unset":
+        return cached
+    b = meta.batch_size
+    q_lens = [meta.host_qo_indptr[i + 1] - meta.host_qo_indptr[i] for i in range(b)]
+    kv_lens = [meta.host_kv_indptr[i + 1] - meta.host_kv_indptr[i] for i in range(b)]
+    n, m = max(q_lens, default=0), max(kv_lens, default=0)
+    if b == 0 or n == 0 or b * heads * n * m > TorchAttentionBackend.max_dense_elements:
+        meta._dense = None
+        return None
+    qo = torch.tensor(meta.host_qo_indptr[:-1], device=device)
+    kvp = torch.tensor(meta.host_kv_indptr[:-1], device=device)
+    ql = torch.tensor(q_lens, device=device)
+    kl = torch.tensor(kv_lens, device=device)
+    ar_n = torch.arange(n, device=device)
+    ar_m = torch.arange(m, device=device)
+    q_valid = ar_n[None, :] < ql[:, None]
+    kv_valid = ar_m[None, :] < kl[:, None]
+    q_rows = torch.where(q_valid, qo[:, None] + ar_n[None, :], 0)
+    kv_slots = meta.kv_indices[torch.where(kv_valid, kvp[:, None] + ar_m[None, :], 0)]
+    extra = torch.tensor(meta.host_extra_lens, device=device)
+    prefix = kl - extra
+    i = ar_n[None, :, None]
+    j = ar_m[None, None, :] - prefix[:, None, None]  # index into the extra part
+    if meta.custom_mask is None:
+        in_extra = j <= i + (extra - ql)[:, None, None]
+    else:
+        mp = torch.tensor(meta.host_mask_indptr[:-1], device=device)
+        flat = mp[:, None, None] + i * extra[:, None, None] + j
+        ok = (j >= 0) & q_valid[:, :, None] & kv_valid[:, None, :]
+        in_extra = torch.where(ok, meta.custom_mask[torch.where(ok, flat, 0)], False)
+    mask = torch.where(j < 0, True, in_extra) & q_valid[:, :, None] & kv_valid[:, None, :]
+    bi, ri = torch.nonzero(q_valid, as_tuple=True)
+    meta._dense = (q_rows, kv_slots, mask, (bi, q_rows[bi, ri], ri))
+    return meta._dense

@@ -70,14 +70,18 @@ class SamplingTensors:
 
 
 def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Set to -inf every token removed by top_k, top_p or min_p (at least one survives)."""
+    """Set to -inf every token removed by top_k, then top_p (on the renormalised top-k
+    distribution, as Hugging Face and vLLM apply them in sequence), then min_p (relative to
+    the likeliest token). At least one token always survives."""
     probs = torch.softmax(logits, dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     rank = torch.arange(vocab, device=logits.device)[None, :]
     k = torch.where(st.top_ks > 0, st.top_ks, torch.full_like(st.top_ks, vocab))
     remove = rank >= k[:, None]
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    kept = sorted_probs.masked_fill(remove, 0.0)
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    mass_before = kept.cumsum(dim=-1) - kept
     remove |= mass_before >= st.top_ps[:, None]
     remove |= sorted_probs < (st.min_ps[:, None] * sorted_probs[:, :1])
     remove[:, 0] = False

@@ -36,7 +36,7 @@ _ALLOWED = {
 }
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests are never 'equal'
 class Request:
     rid: str
     prompt_ids: list[int]

@@ -23,7 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.server import openai_api
 from specserve.server.metrics import CONTENT_TYPE
-from specserve.server.protocol import APIError, GenerateRequest, parse
+from specserve.server.protocol import (
+    APIError,
+    GenerateRequest,
+    check_native_sampling_params,
+    parse,
+)
 from specserve.server.state import ServerConfig, ServerState
 
 log = logging.getLogger(__name__)
@@ -157,6 +162,7 @@ async def _generate(request: Request, state: ServerState):
                 param=prompt_param,
             )
     sp = dict(req.sampling_params or {})
+    check_native_sampling_params(sp)
     run = state.start(
         prompts,
         [sp] * len(prompts),

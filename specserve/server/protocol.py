@@ -85,7 +85,7 @@ class _CommonRequest(_Strict):
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=2**63 - 1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     stop: Any = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
@@ -360,6 +360,18 @@ class GenerateRequest(_Strict):
         if v:
             raise _bad("return_logprob", "is not supported")
         return v
+
+
+INT64_MAX = 2**63 - 1
+
+
+def check_native_sampling_params(sp: dict[str, Any]) -> None:
+    """Integers the engine packs into int64 tensors must fit (SamplingParams checks the rest)."""
+    for key in ("top_k", "seed", "max_new_tokens"):
+        v = sp.get(key)
+        if _is_int(v) and not -INT64_MAX <= v <= INT64_MAX:
+            param = f"sampling_params.{key}"
+            raise APIError(f"{param}: {v} does not fit in 64 bits", param=param)
 
 
 # ---- validation errors -> APIError ---------------------------------------------------------

@@ -44,7 +44,7 @@ class TreeDrafter:
         device: torch.device,
         dtype: torch.dtype,
     ):
-        self.head = head.to(device=device, dtype=dtype).eval()
+        self.head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
         if hasattr(self.head, "d2t"):
             self.head.d2t = self.head.d2t.to(torch.int64)
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens

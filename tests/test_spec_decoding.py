@@ -1,0 +1,231 @@
+"""Lossless speculative decoding with draft trees, on tiny random-weight models."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specserve import Engine, InvalidArgument
+from specserve.model.config import PRESETS
+from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+from specserve.spec.tree import DraftTrees, accept, ancestor_mask
+from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, mixed_prompts
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True}
+PROMPTS = mixed_prompts(5, 512, seed=7, min_len=1, max_len=30)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs():
+    with Engine(**TINY) as e:
+        return [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafts")
+    return {
+        "EAGLE": write_random_eagle_checkpoint(
+            str(root / "eagle"), PRESETS["tiny"], "EAGLE", seed=1
+        ),
+        "EAGLE3": write_random_eagle_checkpoint(
+            str(root / "eagle3"), PRESETS["tiny"], "EAGLE3", draft_vocab_size=200, seed=2
+        ),
+        "STANDALONE": "tiny",
+    }
+
+
+def spec_engine(algo, drafts, steps, topk, ndt, page_size=1, **kw):
+    return Engine(
+        **TINY,
+        page_size=page_size,
+        debug_check_invariants=True,
+        speculative_algorithm=algo,
+        speculative_draft_model_path=drafts[algo],
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=ndt,
+        **kw,
+    )
+
+
+QUICK = [
+    ("EAGLE", 1, 3, 4, 1),
+    ("EAGLE", 4, 3, 8, 3),
+    ("EAGLE3", 2, 5, 10, 16),
+    ("STANDALONE", 8, 3, 16, 3),
+    ("EAGLE", 16, 1, 17, 1),
+]
+
+
+@pytest.mark.parametrize("algo, topk, steps, ndt, page_size", QUICK)
+def test_greedy_speculative_equals_plain(plain_outputs, drafts, algo, topk, steps, ndt, page_size):
+    with spec_engine(algo, drafts, steps, topk, ndt, page_size) as e:
+        outs = e.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == plain_outputs
+    for o in outs:
+        assert o["meta_info"]["spec_verify_ct"] > 0
+        assert sum(o["meta_info"]["spec_accept_histogram"]) == o["meta_info"]["spec_verify_ct"]
+
+
+def _sweep():
+    for topk, steps, page_size in itertools.product([1, 2, 4, 8, 16], [1, 3, 5], [1, 3, 16]):
+        max_tree = 1 + steps * topk
+        for ndt in sorted({2, min(max_tree, 1 + steps), max_tree}):
+            yield ("EAGLE", topk, steps, ndt, page_size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, topk, steps, ndt, page_size", list(_sweep()))
+def test_greedy_sweep_equals_plain(plain_outputs, drafts, algo, topk, steps, ndt, page_size):
+    with spec_engine(algo, drafts, steps, topk, ndt, page_size) as e:
+        outs = e.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == plain_outputs
+
+
+@pytest.mark.parametrize(
+    "topk, steps, ndt, page_size", [(1, 3, 4, 1), (4, 3, 13, 3), (8, 5, 41, 16), (16, 1, 17, 4)]
+)
+def test_target_as_its_own_draft_accepts_every_draft(drafts, topk, steps, ndt, page_size):
+    sp = {**GREEDY, "max_new_tokens": 1 + 4 * (steps + 1)}  # prefill token + 4 full verifies
+    with Engine(**TINY) as e:
+        plain = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=sp)]
+    with spec_engine("STANDALONE", drafts, steps, topk, ndt, page_size) as e:
+        outs = e.generate(input_ids=PROMPTS, sampling_params=sp)
+    assert [o["output_ids"] for o in outs] == plain
+    for o in outs:
+        hist = o["meta_info"]["spec_accept_histogram"]
+        assert hist == [0] * steps + [4], hist
+
+
+def test_kv_cache_equals_plain_prefill_after_every_step(drafts):
+    checked = []
+    with spec_engine("EAGLE", drafts, 3, 4, 9, page_size=3) as e:
+        e.step_hooks.append(lambda core: checked.append(assert_kv_matches_plain_prefill(core)))
+        e.generate(input_ids=PROMPTS[:3], sampling_params=GREEDY)
+    assert sum(checked) > 10
+
+
+def test_stops_inside_an_accepted_run(plain_outputs, drafts):
+    ref = plain_outputs[0]
+    stop_tok = ref[7]
+    expected = ref[: ref.index(stop_tok) + 1]
+    with spec_engine("STANDALONE", drafts, 5, 2, 8) as e:
+        out = e.generate(
+            input_ids=PROMPTS[0], sampling_params={**GREEDY, "stop_token_ids": [stop_tok]}
+        )
+        capped = e.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 9})
+        assert e.stats()["kv_used_tokens"] == 0
+    assert out["output_ids"] == expected
+    assert capped["output_ids"] == ref[:9]
+
+
+def test_retraction_with_topk_8_leaves_outputs_unchanged(drafts):
+    prompts = mixed_prompts(24, 512, seed=11, min_len=3, max_len=12)
+    sp = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+    with Engine(**TINY) as e:
+        expected = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)]
+    with spec_engine("EAGLE", drafts, 3, 8, 16, page_size=4, max_total_tokens=240) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=sp)
+        assert e.stats()["num_retractions"] > 0
+        assert e.stats()["kv_used_tokens"] == 0
+    assert [o["output_ids"] for o in outs] == expected
+
+
+def test_seeded_sampling_equals_plain_sampling(drafts):
+    """Counter-based noise: with the same seed, verification draws what plain decoding draws."""
+    sp = {
+        "temperature": 1.0,
+        "top_k": 40,
+        "top_p": 0.9,
+        "seed": 5,
+        "max_new_tokens": 20,
+        "ignore_eos": True,
+    }
+    with Engine(**TINY) as e:
+        plain = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=sp)]
+    with spec_engine("STANDALONE", drafts, 3, 4, 10) as e:
+        spec = [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=sp)]
+    assert spec == plain
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (
+            dict(speculative_algorithm="MEDUSA", speculative_draft_model_path="tiny"),
+            "speculative_algorithm",
+        ),
+        (dict(speculative_algorithm="EAGLE"), "speculative_draft_model_path"),
+        (dict(speculative_num_steps=3), "speculative_num_steps"),
+        (
+            dict(
+                speculative_algorithm="STANDALONE",
+                speculative_draft_model_path="tiny",
+                speculative_num_steps=2,
+                speculative_eagle_topk=2,
+                speculative_num_draft_tokens=6,
+            ),
+            "speculative_num_draft_tokens",
+        ),
+        (
+            dict(
+                speculative_algorithm="STANDALONE",
+                speculative_draft_model_path="tiny",
+                speculative_eagle_topk=0,
+            ),
+            "speculative_eagle_topk",
+        ),
+        (
+            dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/nonexistent"),
+            "speculative_draft_model_path",
+        ),
+    ],
+)
+def test_invalid_speculative_configuration_is_refused(kwargs, field):
+    with pytest.raises(InvalidArgument) as info:
+        Engine(**TINY, **kwargs)
+    assert info.value.field == field
+
+
+def test_resolver_fills_a_chain_by_default_and_explains():
+    from specserve.config import EngineConfig
+
+    c = EngineConfig(speculative_algorithm="eagle", speculative_draft_model_path="x").resolve(
+        cuda_available=False
+    )
+    assert (c.speculative_num_steps, c.speculative_eagle_topk, c.speculative_num_draft_tokens) == (
+        3,
+        1,
+        4,
+    )
+    fields = {f for f, _, _ in c.decisions}
+    assert {
+        "speculative_algorithm",
+        "speculative_num_steps",
+        "speculative_eagle_topk",
+        "speculative_num_draft_tokens",
+    } <= fields
+
+
+def test_accept_walks_the_matching_path():
+    # root 0 -> {1: tok 10, 2: tok 11}; 1 -> {3: tok 12}; 2 -> {4: tok 13}
+    trees = DraftTrees(
+        tokens=torch.tensor([[99, 10, 11, 12, 13]]),
+        parents=torch.tensor([[-1, 0, 0, 1, 2]]),
+        depths=torch.tensor([[0, 1, 1, 2, 2]]),
+        max_depth=2,
+    )
+    # target: after root -> 11 (node 2), after node 2 -> 13 (node 4), after node 4 -> 7 (bonus)
+    target = torch.tensor([[11, 0, 13, 0, 7]])
+    acc = accept(trees, target)
+    assert acc.accept_len.tolist() == [3]
+    assert acc.path.tolist() == [[0, 2, 4]]
+    assert acc.emitted.tolist() == [[11, 13, 7]]
+    mask = ancestor_mask(trees.parents, 2)[0]
+    assert mask[4].tolist() == [True, False, True, False, True]
+    # rejection at the root: only the correction token is emitted
+    acc = accept(trees, torch.tensor([[42, 0, 0, 0, 0]]))
+    assert acc.accept_len.tolist() == [1] and acc.emitted[0, 0].item() == 42
