@@ -198,6 +198,44 @@ class ServerState:
         return run
 
 
+class StopTextGuard:
+    """Streams text so that no part of a stop string ever reaches the client.
+
+    The engine trims a matched stop string from the request's text, but part of it may have
+    been streamed in an earlier step already (a stop string spanning tokens), and the
+    incremental outputs cannot take text back. So: hold back the last len(longest stop) - 1
+    characters until more text arrives (a stop string cannot start before that), and on a
+    stop-string finish cut the full decoded output at the match."""
+
+    def __init__(self, tokenizer, stops: list[str], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.hold = max(len(s) for s in stops) - 1
+        self.text = ""  # as received from the engine
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def filter(self, out: dict[str, Any]) -> dict[str, Any]:
+        self.text += out["text"]
+        self.ids.extend(out["output_ids"])
+        if not out.get("finished"):
+            end = max(self.sent, len(self.text) - self.hold)
+        else:
+            final = self._final_text(out["meta_info"].get("finish_reason") or {})
+            self.text, end = final, max(self.sent, len(final))
+        chunk = self.text[self.sent : end]
+        self.sent = end
+        return {**out, "text": chunk}
+
+    def _final_text(self, reason: dict[str, Any]) -> str:
+        matched = reason.get("matched")
+        if reason.get("type") != "stop" or not isinstance(matched, str):
+            return self.text
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
+        cut = full.find(matched)
+        return full[:cut] if cut >= 0 else self.text
+
+
 class Run:
     def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop):
         self.state = state
@@ -205,6 +243,7 @@ class Run:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.rids: list[str] = []
         self.unfinished: set[int] = set()
+        self.guards: dict[int, StopTextGuard] = {}
 
     @property
     def id(self) -> str:
@@ -236,6 +275,13 @@ class Run:
             raise
         self.rids.append(rid)
         self.unfinished.add(index)
+        stops = sp.get("stop") if isinstance(sp, dict) else None
+        if isinstance(stops, str):
+            stops = [stops]
+        if stops and state.tokenizer is not None:
+            self.guards[index] = StopTextGuard(
+                state.tokenizer, list(stops), bool(sp.get("skip_special_tokens", True))
+            )
 
     def abort(self) -> None:
         """Abort what has not finished (client gone, error, shutdown); frees its KV."""
@@ -246,6 +292,9 @@ class Run:
         """Incremental outputs (index, delta) until every request of the run has finished."""
         while self.unfinished:
             index, out = await self.queue.get()
+            guard = self.guards.get(index)
+            if guard is not None:
+                out = guard.filter(out)
             if out.get("finished"):
                 self.unfinished.discard(index)
             yield index, out
