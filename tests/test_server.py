@@ -385,6 +385,15 @@ INVALID = [
         "sampling_params.max_new_tokens",
     ),
     ("/generate", {"input_ids": [[1, 2], [3]], "stream": True}, "stream"),
+    (
+        "/generate",
+        {"input_ids": [1, 2], "sampling_params": {"seed": 2**64}},
+        "sampling_params.seed",
+    ),
+    ("/v1/completions", {"prompt": [1, 2], "top_k": 2**70}, "top_k"),
+    ("/v1/completions", {"prompt": [1, 2], "seed": 2**64}, "seed"),
+    ("/v1/completions", b'{"prompt": [1, 2], "temperature": NaN}', None),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 10**30}, "max_tokens"),
     ("/generate", {"input_ids": LONG}, "input_ids"),
 ]
 
@@ -545,6 +554,95 @@ def test_metrics_prometheus_format_and_counts(tiny):
     assert 0.0 <= after["specserve_kv_usage"] <= 1.0
 
 
+# ---- speculative decoding stats and the serving benchmark --------------------------------------
+@pytest.fixture(scope="module")
+def spec_tiny():
+    engine = Engine(
+        **TINY,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path="tiny",
+        speculative_num_steps=2,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=3,
+    )
+    app = create_app(engine, ServerConfig(), owns_engine=True)
+    with ServerThread(app) as srv:
+        served = Served(engine, srv, "tiny")
+        yield served
+        served.http.close()
+    engine.shutdown()
+
+
+def bench_args(url: str, *argv: str):
+    import argparse
+
+    from specserve.bench.serving import add_serving_parser
+
+    parser = argparse.ArgumentParser()
+    add_serving_parser(parser.add_subparsers())
+    args = parser.parse_args(["serving", "--base-url", url, "--quiet", *argv])
+    return args
+
+
+def test_speculative_stats_in_usage_and_metrics(spec_tiny):
+    ids = prompt_ids(13)
+    out = spec_tiny.client.completions.create(
+        model="tiny", prompt=ids, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    usage = out.usage.model_dump()
+    assert usage["spec_verify_ct"] >= 1
+    assert usage["spec_accept_length"] == pytest.approx(12 / usage["spec_verify_ct"])
+    m = spec_tiny.wait_idle()
+    assert m["specserve_spec_verify_steps_total"] >= usage["spec_verify_ct"]
+    assert 1.0 <= m["specserve_spec_accept_length"] <= 3.0
+
+
+def test_bench_serving_against_the_server(spec_tiny, tmp_path):
+    from specserve.bench.serving import cmd_serving, format_table, run_benchmark
+
+    args = bench_args(
+        spec_tiny.url,
+        *("--dataset", "random", "--endpoint", "completions", "--num-prompts", "8"),
+        *("--request-rate", "40", "--input-len", "16", "--output-len", "8", "--ignore-eos"),
+    )
+    args.base_url = spec_tiny.url
+    summary, results = asyncio.run(run_benchmark(args))
+    assert summary["completed"] == 8 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 64
+    assert summary["total_input_tokens"] == 8 * 16
+    for key in ("ttft", "itl", "tpot", "e2e_latency"):
+        for stat in ("mean", "p50", "p90", "p99"):
+            assert summary[f"{stat}_{key}_ms"] > 0
+    assert summary["p50_ttft_ms"] <= summary["p99_ttft_ms"]
+    assert summary["request_throughput_req_s"] > 0
+    assert summary["output_token_throughput_tok_s"] > 0
+    assert summary["spec_accept_length_source"] == "metrics"
+    assert 1.0 <= summary["spec_accept_length"] <= 3.0
+    assert "p99_itl_ms" in format_table(summary)
+
+    # fixed concurrency through /generate, via the CLI entry point, with JSON and plot files
+    plot, out_json = tmp_path / "serving.png", tmp_path / "serving.json"
+    args = bench_args(
+        spec_tiny.url,
+        *("--dataset", "random", "--endpoint", "generate", "--num-prompts", "6"),
+        *("--max-concurrency", "2", "--output-len", "6", "--range-ratio", "0.5"),
+        *("--plot", str(plot), "--output-json", str(out_json)),
+    )
+    assert cmd_serving(args) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads(out_json.read_text())
+    assert saved["summary"]["completed"] == 6 and len(saved["requests"]) == 6
+    assert all(3 <= r["output_tokens"] <= 6 for r in saved["requests"])
+
+
+def test_bench_prompt_set():
+    from specserve.bench.serving import load_prompt_file
+
+    prompts = load_prompt_file(None)
+    assert 90 <= len(prompts) <= 120 and len(set(prompts)) == len(prompts)
+    assert all(0 < len(p) < 200 for p in prompts)
+
+
 # ---- process-level: CLI + SIGTERM -------------------------------------------------------------
 def test_cli_serve_sigterm_aborts_in_flight_and_exits_cleanly():
     port = free_port()
@@ -675,6 +773,21 @@ def test_text_completion_and_stop_string(real):
     )
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].text == ref["text"][: ref["text"].index(stop)]
+    # A stop string spanning tokens (part of it would be streamed before it matches): the
+    # text still ends right before it, streamed or not.
+    text = ref["text"]
+    boundary = len(real.engine.tokenizer.decode(ref["output_ids"][:1]))
+    assert 3 <= boundary <= len(text) - 2
+    stop = text[boundary - 2 : boundary + 2]
+    expected = text[: text.index(stop)]
+    out = real.client.completions.create(
+        model=real.model, prompt=prompt, max_tokens=10, temperature=0, stop=stop
+    )
+    assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+    stream = real.client.completions.create(
+        model=real.model, prompt=prompt, max_tokens=10, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected
     # stream of a text prompt gives the same text
     stream = real.client.completions.create(
         model=real.model, prompt=prompt, max_tokens=10, temperature=0, stream=True
