@@ -32,6 +32,11 @@ ENGINE_HELP = {
     "speculative_num_steps": "Draft depth: forward passes of the draft per step.",
     "speculative_eagle_topk": "Children kept per expanded draft node (1 = chain).",
     "speculative_num_draft_tokens": "Tree size verified per step, root included (<= 1 + steps * topk).",
+    "simulate_acc_len": "Benchmarking: force this mean accept length (bonus token included; 1 = all rejected).",
+    "simulate_acc_method": "multinomial | match-expected | per-position (default multinomial).",
+    "simulate_acc_token_mode": "real-draft-token (default; tokens and KV consistent) | fixed.",
+    "simulate_acc_fixed_token": "Token id emitted in fixed mode (default: one that decodes to a plain word).",
+    "simulate_acc_rates": "per-position: acceptance rate per draft depth, comma-separated (e.g. 0.8,0.6,0.4).",
     "log_level": "debug | info | warning | error.",
 }
 
@@ -58,8 +63,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                 "speculative_num_steps",
                 "speculative_eagle_topk",
                 "speculative_num_draft_tokens",
+                "simulate_acc_fixed_token",
             ):
                 kind = int
+            if f.name == "simulate_acc_len":
+                kind = float
             g.add_argument(flag, type=kind or str, default=None, help=help_text)
 
 

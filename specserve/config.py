@@ -45,6 +45,12 @@ class EngineConfig:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    # simulated acceptance (benchmarking); unset fields fall back to SPECSERVE_SIMULATE_ACC_*
+    simulate_acc_len: float | None = None
+    simulate_acc_method: str | None = None  # multinomial | match-expected | per-position
+    simulate_acc_token_mode: str | None = None  # real-draft-token | fixed
+    simulate_acc_fixed_token: int | None = None
+    simulate_acc_rates: str | None = None  # per-position: comma-separated rates per depth
     log_level: str = "warning"
     # filled by resolve(): (field, value, reason)
     decisions: tuple[tuple[str, Any, str], ...] = field(default=(), compare=False)
@@ -127,6 +133,10 @@ class EngineConfig:
 
         c, spec_decisions = resolve_speculative(c)
         decided.extend(spec_decisions)
+        from specserve.spec.config import resolve_simulation
+
+        c, sim_decisions = resolve_simulation(c)
+        decided.extend(sim_decisions)
         return replace(c, decisions=tuple(decided))
 
     def log_decisions(self) -> None:

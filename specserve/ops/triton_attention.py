@@ -26,7 +26,10 @@ from specserve.ops.triton_kernels.extend import EXTEND_BLOCK_M
 
 _BLOCK_N = 64  # split chunks are whole multiples of the kernels' KV block
 _MAX_SPLITS = 64
-_PROGRAMS_PER_SM = 4  # splitting aims for this many programs per SM
+# Splitting aims for this many programs per SM (H200 sweep: decode programs are light and
+# want several per SM to keep loads in flight; extend programs of 64 rows want about 2).
+_DECODE_PROGRAMS_PER_SM = 4
+_EXTEND_PROGRAMS_PER_SM = 2
 
 
 @dataclass(frozen=True)
@@ -60,14 +63,16 @@ class TritonAttentionBackend(AttentionBackend):
                 self._num_sms = 4
         return self._num_sms
 
-    def _splits(self, programs: int, max_len: int, device: torch.device) -> tuple[int, int]:
+    def _splits(
+        self, programs: int, per_sm: int, max_len: int, device: torch.device
+    ) -> tuple[int, int]:
         """(split count, positions per split) for splitting `max_len` KV positions so that
-        `programs` programs become about _PROGRAMS_PER_SM per SM, with no chunk under
+        `programs` programs become about `per_sm` per SM, with no chunk under
         min_kv_per_split."""
         if self.num_kv_splits is not None:
             splits = self.num_kv_splits
         else:
-            splits = triton.cdiv(_PROGRAMS_PER_SM * self._sm_count(device), max(programs, 1))
+            splits = triton.cdiv(per_sm * self._sm_count(device), max(programs, 1))
             splits = min(splits, triton.cdiv(max_len, self.min_kv_per_split), _MAX_SPLITS)
         splits = max(1, splits)
         # Chunks are whole KV blocks; recompute the count so no trailing split is always empty.
@@ -81,7 +86,9 @@ class TritonAttentionBackend(AttentionBackend):
         kv_lens = [kv[i + 1] - kv[i] for i in range(batch)]
         max_q_len = max(q_lens, default=0)
         if meta.custom_mask is None and min(q_lens) == max_q_len == 1:
-            splits, per_split = self._splits(batch * kv_heads, max(kv_lens), device)
+            splits, per_split = self._splits(
+                batch * kv_heads, _DECODE_PROGRAMS_PER_SM, max(kv_lens), device
+            )
             return _LaunchPlan(True, 1, splits, per_split)
         # Extend: only the cached prefix is split (the masked extra part stays in the last
         # split), and only when the unsplit grid leaves the GPU idle (tree verify at small
@@ -90,7 +97,7 @@ class TritonAttentionBackend(AttentionBackend):
         max_prefix = max(n - e for n, e in zip(kv_lens, extra))
         if self.num_kv_splits is None and programs >= self._sm_count(device):
             return _LaunchPlan(False, max_q_len, 1, 0)
-        splits, per_split = self._splits(programs, max_prefix, device)
+        splits, per_split = self._splits(programs, _EXTEND_PROGRAMS_PER_SM, max_prefix, device)
         return _LaunchPlan(False, max_q_len, splits, per_split)
 
     def forward(

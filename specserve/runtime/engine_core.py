@@ -81,7 +81,9 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, self.kv_cache, backend)
         if draft is not None:
             draft.attach(self.table, num_slots, backend, self.runner)
-        self.worker = Worker(self.runner, self.table, self.device, draft)
+        self.worker = Worker(
+            self.runner, self.table, self.device, draft, self._build_simulator(cfg)
+        )
         self.scheduler = Scheduler(
             self.table,
             SchedulerLimits(
@@ -108,6 +110,44 @@ class EngineCore:
             cfg.device,
             cfg.dtype,
         )
+
+    def _build_simulator(self, cfg: EngineConfig):
+        if cfg.simulate_acc_len is None:
+            return None
+        from specserve.spec.config import parse_rates
+        from specserve.spec.simulate import SimulatedAcceptance
+
+        fixed = cfg.simulate_acc_fixed_token
+        if cfg.simulate_acc_token_mode == "fixed":
+            fixed = self._default_fixed_token() if fixed is None else fixed
+            if not 0 <= fixed < self.model_config.vocab_size:
+                raise InvalidArgument(
+                    "simulate_acc_fixed_token",
+                    f"must be a token id in [0, {self.model_config.vocab_size})",
+                )
+        rates = (
+            parse_rates(cfg.simulate_acc_rates)
+            if cfg.simulate_acc_method == "per-position"
+            else None
+        )
+        return SimulatedAcceptance(
+            cfg.simulate_acc_len,
+            cfg.simulate_acc_method,
+            cfg.simulate_acc_token_mode,
+            cfg.speculative_num_steps,
+            rates,
+            fixed,
+            self.device,
+            cfg.random_seed,
+        )
+
+    def _default_fixed_token(self) -> int:
+        """A token that decodes to a plain word, so fixed-mode streams stay readable."""
+        if self.tokenizer is not None:
+            ids = self.tokenizer.encode(" the", add_special_tokens=False)
+            if len(ids) == 1:
+                return ids[0]
+        return min(100, self.model_config.vocab_size - 1)
 
     def _auto_kv_tokens(self, per_slot: int) -> int:
         if self.device.type != "cuda":

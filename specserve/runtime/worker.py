@@ -64,11 +64,19 @@ def sampling_tensors(reqs: list[Request], device: torch.device) -> SamplingTenso
 
 
 class Worker:
-    def __init__(self, target: ModelRunner, table: KVTable, device: torch.device, drafter=None):
+    def __init__(
+        self,
+        target: ModelRunner,
+        table: KVTable,
+        device: torch.device,
+        drafter=None,
+        simulator=None,
+    ):
         self.target = target
         self.table = table
         self.device = device
         self.drafter = drafter
+        self.simulator = simulator  # forces acceptance lengths (benchmarking)
 
     # ---- sizes the scheduler must reserve ------------------------------------------------
     def forget(self, rid: str) -> None:
@@ -162,7 +170,8 @@ class Worker:
             for r, kv in zip(batch.reqs, batch.kv_lens)
         ]
         out_slots = batch.window_slots[:, :n].reshape(-1)
-        mask = None if n == 1 else ancestor_mask(trees.parents, trees.max_depth).reshape(-1)
+        anc = None if n == 1 else ancestor_mask(trees.parents, trees.max_depth)
+        mask = None if anc is None else anc.reshape(-1)
         meta = build_metadata(segments, out_slots, dev, custom_mask=mask)
         capture = self.drafter.capture_layers if self.drafter is not None else frozenset()
         out = self.target.forward(trees.tokens.reshape(-1), positions, meta, capture)
@@ -170,6 +179,9 @@ class Worker:
         # Each node's draw is for the position after it: kv_len + depth + 1.
         st = batch.sampling.expand(torch.full((b,), n, device=dev), b * n)
         target_tokens = sample(logits, st, positions + 1).view(b, n)
-        acc = accept(trees, target_tokens)
+        if self.simulator is not None and anc is not None:
+            acc = self.simulator.accept(trees, target_tokens, anc)
+        else:
+            acc = accept(trees, target_tokens)
         commit_accepted_path([self.target.kv_cache], batch.window_slots, acc.path)
         return acc, out

@@ -94,3 +94,114 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         f"num_steps={steps}, topk={topk}), got {ndt}",
     )
     return c, decisions
+
+
+SIM_FIELDS = (
+    "simulate_acc_len",
+    "simulate_acc_method",
+    "simulate_acc_token_mode",
+    "simulate_acc_fixed_token",
+    "simulate_acc_rates",
+)
+
+
+def resolve_simulation(c) -> tuple[Any, list[tuple[str, Any, str]]]:
+    """Simulated acceptance: read SPECSERVE_SIMULATE_ACC_* for unset fields, validate, clip."""
+    import os
+
+    from specserve.spec.simulate import METHODS, TOKEN_MODES
+
+    decisions: list[tuple[str, Any, str]] = []
+
+    def decide(name: str, value: Any, reason: str) -> None:
+        nonlocal c
+        c = replace(c, **{name: value})
+        decisions.append((name, value, reason))
+
+    for name in SIM_FIELDS:
+        env = os.environ.get(name.upper().replace("SIMULATE", "SPECSERVE_SIMULATE", 1))
+        if getattr(c, name) is None and env not in (None, ""):
+            try:
+                value = (
+                    int(env)
+                    if name == "simulate_acc_fixed_token"
+                    else (float(env) if name == "simulate_acc_len" else env)
+                )
+            except ValueError as e:
+                raise InvalidArgument(name, f"environment value {env!r} is not a number") from e
+            decide(name, value, "from the environment")
+    if c.simulate_acc_len is None:
+        for name in SIM_FIELDS[1:]:
+            if getattr(c, name) is not None:
+                raise InvalidArgument(name, "is set but simulate_acc_len is not")
+        return c, decisions
+    if c.speculative_algorithm is None:
+        raise InvalidArgument(
+            "simulate_acc_len", "needs speculative decoding (set speculative_algorithm)"
+        )
+    length = c.simulate_acc_len
+    require(
+        isinstance(length, (int, float)) and not isinstance(length, bool) and length >= 1,
+        "simulate_acc_len",
+        f"must be a number >= 1 (1 = every draft rejected), got {length!r}",
+    )
+    if c.simulate_acc_method is None:
+        decide("simulate_acc_method", "multinomial", "default method")
+    require(
+        c.simulate_acc_method in METHODS,
+        "simulate_acc_method",
+        f"{c.simulate_acc_method!r} is not one of {', '.join(METHODS)}",
+    )
+    if c.simulate_acc_token_mode is None:
+        decide(
+            "simulate_acc_token_mode", "real-draft-token", "keeps tokens and KV cache consistent"
+        )
+    require(
+        c.simulate_acc_token_mode in TOKEN_MODES,
+        "simulate_acc_token_mode",
+        f"{c.simulate_acc_token_mode!r} is not one of {', '.join(TOKEN_MODES)}",
+    )
+    max_len = c.speculative_num_steps + 1
+    if length > max_len:
+        decide(
+            "simulate_acc_len",
+            float(max_len),
+            f"{length} exceeds num_steps + 1 = {max_len}: clipped",
+        )
+    if c.simulate_acc_method == "per-position":
+        rates = parse_rates(c.simulate_acc_rates)
+        require(
+            len(rates) == c.speculative_num_steps,
+            "simulate_acc_rates",
+            f"per-position needs {c.speculative_num_steps} rates (one per draft depth), got {len(rates)}",
+        )
+    elif c.simulate_acc_rates is not None:
+        raise InvalidArgument(
+            "simulate_acc_rates", "only applies to simulate_acc_method=per-position"
+        )
+    if c.simulate_acc_fixed_token is not None:
+        t = c.simulate_acc_fixed_token
+        require(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0,
+            "simulate_acc_fixed_token",
+            f"must be a token id >= 0, got {t!r}",
+        )
+    return c, decisions
+
+
+def parse_rates(value) -> list[float]:
+    if value is None:
+        raise InvalidArgument("simulate_acc_rates", "per-position needs rates, e.g. '0.8,0.6,0.4'")
+    try:
+        rates = (
+            [float(x) for x in str(value).split(",")]
+            if not isinstance(value, (list, tuple))
+            else [float(x) for x in value]
+        )
+    except ValueError as e:
+        raise InvalidArgument(
+            "simulate_acc_rates", f"{value!r} is not a comma-separated list of numbers"
+        ) from e
+    for r in rates:
+        require(0.0 <= r <= 1.0, "simulate_acc_rates", f"every rate must be in [0, 1], got {r}")
+    return rates

@@ -147,6 +147,7 @@ class TreeDrafter:
         logp, tok = self.head.topk(g_root, k)
         ranks = torch.arange(k, device=dev)
         cand_tokens, cand_keys, cand_parents, cand_depths = [tok], [], [torch.zeros_like(tok)], [1]
+        cand_scores = [logp.double()]
         f_ids = (1 + ranks).expand(bsz, k)
         f_scores = logp.double()
         f_greedy = (ranks == 0).expand(bsz, k)
@@ -186,6 +187,7 @@ class TreeDrafter:
             next_id += k * k
             c_keys = torch.where(c_greedy, _GREEDY_KEY - (depth + 1.0), c_scores)
             cand_tokens.append(c_tokens)
+            cand_scores.append(c_scores)
             cand_keys.append(c_keys)
             cand_parents.append(c_parent)
             cand_depths.append(depth + 1)
@@ -201,9 +203,13 @@ class TreeDrafter:
             f_anc = torch.gather(
                 f_anc, 1, parent_idx[:, :, None].expand(bsz, k, f_anc.shape[-1])
             ).clone()
-        return self._select_tree(batch.roots, cand_tokens, cand_keys, cand_parents, cand_depths)
+        return self._select_tree(
+            batch.roots, cand_tokens, cand_keys, cand_parents, cand_depths, cand_scores
+        )
 
-    def _select_tree(self, roots, cand_tokens, cand_keys, cand_parents, cand_depths) -> DraftTrees:
+    def _select_tree(
+        self, roots, cand_tokens, cand_keys, cand_parents, cand_depths, cand_scores
+    ) -> DraftTrees:
         n = self.num_draft_tokens
         tokens = torch.cat(cand_tokens, dim=1)  # [B, C], candidate id = column + 1
         keys = torch.cat(cand_keys, dim=1)
@@ -228,6 +234,13 @@ class TreeDrafter:
                 [torch.zeros_like(roots[:, None]), torch.gather(depths, 1, chosen)], dim=1
             ),
             max_depth=self.max_depth,
+            scores=torch.cat(
+                [
+                    torch.zeros_like(roots[:, None], dtype=torch.float64),
+                    torch.gather(torch.cat(cand_scores, dim=1), 1, chosen),
+                ],
+                dim=1,
+            ),
         )
 
     # ---- after verification ---------------------------------------------------------------------

@@ -20,6 +20,7 @@ class DraftTrees:
     parents: torch.Tensor  # [B, N] int64, -1 for the root
     depths: torch.Tensor  # [B, N] int64
     max_depth: int  # host constant: no node is deeper
+    scores: torch.Tensor | None = None  # [B, N] draft path log-probability (root 0)
 
     @property
     def width(self) -> int:
@@ -67,6 +68,16 @@ def accept(trees: DraftTrees, target_tokens: torch.Tensor) -> Acceptance:
     accepted[:, 0] = True
     for _ in range(trees.max_depth):
         accepted = accepted | ((parents >= 0) & agrees & torch.gather(accepted, 1, safe_parent))
+    return acceptance_of_path(trees, accepted, target_tokens)
+
+
+def acceptance_of_path(
+    trees: DraftTrees, accepted: torch.Tensor, target_tokens: torch.Tensor
+) -> Acceptance:
+    """From a root-to-node path given as a bool mask [B, N]: the path by depth, the bonus
+    token (the target's own token at the path's last node) and the emitted tokens."""
+    tokens = trees.tokens
+    b, n = tokens.shape
     accept_len = accepted.sum(dim=1)
     width = trees.max_depth + 1
     # path[b, depth] = accepted node at that depth; depths beyond the path repeat the last.

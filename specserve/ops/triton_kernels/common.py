@@ -9,6 +9,19 @@ import triton.language as tl
 # uses exp2, which maps to a single hardware instruction.
 LOG2E = 1.4426950408889634
 
+# Measured on an H200 (bench/attention_kernels.py --tune): a 3-stage pipeline of 64-position
+# K/V blocks beats 2 stages by 1.5-2x for both kernels, the loop being latency-bound.
+NUM_STAGES = 3
+
+
+def kv_block_size(head_dim_padded: int, element_size: int, budget: int = 96 * 1024) -> int:
+    """Largest KV block (<= 64 positions) whose pipelined K and V tiles stay within `budget`
+    bytes of shared memory: 64 for 16-bit head_dim 128, 32 for float32 or head_dim 256."""
+    block_n = 64
+    while block_n > 16 and NUM_STAGES * 2 * block_n * head_dim_padded * element_size > budget:
+        block_n //= 2
+    return block_n
+
 
 @triton.jit
 def attend_kv_block(

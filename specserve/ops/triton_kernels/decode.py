@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.ops.triton_kernels.common import LOG2E, attend_kv_block
+from specserve.ops.triton_kernels.common import LOG2E, NUM_STAGES, attend_kv_block, kv_block_size
 
 
 @triton.jit
@@ -136,15 +136,20 @@ def decode_attention(
 ) -> None:
     """Launch sizes are all host integers; nothing here reads device memory.
     config overrides block_n / num_warps / num_stages (tuning)."""
-    cfg = {"block_n": 64, "num_warps": 4, "num_stages": 2, **(config or {})}
     batch, num_heads, head_dim = q.shape
+    block_d = triton.next_power_of_2(head_dim)
+    cfg = {
+        "block_n": kv_block_size(block_d, max(q.element_size(), k_cache.element_size())),
+        "num_warps": 4,
+        "num_stages": NUM_STAGES,
+        **(config or {}),
+    }
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     o_part = torch.empty(
         (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
     )
     lse_part = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, o_part, lse_part,
         head_dim**-0.5 * LOG2E, kv_per_split,

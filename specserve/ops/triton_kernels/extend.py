@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.ops.triton_kernels.common import LOG2E, attend_kv_block
+from specserve.ops.triton_kernels.common import LOG2E, NUM_STAGES, attend_kv_block, kv_block_size
 from specserve.ops.triton_kernels.decode import merge_splits_kernel
 
 EXTEND_BLOCK_M = 64  # rows ((query, head) pairs) per program
@@ -181,13 +181,13 @@ def extend_attention(
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
-    # 64x64 tiles suit head_dim <= 128 in 16-bit; float32 tiles are twice the bytes, so use
-    # narrower KV blocks there to stay within shared memory.
+    # 64-row tiles with 3 stages were the best or near it for tree verify, extend and prefill
+    # in the H200 sweep (bench/attention_kernels.py --tune).
     cfg = {
         "block_m": EXTEND_BLOCK_M,
-        "block_n": 32 if q.element_size() >= 4 and block_d > 64 else 64,
+        "block_n": kv_block_size(block_d, max(q.element_size(), k_cache.element_size())),
         "num_warps": 4,
-        "num_stages": 2,
+        "num_stages": NUM_STAGES,
         **(config or {}),
     }
     has_mask = custom_mask is not None
