@@ -210,11 +210,11 @@ def tune(page_size: int) -> None:
             return float("inf")
 
     decode_cfgs = [
-        {"block_n": 64, "num_warps": 4, "num_stages": 2},
         {"block_n": 64, "num_warps": 4, "num_stages": 3},
-        {"block_n": 128, "num_warps": 4, "num_stages": 2},
-        {"block_n": 32, "num_warps": 4, "num_stages": 3},
-        {"block_n": 64, "num_warps": 8, "num_stages": 2},
+        {"block_n": 64, "num_warps": 4, "num_stages": 4},
+        {"block_n": 128, "num_warps": 4, "num_stages": 3},
+        {"block_n": 64, "num_warps": 2, "num_stages": 3},
+        {"block_n": 32, "num_warps": 4, "num_stages": 4},
     ]
     for batch, ctx in [(1, 16384), (1, 4096), (16, 16384), (64, 4096)]:
         q, k, v, cache, meta, nbytes = build(batch, ctx, 1, False, page_size)
@@ -222,7 +222,7 @@ def tune(page_size: int) -> None:
         auto.forward(0, q, k, v, cache, meta)
         print(f"decode b={batch} ctx={ctx}: auto plan {auto._plan}")
         out = torch.empty_like(q)
-        for splits in sorted({1, 4, 8, 16, 32, 64, auto._plan.num_splits}):
+        for splits in sorted({1, 8, 32, auto._plan.num_splits}):
             per = -(-(ctx + 1) // splits)
             for cfg in decode_cfgs:
                 args = (q, cache.k[0], cache.v[0], meta.kv_indptr, meta.kv_indices, out)
@@ -230,12 +230,12 @@ def tune(page_size: int) -> None:
                 line(f"decode b={batch} ctx={ctx} S={splits}", cfg, ms, nbytes)
 
     extend_cfgs = [
-        {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
         {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
-        {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2},
-        {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
-        {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 2},
-        {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
+        {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 4},
+        {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 3},
+        {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
+        {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+        {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
         {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3},
     ]
     shapes = [("tree", 16, 4096, 64, True), ("extend", 16, 4096, 64, False)]
@@ -246,9 +246,7 @@ def tune(page_size: int) -> None:
         auto.forward(0, q, k, v, cache, meta)
         print(f"{name} b={batch} ctx={ctx} q={q_len}: auto plan {auto._plan}")
         out = torch.empty_like(q)
-        split_opts = sorted(
-            {1, auto._plan.num_splits} | ({8, 16, 32} if batch == 1 and ctx else set())
-        )
+        split_opts = sorted({1, auto._plan.num_splits} | ({8, 16} if batch == 1 and ctx else set()))
         for splits in split_opts:
             per = -(-ctx // splits) if ctx else 0
             for cfg in extend_cfgs:
