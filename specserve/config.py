@@ -124,7 +124,11 @@ class EngineConfig:
                 "bf16 on GPU" if on_gpu else "float32 on CPU (no fast bf16 matmul)",
             )
         if c.attention_backend == "auto":
-            decide("attention_backend", "torch", "the torch reference backend is the one available")
+            if on_gpu and _triton_available():
+                decide("attention_backend", "triton", "CUDA device and Triton importable")
+            else:
+                reason = "no CUDA device" if not on_gpu else "Triton is not installed"
+                decide("attention_backend", "torch", f"{reason}: the torch reference backend")
         if c.max_running_requests is None:
             decide("max_running_requests", 256 if on_gpu else 64, "default for the device")
         if c.chunked_prefill_size is None:
@@ -142,6 +146,12 @@ class EngineConfig:
     def log_decisions(self) -> None:
         for name, value, reason in self.decisions:
             log.info("config: %s = %r (%s)", name, value, reason)
+
+
+def _triton_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:

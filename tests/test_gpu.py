@@ -1,0 +1,81 @@
+"""The same engine on CUDA: losslessness, sync-free sampling, the Triton backend end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.ops.sampling import SamplingTensors, sample
+from tests.engine_utils import mixed_prompts
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+GPU = dict(
+    model_path="tiny", load_format="dummy", skip_tokenizer_init=True, device="cuda", dtype="float32"
+)
+GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_matches_cpu_and_speculation_is_lossless(backend, page_size):
+    prompts = mixed_prompts(6, 512, seed=4)
+    with Engine(**GPU, attention_backend=backend, page_size=page_size) as e:
+        plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+    for topk, ndt in [(1, 4), (8, 16)]:
+        with Engine(
+            **GPU,
+            attention_backend=backend,
+            page_size=page_size,
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path="tiny",
+            speculative_num_steps=3,
+            speculative_eagle_topk=topk,
+            speculative_num_draft_tokens=ndt,
+            debug_check_invariants=True,
+        ) as e:
+            spec = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+            assert e.stats()["spec_accept_length"] > 3.5  # the model is its own draft
+        assert spec == plain
+
+
+def test_sampling_has_no_host_sync():
+    logits = torch.randn(8, 1000, device="cuda")
+    st = SamplingTensors(
+        temperatures=torch.full((8,), 0.7, device="cuda"),
+        top_ks=torch.full((8,), 50, device="cuda", dtype=torch.int64),
+        top_ps=torch.full((8,), 0.9, device="cuda"),
+        min_ps=torch.zeros(8, device="cuda"),
+        seeds=torch.arange(8, device="cuda"),
+        all_greedy=False,
+        needs_filter=True,
+    )
+    positions = torch.arange(8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sample(logits, st, positions)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == (8,)
+
+
+def test_bf16_default_dtype_runs_speculatively():
+    with Engine(
+        model_path="tiny",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path="tiny",
+        speculative_num_steps=3,
+        speculative_eagle_topk=4,
+        speculative_num_draft_tokens=8,
+    ) as e:
+        assert e.resolved_args()["dtype"] == "bfloat16"
+        assert e.resolved_args()["attention_backend"] == "triton"
+        out = e.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+    assert len(out["output_ids"]) == 24
