@@ -28,9 +28,15 @@ log = logging.getLogger(__name__)
 def request_output(req: Request, incremental: bool = False) -> dict[str, Any]:
     """SGLang-shaped output. incremental: only text and ids not sent before."""
     if incremental:
-        text = req.text[req.stream_sent_chars :]
+        # While a stop string could still complete across the next tokens, hold back its
+        # possible beginning: text once sent cannot be taken back.
+        hold = (
+            0 if req.finished or not req.params.stop else max(len(x) for x in req.params.stop) - 1
+        )
+        limit = max(req.stream_sent_chars, len(req.text) - hold)
+        text = req.text[req.stream_sent_chars : limit]
         ids = req.output_ids[req.stream_sent_tokens :]
-        req.stream_sent_chars, req.stream_sent_tokens = len(req.text), len(req.output_ids)
+        req.stream_sent_chars, req.stream_sent_tokens = limit, len(req.output_ids)
     else:
         text, ids = req.text, list(req.output_ids)
     meta: dict[str, Any] = {
@@ -133,10 +139,15 @@ class Engine:
         req = self._make_request(
             prompt_ids, SamplingParams.from_any(sampling_params), rid, "input_ids"
         )
+        self._check_running()
         req.on_output = lambda r: on_output(request_output(r, incremental=True))
         self._inbox.put(("add", req))
         self._wake.set()
         return req.rid
+
+    def _check_running(self) -> None:
+        if self._stop.is_set():
+            raise RuntimeError("the engine has been shut down")
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
@@ -224,6 +235,7 @@ class Engine:
 
     # ---- plumbing ---------------------------------------------------------------------------
     def _submit(self, req: Request) -> queue.Queue:
+        self._check_running()
         q: queue.Queue = queue.Queue()
         req.on_output = lambda r: q.put(request_output(r, incremental=True))
         self._inbox.put(("add", req))
@@ -272,12 +284,19 @@ class Engine:
             for hook in self.step_hooks:
                 hook(core)
             for r in touched:
-                if r.on_output is not None:
-                    r.on_output(r)
+                self._deliver(r)
         self._drain_inbox()
         for r in self._fail_all("engine shut down"):
-            if r.on_output is not None:
-                r.on_output(r)
+            self._deliver(r)
+
+    @staticmethod
+    def _deliver(req: Request) -> None:
+        if req.on_output is None:
+            return
+        try:
+            req.on_output(req)
+        except Exception:  # a consumer's bug must not stop the loop serving everyone else
+            log.exception("output callback of %s failed", req.rid)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -288,13 +307,13 @@ class Engine:
             if kind == "add":
                 if self._stop.is_set():
                     item.finish("abort", message="engine shut down")
-                    item.on_output(item)
+                    self._deliver(item)
                     continue
                 try:
                     self.core.add_request(item)
                 except InvalidArgument as e:
                     item.finish("abort", message=str(e))
-                    item.on_output(item)
+                    self._deliver(item)
             else:
                 self.core.abort(item)  # reaped (and reported) by the next step
 

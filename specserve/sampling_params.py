@@ -107,7 +107,9 @@ class SamplingParams:
         )
         if self.seed is not None:
             require(
-                isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
+                isinstance(self.seed, int)
+                and not isinstance(self.seed, bool)
+                and 0 <= self.seed < 2**63,
                 "seed",
-                f"must be a non-negative integer, got {self.seed!r}",
+                f"must be an integer in [0, 2**63), got {self.seed!r}",
             )

@@ -7,6 +7,10 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
     bench = sub.add_parser("bench", help="benchmarks (print JSON and a table)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
 
+    from specserve.bench.serving import add_serving_parser
+
+    add_serving_parser(bsub)
+
     ob = bsub.add_parser("one-batch", help="static batch: prefill and decode throughput")
     ob.add_argument("--batch-size", type=int, nargs="+", default=[1])
     ob.add_argument("--input-len", type=int, default=128)
