@@ -249,6 +249,13 @@ class EngineCore:
                 hist[n - 1] += 1
                 self.spec_totals["verify_ct"] += 1
                 self.spec_totals["accepted"] += n
+        if self.worker.drafter is not None and self.num_steps % 100 == 0:
+            t = self.spec_totals
+            log.info(
+                "speculative: %d verifies, mean accept length %.3f",
+                t["verify_ct"],
+                t["accepted"] / max(1, t["verify_ct"]),
+            )
         return list(reqs)
 
     def _reap_finished(self) -> list[Request]:
