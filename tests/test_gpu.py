@@ -69,6 +69,7 @@ def test_bf16_default_dtype_runs_speculatively():
         model_path="tiny",
         load_format="dummy",
         skip_tokenizer_init=True,
+        max_total_tokens=8192,
         speculative_algorithm="STANDALONE",
         speculative_draft_model_path="tiny",
         speculative_num_steps=3,

@@ -30,6 +30,8 @@ class ModelSource:
 def locate(model_path: str, load_format: str) -> ModelSource:
     if load_format not in LOAD_FORMATS:
         raise InvalidArgument("load_format", f"{load_format!r} is not one of {LOAD_FORMATS}")
+    if load_format == "dummy" and model_path.lower() in PRESETS:
+        return ModelSource(model_path.lower(), "preset")
     packaged = resolve_packaged(model_path)
     if packaged is not None:
         if load_format == "dummy":
