@@ -15,7 +15,12 @@ pytestmark = [
 ]
 
 GPU = dict(
-    model_path="tiny", load_format="dummy", skip_tokenizer_init=True, device="cuda", dtype="float32"
+    model_path="tiny",
+    load_format="dummy",
+    skip_tokenizer_init=True,
+    device="cuda",
+    dtype="float32",
+    max_total_tokens=8192,
 )
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 

@@ -135,8 +135,11 @@ def load_model(
         elif src.kind == "hf" and has_tokenizer_files(src.path):
             tokenizer = load_tokenizer(src.path, "hf")
         elif src.kind == "preset" and src.path in ("smollm2-135m", "smollm2-135m-instruct"):
-            packaged = resolve_packaged(src.path)
-            tokenizer = load_tokenizer(packaged, "gguf") if packaged else None
+            try:  # the real model's tokenizer, when its package is installed
+                packaged = resolve_packaged(src.path)
+                tokenizer = load_tokenizer(packaged, "gguf") if packaged else None
+            except FileNotFoundError:
+                log.warning("%s: package not installed, token ids only", src.path)
         else:
             log.warning(
                 "no tokenizer found for %s: token ids only (as with skip_tokenizer_init)",
