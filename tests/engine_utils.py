@@ -48,8 +48,8 @@ def mixed_prompts(
     return [torch.randint(3, vocab, (n_,), generator=g).tolist() for n_ in lens]
 
 
-def reference_kv(model, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """K and V of every layer for a plain causal prefill of `tokens` (fresh cache)."""
+def plain_forward(model, tokens: list[int]):
+    """A plain causal prefill of `tokens` into a fresh cache: (cache, ModelOutput)."""
     cfg = model.config
     n = len(tokens)
     cache = KVCache(
@@ -57,9 +57,15 @@ def reference_kv(model, tokens: list[int]) -> tuple[list[torch.Tensor], list[tor
     )
     slots = torch.arange(n)
     meta = build_metadata([Segment(slots, n, n)], slots, torch.device("cpu"))
-    ModelRunner(model, cache, TorchAttentionBackend()).forward(
+    out = ModelRunner(model, cache, TorchAttentionBackend()).forward(
         torch.tensor(tokens), torch.arange(n), meta
     )
+    return cache, out
+
+
+def reference_kv(model, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """K and V of every layer for a plain causal prefill of `tokens`."""
+    cache, _ = plain_forward(model, tokens)
     return cache.k, cache.v
 
 
@@ -82,16 +88,7 @@ def assert_kv_matches_plain_prefill(core, atol: float = 1e-4) -> int:
 
 
 def reference_logits(model, tokens: list[int]) -> torch.Tensor:
-    """float32 logits [len(tokens), vocab] of a plain causal forward (fresh cache)."""
-    cfg = model.config
-    n = len(tokens)
-    cache = KVCache(
-        cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, next(model.parameters()).dtype, "cpu"
-    )
-    slots = torch.arange(n)
-    meta = build_metadata([Segment(slots, n, n)], slots, torch.device("cpu"))
-    out = ModelRunner(model, cache, TorchAttentionBackend()).forward(
-        torch.tensor(tokens), torch.arange(n), meta
-    )
+    """float32 logits [len(tokens), vocab] of a plain causal forward."""
+    _, out = plain_forward(model, tokens)
     with torch.inference_mode():
         return model.compute_logits(out.hidden)

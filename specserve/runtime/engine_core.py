@@ -59,7 +59,6 @@ class EngineCore:
 
         from specserve.spec.factory import build_drafter
 
-        self.drafter_factory = build_drafter
         draft = (
             build_drafter(cfg, loaded, self.device, self.dtype)
             if cfg.speculative_algorithm

@@ -47,6 +47,12 @@ class DecodeBatch:
     window: int  # W: logical positions reserved past kv_len this step
     window_slots: torch.Tensor  # [B, W] device
     window_slots_host: torch.Tensor  # [B, W] CPU (for host-built attention indices)
+    prefix_slots_host: list[torch.Tensor]  # per request, slots of positions [0, kv_len)
+
+    def visible_slots(self, b: int, extra: int, start: int = 0) -> torch.Tensor:
+        """Slots of the cached prefix plus window positions [start, start + extra) (host)."""
+        return torch.cat([self.prefix_slots_host[b], self.window_slots_host[b, : start + extra]])
+
     sampling: SamplingTensors
 
 
@@ -133,7 +139,8 @@ class Worker:
         dev = self.device
         window = self.decode_window
         kv_lens = [r.kv_len for r in reqs]
-        slots = torch.stack([self.table.slots(r.rid, r.kv_len, r.kv_len + window) for r in reqs])
+        owned = [self.table.slots(r.rid, 0, r.kv_len + window) for r in reqs]
+        slots = torch.stack([o[r.kv_len :] for o, r in zip(owned, reqs)])
         return DecodeBatch(
             reqs=reqs,
             kv_lens=kv_lens,
@@ -142,6 +149,7 @@ class Worker:
             window=window,
             window_slots=slots.to(dev),
             window_slots_host=slots,
+            prefix_slots_host=[o[: r.kv_len] for o, r in zip(owned, reqs)],
             sampling=sampling_tensors(reqs, dev),
         )
 
@@ -165,10 +173,7 @@ class Worker:
         dev = self.device
         b, n = trees.tokens.shape
         positions = (batch.kv_lens_dev[:, None] + trees.depths).reshape(-1)
-        segments = [
-            Segment(self.table.slots(r.rid, 0, kv + n), n, n)
-            for r, kv in zip(batch.reqs, batch.kv_lens)
-        ]
+        segments = [Segment(batch.visible_slots(i, n), n, n) for i in range(b)]
         out_slots = batch.window_slots[:, :n].reshape(-1)
         anc = None if n == 1 else ancestor_mask(trees.parents, trees.max_depth)
         mask = None if anc is None else anc.reshape(-1)

@@ -156,16 +156,13 @@ class TreeDrafter:
         scratch = (self.num_steps - 1) * k
         f_anc = torch.zeros(bsz, k, max(scratch, 1), dtype=torch.bool, device=dev)
         next_id = 1 + k
-        prefix_slots = [
-            self.table.slots(r.rid, 0, kv + d) for r, kv in zip(batch.reqs, batch.kv_lens)
-        ]
         for depth in range(1, self.num_steps):
             col0 = (depth - 1) * k
             f_anc[:, ranks, col0 + ranks] = True  # each frontier node sees itself
             width = depth * k
+            # the draft prefix [0, kv_len + delta) plus the scratch written so far
             segments = [
-                Segment(torch.cat([p, batch.window_slots_host[b, d : d + width]]), k, width)
-                for b, p in enumerate(prefix_slots)
+                Segment(batch.visible_slots(b, width, start=d), k, width) for b in range(bsz)
             ]
             out_slots = batch.window_slots[:, d + col0 : d + col0 + k].reshape(-1)
             positions = (batch.kv_lens_dev[:, None] + (d - 1 + depth)).expand(bsz, k).reshape(-1)
@@ -256,16 +253,7 @@ class TreeDrafter:
         positions = (
             batch.kv_lens_dev[:, None] + d + torch.arange(w, device=self.device)[None, :]
         ).reshape(-1)
-        segments = [
-            Segment(
-                torch.cat(
-                    [self.table.slots(r.rid, 0, kv + d), batch.window_slots_host[b, d : d + w]]
-                ),
-                w,
-                w,
-            )
-            for b, (r, kv) in enumerate(zip(batch.reqs, batch.kv_lens))
-        ]
+        segments = [Segment(batch.visible_slots(b, w, start=d), w, w) for b in range(bsz)]
         out_slots = batch.window_slots[:, d : d + w].reshape(-1)
         g = self._run(tokens, feats, positions, segments, out_slots).view(bsz, w, -1)
         last = torch.gather(
