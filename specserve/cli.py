@@ -27,6 +27,7 @@ ENGINE_HELP = {
     "random_seed": "Seed for random weights and for requests without their own seed.",
     "mem_fraction_static": "CUDA: share of GPU memory for weights and KV cache.",
     "debug_check_invariants": "Check KV ownership after every step (slow; for tests).",
+    "disable_overlap_schedule": "Apply each decode step before launching the next (overlap is on by default).",
     "speculative_algorithm": "EAGLE | EAGLE3 | STANDALONE (off when not given).",
     "speculative_draft_model_path": "Draft checkpoint folder (EAGLE/EAGLE3) or draft model (STANDALONE).",
     "speculative_num_steps": "Draft depth: forward passes of the draft per step.",

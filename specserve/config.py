@@ -39,6 +39,7 @@ class EngineConfig:
     random_seed: int = 0
     mem_fraction_static: float = 0.85  # CUDA: share of free memory for weights + KV
     debug_check_invariants: bool = False  # walk the KV ownership after every step (tests)
+    disable_overlap_schedule: bool = False  # overlap: launch step k+1 before applying step k
     # speculative decoding (SGLang's names)
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -141,6 +142,27 @@ class EngineConfig:
 
         c, sim_decisions = resolve_simulation(c)
         decided.extend(sim_decisions)
+        if c.disable_overlap_schedule:
+            decided.append(
+                (
+                    "disable_overlap_schedule",
+                    True,
+                    "requested: each step is applied before the next is launched",
+                )
+            )
+        else:
+            why = (
+                "the host schedules step k+1 while the GPU runs step k"
+                if on_gpu
+                else "on by default; on CPU device work is synchronous, so it only reorders host work"
+            )
+            decided.append(
+                (
+                    "disable_overlap_schedule",
+                    False,
+                    f"overlap on for plain and speculative decoding, every topk and page size: {why}",
+                )
+            )
         return replace(c, decisions=tuple(decided))
 
     def log_decisions(self) -> None:

@@ -318,9 +318,14 @@ class Engine:
                 self.core.abort(item)  # reaped (and reported) by the next step
 
     def _fail_all(self, message: str) -> list[Request]:
+        # A step in flight is abandoned: its results are never applied.
+        self.core.pending = None
         failed = []
         for r in list(self.core.requests.values()):
+            r.inflight_steps = 0
             r.finish("abort", message=message)
-            failed.append(r)
+            if not r.finish_reported:
+                r.finish_reported = True
+                failed.append(r)
         self.core._reap_finished()
         return failed

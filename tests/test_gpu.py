@@ -85,3 +85,42 @@ def test_bf16_default_dtype_runs_speculatively():
         assert e.resolved_args()["attention_backend"] == "triton"
         out = e.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
     assert len(out["output_ids"]) == 24
+
+
+@pytest.mark.parametrize("topk, ndt", [(1, 4), (8, 16)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_speculative_steps_launch_without_host_sync(topk, ndt, page_size):
+    """Draft, verify, KV commit and draft extend are launched under sync-debug 'error' mode,
+    with overlap on (the host applies each step one step later)."""
+    engine = Engine(
+        **GPU,
+        attention_backend="triton",
+        page_size=page_size,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path="tiny",
+        speculative_num_steps=3,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=ndt,
+    )
+    worker = engine.core.worker
+    launch = worker.launch_decode
+    launched = []
+
+    def strict_launch(reqs, kv_upper):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            pending = launch(reqs, kv_upper)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        launched.append(len(reqs))
+        return pending
+
+    worker.launch_decode = strict_launch
+    try:
+        prompts = mixed_prompts(8, 512, seed=5)
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 64})
+        ahead = engine.core.num_launched_ahead
+    finally:
+        engine.shutdown()
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+    assert len(launched) >= 10 and ahead > 0

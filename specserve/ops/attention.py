@@ -37,6 +37,9 @@ class AttentionMetadata:
     host_kv_indptr: list[int] = field(default_factory=list)
     host_extra_lens: list[int] = field(default_factory=list)
     host_mask_indptr: list[int] | None = None
+    # When KV lengths live on the device (decode steps), host_kv_indptr holds upper bounds:
+    # good for sizing launches, never for locating a request's KV.
+    host_kv_is_upper_bound: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -75,10 +78,11 @@ class ForwardContext:
         return self.backend.forward(layer_id, q, k, v, self.kv_cache, self.meta)
 
 
-def visible_mask(meta: AttentionMetadata, b: int, device: torch.device) -> torch.Tensor:
+def visible_mask(
+    meta: AttentionMetadata, b: int, kv_len: int, device: torch.device
+) -> torch.Tensor:
     """bool [q_len, kv_len] of what request b's queries may see."""
     q_len = meta.host_qo_indptr[b + 1] - meta.host_qo_indptr[b]
-    kv_len = meta.host_kv_indptr[b + 1] - meta.host_kv_indptr[b]
     extra = meta.host_extra_lens[b]
     prefix = kv_len - extra
     mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
@@ -127,17 +131,19 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         group = q.shape[1] // k_all.shape[1]
         scale = q.shape[-1] ** -0.5
+        # The reference may read lengths back from the device (it is not the fast path).
+        kv_ptr = meta.kv_indptr.tolist() if meta.host_kv_is_upper_bound else meta.host_kv_indptr
         for b in range(meta.batch_size):
             qs, qe = meta.host_qo_indptr[b], meta.host_qo_indptr[b + 1]
             if qe == qs:
                 continue
-            ks, ke = meta.host_kv_indptr[b], meta.host_kv_indptr[b + 1]
+            ks, ke = kv_ptr[b], kv_ptr[b + 1]
             slots = meta.kv_indices[ks:ke]
             kb = k_all[slots].float().repeat_interleave(group, dim=1)  # [m, heads, d]
             vb = v_all[slots].float().repeat_interleave(group, dim=1)
             qb = q[qs:qe].float()  # [n, heads, d]
             scores = torch.einsum("nhd,mhd->hnm", qb, kb) * scale
-            mask = visible_mask(meta, b, q.device)
+            mask = visible_mask(meta, b, ke - ks, q.device)
             scores = scores.masked_fill(~mask[None], float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[qs:qe] = torch.einsum("hnm,mhd->nhd", probs, vb).to(q.dtype)
@@ -158,9 +164,11 @@ def _dense_layout(meta: AttentionMetadata, device: torch.device, heads: int):
         meta._dense = None
         return None
     qo = torch.tensor(meta.host_qo_indptr[:-1], device=device)
-    kvp = torch.tensor(meta.host_kv_indptr[:-1], device=device)
     ql = torch.tensor(q_lens, device=device)
-    kl = torch.tensor(kv_lens, device=device)
+    # Real lengths from the device tensor (host lists may be upper bounds); padding to the
+    # host maximum keeps every shape host-known.
+    kvp = meta.kv_indptr[:-1]
+    kl = meta.kv_indptr[1:] - meta.kv_indptr[:-1]
     ar_n = torch.arange(n, device=device)
     ar_m = torch.arange(m, device=device)
     q_valid = ar_n[None, :] < ql[:, None]
@@ -179,6 +187,8 @@ def _dense_layout(meta: AttentionMetadata, device: torch.device, heads: int):
         ok = (j >= 0) & q_valid[:, :, None] & kv_valid[:, None, :]
         in_extra = torch.where(ok, meta.custom_mask[torch.where(ok, flat, 0)], False)
     mask = torch.where(j < 0, True, in_extra) & q_valid[:, :, None] & kv_valid[:, None, :]
-    bi, ri = torch.nonzero(q_valid, as_tuple=True)
+    # query lengths are host-known: build the scatter of real query rows on the host
+    bi = torch.tensor([i for i, n_ in enumerate(q_lens) for _ in range(n_)], device=device)
+    ri = torch.tensor([r for n_ in q_lens for r in range(n_)], device=device)
     meta._dense = (q_rows, kv_slots, mask, (bi, q_rows[bi, ri], ri))
     return meta._dense

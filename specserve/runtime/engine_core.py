@@ -98,6 +98,9 @@ class EngineCore:
         self.eos_token_ids = eos
         self.stop_checker = StopChecker(self.tokenizer, eos, self.context_len)
         self.requests: dict[str, Request] = {}
+        self.overlap = not cfg.disable_overlap_schedule
+        self.pending = None  # a launched decode step whose results the host has not applied
+        self.num_launched_ahead = 0  # decode steps launched before the previous was applied
         self.num_steps = 0
         self.spec_totals = {"verify_ct": 0, "accepted": 0}
         log.info(
@@ -197,29 +200,56 @@ class EngineCore:
 
     # ---- the loop --------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or any(r.finished for r in self.requests.values())
+        return (
+            self.pending is not None
+            or self.scheduler.has_work()
+            or any(r.finished for r in self.requests.values())
+        )
 
     def step(self) -> list[Request]:
-        """Run one batch. Returns the requests with something new (finished ones included);
-        finished requests are forgotten here and their KV freed."""
+        """Advance the engine by one batch. Returns the requests with something new (finished
+        ones included); finished requests are forgotten here and their KV freed.
+
+        Overlap: while a decode step is in flight, the next decode step is launched from
+        device-side state *before* the host waits for the one in flight, so the host's
+        bookkeeping (stop checks, detokenising, scheduling) runs while the device computes.
+        Anything that changes the batch's shape (a prefill, a retraction) first drains the
+        step in flight and then runs as without overlap."""
         touched = self._reap_finished()
-        plan = self.scheduler.schedule()
-        touched += self._reap_finished()  # the scheduler may finish a lone request (KV full)
-        if plan is not None:
-            kind, batch = plan
-            if kind == "prefill":
-                touched += self._run_prefill(batch)
-            else:
-                touched += self._run_decode(batch)
-            self.num_steps += 1
+        if self.pending is not None:
+            ahead = None
+            if self.overlap and not self.scheduler.waiting:
+                reqs = self.scheduler.schedule_decode_ahead(self.worker.max_accept)
+                if reqs:
+                    ahead = self._launch_decode(reqs)
+                    self.num_launched_ahead += 1
+            touched += self._finish_decode(self.pending)
+            self.pending = ahead
+            if ahead is not None and all(r.finished for r in ahead.reqs):
+                touched += self.drain()  # nobody left to use it: free their pages now
+        else:
+            plan = self.scheduler.schedule()
+            touched += self._reap_finished()  # the scheduler may finish a lone request (KV full)
+            if plan is not None:
+                kind, batch = plan
+                if kind == "prefill":
+                    touched += self._run_prefill(batch)
+                    self.num_steps += 1
+                else:
+                    self.pending = self._launch_decode(batch)
+                    if not self.overlap:
+                        touched += self._finish_decode(self.pending)
+                        self.pending = None
         touched += self._reap_finished()
         if self.cfg.debug_check_invariants:
             self.check_invariants()
         seen, out = set(), []
         for r in touched:
-            if r.rid not in seen:
-                seen.add(r.rid)
-                out.append(r)
+            if r.rid in seen or r.finish_reported:
+                continue  # each request is reported once per step, and once after finishing
+            seen.add(r.rid)
+            r.finish_reported = r.finished
+            out.append(r)
         return out
 
     def _run_prefill(self, chunks) -> list[Request]:
@@ -235,11 +265,26 @@ class EngineCore:
                 touched.append(req)
         return touched
 
-    def _run_decode(self, reqs: list[Request]) -> list[Request]:
-        out = self.worker.decode(reqs)
-        for req, tokens, n in zip(reqs, out.emitted, out.accept_lens):
+    def _launch_decode(self, reqs: list[Request]):
+        kv_upper = [r.kv_len + r.inflight_steps * self.worker.max_accept for r in reqs]
+        pending = self.worker.launch_decode(reqs, kv_upper)
+        for r in reqs:
+            r.inflight_steps += 1
+        self.num_steps += 1
+        return pending
+
+    def _finish_decode(self, pending) -> list[Request]:
+        """Wait for a launched step and apply its results (skipping requests that finished
+        or were aborted meanwhile: their outputs were already final)."""
+        out = pending.result()
+        touched = []
+        for req, tokens, n in zip(pending.reqs, out.emitted, out.accept_lens):
+            req.inflight_steps -= 1
+            if req.finished:
+                continue
             self.scheduler.decode_done(req, n)
             self.stop_checker.append_tokens(req, tokens)
+            touched.append(req)
             if self.worker.drafter is not None:
                 req.spec_verify_ct += 1
                 hist = req.spec_accept_histogram
@@ -255,10 +300,18 @@ class EngineCore:
                 t["verify_ct"],
                 t["accepted"] / max(1, t["verify_ct"]),
             )
-        return list(reqs)
+        return touched
+
+    def drain(self) -> list[Request]:
+        """Apply the step in flight, if any (shutdown, tests)."""
+        if self.pending is None:
+            return []
+        pending, self.pending = self.pending, None
+        return self._finish_decode(pending) + self._reap_finished()
 
     def _reap_finished(self) -> list[Request]:
-        done = [r for r in self.requests.values() if r.finished]
+        # A request still in a launched step keeps its pages until that step is applied.
+        done = [r for r in self.requests.values() if r.finished and r.inflight_steps == 0]
         for r in done:
             self.scheduler.remove(r)
             self.worker.forget(r.rid)
@@ -266,9 +319,10 @@ class EngineCore:
         return done
 
     def check_invariants(self) -> None:
-        live = {r.rid for r in self.scheduler.live_requests()}
-        self.table.check_invariants(live)
+        self.table.check_invariants(set(self.requests))
         for r in self.scheduler.running:
+            if r.finished:
+                continue  # waiting for its last launched step
             assert r.state is ReqState.RUNNING
             assert r.kv_len == len(r.all_ids) - 1, (
                 f"{r.rid}: kv_len {r.kv_len} != {len(r.all_ids) - 1}"

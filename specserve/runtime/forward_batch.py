@@ -1,4 +1,6 @@
-"""Host-side assembly of one forward's inputs: tokens, positions and attention metadata."""
+"""Assembly of one forward's attention metadata: from host segments (prefill, where every
+length is known on the host) or on the device (decode steps, whose KV lengths live on the
+device so the host never has to wait for the previous step)."""
 
 from __future__ import annotations
 
@@ -38,18 +40,71 @@ def build_metadata(
 
     def dev(x: list[int] | torch.Tensor) -> torch.Tensor:
         t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.int64)
-        return t.to(device, non_blocking=True)
+        return to_device(t, device)
 
     return AttentionMetadata(
         qo_indptr=dev(qo),
         kv_indptr=dev(kv),
         kv_indices=dev(kv_indices),
         extra_lens=dev(extra),
-        out_cache_loc=out_cache_loc.to(device, non_blocking=True),
+        out_cache_loc=to_device(out_cache_loc, device),
         custom_mask=custom_mask,
         mask_indptr=dev(mask_ptr) if custom_mask is not None else None,
         host_qo_indptr=qo,
         host_kv_indptr=kv,
         host_extra_lens=extra,
         host_mask_indptr=mask_ptr if custom_mask is not None else None,
+    )
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without making the host wait for queued device work (pinned staging)."""
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def build_device_metadata(
+    owned_slots: torch.Tensor,
+    visible_lens: torch.Tensor,
+    visible_upper: list[int],
+    q_len: int,
+    extra_len: int,
+    out_cache_loc: torch.Tensor,
+    custom_mask: torch.Tensor | None = None,
+) -> AttentionMetadata:
+    """Metadata for requests that each see the logical prefix [0, visible_lens[b]) of their
+    slots, with the last `extra_len` of those under the (causal or custom) mask.
+
+    owned_slots: [B, L] device slots of positions 0..L-1 (padding beyond what a request owns
+    is never read). visible_lens: [B] device. visible_upper: host upper bounds of
+    visible_lens: they size the index buffer and the kernels' launch plans, so the host needs
+    no device value (host_kv_indptr then holds bounds; host_kv_is_upper_bound says so)."""
+    device = owned_slots.device
+    bsz, width = owned_slots.shape
+    kv_indptr = torch.zeros(bsz + 1, dtype=torch.int64, device=device)
+    kv_indptr[1:] = torch.cumsum(visible_lens, dim=0)
+    total_upper = sum(visible_upper)
+    t = torch.arange(total_upper, device=device)
+    owner = torch.searchsorted(kv_indptr[1:], t, right=True).clamp(max=bsz - 1)
+    pos = (t - kv_indptr[owner]).clamp(0, width - 1)
+    kv_indices = torch.where(t < kv_indptr[-1], owned_slots[owner, pos], 0)
+    qo = [q_len * i for i in range(bsz + 1)]
+    upper = [0]
+    for u in visible_upper:
+        upper.append(upper[-1] + u)
+    mask_ptr = [q_len * extra_len * i for i in range(bsz + 1)]
+    return AttentionMetadata(
+        qo_indptr=to_device(torch.tensor(qo, dtype=torch.int64), device),
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+        extra_lens=torch.full((bsz,), extra_len, dtype=torch.int64, device=device),
+        out_cache_loc=out_cache_loc,
+        custom_mask=custom_mask,
+        mask_indptr=to_device(torch.tensor(mask_ptr), device) if custom_mask is not None else None,
+        host_qo_indptr=qo,
+        host_kv_indptr=upper,
+        host_extra_lens=[extra_len] * bsz,
+        host_mask_indptr=mask_ptr if custom_mask is not None else None,
+        host_kv_is_upper_bound=True,
     )

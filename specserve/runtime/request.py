@@ -53,6 +53,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_retractions: int = 0
+    inflight_steps: int = 0  # launched decode steps whose results are not applied yet
+    finish_reported: bool = False  # the final output went out (reaping comes later)
     # speculative decoding statistics (SGLang's names)
     spec_verify_ct: int = 0
     spec_accept_histogram: list[int] = field(default_factory=list)

@@ -123,6 +123,22 @@ class Scheduler:
             assert ok, "reservation failed after the capacity check"
         return list(self.running)
 
+    def schedule_decode_ahead(self, max_accept: int) -> list[Request]:
+        """The next decode batch while one step is still in flight (overlap): every running,
+        unfinished request, with pages reserved for the worst case (each in-flight step may
+        add max_accept tokens). Empty when that does not fit: the caller then drains and
+        schedules normally, retracting if it must."""
+        reqs = [r for r in self.running if not r.finished]
+        w = self.limits.decode_window
+        bounds = [r.kv_len + r.inflight_steps * max_accept + w for r in reqs]
+        need = sum(self.table.extra_pages_needed(r.rid, b) for r, b in zip(reqs, bounds))
+        if not reqs or need > self.table.allocator.num_free_pages:
+            return []
+        for r, b in zip(reqs, bounds):
+            ok = self.table.reserve(r.rid, b)
+            assert ok, "reservation failed after the capacity check"
+        return reqs
+
     def _pick_victim(self) -> Request | None:
         partial = [r for r in self.waiting if r.state is ReqState.PREFILLING]
         if partial:
@@ -158,4 +174,6 @@ class Scheduler:
 
     def decode_done(self, req: Request, accept_len: int) -> None:
         req.kv_len += accept_len
-        self.table.truncate(req.rid, req.kv_len + self.limits.kv_lookahead)
+        # A step still in flight writes up to a window past the new kv_len: keep those pages.
+        keep = self.limits.decode_window if req.inflight_steps else self.limits.kv_lookahead
+        self.table.truncate(req.rid, req.kv_len + keep)

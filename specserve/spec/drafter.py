@@ -86,8 +86,7 @@ class TreeDrafter:
             h = torch.cat(target_out.aux_hidden, dim=-1)
         return h if rows is None else h[rows]
 
-    def _run(self, tokens, features, positions, segments, out_slots, mask=None) -> torch.Tensor:
-        meta = build_metadata(segments, out_slots, self.device, custom_mask=mask)
+    def _run(self, tokens, features, positions, meta) -> torch.Tensor:
         ctx = ForwardContext(self.backend, self.kv, meta)
         if features is None:
             features = torch.zeros(tokens.shape[0], 1, device=self.device, dtype=self.dtype)
@@ -134,7 +133,7 @@ class TreeDrafter:
             self._features(target_out, torch.tensor(feat_rows).to(self.device)) if d == 0 else None
         )
         pos = torch.tensor(token_pos, dtype=torch.int64).to(self.device)
-        g = self._run(tokens, feats, pos, seg, torch.cat(out))
+        g = self._run(tokens, feats, pos, build_metadata(seg, torch.cat(out), self.device))
         for rid, r in last_rows.items():
             self.root_g[rid] = g[r]
 
@@ -161,9 +160,6 @@ class TreeDrafter:
             f_anc[:, ranks, col0 + ranks] = True  # each frontier node sees itself
             width = depth * k
             # the draft prefix [0, kv_len + delta) plus the scratch written so far
-            segments = [
-                Segment(batch.visible_slots(b, width, start=d), k, width) for b in range(bsz)
-            ]
             out_slots = batch.window_slots[:, d + col0 : d + col0 + k].reshape(-1)
             positions = (batch.kv_lens_dev[:, None] + (d - 1 + depth)).expand(bsz, k).reshape(-1)
             mask = f_anc[:, :, :width].reshape(-1)
@@ -171,9 +167,7 @@ class TreeDrafter:
                 f_tokens.reshape(-1),
                 f_feat.reshape(bsz * k, -1),
                 positions,
-                segments,
-                out_slots,
-                mask,
+                batch.metadata(d + width, k, width, out_slots, mask),
             )
             c_logp, c_tok = self.head.topk(g, k)
             c_scores = (f_scores[:, :, None] + c_logp.view(bsz, k, k).double()).reshape(bsz, k * k)
@@ -253,9 +247,9 @@ class TreeDrafter:
         positions = (
             batch.kv_lens_dev[:, None] + d + torch.arange(w, device=self.device)[None, :]
         ).reshape(-1)
-        segments = [Segment(batch.visible_slots(b, w, start=d), w, w) for b in range(bsz)]
         out_slots = batch.window_slots[:, d : d + w].reshape(-1)
-        g = self._run(tokens, feats, positions, segments, out_slots).view(bsz, w, -1)
+        meta = batch.metadata(d + w, w, w, out_slots)
+        g = self._run(tokens, feats, positions, meta).view(bsz, w, -1)
         last = torch.gather(
             g, 1, (acc.accept_len - 1)[:, None, None].expand(bsz, 1, g.shape[-1])
         ).squeeze(1)
