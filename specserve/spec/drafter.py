@@ -155,9 +155,11 @@ class TreeDrafter:
         scratch = (self.num_steps - 1) * k
         f_anc = torch.zeros(bsz, k, max(scratch, 1), dtype=torch.bool, device=dev)
         next_id = 1 + k
+        self_bits = torch.eye(k, dtype=torch.bool, device=dev)[None]
         for depth in range(1, self.num_steps):
             col0 = (depth - 1) * k
-            f_anc[:, ranks, col0 + ranks] = True  # each frontier node sees itself
+            # each frontier node sees itself (slice + OR: no index_put of a host scalar, which syncs)
+            f_anc[:, :, col0 : col0 + k] |= self_bits
             width = depth * k
             # the draft prefix [0, kv_len + delta) plus the scratch written so far
             out_slots = batch.window_slots[:, d + col0 : d + col0 + k].reshape(-1)
