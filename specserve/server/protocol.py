@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -70,6 +70,24 @@ def _token_ids(v: Any) -> bool:
     return isinstance(v, list) and len(v) > 0 and all(_is_int(t) for t in v)
 
 
+# OpenAI features this server does not implement: accepted only at their neutral value.
+_NEUTRAL: dict[str, tuple[Any, str]] = {
+    "n": (lambda v: v == 1, "only n=1 is supported"),
+    "presence_penalty": (lambda v: v == 0, "is not supported (only 0)"),
+    "frequency_penalty": (lambda v: v == 0, "is not supported (only 0)"),
+    "repetition_penalty": (lambda v: v == 1.0, "is not supported (only 1.0)"),
+    "logit_bias": (lambda v: not v, "is not supported"),
+    "echo": (lambda v: not v, "is not supported"),
+    "suffix": (lambda v: not v, "is not supported"),
+    "best_of": (lambda v: v == 1, "only best_of=1 is supported"),
+    "logprobs": (lambda v: not v, "is not supported"),
+    "top_logprobs": (lambda v: not v, "is not supported"),
+    "tools": (lambda v: not v, "tool calling is not supported"),
+    "tool_choice": (lambda v: v in ("none", "auto"), "tool calling is not supported"),
+    "response_format": (lambda v: v.get("type") == "text", "only {'type': 'text'} is supported"),
+}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -109,32 +127,12 @@ class _CommonRequest(_Strict):
     def _stop(cls, v):
         return _check_stop(v)
 
-    @field_validator("n")
+    @field_validator(*_NEUTRAL, check_fields=False)
     @classmethod
-    def _n(cls, v):
-        if v is not None and v != 1:
-            raise _bad("n", f"only n=1 is supported, got {v}")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v):
-        if v:
-            raise _bad("penalty", "is not supported (only 0)")
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _rep_penalty(cls, v):
-        if v is not None and v != 1.0:
-            raise _bad("repetition_penalty", "is not supported (only 1.0)")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, v):
-        if v:
-            raise _bad("logit_bias", "is not supported")
+    def _only_neutral(cls, v, info: ValidationInfo):
+        is_neutral, message = _NEUTRAL[info.field_name]
+        if v is not None and not is_neutral(v):
+            raise _bad(info.field_name, f"{message}, got {_short(v)}")
         return v
 
     @field_validator("stop_token_ids")
@@ -195,34 +193,6 @@ class CompletionRequest(_CommonRequest):
             "or a non-empty list of non-empty lists of token ids",
         )
 
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v):
-        if v:
-            raise _bad("echo", "is not supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v):
-        if v:
-            raise _bad("suffix", "is not supported")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v):
-        if v is not None and v != 1:
-            raise _bad("best_of", f"only best_of=1 is supported, got {v}")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise _bad("logprobs", "is not supported")
-        return v
-
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of single prompts (text or token ids)."""
         p = self.prompt
@@ -272,41 +242,6 @@ class ChatCompletionRequest(_CommonRequest):
     def _max_tokens(cls, v):
         if v is not None and v < 1:
             raise _bad("max_tokens", "must be >= 1")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise _bad("logprobs", "is not supported")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, v):
-        if v:
-            raise _bad("top_logprobs", "is not supported")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v):
-        if v:
-            raise _bad("tools", "tool calling is not supported")
-        return v
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, v):
-        if v not in (None, "none", "auto"):
-            raise _bad("tool_choice", "tool calling is not supported")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v):
-        if v is not None and v.get("type") != "text":
-            raise _bad("response_format", "only {'type': 'text'} is supported")
         return v
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
