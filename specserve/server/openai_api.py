@@ -143,6 +143,30 @@ async def completions(request: Request, state: ServerState):
     )
 
 
+def _chunk(
+    cid: str,
+    kind: str,
+    created: int,
+    state: ServerState,
+    choice: dict[str, Any],
+    ids: list[int] | None,
+    include_usage: bool,
+) -> str:
+    """One SSE event of a streamed completion (usage: null until the final usage chunk)."""
+    if ids is not None:
+        choice["token_ids"] = ids
+    body: dict[str, Any] = {
+        "id": cid,
+        "object": kind,
+        "created": created,
+        "model": state.model_name,
+        "choices": [choice],
+    }
+    if include_usage:
+        body["usage"] = None
+    return sse(body)
+
+
 async def _completion_chunks(
     run: Run, req: CompletionRequest, state: ServerState, cid: str, created: int, with_ids: bool
 ) -> AsyncIterator[str]:
@@ -150,24 +174,8 @@ async def _completion_chunks(
     metas: dict[int, dict[str, Any]] = {}
 
     def chunk(index: int, text: str, reason: str | None, ids: list[int] | None = None) -> str:
-        choice: dict[str, Any] = {
-            "index": index,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": reason,
-        }
-        if ids is not None:
-            choice["token_ids"] = ids
-        body: dict[str, Any] = {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": state.model_name,
-            "choices": [choice],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        return _chunk(cid, "text_completion", created, state, choice, ids, include_usage)
 
     async for index, out in run.events():
         text, ids = out["text"], out["output_ids"]
@@ -249,24 +257,8 @@ async def _chat_chunks(
     include_usage = req.include_usage()
 
     def chunk(delta: dict[str, Any], reason: str | None, ids: list[int] | None = None) -> str:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": delta,
-            "logprobs": None,
-            "finish_reason": reason,
-        }
-        if ids is not None:
-            choice["token_ids"] = ids
-        body: dict[str, Any] = {
-            "id": cid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": state.model_name,
-            "choices": [choice],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return _chunk(cid, "chat.completion.chunk", created, state, choice, ids, include_usage)
 
     yield chunk({"role": "assistant", "content": ""}, None)
     meta: dict[str, Any] = {}
