@@ -11,6 +11,10 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
 
     add_serving_parser(bsub)
 
+    from specserve.bench.compare import add_compare_parser
+
+    add_compare_parser(bsub)
+
     ob = bsub.add_parser("one-batch", help="static batch: prefill and decode throughput")
     ob.add_argument("--batch-size", type=int, nargs="+", default=[1])
     ob.add_argument("--input-len", type=int, default=128)
