@@ -45,10 +45,17 @@ def _expand_kv(t: torch.Tensor, group: int) -> torch.Tensor:
 def _attend(attn, q, k, v, mask=None, is_causal=False) -> torch.Tensor:
     """SDPA over [B, heads, N, d] / [B, kv_heads, M, d]; returns o_proj(out) [B, N, H]."""
     group = attn.num_heads // attn.num_kv_heads
+    b, _, n, d = q.shape
+    if n == 1 and group > 1 and not is_causal:
+        # one query per sequence: the heads sharing a K/V head become its query rows (mask
+        # [B, 1, 1, M] is the same for all of them), so the cache is never copied per head
+        out = F.scaled_dot_product_attention(
+            q.view(b, attn.num_kv_heads, group, d), k, v, attn_mask=mask
+        )
+        return attn.o_proj(out.reshape(b, 1, attn.q_size))
     out = F.scaled_dot_product_attention(
         q, _expand_kv(k, group), _expand_kv(v, group), attn_mask=mask, is_causal=is_causal
     )
-    b, _, n, _ = out.shape
     return attn.o_proj(out.transpose(1, 2).reshape(b, n, attn.q_size))
 
 
