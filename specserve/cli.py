@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
 
     add_serve_parser(sub, add_engine_args, engine_kwargs)
     add_bench_parser(sub, add_engine_args, engine_kwargs)
+    from specserve.train.cli import add_train_parser
+
+    add_train_parser(sub, add_engine_args, engine_kwargs)
 
     args = parser.parse_args(argv)
     from specserve.errors import InvalidArgument

@@ -1,0 +1,138 @@
+"""`specserve train-eagle`: self-distillation data, then an EAGLE head, in one command.
+
+    specserve train-eagle --target smollm2-135m --out ./my-draft
+
+Work files (answers, feature shards, the resumable `checkpoint.pt`) go to `--work-dir`
+(default `<out>.work`); a rerun reuses finished data and, with `--resume`, continues training
+from the last checkpoint. The draft lands in `--out` in the published EAGLE layout
+(config.json, model.safetensors in float16, training_args.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+
+
+def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
+    """Register `train-eagle` (the engine-argument helpers of specserve.cli are accepted for a
+    uniform call and unused: the engine generator takes its few knobs from this parser)."""
+    from specserve.train.data import DataArgs
+    from specserve.train.trainer import TrainArgs
+
+    d, t = DataArgs(), TrainArgs()
+    p = sub.add_parser("train-eagle", help="train an EAGLE draft head by self-distillation")
+    p.add_argument("--target", default="smollm2-135m", help="target model (default smollm2-135m)")
+    p.add_argument("--out", required=True, help="folder for the trained draft")
+    p.add_argument("--work-dir", default=None, help="data and checkpoints (default <out>.work)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load-format", default="auto")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--prompts", default=d.prompts, help="'train' (bundled) or a JSONL file")
+    g.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    g.add_argument("--generator", default=d.generator, choices=["dense", "engine"])
+    g.add_argument(
+        "--gen-batch-size", type=int, default=d.batch_size, help="answers generated together"
+    )
+    g.add_argument("--gen-dtype", default=d.gen_dtype, help="dense generator dtype")
+    g.add_argument("--feature-dtype", default=d.feature_dtype)
+    g.add_argument("--sampled-pass", action="store_true", help="also one sampled answer per prompt")
+    g.add_argument("--temperature", type=float, default=d.temperature)
+    g.add_argument("--eagle3-features", action="store_true", help="also record EAGLE3 features")
+    g.add_argument("--data-dir", default=None, help="use this finished dataset folder")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=float, default=t.epochs)
+    g.add_argument("--lr", type=float, default=t.lr)
+    g.add_argument("--batch-size", type=int, default=t.batch_size, help="sequences per step")
+    g.add_argument("--ttt-steps", type=int, default=t.ttt_steps, help="extra unrolled steps")
+    g.add_argument("--ttt-decay", type=float, default=t.ttt_decay)
+    g.add_argument("--feature-weight", type=float, default=t.feature_weight)
+    g.add_argument("--token-weight", type=float, default=t.token_weight)
+    g.add_argument("--warmup", type=float, default=t.warmup)
+    g.add_argument("--grad-clip", type=float, default=t.grad_clip)
+    g.add_argument("--max-len", type=int, default=t.max_len)
+    g.add_argument(
+        "--init-layer", type=int, default=t.init_layer, help="start from this target layer"
+    )
+    g.add_argument("--autocast", default=t.autocast, help="bfloat16 (default) or float32")
+    g.add_argument("--save-every", type=int, default=t.save_every)
+    g.add_argument("--resume", action="store_true", help="continue from <work-dir>/checkpoint.pt")
+    p.set_defaults(func=run_train)
+
+
+def run_train(args) -> int:
+    from specserve.train.data import DataArgs, build_dataset, load_target
+    from specserve.train.trainer import TrainArgs, train, write_training_args
+
+    t0 = time.perf_counter()
+    work = args.work_dir or args.out.rstrip("/") + ".work"
+    data_dir = args.data_dir or os.path.join(work, "data")
+    data_args = DataArgs(
+        target=args.target,
+        out_dir=data_dir,
+        prompts=args.prompts,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        generator=args.generator,
+        gen_dtype=args.gen_dtype,
+        feature_dtype=args.feature_dtype,
+        batch_size=args.gen_batch_size,
+        sampled_pass=args.sampled_pass,
+        temperature=args.temperature,
+        eagle3=args.eagle3_features,
+        seed=args.seed,
+        device=args.device,
+        load_format=args.load_format,
+    )
+    manifest = build_dataset(data_args)
+    print(
+        f"data: {manifest['num_sequences']} sequences, {manifest['num_answer_tokens']} answer "
+        f"tokens (generate {manifest['generate_seconds']}s, features {manifest['feature_seconds']}s)",
+        file=sys.stderr,
+    )
+    train_args = TrainArgs(
+        epochs=args.epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        ttt_steps=args.ttt_steps,
+        ttt_decay=args.ttt_decay,
+        feature_weight=args.feature_weight,
+        token_weight=args.token_weight,
+        warmup=args.warmup,
+        grad_clip=args.grad_clip,
+        max_len=args.max_len,
+        init_layer=args.init_layer,
+        autocast=args.autocast,
+        seed=args.seed,
+        device=args.device,
+        save_every=args.save_every,
+    )
+    target = load_target(args.target, "float32", args.device, args.load_format)
+    summary = train(
+        target.model,
+        data_dir,
+        args.out,
+        train_args,
+        resume=args.resume,
+        work_dir=work,
+        log=lambda m: print(m, file=sys.stderr),
+    )
+    summary = {
+        "target": args.target,
+        "command": "specserve " + " ".join(sys.argv[1:]) if sys.argv else None,
+        "data": {k: v for k, v in manifest.items() if k not in ("shards",)},
+        "data_args": asdict(data_args),
+        "train": summary,
+        "wall_seconds_this_run": round(time.perf_counter() - t0, 1),
+    }
+    write_training_args(args.out, summary)
+    print(json.dumps(summary["train"]["final"]), file=sys.stderr)
+    print(f"draft written to {args.out}", file=sys.stderr)
+    return 0
