@@ -7,9 +7,11 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
     bench = sub.add_parser("bench", help="benchmarks (print JSON and a table)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
 
+    from specserve.bench.acceptance import add_acceptance_parser
     from specserve.bench.serving import add_serving_parser
 
     add_serving_parser(bsub)
+    add_acceptance_parser(bsub)
 
     from specserve.bench.compare import add_compare_parser
 
