@@ -182,7 +182,10 @@ def write_random_eagle_checkpoint(
     tests; a trained head is written the same way)."""
     from specserve.model.loader import random_init_
 
-    cfg = target_config.with_changes(num_layers=1, tie_word_embeddings=False)
+    # Published heads are plain Llama layers whatever the target (no qkv bias, no q/k norm).
+    cfg = target_config.with_changes(
+        num_layers=1, tie_word_embeddings=False, attention_bias=False, qk_norm=False
+    )
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
     if algorithm == "EAGLE":
         head = EagleHead(cfg, embed, embed.weight)
