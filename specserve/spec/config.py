@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -163,11 +164,9 @@ def resolve_simulation(c) -> tuple[Any, list[tuple[str, Any, str]]]:
     )
     max_len = c.speculative_num_steps + 1
     if length > max_len:
-        decide(
-            "simulate_acc_len",
-            float(max_len),
-            f"{length} exceeds num_steps + 1 = {max_len}: clipped",
-        )
+        reason = f"{length} exceeds num_steps + 1 = {max_len}: clipped"
+        logging.getLogger(__name__).warning("simulate_acc_len %s", reason)
+        decide("simulate_acc_len", float(max_len), reason)
     if c.simulate_acc_method == "per-position":
         rates = parse_rates(c.simulate_acc_rates)
         require(
