@@ -40,6 +40,8 @@ class EngineConfig:
     mem_fraction_static: float = 0.85  # CUDA: share of free memory for weights + KV
     debug_check_invariants: bool = False  # walk the KV ownership after every step (tests)
     disable_overlap_schedule: bool = False  # overlap: launch step k+1 before applying step k
+    disable_cuda_graph: bool = False  # CUDA: replay decode steps from captured graphs
+    cuda_graph_max_bs: int | None = None  # largest captured batch size (eager above it)
     # speculative decoding (SGLang's names)
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -142,6 +144,7 @@ class EngineConfig:
 
         c, sim_decisions = resolve_simulation(c)
         decided.extend(sim_decisions)
+        _resolve_cuda_graph(c, on_gpu, decide)  # decide() updates c
         if c.disable_overlap_schedule:
             decided.append(
                 (
@@ -168,6 +171,36 @@ class EngineConfig:
     def log_decisions(self) -> None:
         for name, value, reason in self.decisions:
             log.info("config: %s = %r (%s)", name, value, reason)
+
+
+def _resolve_cuda_graph(c: EngineConfig, on_gpu: bool, decide) -> None:
+    if c.cuda_graph_max_bs is not None:
+        _check_int("cuda_graph_max_bs", c.cuda_graph_max_bs, minimum=1)
+    if c.disable_cuda_graph:
+        decide("disable_cuda_graph", True, "requested: decode steps run eagerly")
+        return
+    if not on_gpu:
+        decide("disable_cuda_graph", True, "no CUDA device: decode steps run eagerly")
+        return
+    if c.attention_backend != "triton":
+        decide(
+            "disable_cuda_graph",
+            True,
+            "the torch attention backend sizes its work from host lists; graphs need triton",
+        )
+        return
+    decide(
+        "disable_cuda_graph",
+        False,
+        "CUDA: each decode step (draft, verify, accept, KV compaction, draft extend) is "
+        "captured once per padded batch size and context bucket, then replayed",
+    )
+    if c.cuda_graph_max_bs is None:
+        decide(
+            "cuda_graph_max_bs",
+            min(c.max_running_requests, 256),
+            "max_running_requests, at most 256 (larger batches run eagerly)",
+        )
 
 
 def _triton_available() -> bool:

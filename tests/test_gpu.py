@@ -87,11 +87,13 @@ def test_bf16_default_dtype_runs_speculatively():
     assert len(out["output_ids"]) == 24
 
 
+@pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("topk, ndt", [(1, 4), (8, 16)])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_speculative_steps_launch_without_host_sync(topk, ndt, page_size):
+def test_speculative_steps_launch_without_host_sync(topk, ndt, page_size, graphs):
     """Draft, verify, KV commit and draft extend are launched under sync-debug 'error' mode,
-    with overlap on (the host applies each step one step later)."""
+    with overlap on (the host applies each step one step later), replayed from CUDA graphs
+    or eager."""
     engine = Engine(
         **GPU,
         attention_backend="triton",
@@ -101,7 +103,12 @@ def test_speculative_steps_launch_without_host_sync(topk, ndt, page_size):
         speculative_num_steps=3,
         speculative_eagle_topk=topk,
         speculative_num_draft_tokens=ndt,
+        disable_cuda_graph=not graphs,
     )
+    prompts = mixed_prompts(8, 512, seed=5)
+    if graphs:  # capture (which synchronises once per shape) before the strict run
+        engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 64})
+        assert engine.core.worker.graphs.num_captures > 0
     worker = engine.core.worker
     launch = worker.launch_decode
     launched = []
@@ -117,10 +124,57 @@ def test_speculative_steps_launch_without_host_sync(topk, ndt, page_size):
 
     worker.launch_decode = strict_launch
     try:
-        prompts = mixed_prompts(8, 512, seed=5)
         outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 64})
         ahead = engine.core.num_launched_ahead
     finally:
         engine.shutdown()
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
     assert len(launched) >= 10 and ahead > 0
+
+
+def _outputs(prompts, sps, **kw):
+    with Engine(**GPU, attention_backend="triton", **kw) as e:
+        outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sps)]
+        graphs = e.core.worker.graphs
+        captures = graphs.num_captures if graphs is not None else 0
+        stats = e.stats()
+    return outs, captures, stats
+
+
+SPEC = dict(
+    speculative_algorithm="STANDALONE",
+    speculative_draft_model_path="tiny",
+    speculative_num_steps=3,
+)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [{}, dict(SPEC, speculative_eagle_topk=1, speculative_num_draft_tokens=4),
+     dict(SPEC, speculative_eagle_topk=8, speculative_num_draft_tokens=16)],
+)  # fmt: skip
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_graphs_match_eager(spec, page_size):
+    """Replayed graphs (padded batches, bucketed widths) give the eager engine's tokens, for
+    greedy and seeded sampling, while the batch shrinks through the buckets."""
+    prompts = mixed_prompts(11, 512, seed=6)
+    sps = [
+        {"max_new_tokens": 8 + 4 * i, "ignore_eos": True, "temperature": 0.8 * (i % 2), "seed": i}
+        for i in range(11)
+    ]
+    eager, none, _ = _outputs(prompts, sps, page_size=page_size, disable_cuda_graph=True, **spec)
+    graphed, captures, _ = _outputs(prompts, sps, page_size=page_size, **spec)
+    assert none == 0 and captures >= 3
+    assert graphed == eager
+
+
+def test_cuda_graphs_simulated_acceptance_draws_fresh_lengths():
+    """The simulated length counter lives on the device: replays draw new lengths."""
+    prompts = mixed_prompts(16, 512, seed=7, min_len=2, max_len=8)
+    sp = {"temperature": 0, "max_new_tokens": 96, "ignore_eos": True}
+    kw = dict(SPEC, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    _, captures, stats = _outputs(
+        prompts, sp, simulate_acc_len=2.3, simulate_acc_method="match-expected", **kw
+    )
+    assert captures > 0
+    assert abs(stats["spec_accept_length"] - 2.3) < 0.1, stats

@@ -23,6 +23,7 @@ class KVTable:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self._pages: dict[str, list[int]] = {}
+        self.mirror = None  # optional device copy (RequestRows): told of every page change
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -42,7 +43,10 @@ class KVTable:
         pages = self.allocator.alloc(need)
         if pages is None:
             return False
-        self._pages.setdefault(rid, []).extend(pages)
+        owned = self._pages.setdefault(rid, [])
+        if self.mirror is not None:
+            self.mirror.on_pages_added(rid, len(owned), pages)
+        owned.extend(pages)
         return True
 
     def truncate(self, rid: str, num_tokens: int) -> None:
@@ -59,6 +63,8 @@ class KVTable:
         pages = self._pages.pop(rid, None)
         if pages:
             self.allocator.free(pages)
+        if self.mirror is not None:
+            self.mirror.on_release(rid)
 
     def owners(self) -> list[str]:
         return list(self._pages)

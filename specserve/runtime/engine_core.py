@@ -16,6 +16,7 @@ from specserve.model.loader import load_model
 from specserve.ops.attention import TorchAttentionBackend
 from specserve.runtime.model_runner import ModelRunner
 from specserve.runtime.request import ReqState, Request
+from specserve.runtime.request_rows import RequestRows
 from specserve.runtime.scheduler import Scheduler, SchedulerLimits
 from specserve.runtime.stop import StopChecker
 from specserve.runtime.worker import Worker
@@ -76,13 +77,27 @@ class EngineCore:
             mc.num_layers, num_slots, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
         self.table = KVTable(PageAllocator(num_pages, cfg.page_size))
+        window = draft.window + draft.lookahead if draft is not None else 1
+        self.rows = RequestRows(
+            self.device,
+            cfg.page_size,
+            max_pages=-(-(self.context_len + 2 * window) // cfg.page_size),
+            rows=cfg.max_running_requests + 8,
+        )
+        self.table.mirror = self.rows
         backend = make_attention_backend(cfg.attention_backend)
         self.runner = ModelRunner(loaded.model, self.kv_cache, backend)
         if draft is not None:
-            draft.attach(self.table, num_slots, backend, self.runner)
+            draft.attach(self.table, num_slots, backend, self.rows)
         self.worker = Worker(
-            self.runner, self.table, self.device, draft, self._build_simulator(cfg)
+            self.runner, self.table, self.rows, self.device, draft, self._build_simulator(cfg)
         )
+        if not cfg.disable_cuda_graph:
+            from specserve.runtime.cuda_graphs import DecodeGraphs
+
+            self.worker.graphs = DecodeGraphs(
+                self.worker, cfg.cuda_graph_max_bs, max_width=self.context_len + 2 * window
+            )
         self.scheduler = Scheduler(
             self.table,
             SchedulerLimits(

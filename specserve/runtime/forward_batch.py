@@ -94,14 +94,17 @@ def build_device_metadata(
     for u in visible_upper:
         upper.append(upper[-1] + u)
     mask_ptr = [q_len * extra_len * i for i in range(bsz + 1)]
+    # Uniform strides are computed on the device: no host->device copy, so the whole
+    # metadata can be built inside a CUDA graph capture.
+    batch_ids = torch.arange(bsz + 1, dtype=torch.int64, device=device)
     return AttentionMetadata(
-        qo_indptr=to_device(torch.tensor(qo, dtype=torch.int64), device),
+        qo_indptr=batch_ids * q_len,
         kv_indptr=kv_indptr,
         kv_indices=kv_indices,
         extra_lens=torch.full((bsz,), extra_len, dtype=torch.int64, device=device),
         out_cache_loc=out_cache_loc,
         custom_mask=custom_mask,
-        mask_indptr=to_device(torch.tensor(mask_ptr), device) if custom_mask is not None else None,
+        mask_indptr=batch_ids * (q_len * extra_len) if custom_mask is not None else None,
         host_qo_indptr=qo,
         host_kv_indptr=upper,
         host_extra_lens=[extra_len] * bsz,

@@ -20,6 +20,7 @@ from specserve.runtime.forward_batch import (
 )
 from specserve.runtime.model_runner import ModelRunner
 from specserve.runtime.request import Request
+from specserve.runtime.request_rows import PAD_ROW, RequestRows
 from specserve.spec.kv_commit import commit_accepted_path
 from specserve.spec.tree import DraftTrees, accept, ancestor_mask
 
@@ -68,10 +69,10 @@ class PendingDecode:
 @dataclass
 class DecodeBatch:
     """What the drafter and verifier share about one decode step. KV lengths and roots are
-    device tensors carried over from the previous step, so a step can be launched before
-    the host has seen the previous one's results; the host only knows upper bounds."""
+    read on the device from the requests' rows, so a step can be launched before the host
+    has seen the previous one's results; the host only knows upper bounds."""
 
-    reqs: list[Request]
+    batch_size: int
     kv_upper: list[int]  # host upper bounds of each request's kv_len
     kv_lens_dev: torch.Tensor  # [B] exact, device
     roots: torch.Tensor  # [B] last token of each request, device
@@ -79,6 +80,7 @@ class DecodeBatch:
     owned_slots: torch.Tensor  # [B, L] device slots of positions [0, L), L >= kv_len + W
     window_slots: torch.Tensor  # [B, W] device slots of positions [kv_len, kv_len + W)
     sampling: SamplingTensors
+    root_g: torch.Tensor | None = None  # [B, H] the draft's state at the root (EAGLE)
 
     def metadata(self, visible_past_kv: int, q_len: int, extra_len: int, out_cache_loc, mask=None):
         """Requests see positions [0, kv_len + visible_past_kv); the last extra_len are masked."""
@@ -115,23 +117,24 @@ class Worker:
         self,
         target: ModelRunner,
         table: KVTable,
+        rows: RequestRows,
         device: torch.device,
         drafter=None,
         simulator=None,
     ):
         self.target = target
         self.table = table
+        self.rows = rows  # per-request device state: page table, kv_len, root, draft feature
         self.device = device
         self.drafter = drafter
         self.simulator = simulator  # forces acceptance lengths (benchmarking)
-        # rid -> (kv_len, last token) on the device: the next decode step's inputs
-        self.device_state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graphs = None  # DecodeGraphs, when CUDA graphs are on
+        self._sampling_cache: tuple[tuple[str, ...], SamplingTensors] | None = None
 
     # ---- sizes the scheduler must reserve ------------------------------------------------
     def forget(self, rid: str) -> None:
-        self.device_state.pop(rid, None)
-        if self.drafter is not None:
-            self.drafter.forget(rid)
+        if self._sampling_cache is not None and rid in self._sampling_cache[0]:
+            self._sampling_cache = None
 
     @property
     def max_accept(self) -> int:
@@ -162,8 +165,8 @@ class Worker:
             )
             out_slots.append(self.table.slots(c.req.rid, c.start, c.end))
         dev = self.device
-        input_ids = torch.tensor(tokens, dtype=torch.int64).to(dev)
-        pos = torch.tensor(positions, dtype=torch.int64).to(dev)
+        input_ids = to_device(torch.tensor(tokens, dtype=torch.int64), dev)
+        pos = to_device(torch.tensor(positions, dtype=torch.int64), dev)
         meta = build_metadata(segments, torch.cat(out_slots), dev)
         capture = self.drafter.capture_layers if self.drafter is not None else frozenset()
         out = self.target.forward(input_ids, pos, meta, capture)
@@ -171,63 +174,82 @@ class Worker:
         done = [i for i, c in enumerate(chunks) if c.completes]
         sampled = None
         if done:
-            last_rows = torch.tensor([meta.host_qo_indptr[i + 1] - 1 for i in done]).to(dev)
+            last_rows = to_device(torch.tensor([meta.host_qo_indptr[i + 1] - 1 for i in done]), dev)
             logits = self.target.model.compute_logits(out.hidden[last_rows])
             reqs = [chunks[i].req for i in done]
-            sample_pos = torch.tensor([chunks[i].end for i in done], dtype=torch.int64).to(dev)
+            sample_pos = to_device(torch.tensor([chunks[i].end for i in done]), dev)
             sampled = sample(logits, sampling_tensors(reqs, dev), sample_pos)
+        features = None
         if self.drafter is not None:
-            self.drafter.extend_after_prefill(chunks, input_ids, pos, out, done, sampled)
+            features = self.drafter.extend_after_prefill(chunks, input_ids, pos, out, done, sampled)
         if sampled is None:
             return {}
-        self.set_device_state([chunks[i].req.rid for i in done], sample_pos, sampled)
+        rows = self.rows.rows_of([chunks[i].req.rid for i in done])
+        self.rows.set_state(to_device(torch.tensor(rows), dev), sample_pos, sampled, features)
         values = sampled.tolist()
         return {chunks[i].req.rid: values[j] for j, i in enumerate(done)}
 
     # ---- decode -----------------------------------------------------------------------------
-    def set_device_state(self, rids: list[str], kv_lens: torch.Tensor, roots: torch.Tensor) -> None:
-        for i, rid in enumerate(rids):
-            self.device_state[rid] = (kv_lens[i], roots[i])
-
-    def make_decode_batch(self, reqs: list[Request], kv_upper: list[int]) -> DecodeBatch:
-        dev = self.device
-        window = self.decode_window
-        width = max(kv_upper) + window
-        owned = torch.zeros(len(reqs), width, dtype=torch.int64)
-        for i, (r, up) in enumerate(zip(reqs, kv_upper)):
-            owned[i, : up + window] = self.table.slots(r.rid, 0, up + window)
-        owned = to_device(owned, dev)
-        kv_lens = torch.stack([self.device_state[r.rid][0] for r in reqs])
-        cols = kv_lens[:, None] + torch.arange(window, device=dev)[None, :]
-        return DecodeBatch(
-            reqs=reqs,
-            kv_upper=kv_upper,
-            kv_lens_dev=kv_lens,
-            roots=torch.stack([self.device_state[r.rid][1] for r in reqs]),
-            window=window,
-            owned_slots=owned,
-            window_slots=torch.gather(owned, 1, cols),
-            sampling=sampling_tensors(reqs, dev),
-        )
+    def _sampling_for(self, reqs: list[Request]) -> SamplingTensors:
+        """Sampling tensors of a batch, reused while the batch's membership is unchanged."""
+        key = tuple(r.rid for r in reqs)
+        if self._sampling_cache is None or self._sampling_cache[0] != key:
+            self._sampling_cache = (key, sampling_tensors(reqs, self.device))
+        return self._sampling_cache[1]
 
     @torch.inference_mode()
     def launch_decode(self, reqs: list[Request], kv_upper: list[int]) -> PendingDecode:
         """Draft, verify, commit and draft-extend on the device; nothing waits for the device."""
-        batch = self.make_decode_batch(reqs, kv_upper)
+        self.rows.flush()
+        rows = self.rows.rows_of([r.rid for r in reqs])
+        sampling = self._sampling_for(reqs)
+        width = max(kv_upper) + self.decode_window
+        out = self.graphs.run(rows, sampling, width) if self.graphs is not None else None
+        if out is None:
+            rows_dev = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+            out = self.decode_step(rows_dev, sampling, width, kv_upper)
+        return PendingDecode(reqs, *out)
+
+    def decode(self, reqs: list[Request]) -> DecodeOutput:
+        """A synchronous step (the host's kv_len is exact)."""
+        return self.launch_decode(reqs, [r.kv_len for r in reqs]).result()
+
+    def decode_step(
+        self, rows: torch.Tensor, sampling: SamplingTensors, width: int, kv_upper: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of the requests in `rows`, entirely on the device: read their state,
+        draft, verify, compact the accepted KV, draft-extend, write their state back.
+        Returns (accept_len [B], emitted [B, max_accept]). Shapes depend only on host values
+        (B, width, kv_upper), so the same call can be captured in a CUDA graph; rows equal to
+        PAD_ROW are padding and touch only scratch."""
+        dev, window, st = self.device, self.decode_window, self.rows
+        pad = rows == PAD_ROW
+        kv_lens = torch.where(pad, 0, st.kv_lens[rows])
+        roots = torch.where(pad, 0, st.roots[rows])
+        owned = st.slots(rows, width)
+        cols = kv_lens[:, None] + torch.arange(window, device=dev)[None, :]
+        batch = DecodeBatch(
+            batch_size=rows.shape[0],
+            kv_upper=kv_upper,
+            kv_lens_dev=kv_lens,
+            roots=roots,
+            window=window,
+            owned_slots=owned,
+            window_slots=torch.gather(owned, 1, cols),
+            sampling=sampling,
+            root_g=st.features[rows] if self.drafter is not None else None,
+        )
         trees = (
             self.drafter.draft(batch)
             if self.drafter is not None
             else DraftTrees.root_only(batch.roots)
         )
         acc, hidden = self.verify(batch, trees)
+        features = None
         if self.drafter is not None:
-            self.drafter.extend_after_verify(batch, trees, acc, hidden)
-        self.set_device_state([r.rid for r in reqs], batch.kv_lens_dev + acc.accept_len, acc.bonus)
-        return PendingDecode(reqs, acc.accept_len, acc.emitted)
-
-    def decode(self, reqs: list[Request]) -> DecodeOutput:
-        """A synchronous step (the host's kv_len is exact)."""
-        return self.launch_decode(reqs, [r.kv_len for r in reqs]).result()
+            features = self.drafter.extend_after_verify(batch, trees, acc, hidden)
+        st.set_state(rows, kv_lens + acc.accept_len, acc.bonus, features)
+        return acc.accept_len, acc.emitted
 
     def verify(self, batch: DecodeBatch, trees: DraftTrees):
         """One target forward over every tree of the batch; accept; compact the KV."""
@@ -242,7 +264,9 @@ class Worker:
         out = self.target.forward(trees.tokens.reshape(-1), positions, meta, capture)
         logits = self.target.model.compute_logits(out.hidden)
         # Each node's draw is for the position after it: kv_len + depth + 1.
-        st = batch.sampling.expand(torch.full((b,), n, device=dev), b * n)
+        st = batch.sampling
+        if n > 1:
+            st = st.expand(torch.full((b,), n, device=dev), b * n)
         target_tokens = sample(logits, st, positions + 1).view(b, n)
         if self.simulator is not None and anc is not None:
             acc = self.simulator.accept(trees, target_tokens, anc)

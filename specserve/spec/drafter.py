@@ -26,7 +26,7 @@ import torch
 
 from specserve.kv.pool import KVCache
 from specserve.ops.attention import ForwardContext
-from specserve.runtime.forward_batch import Segment, build_metadata
+from specserve.runtime.forward_batch import Segment, build_metadata, to_device
 from specserve.spec.draft_heads import DraftHead
 from specserve.spec.tree import DraftTrees
 
@@ -58,22 +58,21 @@ class TreeDrafter:
         )
         self.capture_layers = capture_layers
         self.device, self.dtype = device, dtype
-        self.root_g: dict[str, torch.Tensor] = {}
         c = head.config
         self.kv_bytes_per_slot = KVCache.bytes_per_slot(
             c.num_layers, c.num_kv_heads, c.head_dim, dtype
         )
 
-    def attach(self, table, num_slots: int, backend, target_runner) -> None:
+    def attach(self, table, num_slots: int, backend, rows) -> None:
+        """Share the target's page table; keep each request's root state in `rows` (the
+        draft's hidden state after the last accepted token, what the next step drafts from)."""
         c = self.head.config
         self.table = table
         self.backend = backend
         self.kv = KVCache(
             c.num_layers, num_slots, c.num_kv_heads, c.head_dim, self.dtype, self.device
         )
-
-    def forget(self, rid: str) -> None:
-        self.root_g.pop(rid, None)
+        rows.add_features(c.hidden_size, self.dtype)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _features(self, target_out, rows: torch.Tensor | None) -> torch.Tensor | None:
@@ -95,9 +94,12 @@ class TreeDrafter:
 
     # ---- prefill ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def extend_after_prefill(self, chunks, input_ids, positions, target_out, done, sampled) -> None:
+    def extend_after_prefill(
+        self, chunks, input_ids, positions, target_out, done, sampled
+    ) -> torch.Tensor | None:
         """Draft entries for the chunk: EAGLE pairs x_{j} with h_{j-1}; a standalone draft
-        takes the chunk's tokens (plus the sampled token once the prompt is complete)."""
+        takes the chunk's tokens (plus the sampled token once the prompt is complete).
+        Returns the root state of each completed chunk (in `done` order), or None."""
         d = self.delta
         host_tokens, token_pos, seg, out, feat_rows = [], [], [], [], []
         sampled_at: list[tuple[int, int]] = []  # (flat index, index into `sampled`)
@@ -134,15 +136,17 @@ class TreeDrafter:
         )
         pos = torch.tensor(token_pos, dtype=torch.int64).to(self.device)
         g = self._run(tokens, feats, pos, build_metadata(seg, torch.cat(out), self.device))
-        for rid, r in last_rows.items():
-            self.root_g[rid] = g[r]
+        if not done:
+            return None
+        rows = [last_rows[chunks[i].req.rid] for i in done]
+        return g[to_device(torch.tensor(rows, dtype=torch.int64), self.device)]
 
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def draft(self, batch) -> DraftTrees:
         k, d, dev = self.topk, self.delta, self.device
-        bsz = len(batch.reqs)
-        g_root = torch.stack([self.root_g[r.rid] for r in batch.reqs])
+        bsz = batch.batch_size
+        g_root = batch.root_g
         logp, tok = self.head.topk(g_root, k)
         ranks = torch.arange(k, device=dev)
         cand_tokens, cand_keys, cand_parents, cand_depths = [tok], [], [torch.zeros_like(tok)], [1]
@@ -238,9 +242,10 @@ class TreeDrafter:
 
     # ---- after verification ---------------------------------------------------------------------
     @torch.inference_mode()
-    def extend_after_verify(self, batch, trees: DraftTrees, acc, target_out) -> None:
+    def extend_after_verify(self, batch, trees: DraftTrees, acc, target_out) -> torch.Tensor:
         """Run the draft over the accepted tokens (fixed width max_depth+1 per request; entries
-        past the accepted length land in scratch positions and are never read)."""
+        past the accepted length land in scratch positions and are never read). Returns the
+        new root state [B, H]: the draft's output at the last accepted token."""
         d, w = self.delta, self.max_depth + 1
         bsz, n = trees.tokens.shape
         tokens = acc.emitted.reshape(-1)
@@ -255,5 +260,4 @@ class TreeDrafter:
         last = torch.gather(
             g, 1, (acc.accept_len - 1)[:, None, None].expand(bsz, 1, g.shape[-1])
         ).squeeze(1)
-        for b, r in enumerate(batch.reqs):
-            self.root_g[r.rid] = last[b]
+        return last

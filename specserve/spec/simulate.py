@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from specserve.ops.sampling import uniform_noise
 from specserve.spec.tree import Acceptance, DraftTrees, acceptance_of_path
 
 METHODS = ("multinomial", "match-expected", "per-position")
@@ -46,22 +47,29 @@ class SimulatedAcceptance:
         self.rates = torch.tensor(rates or [], dtype=torch.float32, device=device)
         self.fixed_token = fixed_token
         self.std = std
-        self.gen = torch.Generator(device=device).manual_seed(seed)
+        # Counter-based randomness (like sampling's): draw i depends only on (seed, i), and
+        # the counter lives on the device, so a replayed CUDA graph draws fresh lengths.
+        self.seed = torch.tensor([seed], dtype=torch.int64, device=device)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
         self.device = device
+
+    def _uniform(self, n: int) -> torch.Tensor:
+        """n fresh uniforms in (0, 1), advancing the device-side counter."""
+        self.counter += 1
+        return uniform_noise(self.seed, self.counter, n)[0]
 
     def draw(self, bsz: int) -> torch.Tensor:
         """[B] int64 accept lengths in [1, num_steps + 1]."""
-        dev = self.device
         if self.method == "match-expected":
             lo = math.floor(self.mean)
             frac = self.mean - lo
-            up = torch.rand(bsz, generator=self.gen, device=dev) < frac
-            lengths = lo + up.long()
+            lengths = lo + (self._uniform(bsz) < frac).long()
         elif self.method == "multinomial":
-            noise = torch.randn(bsz, generator=self.gen, device=dev) * self.std
-            lengths = torch.round(self.mean + noise).long()
+            u = self._uniform(2 * bsz)  # Box-Muller: two uniforms per normal draw
+            normal = torch.sqrt(-2.0 * torch.log(u[:bsz])) * torch.cos(2 * math.pi * u[bsz:])
+            lengths = torch.round(self.mean + normal * self.std).long()
         else:
-            u = torch.rand(bsz, len(self.rates), generator=self.gen, device=dev)
+            u = self._uniform(bsz * len(self.rates)).view(bsz, len(self.rates))
             ok = (u < self.rates[None, :]).long()
             lengths = 1 + torch.cumprod(ok, dim=1).sum(dim=1)
         return lengths.clamp(1, self.max_len)

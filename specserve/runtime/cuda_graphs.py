@@ -1,0 +1,159 @@
+"""CUDA graphs for decode steps: the whole step (draft, verify, sampling, acceptance, KV
+compaction, draft extend, state write-back) is captured once per shape and replayed.
+
+A step's shapes depend on three host values, which key the graphs:
+- the batch size, padded up to a bucket (1, 2, 4, 8, then multiples of 8); padding rows use
+  `PAD_ROW`, whose KV is the scratch page;
+- the context width, padded up to a power of two (>= 256): every request's KV indices are
+  laid out in a [bs, width] block, and the attention launch plan is sized for it;
+- the sampling mode (all greedy; filters on or off), which selects host-side code paths.
+Graphs are captured lazily, the first time a key is needed, from padding-only inputs (so
+capture writes nothing but scratch), and share one memory pool. Anything outside the
+buckets runs eagerly through the same `Worker.decode_step`.
+
+Inputs are copied into each graph's static tensors before a replay; those copies and the
+replay are ordered on the stream after the previous step, so under overlap scheduling the
+host can prepare step k+1 while step k still runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specserve.ops.sampling import SamplingTensors
+from specserve.runtime.request_rows import PAD_ROW
+
+log = logging.getLogger(__name__)
+
+MIN_WIDTH = 256
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    """1, 2, 4, then multiples of 8, and max_bs itself."""
+    sizes = {b for b in (1, 2, 4) if b < max_bs} | set(range(8, max_bs, 8)) | {max_bs}
+    return sorted(sizes)
+
+
+@dataclass
+class _Captured:
+    graph: object | None  # torch.cuda.CUDAGraph; None when not capturing (see DecodeGraphs)
+    step: object  # the step over the static inputs (what the graph replays)
+    rows: torch.Tensor  # [bs] static input
+    sampling: SamplingTensors  # [bs] static inputs
+    accept_len: torch.Tensor | None  # [bs] static output of the graph
+    emitted: torch.Tensor | None  # [bs, max_accept]
+    # (real batch size, sampling object) last copied in; holding the object keeps its
+    # identity from being reused by a different batch's tensors
+    last_inputs: tuple | None = None
+
+
+class DecodeGraphs:
+    def __init__(self, worker, max_bs: int, max_width: int, capture: bool = True):
+        """capture=False runs the same padded, fixed-shape steps eagerly instead of replaying
+        graphs: how the padding and bucketing logic is tested on machines without CUDA."""
+        self.worker = worker
+        self.capture = capture
+        self.buckets = batch_buckets(max_bs)
+        self.max_width = max_width
+        self.graphs: dict[tuple, _Captured] = {}
+        self.pool = None
+        self._rows_version = worker.rows.version
+        self.num_captures = 0
+
+    def bucket(self, bsz: int, width: int) -> tuple[int, int] | None:
+        bs = next((b for b in self.buckets if b >= bsz), None)
+        if bs is None or width > self.max_width:
+            return None
+        w = MIN_WIDTH
+        while w < width:
+            w *= 2
+        return bs, min(w, self.max_width)
+
+    def run(
+        self, rows: list[int], sampling: SamplingTensors, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Replay the step for these rows; None when the batch is too large for a graph."""
+        shape = self.bucket(len(rows), width)
+        if shape is None:
+            return None
+        if self.worker.rows.version != self._rows_version:
+            # the row tensors were reallocated (more requests or longer contexts than sized
+            # for): graphs captured the old addresses
+            self.graphs.clear()
+            self._rows_version = self.worker.rows.version
+        key = (*shape, sampling.all_greedy, sampling.needs_filter)
+        cap = self.graphs.get(key)
+        if cap is None:
+            cap = self._capture(*key)
+            self.graphs[key] = cap
+        self._copy_inputs(cap, rows, sampling)
+        if cap.graph is not None:
+            cap.graph.replay()
+            accept_len, emitted = cap.accept_len, cap.emitted
+        else:
+            accept_len, emitted = cap.step()
+        n = len(rows)
+        return accept_len[:n], emitted[:n]
+
+    def _copy_inputs(self, cap: _Captured, rows: list[int], sampling: SamplingTensors) -> None:
+        bs, n = cap.rows.shape[0], len(rows)
+        padded = torch.tensor(rows + [PAD_ROW] * (bs - n), dtype=torch.int64)
+        if cap.rows.device.type == "cuda":
+            padded = padded.pin_memory()
+        cap.rows.copy_(padded, non_blocking=True)
+        last = cap.last_inputs
+        if last is not None and last[0] == n and last[1] is sampling:
+            return  # same batch as last replay: sampling rows are already in place
+        for name in ("temperatures", "top_ks", "top_ps", "min_ps", "seeds"):
+            dst = getattr(cap.sampling, name)
+            dst[:n].copy_(getattr(sampling, name))
+            if n < bs:
+                dst[n:].fill_(_PAD_SAMPLING[name])
+        cap.last_inputs = (n, sampling)
+
+    def _capture(self, bs: int, width: int, all_greedy: bool, needs_filter: bool) -> _Captured:
+        worker, dev = self.worker, self.worker.device
+        rows = torch.full((bs,), PAD_ROW, dtype=torch.int64, device=dev)
+
+        def pad(name: str, dtype) -> torch.Tensor:
+            return torch.full((bs,), _PAD_SAMPLING[name], dtype=dtype, device=dev)
+
+        sampling = SamplingTensors(
+            temperatures=pad("temperatures", torch.float32),
+            top_ks=pad("top_ks", torch.int64),
+            top_ps=pad("top_ps", torch.float32),
+            min_ps=pad("min_ps", torch.float32),
+            seeds=pad("seeds", torch.int64),
+            all_greedy=all_greedy,
+            needs_filter=needs_filter,
+        )
+        kv_upper = [width - worker.decode_window] * bs
+
+        def step():
+            with torch.inference_mode():
+                return worker.decode_step(rows, sampling, width, kv_upper)
+
+        if not self.capture:
+            return _Captured(None, step, rows, sampling, None, None)
+        # Warm up on a side stream (Triton compiles, allocator settles), then capture.
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            accept_len, emitted = step()
+        self.num_captures += 1
+        log.info("captured decode graph: batch %d, width %d, greedy=%s", bs, width, all_greedy)
+        return _Captured(graph, step, rows, sampling, accept_len, emitted)
+
+
+# Padding rows sample greedily with no filters (their outputs are discarded).
+_PAD_SAMPLING = {"temperatures": 0.0, "top_ks": 0, "top_ps": 1.0, "min_ps": 0.0, "seeds": 0}

@@ -1,0 +1,126 @@
+"""Per-request state that lives on the device, one row per request holding KV pages.
+
+- `pages[row, i]`: the i-th page of the request, mirrored from `KVTable` (the host stays
+  the owner; the mirror is written in one batched update per step by `flush`).
+- `kv_lens[row]`, `roots[row]`: the next decode step's inputs (exact KV length and the
+  last sampled token), written by prefill and by every decode step on the device.
+- `features[row]`: the draft's state for the root (EAGLE), when a drafter is attached.
+
+A decode step then needs only the rows of its requests from the host: it reads and writes
+everything else by row, on the device, so it can be launched before the host has seen the
+previous step and can be replayed from a CUDA graph. Writes are stream-ordered after every
+launched step, so a row freed by one request and reused by another is never seen mixed.
+
+Row 0 is never handed out: it is the padding row of a padded (graph) batch; its pages are
+all the scratch page 0, so padded tokens read and write only scratch slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.runtime.forward_batch import to_device
+
+PAD_ROW = 0
+
+
+class RequestRows:
+    def __init__(self, device: torch.device, page_size: int, max_pages: int, rows: int = 64):
+        self.device = device
+        self.page_size = page_size
+        self._row_of: dict[str, int] = {}
+        self._pending: dict[tuple[int, int], int] = {}  # (row, page index) -> page id
+        self._feature_spec: tuple[int, torch.dtype] | None = None
+        self.version = 0  # bumped when tensors are reallocated (captured graphs go stale)
+        self._allocate(max(rows, 2), max(max_pages, 1))
+        self._free = list(range(self.num_rows - 1, PAD_ROW, -1))
+
+    # ---- storage ------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return self.pages.shape[0]
+
+    def _allocate(self, rows: int, max_pages: int) -> None:
+        old = getattr(self, "pages", None)
+        dev = self.device
+        pages = torch.zeros(rows, max_pages, dtype=torch.int32, device=dev)
+        kv_lens = torch.zeros(rows, dtype=torch.int64, device=dev)
+        roots = torch.zeros(rows, dtype=torch.int64, device=dev)
+        features = None
+        if self._feature_spec is not None:
+            dim, dtype = self._feature_spec
+            features = torch.zeros(rows, dim, dtype=dtype, device=dev)
+        if old is not None:  # keep what is there (a device copy, ordered after launched work)
+            r, p = old.shape
+            pages[:r, :p] = old
+            kv_lens[:r] = self.kv_lens
+            roots[:r] = self.roots
+            if features is not None and self.features is not None:
+                features[:r] = self.features
+            self.version += 1
+        self.pages, self.kv_lens, self.roots, self.features = pages, kv_lens, roots, features
+
+    def add_features(self, dim: int, dtype: torch.dtype) -> None:
+        """Give every row a draft feature vector of `dim` (called once, when a drafter attaches)."""
+        self._feature_spec = (dim, dtype)
+        self.features = torch.zeros(self.num_rows, dim, dtype=dtype, device=self.device)
+        self.version += 1
+
+    # ---- mirroring the host page table --------------------------------------------------------
+    def row(self, rid: str) -> int:
+        return self._row_of[rid]
+
+    def rows_of(self, rids: list[str]) -> list[int]:
+        return [self._row_of[r] for r in rids]
+
+    def on_pages_added(self, rid: str, first_index: int, pages: list[int]) -> None:
+        row = self._row_of.get(rid)
+        if row is None:
+            if not self._free:
+                self._allocate(self.num_rows * 2, self.pages.shape[1])
+                self._free = list(range(self.num_rows - 1, self.num_rows // 2 - 1, -1))
+            row = self._free.pop()
+            self._row_of[rid] = row
+        end = first_index + len(pages)
+        if end > self.pages.shape[1]:
+            self._allocate(self.num_rows, max(end, 2 * self.pages.shape[1]))
+        for i, page in enumerate(pages):
+            self._pending[(row, first_index + i)] = page
+
+    def on_release(self, rid: str) -> None:
+        row = self._row_of.pop(rid, None)
+        if row is not None:
+            self._free.append(row)
+
+    def flush(self) -> None:
+        """Apply the page updates since the last flush (one host->device copy)."""
+        if not self._pending:
+            return
+        host = torch.tensor(
+            [(r, c, p) for (r, c), p in self._pending.items()], dtype=torch.int64
+        ).T.contiguous()
+        self._pending.clear()
+        upd = to_device(host, self.device)
+        self.pages[upd[0], upd[1]] = upd[2].to(torch.int32)
+
+    # ---- device-side reads and writes (no host values needed) ---------------------------------
+    def slots(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, width] int64 slots of logical positions 0..width-1 of each row's request
+        (positions past a request's pages hold stale slots: callers never read them)."""
+        pos = torch.arange(width, device=rows.device)
+        ps = self.page_size
+        page_idx = (pos // ps).clamp(max=self.pages.shape[1] - 1)
+        pages = self.pages[rows][:, page_idx].to(torch.int64)
+        return pages * ps + pos % ps if ps > 1 else pages
+
+    def set_state(
+        self,
+        rows: torch.Tensor,
+        kv_lens: torch.Tensor,
+        roots: torch.Tensor,
+        features: torch.Tensor | None = None,
+    ) -> None:
+        self.kv_lens[rows] = kv_lens
+        self.roots[rows] = roots
+        if features is not None:
+            self.features[rows] = features.to(self.features.dtype)
