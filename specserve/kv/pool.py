@@ -16,9 +16,13 @@ class KVCache:
         device: torch.device | str,
     ):
         self.num_slots = num_slots
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # One buffer for all layers' K and V, so moving slots (accepted-path compaction) is a
+        # single gather and scatter rather than two per layer; k[i] / v[i] are views.
+        self.buffer = torch.zeros(
+            (2, num_layers, num_slots, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+        self.k = list(self.buffer[0].unbind(0))
+        self.v = list(self.buffer[1].unbind(0))
 
     @staticmethod
     def bytes_per_slot(
@@ -37,5 +41,4 @@ class KVCache:
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy every layer's KV from src to dst slots (gather first, so overlaps are safe)."""
-        for t in (*self.k, *self.v):
-            t[dst_slots] = t[src_slots]
+        self.buffer[:, :, dst_slots] = self.buffer[:, :, src_slots]

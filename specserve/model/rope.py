@@ -47,10 +47,17 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)[:, None, :]
-        sin = torch.cat([freqs.sin(), freqs.sin()], dim=-1)[:, None, :]
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+        return apply_rotary(positions, self.inv_freq, q, k)
+
+
+def apply_rotary(
+    positions: torch.Tensor, inv_freq: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k ("rotate half" convention) in float32; outputs keep the input dtype."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)[:, None, :]
+    sin = torch.cat([freqs.sin(), freqs.sin()], dim=-1)[:, None, :]
+    return _apply(q, cos, sin), _apply(k, cos, sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -47,15 +47,21 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Computes attention for one layer of a forward; a model runner owns one backend."""
+    """Computes attention for one layer of a forward; a model runner owns one backend.
+
+    `fused_rope_write`: the model applies rotary embeddings and writes K/V into the cache
+    itself in one fused kernel (`specserve.ops.triton_rope`) and then calls `forward` with
+    k = v = None."""
+
+    fused_rope_write: bool = False
 
     @abstractmethod
     def forward(
         self,
         layer_id: int,
         q: torch.Tensor,  # [T, heads, head_dim]
-        k: torch.Tensor,  # [T, kv_heads, head_dim]
-        v: torch.Tensor,
+        k: torch.Tensor | None,  # [T, kv_heads, head_dim]; None: already in the cache
+        v: torch.Tensor | None,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, heads, head_dim]
@@ -73,9 +79,14 @@ class ForwardContext:
     capture_layers: frozenset[int] = frozenset()
 
     def attention(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:
+        """k = v = None: this layer's new K/V are already in the cache at out_cache_loc."""
         return self.backend.forward(layer_id, q, k, v, self.kv_cache, self.meta)
+
+    @property
+    def fused_rope_write(self) -> bool:
+        return self.backend.fused_rope_write
 
 
 def visible_mask(
@@ -108,7 +119,8 @@ class TorchAttentionBackend(AttentionBackend):
     max_dense_elements = 1 << 24
 
     def forward(self, layer_id, q, k, v, kv_cache, meta):
-        kv_cache.write(layer_id, meta.out_cache_loc, k, v)
+        if k is not None:
+            kv_cache.write(layer_id, meta.out_cache_loc, k, v)
         dense = _dense_layout(meta, q.device, q.shape[1])
         if dense is None:
             return self._per_request(layer_id, q, kv_cache, meta)

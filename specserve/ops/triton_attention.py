@@ -7,7 +7,8 @@
   `triton_kernels.extend`; when its grid is too small for the GPU (tree verify at small batch)
   the cached prefix is split across programs and merged like decode splits.
 
-K/V are written into the cache with torch indexing first, exactly as the reference does.
+K/V are written into the cache by the model's fused rope kernel (`fused_rope_write`), or
+with torch indexing here when the caller passes them.
 No host-device synchronisation: launch sizes come from the host lists of the metadata
 (`host_qo_indptr`, `host_kv_indptr`, `host_extra_lens`), never from reading device tensors.
 """
@@ -43,6 +44,8 @@ class _LaunchPlan:
 
 
 class TritonAttentionBackend(AttentionBackend):
+    fused_rope_write = True
+
     def __init__(self, num_kv_splits: int | None = None, min_kv_per_split: int = 256):
         """num_kv_splits: force the split count of both paths (tests, benchmarks); None picks
         it from the GPU size and the lengths.
@@ -106,12 +109,13 @@ class TritonAttentionBackend(AttentionBackend):
         self,
         layer_id: int,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        kv_cache.write(layer_id, meta.out_cache_loc, k, v)
+        if k is not None:  # else the model's fused rope kernel already wrote them
+            kv_cache.write(layer_id, meta.out_cache_loc, k, v)
         k_cache, v_cache = kv_cache.layer(layer_id)
         out = torch.empty_like(q)
         if q.shape[0] == 0 or meta.batch_size == 0:
