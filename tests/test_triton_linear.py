@@ -1,0 +1,208 @@
+"""Skinny GEMM (Triton) against F.linear and its fused prologues/epilogues on fresh random
+inputs: small shapes under TRITON_INTERPRET=1 on the CPU, the real model shapes on CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+pytest.importorskip("triton", reason="the skinny GEMM kernels need the triton package")
+
+from specserve.ops import triton_linear as tlin  # noqa: E402
+from specserve.ops.triton_linear import (  # noqa: E402
+    LinearConfig,
+    linear_reference,
+    pick_config,
+    skinny_linear,
+)
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+# Relative (Frobenius) error allowed against the reference, which rounds each step to the
+# dtype. The interpreter converts fp32 -> bf16 by truncation, hence the wider bf16 bound.
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.2e-2}
+
+# Llama-3-8B and SmolLM2-135M linear shapes (N, K)
+LLAMA8B = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+SMOLLM = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+
+
+def rand(shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+SMALL_CONFIGS = [
+    LinearConfig("fma", block_n=8, block_k=32, prefetch=False),
+    LinearConfig("fma", block_n=16, block_k=16, split_k=4, num_warps=1),
+    LinearConfig("dot", block_n=16, block_k=32),
+    LinearConfig("dot", block_n=32, block_k=16, split_k=2, block_m=32),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "cfg",
+    SMALL_CONFIGS + [None],
+    ids=lambda c: "auto" if c is None else f"{c.kind}-s{c.split_k}-p{int(c.prefetch)}",
+)
+def test_plain_bias_residual(cfg, dtype):
+    # K = 80: uneven for every BLOCK_K above (masked tail); N = 21: partial last row block
+    m, n, k = 2, 21, 80
+    x, w = rand((m, k), dtype, 1), rand((n, k), dtype, 2)
+    b, r = rand((n,), dtype, 3), rand((m, n), dtype, 4)
+    out = skinny_linear(x, w, config=cfg)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, linear_reference(x, w)) < TOL[dtype]
+    out = skinny_linear(x, w, b, residual=r, config=cfg)
+    assert rel_err(out, linear_reference(x, w, b, residual=r)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("cfg", SMALL_CONFIGS, ids=lambda c: f"{c.kind}-s{c.split_k}")
+def test_fused_norm_and_silu_mul(cfg):
+    m, n, k = 2, 24, 48
+    x = rand((m, k), torch.float32, 5, scale=3.0)
+    w, nw = rand((n, k), torch.float32, 6), rand((k,), torch.float32, 7)
+    out = skinny_linear(x, w, norm_weight=nw, eps=1e-5, config=cfg)
+    assert rel_err(out, linear_reference(x, w, norm_weight=nw, eps=1e-5)) < 1e-5
+    gu = rand((m, 2 * k), torch.float32, 8)
+    r = rand((m, n), torch.float32, 9)
+    out = skinny_linear(gu, w, silu_mul=True, residual=r, config=cfg)
+    assert rel_err(out, linear_reference(gu, w, silu_mul=True, residual=r)) < 1e-5
+
+
+def test_bf16_prologues_and_fp32_output():
+    m, n, k = 1, 20, 64
+    x = rand((m, k), torch.bfloat16, 10, scale=3.0)
+    w, nw = rand((n, k), torch.bfloat16, 11), rand((k,), torch.bfloat16, 12)
+    out = skinny_linear(x, w, norm_weight=nw, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    ref = linear_reference(x, w, norm_weight=nw, out_dtype=torch.float32)
+    assert rel_err(out, ref) < 1.2e-2
+    gu = rand((m, 2 * k), torch.bfloat16, 13)
+    ref = linear_reference(gu, w, silu_mul=True)
+    assert rel_err(skinny_linear(gu, w, silu_mul=True), ref) < 1.2e-2
+
+
+def test_leading_dims_strided_rows_and_empty():
+    w = rand((16, 32), torch.float32, 14)
+    x = rand((2, 3, 2, 32), torch.float32, 15)[:, :, 1]  # [2, 3, 32], rows strided by 64
+    out = skinny_linear(x, w)
+    assert out.shape == (2, 3, 16)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w))
+    assert skinny_linear(x[:0], w).shape == (0, 3, 16)
+
+
+def test_split_k_tickets_reset_and_deterministic():
+    cfg = LinearConfig("fma", block_n=4, block_k=16, split_k=4, num_warps=1)
+    x, w = rand((2, 64), torch.float32, 16), rand((12, 64), torch.float32, 17)
+    a = skinny_linear(x, w, config=cfg)
+    b = skinny_linear(x, w, config=cfg)
+    assert torch.equal(a, b)
+    assert int(tlin._TICKETS[x.device].abs().sum()) == 0  # every tile's counter reset
+
+
+def test_rejects_bad_arguments():
+    w = rand((8, 16), torch.float32, 18)
+    with pytest.raises(ValueError, match="columns"):
+        skinny_linear(rand((1, 15), torch.float32, 19), w)
+    with pytest.raises(ValueError, match="combine"):
+        skinny_linear(rand((1, 32), torch.float32, 20), w, norm_weight=w[0], silu_mul=True)
+    with pytest.raises(ValueError, match="power of two"):
+        LinearConfig("fma", block_n=3, block_k=16)
+    with pytest.raises(ValueError, match=">= 16"):
+        LinearConfig("dot", block_n=8, block_k=16)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 32, 64])
+@pytest.mark.parametrize("nk", list(LLAMA8B.values()) + list(SMOLLM.values()))
+def test_pick_config_is_valid_and_fills_the_gpu(nk, m):
+    n, k = nk
+    cfg = pick_config(m, n, k, num_sms=132)
+    assert cfg == pick_config(m, n, k, num_sms=132)  # deterministic
+    assert cfg.kind == ("fma" if m == 1 else "dot")
+    if cfg.kind == "dot":
+        assert cfg.block_m >= min(m, 64) or cfg.block_m == 64
+        tiles = -(-n // cfg.block_n) * -(-m // cfg.block_m)
+    else:
+        tiles = -(-n // cfg.block_n) * m
+    assert tiles * cfg.split_k >= 132 or k < 4 * cfg.block_k * cfg.split_k * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: real shapes, bf16 / fp16, graph capture
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+@pytest.mark.parametrize("name", [f"8b-{k}" for k in LLAMA8B] + [f"smol-{k}" for k in SMOLLM])
+def test_gpu_real_shapes(name, m, dtype):
+    n, k = (LLAMA8B if name.startswith("8b") else SMOLLM)[name.split("-", 1)[1]]
+    x, w = rand((m, k), dtype, 21), rand((n, k), dtype, 22, scale=0.02)
+    out = skinny_linear(x, w)
+    ref = x.float() @ w.float().T
+    assert rel_err(out, ref) < 8e-3
+    assert rel_err(out, torch.nn.functional.linear(x, w)) < 8e-3
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("cfg", SMALL_CONFIGS, ids=lambda c: f"{c.kind}-s{c.split_k}")
+def test_gpu_fusions_bf16(cfg):
+    m, n, k = 5, 1000, 576
+    dt = torch.bfloat16
+    x, w = rand((m, k), dt, 23, 3.0), rand((n, k), dt, 24, 0.05)
+    nw, b, r = rand((k,), dt, 25), rand((n,), dt, 26), rand((m, n), dt, 27)
+    gu = rand((m, 2 * k), dt, 28)
+    for kw, xin in (
+        (dict(norm_weight=nw, eps=1e-5), x),
+        (dict(silu_mul=True, residual=r), gu),
+        (dict(bias=b, residual=r, out_dtype=torch.float32), x),
+    ):
+        out = skinny_linear(xin, w, config=cfg, **kw)
+        assert rel_err(out, linear_reference(xin, w, **kw)) < 8e-3, kw.keys()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cuda_graph_capture_and_replay():
+    dt = torch.bfloat16
+    shapes = [(1, 4096, 4096), (4, 960, 576), (16, 576, 1536)]
+    ws = [rand((n, k), dt, 30 + i, 0.02) for i, (_, n, k) in enumerate(shapes)]
+    xs = [rand((m, k), dt, 40 + i) for i, (m, _, k) in enumerate(shapes)]
+    split = LinearConfig("dot", block_n=16, block_k=64, split_k=4)
+
+    def run():
+        outs = [skinny_linear(x, w) for x, w in zip(xs, ws)]
+        return outs + [skinny_linear(xs[2], ws[2], config=split)]
+
+    run()  # warm-up: compile, ticket buffer
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    for seed in range(3):
+        for i, x in enumerate(xs):
+            x.copy_(rand(x.shape, dt, 100 + 10 * seed + i))
+        graph.replay()
+        for out, ref in zip(outs, run()):
+            torch.testing.assert_close(out, ref, atol=0, rtol=0)  # same kernels, same order
