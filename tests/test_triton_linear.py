@@ -206,3 +206,105 @@ def test_gpu_cuda_graph_capture_and_replay():
         graph.replay()
         for out, ref in zip(outs, run()):
             torch.testing.assert_close(out, ref, atol=0, rtol=0)  # same kernels, same order
+
+
+# ---------------------------------------------------------------------------------------------
+# the model's fused paths (specserve.model.llama) against its plain torch path
+
+
+def _tiny_model(dtype, device, seed=0, **overrides):
+    from specserve.model.config import ModelConfig
+    from specserve.model.llama import LlamaForCausalLM
+
+    cfg = dict(
+        vocab_size=96, hidden_size=64, intermediate_size=80, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, attention_bias=True, qk_norm=True,
+    )  # fmt: skip
+    cfg.update(overrides)
+    model = LlamaForCausalLM(ModelConfig(**cfg))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # norms and biases random too
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            p.copy_(base + torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else 0.1))
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def _logits(model, n_tokens, device, seed=1):
+    from specserve.kv.pool import KVCache
+    from specserve.ops.attention import TorchAttentionBackend
+    from specserve.runtime.forward_batch import Segment, build_metadata
+    from specserve.runtime.model_runner import ModelRunner
+
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    cache = KVCache(cfg.num_layers, n_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    slots = torch.arange(n_tokens)
+    meta = build_metadata([Segment(slots, n_tokens, n_tokens)], slots.to(device), device)
+    ids = torch.randint(
+        0, cfg.vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(seed)
+    )
+    out = ModelRunner(model, cache, TorchAttentionBackend()).forward(
+        ids.to(device), torch.arange(n_tokens, device=device), meta, capture_layers=frozenset({1})
+    )
+    with torch.inference_mode():
+        return model.compute_logits(out.hidden), out.aux_hidden[0]
+
+
+@pytest.fixture
+def fused_settings():
+    from specserve.model import llama
+
+    prev = llama.set_fused_ops()
+    yield llama
+    llama.set_fused_ops(prev.linear, prev.elementwise, prev.max_tokens)
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("eagle_layer0", [False, True], ids=["norm", "identity_norm"])
+def test_model_fused_paths_match_plain_torch_on_cpu(
+    fused_settings, monkeypatch, mode, eagle_layer0
+):
+    # Let the fused paths run on the CPU (interpreter, float32) to check the wiring: norms
+    # fused into qkv / gate_up, residual adds, SiLU-and-mul, add + RMSNorm, fp32 logits.
+    llama = fused_settings
+    model = _tiny_model(torch.float32, DEVICE)
+    if eagle_layer0:  # EAGLE's first draft layer has no input norm
+        model.model.layers[0].input_layernorm = torch.nn.Identity()
+    llama.set_fused_ops(linear=False, elementwise=False)
+    ref, ref_aux = _logits(model, 5, DEVICE)
+    monkeypatch.setattr(llama, "_eligible", lambda x: not torch.is_grad_enabled())
+    llama.set_fused_ops(linear=mode == 2, elementwise=True, max_tokens=8)
+    x = torch.zeros(5, 64, device=DEVICE)
+    with torch.inference_mode():
+        assert llama.fused_mode(x) == mode
+    out, aux = _logits(model, 5, DEVICE)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(aux, ref_aux, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_mode_switches(fused_settings):
+    llama = fused_settings
+    x = torch.zeros(3, 8)
+    assert llama.fused_mode(x) == 0  # CPU: plain torch always
+    prev = llama.set_fused_ops(linear=False, elementwise=False, max_tokens=4)
+    assert llama.FUSED.max_tokens == 4 and not llama.FUSED.linear
+    assert prev.max_tokens != 4 or prev.linear
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("n_tokens", [1, 7, 40])
+def test_gpu_model_fused_paths_bf16(fused_settings, n_tokens):
+    llama = fused_settings
+    model = _tiny_model(
+        torch.bfloat16, DEVICE, hidden_size=512, intermediate_size=1376, num_heads=8,
+        num_kv_heads=2, head_dim=64, vocab_size=1000,
+    )  # fmt: skip
+    llama.set_fused_ops(linear=False, elementwise=False)
+    ref, _ = _logits(model, n_tokens, DEVICE)
+    for linear_on in (False, True):
+        llama.set_fused_ops(linear=linear_on, elementwise=True, max_tokens=16)
+        out, _ = _logits(model, n_tokens, DEVICE)
+        assert rel_err(out, ref) < 2e-2, (linear_on, rel_err(out, ref))

@@ -4,10 +4,22 @@ Tokens of all requests in a step are concatenated into one [T] sequence; the att
 backend in `ForwardContext` knows which token belongs to which request and which cached
 KV it may see. Parameter names follow Hugging Face, except that q/k/v and gate/up are
 stored fused (`qkv_proj`, `gate_up_proj`); `load_weights` does the stacking.
+
+Fused kernels (CUDA, fp16/bf16, no autograd; `fused_mode`): with at most
+`FUSED.max_tokens` tokens every linear layer is the skinny Triton GEMM
+(`ops/triton_linear.py`), which also applies the RMSNorm before qkv/gate_up, the SiLU-and-mul
+before down and the residual add after o/down, so a layer runs no elementwise kernel between
+its matmuls; with more tokens F.linear with the fused Triton RMSNorm, residual-add + RMSNorm
+and SiLU-and-mul (`ops/triton_norm.py`). On the CPU, in float32, under autograd, or with
+`set_fused_ops(...)` / SPECSERVE_DISABLE_TRITON_LINEAR=1 / SPECSERVE_DISABLE_TRITON_ELEMENTWISE=1,
+the plain torch ops below run, unchanged. Kernels read the parameters at call time, so
+weights loaded after construction are used as they are.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -20,6 +32,89 @@ from specserve.model.rope import RotaryEmbedding
 from specserve.ops.attention import ForwardContext
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
+
+
+@dataclass
+class FusedOps:
+    linear: bool  # skinny Triton GEMM (with its fused norm / SiLU-mul / residual) for few tokens
+    elementwise: bool  # Triton RMSNorm, residual-add + RMSNorm, SiLU-and-mul otherwise
+    max_tokens: int  # largest token count (rows of x) that takes the skinny GEMM
+
+
+# The lead tunes max_tokens from bench/linear_kernels.py (where the skinny GEMM stops winning).
+SKINNY_MAX_TOKENS = 16
+FUSED = FusedOps(
+    linear=not _env_flag("SPECSERVE_DISABLE_TRITON_LINEAR"),
+    elementwise=not _env_flag("SPECSERVE_DISABLE_TRITON_ELEMENTWISE"),
+    max_tokens=int(os.environ.get("SPECSERVE_SKINNY_MAX_TOKENS", SKINNY_MAX_TOKENS)),
+)
+_HALF = (torch.float16, torch.bfloat16)
+_TRITON: bool | None = None
+
+
+def set_fused_ops(
+    linear: bool | None = None, elementwise: bool | None = None, max_tokens: int | None = None
+) -> FusedOps:
+    """Turn the fused GPU paths on or off (None: unchanged); returns the previous settings.
+    Takes effect at the next forward (a captured CUDA graph keeps what it captured)."""
+    prev = FusedOps(FUSED.linear, FUSED.elementwise, FUSED.max_tokens)
+    if linear is not None:
+        FUSED.linear = linear
+    if elementwise is not None:
+        FUSED.elementwise = elementwise
+    if max_tokens is not None:
+        FUSED.max_tokens = max_tokens
+    return prev
+
+
+def _triton_ok() -> bool:
+    global _TRITON
+    if _TRITON is None:
+        _TRITON = importlib.util.find_spec("triton") is not None
+    return _TRITON
+
+
+def _eligible(x: torch.Tensor) -> bool:
+    """Fused kernels apply: CUDA fp16/bf16 activations, no autograd, Triton importable."""
+    return (
+        x.device.type == "cuda"
+        and x.dtype in _HALF
+        and not torch.is_grad_enabled()
+        and _triton_ok()
+    )
+
+
+def fused_mode(x: torch.Tensor) -> int:
+    """0: plain torch ops; 1: F.linear + fused elementwise kernels; 2: skinny GEMM."""
+    if not (FUSED.linear or FUSED.elementwise) or not _eligible(x):
+        return 0
+    if FUSED.linear and x.numel() <= FUSED.max_tokens * x.shape[-1]:
+        return 2
+    return 1 if FUSED.elementwise else 0
+
+
+def _elementwise(x: torch.Tensor) -> bool:
+    return FUSED.elementwise and _eligible(x)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the skinny Triton GEMM where `fused_mode` says so."""
+    if fused_mode(x) == 2 and weight.dtype == x.dtype:
+        from specserve.ops.triton_linear import skinny_linear
+
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and names) whose forward is `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -27,9 +122,52 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _elementwise(x):
+            from specserve.ops.triton_norm import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if _elementwise(gate_up):
+        from specserve.ops.triton_norm import silu_and_mul
+
+        return silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _fused_linear(
+    x: torch.Tensor,
+    lin: nn.Linear,
+    mode: int,
+    *,
+    norm: RMSNorm | None = None,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[residual +] lin(f(x)), f = norm or SiLU-and-mul or identity; one kernel in mode 2."""
+    if mode == 2 and lin.weight.dtype == x.dtype:
+        from specserve.ops.triton_linear import skinny_linear
+
+        return skinny_linear(
+            x,
+            lin.weight,
+            lin.bias,
+            norm_weight=None if norm is None else norm.weight,
+            eps=1e-6 if norm is None else norm.eps,
+            silu_mul=silu_mul,
+            residual=residual,
+        )
+    if norm is not None:
+        x = norm(x)
+    if silu_mul:
+        x = _silu_mul(x)
+    y = F.linear(x, lin.weight, lin.bias)
+    return y if residual is None else residual + y
 
 
 class Attention(nn.Module):
@@ -44,16 +182,26 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         in_size = input_size or cfg.hidden_size
-        self.qkv_proj = nn.Linear(in_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(in_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        *,
+        norm: RMSNorm | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        """[residual +] attention(norm(x)); norm and residual fused into the matmuls when
+        `fused_mode` allows."""
+        mode = fused_mode(x)
+        qkv = _fused_linear(x, self.qkv_proj, mode, norm=norm)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -61,19 +209,27 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = ctx.attention(self.layer_id, q, k, v)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return _fused_linear(out.reshape(-1, self.q_size), self.o_proj, mode, residual=residual)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        norm: RMSNorm | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[residual +] down(silu(gate) * up) of norm(x)."""
+        mode = fused_mode(x)
+        gate_up = _fused_linear(x, self.gate_up_proj, mode, norm=norm)
+        return _fused_linear(gate_up, self.down_proj, mode, silu_mul=True, residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -87,8 +243,22 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # h = h + attn(norm1(h)); h + mlp(norm2(h)), with the norms and adds fused where the
+        # kernels allow (input_layernorm may be Identity: EAGLE's first draft layer)
+        norm1 = self.input_layernorm if isinstance(self.input_layernorm, RMSNorm) else None
+        x = h if norm1 is not None else self.input_layernorm(h)
+        if fused_mode(h) == 1:  # F.linear path: h + o and norm2 in one kernel
+            from specserve.ops.triton_norm import add_rmsnorm
+
+            o = self.self_attn(x, positions, ctx, norm=norm1)
+            norm2 = self.post_attention_layernorm
+            if o.dtype == h.dtype:  # (autocast could make them differ: torch promotes)
+                h, x = add_rmsnorm(o, h, norm2.weight, norm2.eps)
+                return self.mlp(x, residual=h)
+            h = h + o
+            return self.mlp(h, norm=norm2, residual=h)
+        h = self.self_attn(x, positions, ctx, norm=norm1, residual=h)
+        return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
 
 class Backbone(nn.Module):
@@ -116,9 +286,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = Backbone(cfg)
         self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
 
     @property
@@ -140,7 +308,12 @@ class LlamaForCausalLM(nn.Module):
         return ModelOutput(hidden=self.model.norm(h), aux_hidden=aux)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        weight = self.lm_head_weight
+        if fused_mode(hidden) == 2 and weight.dtype == hidden.dtype:
+            from specserve.ops.triton_linear import skinny_linear
+
+            return skinny_linear(hidden, weight, out_dtype=torch.float32)  # no bf16 rounding
+        return F.linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up on the way."""
