@@ -14,8 +14,10 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
     add_acceptance_parser(bsub)
 
     from specserve.bench.compare import add_compare_parser
+    from specserve.bench.e2e import add_e2e_parser
 
     add_compare_parser(bsub)
+    add_e2e_parser(bsub)
 
     ob = bsub.add_parser("one-batch", help="static batch: prefill and decode throughput")
     ob.add_argument("--batch-size", type=int, nargs="+", default=[1])

@@ -1,0 +1,201 @@
+"""`specserve bench e2e`: batch-1 chat generation on real prompts, this engine with and without
+its draft against Hugging Face transformers (static cache; prompt-lookup decoding), in one
+run, on the same prompts and token ids.
+
+Each system answers every prompt once untimed (Triton compiles, CUDA graphs, torch.compile
+specialisations), then once timed, one request at a time. Throughput is output tokens over
+wall time, prefill included, the same for every row. Greedy throughout, so the draft's
+rows must reproduce the plain engine's tokens exactly (reported as `same_tokens`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from typing import Any
+
+from specserve.bench.one_batch import print_table
+
+
+def add_e2e_parser(bsub) -> argparse.ArgumentParser:
+    p = bsub.add_parser("e2e", help="batch-1 chat: engine with/without draft vs HF transformers")
+    p.add_argument("--model-path", default="smollm2-135m")
+    p.add_argument("--draft", default=None, help="EAGLE draft folder (default: the bundled one)")
+    p.add_argument("--algorithm", default="EAGLE")
+    p.add_argument("--prompts", default="heldout", help="'heldout', 'train' or a JSONL path")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--spec",
+        nargs="+",
+        default=["5,1,6", "6,4,16"],
+        help="speculative configurations as steps,topk,num_draft_tokens",
+    )
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=cmd_e2e)
+    return p
+
+
+def _timed_passes(run_one, prompt_ids: list[list[int]]) -> tuple[float, list[list[int]], Any]:
+    """Untimed pass, then a timed one; returns (seconds, outputs of the timed pass, extra).
+    The untimed pass goes longest prompt first: HF's static cache then keeps the largest
+    cache length for later calls instead of recompiling for each new length."""
+    for ids in sorted(prompt_ids, key=len, reverse=True):
+        run_one(ids)
+    outs, extra = [], []
+    t0 = time.perf_counter()
+    for ids in prompt_ids:
+        tokens, info = run_one(ids)
+        outs.append(tokens)
+        extra.append(info)
+    return time.perf_counter() - t0, outs, extra
+
+
+def _engine_rows(args, prompt_texts: list[str]) -> tuple[list[dict], list[list[int]]]:
+    from specserve.engine import Engine
+
+    base = dict(model_path=args.model_path, device=args.device, dtype=args.dtype)
+    configs: list[tuple[str, dict]] = [("specserve", {})]
+    for spec in args.spec:
+        steps, topk, ndt = (int(x) for x in spec.split(","))
+        configs.append(
+            (
+                f"specserve-{args.algorithm.lower()} steps={steps} topk={topk} n={ndt}",
+                dict(
+                    speculative_algorithm=args.algorithm,
+                    speculative_draft_model_path=args.draft,
+                    speculative_num_steps=steps,
+                    speculative_eagle_topk=topk,
+                    speculative_num_draft_tokens=ndt,
+                ),
+            )
+        )
+    rows, prompt_ids, reference = [], None, None
+    sp = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
+    for label, kw in configs:
+        with Engine(**base, **kw) as engine:
+            if prompt_ids is None:
+                prompt_ids = [
+                    engine.tokenize_chat([{"role": "user", "content": t}]) for t in prompt_texts
+                ]
+
+            def run_one(ids, engine=engine):
+                o = engine.generate(input_ids=ids, sampling_params=sp)
+                return o["output_ids"], o["meta_info"]
+
+            seconds, outs, metas = _timed_passes(run_one, prompt_ids)
+            stats = engine.stats()
+        tokens = sum(len(o) for o in outs)
+        row = {
+            "system": label,
+            "tok_s": tokens / seconds,
+            "output_tokens": tokens,
+            "seconds": seconds,
+            "accept_length": stats["spec_accept_length"],
+        }
+        if reference is None:
+            reference = outs
+        row["same_tokens"] = sum(a == b for a, b in zip(outs, reference)) / len(outs)
+        rows.append(row)
+        gc.collect()
+    return rows, prompt_ids, reference
+
+
+def _hf_rows(args, prompt_ids: list[list[int]], reference: list[list[int]]) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specserve.config import EngineConfig
+    from specserve.model.loader import locate
+
+    cfg = EngineConfig(model_path=args.model_path, device=args.device, dtype=args.dtype).resolve()
+    device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    src = locate(args.model_path, "auto")
+    if src.kind == "gguf":
+        import os
+
+        folder, name = os.path.split(src.path)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype)
+    model = model.to(device).eval()
+    eos = model.generation_config.eos_token_id
+
+    def make(label: str, **gen_kwargs):
+        def run_one(ids):
+            x = torch.tensor([ids], device=device)
+            with torch.inference_mode():
+                out = model.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=args.max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=eos,
+                    **gen_kwargs,
+                )
+            return out[0, len(ids) :].tolist(), None
+
+        return label, run_one
+
+    rows = []
+    for label, run_one in (
+        make("hf-transformers static cache", cache_implementation="static"),
+        make(
+            f"hf-transformers prompt lookup ({args.prompt_lookup_tokens})",
+            prompt_lookup_num_tokens=args.prompt_lookup_tokens,
+        ),
+    ):
+        seconds, outs, _ = _timed_passes(run_one, prompt_ids)
+        # HF's generate keeps the EOS token in its output, as the engine does
+        tokens = sum(len(o) for o in outs)
+        rows.append(
+            {
+                "system": label,
+                "tok_s": tokens / seconds,
+                "output_tokens": tokens,
+                "seconds": seconds,
+                "accept_length": None,
+                "same_tokens": sum(a == b for a, b in zip(outs, reference)) / len(outs),
+            }
+        )
+    return rows
+
+
+def run_e2e(args) -> list[dict[str, Any]]:
+    from specserve.train.defaults import default_draft_for
+    from specserve.train.prompts import load_prompts
+
+    if args.draft is None:
+        args.draft = default_draft_for(args.model_path)
+        if args.draft is None:
+            raise SystemExit(f"no bundled draft for {args.model_path}: pass --draft")
+    texts = load_prompts(args.prompts)[: args.num_prompts]
+    rows, prompt_ids, reference = _engine_rows(args, texts)
+    if not args.skip_hf:
+        try:
+            rows += _hf_rows(args, prompt_ids, reference)
+            gc.collect()
+        except ImportError as e:
+            print(f"HF transformers not run: {e}")
+    plain = rows[0]["tok_s"]
+    hf_best = max((r["tok_s"] for r in rows if r["system"].startswith("hf")), default=None)
+    for r in rows:
+        r["vs_specserve_plain"] = r["tok_s"] / plain
+        r["vs_hf_best"] = r["tok_s"] / hf_best if hf_best else None
+    return rows
+
+
+def cmd_e2e(args) -> int:
+    rows = run_e2e(args)
+    print(json.dumps(rows, indent=2))
+    print_table(rows)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
