@@ -207,8 +207,19 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = ctx.attention(self.layer_id, q, k, v)
+        if ctx.fused_rope_write and not torch.is_grad_enabled():
+            # one kernel rotates q and k and writes k, v into the cache (ops/triton_rope.py)
+            from specserve.ops.triton_rope import rope_and_write
+
+            k_cache, v_cache = ctx.kv_cache.layer(self.layer_id)
+            q = rope_and_write(
+                q, k, v, positions, self.rotary.inv_freq, k_cache, v_cache,
+                ctx.meta.out_cache_loc,
+            )  # fmt: skip
+            out = ctx.attention(self.layer_id, q, None, None)
+        else:
+            q, k = self.rotary(positions, q, k)
+            out = ctx.attention(self.layer_id, q, k, v)
         return _fused_linear(out.reshape(-1, self.q_size), self.o_proj, mode, residual=residual)
 
 
