@@ -347,10 +347,12 @@ def pick_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> Linea
     if tuned is not None:
         return tuned
     if m == 1:
-        # Stream BLOCK_N rows x 512 columns per step (16-byte loads, ~32 elements a thread);
-        # enough programs for ~4 per SM; rows / program capped at 8.
+        # Stream BLOCK_N rows x 512 columns per step (16-byte loads, 32 elements a thread,
+        # twice that in flight with the prefetch). ~80 registers a thread let ~12 two-warp
+        # programs share an SM: N ~ 4-6k in 4-row programs is one wave of ~8-12 per SM;
+        # larger N goes 8 rows at a time, small N fewer rows for enough programs.
         block_k = min(512, max(16, triton.next_power_of_2(k)))
-        block_n = max(1, min(8, _pow2_floor(n / (4 * num_sms))))
+        block_n = 8 if n >= 4 * 4 * num_sms * 8 else max(1, min(4, _pow2_floor(n / (4 * num_sms))))
         num_warps = max(1, min(8, block_n * block_k // 1024))
         split = _split_for(triton.cdiv(n, block_n), k, block_k, num_sms)
         return LinearConfig("fma", block_n, block_k, split, num_warps, num_stages=3)
