@@ -139,9 +139,24 @@ def matmul_stack(args, sink, weights, m: int) -> list[dict]:
 
 
 class _StubContext:
-    """Attention replaced by 'return q': the model's own code path minus attention."""
+    """The model's own code path minus attention: rotary + K/V write run as in the engine
+    (the fused kernel when Triton is there), attention itself is replaced by 'return q'."""
 
     capture_layers = frozenset()
+
+    def __init__(self, cfg, m: int):
+        from types import SimpleNamespace
+
+        from specserve.kv.pool import KVCache
+
+        self.kv_cache = KVCache(cfg.num_layers, m, cfg.num_kv_heads, cfg.head_dim, DTYPE, "cuda")
+        self.meta = SimpleNamespace(out_cache_loc=torch.arange(m, device="cuda"))
+        try:
+            import specserve.ops.triton_rope  # noqa: F401
+
+            self.fused_rope_write = True
+        except ImportError:
+            self.fused_rope_write = False
 
     def attention(self, layer_id, q, k, v):
         return q
@@ -173,7 +188,7 @@ def model_stack(args, sink, model, m: int) -> list[dict]:
 
     ids = torch.randint(0, model.config.vocab_size, (m,), device="cuda")
     pos = torch.arange(100, 100 + m, device="cuda")
-    ctx = _StubContext()
+    ctx = _StubContext(model.config, m)
     rows, logits = [], {}
     prev = llama.set_fused_ops()
     try:
