@@ -286,7 +286,8 @@ class LinearConfig:
 
 # Measured overrides, keyed (m_bucket, N, K) with m_bucket = next power of two of M (at least
 # 1): `bench/linear_kernels.py --tune` prints entries in this form. Anything not listed uses
-# the heuristic in `pick_config`.
+# the heuristic in `pick_config`. Fill it before the first call of a shape (choices are
+# memoised per shape in _PICKED).
 TUNED: dict[tuple[int, int, int], LinearConfig] = {}
 
 
@@ -369,6 +370,18 @@ def pick_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_DEFAULT) -> Linea
     return LinearConfig("dot", block_n, block_k, split, num_warps=4, num_stages=4, block_m=block_m)
 
 
+_PICKED: dict[tuple[int, int, int, int], LinearConfig] = {}
+
+
+def _picked(m: int, n: int, k: int, sms: int) -> LinearConfig:
+    """pick_config, memoised (launch overhead); TUNED is read at the first call of a shape."""
+    key = (m, n, k, sms)
+    cfg = _PICKED.get(key)
+    if cfg is None:
+        cfg = _PICKED[key] = pick_config(m, n, k, sms)
+    return cfg
+
+
 # ---------------------------------------------------------------------------------------------
 # launcher
 
@@ -436,7 +449,7 @@ def skinny_linear(
         r2 = residual.reshape(m, n)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
-    cfg = config or pick_config(m, n, k, _num_sms(x.device))
+    cfg = config or _picked(m, n, k, _num_sms(x.device))
     if cfg.kind == "fma":
         tiles = triton.cdiv(n, cfg.block_n) * m
     else:
