@@ -69,3 +69,17 @@ def test_llama3_scaled_frequencies():
     out_q = rope_and_write(q, k, v, pos, inv, kc, vc, slots)
     torch.testing.assert_close(out_q, ref_q, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(kc, kc_ref, atol=2e-5, rtol=2e-5)
+
+
+def test_broadcast_position_and_slot_views():
+    """Positions of a drafted frontier are one value expanded over its nodes (stride 0)."""
+    q, k, v, _, inv, (kc, vc), _ = case(4, 4, 2, 16, torch.float32, 5)
+    positions = torch.tensor([[37]], device=DEVICE).expand(1, 4).reshape(-1)
+    assert positions.stride(0) == 0
+    slots = torch.arange(0, 16, 2, device=DEVICE)[::2]  # strided
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref_q = rope_and_write_reference(q, k, v, positions, inv, kc_ref, vc_ref, slots)
+    out_q = rope_and_write(q, k, v, positions, inv, kc, vc, slots)
+    torch.testing.assert_close(out_q, ref_q, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(kc, kc_ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(vc, vc_ref)

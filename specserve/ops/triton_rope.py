@@ -46,13 +46,13 @@ def _rotate_tile(x_ptr, row_stride, n_heads, cos, sin, offs_h, offs_d, half: tl.
 def _rope_write_kernel(
     Q, K, V, Pos, InvFreq, KC, VC, Slots, QOut,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cs, stride_ch, stride_ot, stride_oh,
+    stride_cs, stride_ch, stride_ot, stride_oh, stride_pos, stride_slot,
     n_q_heads, n_kv_heads,
     HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
-    pos = tl.load(Pos + t).to(tl.float32)
+    pos = tl.load(Pos + t * stride_pos).to(tl.float32)
     inv = tl.load(InvFreq + offs_d, mask=offs_d < HALF, other=0.0)
     freqs = pos * inv
     cos = tl.cos(freqs)[None, :]
@@ -66,7 +66,7 @@ def _rope_write_kernel(
     tl.store(out, q1.to(QOut.dtype.element_ty), mask=mq)
     tl.store(out + HALF, q2.to(QOut.dtype.element_ty), mask=mq)
 
-    slot = tl.load(Slots + t).to(tl.int64)
+    slot = tl.load(Slots + t * stride_slot).to(tl.int64)
     offs_hk = tl.arange(0, BLOCK_HK)
     k1, k2, mk = _rotate_tile(
         K + t * stride_kt, stride_kh, n_kv_heads, cos, sin, offs_hk, offs_d, HALF
@@ -104,6 +104,7 @@ def rope_and_write(
         q, k, v, positions, inv_freq, k_cache, v_cache, slots, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        positions.stride(0), slots.stride(0),  # index tensors may be broadcast views
         n_q, n_kv,
         HALF=half, BLOCK_D=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(n_q), BLOCK_HK=triton.next_power_of_2(n_kv),
