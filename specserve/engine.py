@@ -118,7 +118,7 @@ class Engine:
             if not single:
                 raise InvalidArgument("stream", "streaming takes one prompt at a time")
             return self._stream(reqs[0])
-        queues = [self._submit(r) for r in reqs]
+        queues = [self._submit(r, incremental=False) for r in reqs]
         outs = [self._wait(q) for q in queues]
         return outs[0] if single else outs
 
@@ -234,10 +234,15 @@ class Engine:
         return Request(rid=rid or uuid.uuid4().hex, prompt_ids=list(ids), params=params, seed=seed)
 
     # ---- plumbing ---------------------------------------------------------------------------
-    def _submit(self, req: Request) -> queue.Queue:
+    def _submit(self, req: Request, incremental: bool = True) -> queue.Queue:
+        """incremental=False: one output when the request finishes (no per-step dicts or
+        thread wake-ups for a caller that only wants the result)."""
         self._check_running()
         q: queue.Queue = queue.Queue()
-        req.on_output = lambda r: q.put(request_output(r, incremental=True))
+        if incremental:
+            req.on_output = lambda r: q.put(request_output(r, incremental=True))
+        else:
+            req.on_output = lambda r: q.put(request_output(r)) if r.finished else None
         self._inbox.put(("add", req))
         self._wake.set()
         return q

@@ -44,7 +44,9 @@ class FusedOps:
 
 
 # The lead tunes max_tokens from bench/linear_kernels.py (where the skinny GEMM stops winning).
-SKINNY_MAX_TOKENS = 16
+SKINNY_MAX_TOKENS = (
+    1  # H200: at 2..16 tokens the skinny GEMM lost to F.linear (bench/linear_kernels.py)
+)
 FUSED = FusedOps(
     linear=not _env_flag("SPECSERVE_DISABLE_TRITON_LINEAR"),
     elementwise=not _env_flag("SPECSERVE_DISABLE_TRITON_ELEMENTWISE"),
