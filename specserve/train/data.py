@@ -5,10 +5,11 @@ plain forward of prompt + answer records the features the draft learns from.
 
 1. Prompts (a bundled set, or a JSONL file) go through the target's chat template
    (`engine.tokenize_chat` / `apply_chat_template`; `prompt_ids=` skips this).
-2. Answers: greedy (and optionally one sampled pass) either through `specserve.Engine`
-   (`generator="engine"`, the serving path itself) or through `features.generate_dense`
+2. Answers (`generate.py`): one greedy pass, then `sampled_passes` temperature-sampled
+   ones, optionally cut by a wall-clock `time_budget`; generated through `specserve.Engine`
+   (`generator="engine"`, the serving path itself), through `features.generate_dense`
    (`generator="dense"`: the same model and arithmetic with a dense cache, several times
-   faster on a CPU).
+   faster on a CPU) or by several workers of both kinds at once (`"engine:4,dense:1"`).
 3. Features: one causal forward of every prompt + answer (`features.forward_features`):
    the final normed hidden state per position (float16), the target's top-k next tokens with
    their probabilities, optionally the EAGLE3 capture layers' inputs.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -35,22 +37,28 @@ class DataArgs:
     target: str = "smollm2-135m"
     out_dir: str = "eagle-data"
     prompts: str = "train"  # 'train', 'heldout' or a JSONL path
-    num_prompts: int = 2000
+    num_prompts: int = 4000  # at most this many prompts of the set
     max_new_tokens: int = 192
-    generator: str = "dense"  # 'dense' | 'engine'
+    # generator workers: 'dense', 'engine', or a mix such as 'engine:4,dense:1' (one worker
+    # runs in this process, several run as processes sharing the device)
+    generator: str = "dense"
     gen_dtype: str = "bfloat16"  # dense generator's dtype (the engine uses `engine_kwargs`)
     feature_dtype: str = "bfloat16"
-    batch_size: int = 64  # sequences generated together
-    sampled_pass: bool = False  # also one temperature-sampled answer per prompt
+    batch_size: int = 128  # dense: rows generated together; engine: max_running_requests
+    sampled_pass: bool = False  # kept for old callers: one sampled pass (= sampled_passes 1)
+    sampled_passes: int = 0  # temperature-sampled passes after the greedy one
     temperature: float = 0.8
+    temperatures: tuple[float, ...] = ()  # cycled by the sampled passes (default: temperature)
+    time_budget: float = 0.0  # seconds for generation (0: every pass to the end)
     topk: int = 4  # target next-token candidates kept per position (soft labels)
     eagle3: bool = False  # also record the EAGLE3 capture layers' inputs
     shard_size: int = 1000  # sequences per shard
-    feature_max_tokens: int = 8192  # padded tokens per feature forward
+    feature_max_tokens: int = 0  # padded tokens per feature forward (0: 8192 CPU, 32768 GPU)
     seed: int = 0
     device: str = "cpu"
     load_format: str = "auto"
     engine_kwargs: dict = field(default_factory=dict)
+    log_every: float = 10.0  # seconds between progress lines of parallel generation
 
 
 def load_target(path: str, dtype: str, device: str, load_format: str = "auto"):
@@ -80,53 +88,6 @@ def chat_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
     from specserve.model.tokenizer import apply_chat_template
 
     return [apply_chat_template(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
-
-
-def generate_with_engine(
-    engine, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float, seed: int
-) -> list[list[int]]:
-    """Answers through `Engine.generate`, submitted in chunks (for the progress bar)."""
-    outs: list[list[int]] = []
-    chunk = max(1, engine.config.max_running_requests or 64) * 2
-    bar = tqdm(total=len(prompt_ids), desc="generate (engine)", unit="answer")
-    for i in range(0, len(prompt_ids), chunk):
-        part = prompt_ids[i : i + chunk]
-        params = [
-            {"temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed + i + j}
-            for j in range(len(part))
-        ]
-        for o in engine.generate(input_ids=part, sampling_params=params):
-            outs.append(list(o["output_ids"]))
-        bar.update(len(part))
-    bar.close()
-    return outs
-
-
-def generate_with_dense(
-    model,
-    prompt_ids: list[list[int]],
-    max_new_tokens: int,
-    eos: set[int],
-    temperature: float,
-    seed: int,
-    batch_size: int,
-) -> list[list[int]]:
-    from specserve.train.features import generate_dense
-
-    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
-    outs: list[list[int]] = [[] for _ in prompt_ids]
-    bar = tqdm(total=len(prompt_ids), desc="generate (dense)", unit="answer")
-    for b, i in enumerate(range(0, len(order), batch_size)):
-        idx = order[i : i + batch_size]
-        got = generate_dense(
-            model, [prompt_ids[j] for j in idx], max_new_tokens, eos, temperature, seed + b
-        )
-        for j, o in zip(idx, got):
-            outs[j] = o
-        bar.update(len(idx))
-        bar.set_postfix(tokens=sum(len(o) for o in outs))
-    bar.close()
-    return outs
 
 
 def save_shard(path: str, records: list[dict]) -> None:
@@ -166,27 +127,27 @@ def build_dataset(args: DataArgs, prompt_ids: list[list[int]] | None = None) -> 
             return manifest
     t0 = time.perf_counter()
     answers_path = os.path.join(args.out_dir, "answers.json")
-    loaded = None
     if os.path.isfile(answers_path):  # generation finished in an earlier run
         with open(answers_path) as f:
             saved = json.load(f)
         prompt_ids, answers = saved["prompt_ids"], saved["answers"]
         gen_seconds = saved["seconds"]
+        _log(f"generate: reusing {len(answers)} answers of {answers_path}")
     else:
-        answers, prompt_ids, loaded = _generate(args, prompt_ids)
+        answers, prompt_ids, _ = _generate(args, prompt_ids)
         gen_seconds = time.perf_counter() - t0
-        _write_json(
-            answers_path, {"prompt_ids": prompt_ids, "answers": answers, "seconds": gen_seconds}
-        )
+        with open(answers_path + ".tmp", "w") as f:
+            json.dump({"prompt_ids": prompt_ids, "answers": answers, "seconds": gen_seconds}, f)
+        os.replace(answers_path + ".tmp", answers_path)
     t1 = time.perf_counter()
-    if loaded is None or args.feature_dtype != args.gen_dtype or args.generator != "dense":
-        loaded = load_target(args.target, args.feature_dtype, args.device, args.load_format)
+    loaded = load_target(args.target, args.feature_dtype, args.device, args.load_format)
     eos = eos_ids_of(loaded)
     seqs = [p + a for p, a in zip(prompt_ids, answers)]
     capture: tuple[int, ...] = ()
     if args.eagle3:
         n_layers = loaded.config.num_layers
         capture = (2, n_layers // 2, n_layers - 3)
+    _log(f"features: {len(seqs)} sequences, {sum(map(len, seqs))} tokens")
     shards = _write_features(args, loaded.model, seqs, prompt_ids, answers, eos, capture)
     manifest = {
         "complete": True,
@@ -194,51 +155,73 @@ def build_dataset(args: DataArgs, prompt_ids: list[list[int]] | None = None) -> 
         "num_sequences": len(seqs),
         "num_tokens": sum(len(s) for s in seqs),
         "num_answer_tokens": sum(len(a) for a in answers),
+        "num_ended": sum(bool(a) and a[-1] in eos for a in answers),
         "hidden_size": loaded.config.hidden_size,
         "capture_layers": list(capture),
         "shards": shards,
         "generate_seconds": round(gen_seconds, 1),
         "feature_seconds": round(time.perf_counter() - t1, 1),
     }
+    _log(
+        f"features done in {manifest['feature_seconds']}s: {len(shards)} shards, "
+        f"{manifest['num_answer_tokens']} answer tokens"
+    )
     _write_json(manifest_path, manifest)
     return manifest
 
 
-def _generate(args: DataArgs, prompt_ids):
-    """(answers, prompt ids, the loaded dense target or None). A sampled pass repeats every
-    prompt once more."""
-    loaded = None
-    if args.generator == "engine":
-        from specserve.engine import Engine
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
-        kw = dict(model_path=args.target, device=args.device, load_format=args.load_format)
-        kw.update(args.engine_kwargs)
-        kw.setdefault("max_running_requests", args.batch_size)
-        with Engine(**kw) as engine:
-            if prompt_ids is None:
-                prompts = select_prompts(args)
-                prompt_ids = [
-                    engine.tokenize_chat([{"role": "user", "content": p}]) for p in prompts
-                ]
-            answers = generate_with_engine(engine, prompt_ids, args.max_new_tokens, 0.0, args.seed)
-            if args.sampled_pass:
-                answers += generate_with_engine(
-                    engine, prompt_ids, args.max_new_tokens, args.temperature, args.seed
-                )
-    elif args.generator == "dense":
-        loaded = load_target(args.target, args.gen_dtype, args.device, args.load_format)
-        if prompt_ids is None:
-            prompt_ids = chat_ids(loaded.tokenizer, select_prompts(args))
-        eos = eos_ids_of(loaded)
-        gen = (loaded.model, prompt_ids, args.max_new_tokens, eos)
-        answers = generate_with_dense(*gen, 0.0, args.seed, args.batch_size)
-        if args.sampled_pass:
-            answers += generate_with_dense(*gen, args.temperature, args.seed, args.batch_size)
-    else:
-        raise ValueError(f"generator must be 'dense' or 'engine', got {args.generator!r}")
-    if args.sampled_pass:
-        prompt_ids = prompt_ids + prompt_ids
-    return answers, [list(p) for p in prompt_ids], loaded
+
+def _generate(args: DataArgs, prompt_ids):
+    """(answers, prompt ids of each answer, None). Jobs: one greedy pass over the prompts,
+    then `sampled_passes` sampled ones, all cut by `time_budget` if set."""
+    from specserve.train.generate import GenConfig, generate_answers, make_jobs, parse_workers
+
+    workers = parse_workers(args.generator)
+    loaded = load_target(args.target, args.gen_dtype, "cpu", args.load_format)  # tokenizer, eos
+    if prompt_ids is None:
+        if loaded.tokenizer is None:
+            raise ValueError(f"{args.target}: no tokenizer; pass prompt_ids")
+        prompt_ids = chat_ids(loaded.tokenizer, select_prompts(args))
+    prompt_ids = [list(p) for p in prompt_ids]
+    eos = sorted(eos_ids_of(loaded))
+    del loaded
+    passes = 1 + max(args.sampled_passes, 1 if args.sampled_pass else 0)
+    temps = tuple(args.temperatures) or (args.temperature,)
+    jobs = make_jobs(len(prompt_ids), passes, temps, args.seed)
+    cfg = GenConfig(
+        target=args.target,
+        load_format=args.load_format,
+        device=args.device,
+        dense_dtype=args.gen_dtype,
+        engine_dtype=args.engine_kwargs.get("dtype"),
+        max_new_tokens=args.max_new_tokens,
+        eos=eos,
+        max_running_requests=args.batch_size,
+        dense_batch_size=args.batch_size,
+        engine_kwargs={k: v for k, v in args.engine_kwargs.items() if k != "dtype"},
+    )
+    deadline = time.time() + args.time_budget if args.time_budget > 0 else None
+    _log(
+        f"generate: {len(prompt_ids)} prompts x {passes} passes (temperatures 0, {temps}), "
+        f"workers {workers}, budget {args.time_budget or 'none'}s"
+    )
+    results = generate_answers(
+        cfg,
+        prompt_ids,
+        jobs,
+        workers,
+        os.path.join(args.out_dir, "gen"),
+        deadline=deadline,
+        log=_log,
+        poll_seconds=args.log_every,
+    )
+    results = [r for r in results if r["ids"]]
+    answers = [r["ids"] for r in results]
+    seq_prompts = [prompt_ids[jobs[r["job"]][0]] for r in results]
+    return answers, seq_prompts, None
 
 
 def _write_features(args, model, seqs, prompt_ids, answers, eos, capture) -> list[str]:
@@ -259,9 +242,10 @@ def _write_features(args, model, seqs, prompt_ids, answers, eos, capture) -> lis
             shards.append(name)
             next_shard += 1
 
-    for i, f in forward_features(
-        model, seqs, capture, args.topk, args.feature_max_tokens, progress=bar
-    ):
+    max_tokens = args.feature_max_tokens or (
+        32768 if next(model.parameters()).device.type == "cuda" else 8192
+    )
+    for i, f in forward_features(model, seqs, capture, args.topk, max_tokens, progress=bar):
         pending[i] = {
             "ids": seqs[i],
             "prompt_len": len(prompt_ids[i]),
@@ -278,11 +262,14 @@ def _write_features(args, model, seqs, prompt_ids, answers, eos, capture) -> lis
     return shards
 
 
-def load_shards(data_dir: str) -> list[dict]:
-    """All shards of a dataset folder (in manifest order)."""
+def load_shards(data_dir: str, device="cpu") -> list[dict]:
+    """All shards of a dataset folder (in manifest order); tensors on `device`, except the
+    small per-sequence ones (offsets, prompt_lens, ended), which stay on the host."""
     with open(os.path.join(data_dir, "manifest.json")) as f:
         manifest = json.load(f)
-    return [
-        torch.load(os.path.join(data_dir, s), weights_only=True, map_location="cpu")
-        for s in manifest["shards"]
-    ]
+    host = ("offsets", "prompt_lens", "ended")
+    out = []
+    for s in manifest["shards"]:
+        sh = torch.load(os.path.join(data_dir, s), weights_only=True, map_location="cpu")
+        out.append({k: v if k in host else v.to(device) for k, v in sh.items()})
+    return out

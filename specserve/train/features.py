@@ -154,9 +154,18 @@ def generate_dense(
     eos_ids: set[int] | frozenset[int] = frozenset(),
     temperature: float = 0.0,
     seed: int = 0,
+    deadline: float | None = None,
+    compact_fraction: float = 0.25,
 ) -> list[list[int]]:
     """Continuations of `prompts` (one batch; callers chunk). Each output stops after its first
-    EOS id (kept) or at max_new_tokens. temperature 0 is greedy."""
+    EOS id (kept) or at max_new_tokens. temperature 0 is greedy.
+
+    Finished rows stay in the batch (their tokens are ignored) until at least
+    `compact_fraction` of it has finished; then the batch and its caches are compacted. Copying
+    the caches at every finish would cost more than the decoding on a GPU. `deadline` (a
+    `time.time()` value): stop there and return the outputs so far (unfinished ones shorter)."""
+    import time
+
     device = next(model.parameters()).device
     layers = model.model.layers
     b = len(prompts)
@@ -189,7 +198,7 @@ def generate_dense(
     def pick(logits):
         if temperature <= 0:
             return logits.argmax(-1)
-        probs = torch.softmax(logits / temperature, dim=-1)
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
         return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
     positions = (torch.arange(p, device=device)[None, :] - pad[:, None]).clamp(min=0)
@@ -198,22 +207,24 @@ def generate_dense(
     mask = (causal[None] & key_ok[:, None, :p]) | torch.eye(p, dtype=torch.bool, device=device)
     tok = pick(step(ids, positions, 0, p, mask[:, None]))
     outs: list[list[int]] = [[] for _ in range(b)]
-    alive = torch.arange(b, device=device)  # original row of each live row
+    rows = list(range(b))  # original row of each batch row
+    live = [True] * b  # batch row still generating
     last_pos = positions[:, -1]
     for c in range(p, total):
-        host = tok.tolist()
-        rows = alive.tolist()
-        done = []
-        for j, (r, t) in enumerate(zip(rows, host)):
-            outs[r].append(t)
-            if t in eos_ids or len(outs[r]) >= max_new_tokens:
-                done.append(j)
-        if len(done) == len(rows) or c == total - 1:
+        for j, t in enumerate(tok.tolist()):
+            if live[j]:
+                r = rows[j]
+                outs[r].append(t)
+                if t in eos_ids or len(outs[r]) >= max_new_tokens:
+                    live[j] = False
+        n_live = sum(live)
+        if n_live == 0 or c == total - 1 or (deadline is not None and time.time() >= deadline):
             break
-        if done:  # drop finished rows from the batch and the caches
-            keep = torch.ones(len(rows), dtype=torch.bool, device=device)
-            keep[torch.tensor(done, device=device)] = False
-            alive, tok, last_pos, key_ok = alive[keep], tok[keep], last_pos[keep], key_ok[keep]
+        if len(live) - n_live >= max(1, compact_fraction * len(live)):
+            keep = torch.tensor(live, device=device)
+            rows = [r for r, ok in zip(rows, live) if ok]
+            live = [True] * len(rows)
+            tok, last_pos, key_ok = tok[keep], last_pos[keep], key_ok[keep]
             for li in range(len(layers)):
                 kc[li], vc[li] = kc[li][keep], vc[li][keep]
         last_pos = last_pos + 1
