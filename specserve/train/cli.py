@@ -36,21 +36,73 @@ def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
     g.add_argument("--prompts", default=d.prompts, help="'train' (bundled) or a JSONL file")
     g.add_argument("--num-prompts", type=int, default=d.num_prompts)
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    g.add_argument("--generator", default=d.generator, choices=["dense", "engine"])
     g.add_argument(
-        "--gen-batch-size", type=int, default=d.batch_size, help="answers generated together"
+        "--generator",
+        default=d.generator,
+        help="'dense', 'engine', or workers of both, e.g. 'engine:4,dense:1' (several run as "
+        "processes sharing the device)",
+    )
+    g.add_argument(
+        "--gen-batch-size",
+        type=int,
+        default=d.batch_size,
+        help="dense: rows generated together; engine: max_running_requests",
     )
     g.add_argument("--gen-dtype", default=d.gen_dtype, help="dense generator dtype")
     g.add_argument("--feature-dtype", default=d.feature_dtype)
-    g.add_argument("--sampled-pass", action="store_true", help="also one sampled answer per prompt")
-    g.add_argument("--temperature", type=float, default=d.temperature)
+    g.add_argument(
+        "--sampled-pass", action="store_true", help="one sampled pass after the greedy one"
+    )
+    g.add_argument(
+        "--sampled-passes", type=int, default=d.sampled_passes, help="sampled passes (default 0)"
+    )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        nargs="+",
+        default=[d.temperature],
+        help="temperatures of the sampled passes, cycled (default 0.8)",
+    )
+    g.add_argument(
+        "--gen-time-budget",
+        type=float,
+        default=d.time_budget,
+        help="seconds for generation; cut answers are kept (default: no limit)",
+    )
+    g.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine argument for engine workers (repeatable; VALUE parsed as JSON when it can be)",
+    )
     g.add_argument("--eagle3-features", action="store_true", help="also record EAGLE3 features")
     g.add_argument("--data-dir", default=None, help="use this finished dataset folder")
 
     g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=float, default=t.epochs)
+    g.add_argument("--epochs", type=float, default=t.epochs, help="0: no limit (use a time budget)")
+    g.add_argument(
+        "--time-budget",
+        type=float,
+        default=t.time_budget,
+        help="seconds of training; the learning-rate schedule follows the clock (default: none)",
+    )
+    g.add_argument(
+        "--finish-by",
+        type=float,
+        default=t.finish_by,
+        help="a Unix time by which training must be done (shortens the budget if needed)",
+    )
     g.add_argument("--lr", type=float, default=t.lr)
+    g.add_argument("--min-lr-ratio", type=float, default=t.min_lr_ratio)
+    g.add_argument("--weight-decay", type=float, default=t.weight_decay)
     g.add_argument("--batch-size", type=int, default=t.batch_size, help="sequences per step")
+    g.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=t.batch_tokens,
+        help="padded tokens per step (overrides --batch-size)",
+    )
     g.add_argument("--ttt-steps", type=int, default=t.ttt_steps, help="extra unrolled steps")
     g.add_argument("--ttt-decay", type=float, default=t.ttt_decay)
     g.add_argument("--feature-weight", type=float, default=t.feature_weight)
@@ -58,17 +110,37 @@ def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
     g.add_argument("--warmup", type=float, default=t.warmup)
     g.add_argument("--grad-clip", type=float, default=t.grad_clip)
     g.add_argument("--max-len", type=int, default=t.max_len)
+    g.add_argument("--val-fraction", type=float, default=t.val_fraction)
+    g.add_argument(
+        "--ce-vocab",
+        type=int,
+        default=t.ce_vocab,
+        help="cross-entropy over this many most frequent candidates (0: the full vocabulary)",
+    )
+    g.add_argument("--ce-chunk", type=int, default=t.ce_chunk, help="rows per lm_head chunk")
     g.add_argument(
         "--init-layer", type=int, default=t.init_layer, help="start from this target layer"
     )
     g.add_argument("--autocast", default=t.autocast, help="bfloat16 (default) or float32")
-    g.add_argument("--save-every", type=int, default=t.save_every)
+    g.add_argument("--save-every", type=int, default=t.save_every, help="steps (0: by time)")
+    g.add_argument(
+        "--save-every-seconds", type=float, default=t.save_every_seconds, help="(0: by steps)"
+    )
+    g.add_argument("--log-every", type=int, default=t.log_every, help="steps between log lines")
+    g.add_argument(
+        "--curve-file", default=None, help="training curves JSON (default <out>/train_curve.json)"
+    )
     g.add_argument("--resume", action="store_true", help="continue from <work-dir>/checkpoint.pt")
     p.set_defaults(func=run_train)
 
 
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def run_train(args) -> int:
     from specserve.train.data import DataArgs, build_dataset, load_target
+    from specserve.train.generate import parse_engine_args
     from specserve.train.trainer import TrainArgs, train, write_training_args
 
     t0 = time.perf_counter()
@@ -85,22 +157,31 @@ def run_train(args) -> int:
         feature_dtype=args.feature_dtype,
         batch_size=args.gen_batch_size,
         sampled_pass=args.sampled_pass,
-        temperature=args.temperature,
+        sampled_passes=args.sampled_passes,
+        temperature=args.temperature[0],
+        temperatures=tuple(args.temperature),
+        time_budget=args.gen_time_budget,
         eagle3=args.eagle3_features,
         seed=args.seed,
         device=args.device,
         load_format=args.load_format,
+        engine_kwargs=parse_engine_args(args.engine_arg),
     )
+    _log(f"train-eagle: target {args.target}, work folder {work}, draft to {args.out}")
     manifest = build_dataset(data_args)
-    print(
+    _log(
         f"data: {manifest['num_sequences']} sequences, {manifest['num_answer_tokens']} answer "
-        f"tokens (generate {manifest['generate_seconds']}s, features {manifest['feature_seconds']}s)",
-        file=sys.stderr,
+        f"tokens (generate {manifest['generate_seconds']}s, features {manifest['feature_seconds']}s)"
     )
     train_args = TrainArgs(
         epochs=args.epochs,
+        time_budget=args.time_budget,
+        finish_by=args.finish_by,
         lr=args.lr,
+        min_lr_ratio=args.min_lr_ratio,
+        weight_decay=args.weight_decay,
         batch_size=args.batch_size,
+        batch_tokens=args.batch_tokens,
         ttt_steps=args.ttt_steps,
         ttt_decay=args.ttt_decay,
         feature_weight=args.feature_weight,
@@ -108,11 +189,17 @@ def run_train(args) -> int:
         warmup=args.warmup,
         grad_clip=args.grad_clip,
         max_len=args.max_len,
+        val_fraction=args.val_fraction,
+        ce_vocab=args.ce_vocab,
+        ce_chunk=args.ce_chunk,
         init_layer=args.init_layer,
         autocast=args.autocast,
         seed=args.seed,
         device=args.device,
         save_every=args.save_every,
+        save_every_seconds=args.save_every_seconds,
+        log_every=args.log_every,
+        curve_file=args.curve_file,
     )
     target = load_target(args.target, "float32", args.device, args.load_format)
     summary = train(
@@ -122,7 +209,7 @@ def run_train(args) -> int:
         train_args,
         resume=args.resume,
         work_dir=work,
-        log=lambda m: print(m, file=sys.stderr),
+        log=lambda m: print(m, file=sys.stderr, flush=True),
     )
     summary = {
         "target": args.target,
@@ -133,6 +220,6 @@ def run_train(args) -> int:
         "wall_seconds_this_run": round(time.perf_counter() - t0, 1),
     }
     write_training_args(args.out, summary)
-    print(json.dumps(summary["train"]["final"]), file=sys.stderr)
-    print(f"draft written to {args.out}", file=sys.stderr)
+    _log(f"final held-back metrics {json.dumps(summary['train']['final'])}")
+    _log(f"draft written to {args.out}")
     return 0

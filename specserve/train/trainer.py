@@ -27,8 +27,10 @@ import math
 import os
 import random
 import time
+import zlib
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -42,90 +44,153 @@ ARCHITECTURE = "LlamaForCausalLMEagle"
 
 @dataclass
 class TrainArgs:
-    epochs: float = 2.0
+    epochs: float = 4.0  # passes over the data (0: no limit; then time_budget must be set)
+    time_budget: float = 0.0  # seconds of training (0: none); the schedule follows the clock
+    finish_by: float = 0.0  # a time.time() value by which training must be done (0: none)
     lr: float = 1e-3
-    batch_size: int = 16  # sequences per step (grouped by length)
+    batch_size: int = 4  # sequences per step (grouped by length), when batch_tokens is 0
+    batch_tokens: int = 0  # padded tokens per step (0: batch_size sequences)
     ttt_steps: int = 2  # extra unrolled steps on the head's own features
     ttt_decay: float = 0.8
     feature_weight: float = 1.0
-    token_weight: float = 0.1
+    token_weight: float = 1.0
     weight_decay: float = 0.0
-    warmup: float = 0.03  # share of the steps
+    warmup: float = 0.03  # share of the schedule (steps, or time with a time budget)
     min_lr_ratio: float = 0.05
     grad_clip: float = 0.5
     max_len: int = 1024  # longer sequences are cut
     val_fraction: float = 0.02
     init_layer: int | None = None  # copy this target layer into the head's decoder layer
+    ce_vocab: int = 0  # cross-entropy over the most frequent target candidates (0: all)
+    ce_chunk: int = 0  # rows per lm_head chunk of the cross-entropy (0: 1024 CPU, 8192 GPU)
+    scale_init: bool = True  # fc's input columns start divided by each input's RMS
     autocast: str = "bfloat16"  # compute dtype of matmuls ('float32': none)
     seed: int = 0
     device: str = "cpu"
-    save_every: int = 200  # steps between resumable checkpoints
+    save_every: int = 200  # steps between resumable checkpoints (0: only by time)
+    save_every_seconds: float = 0.0  # seconds between checkpoints (0: only by steps)
     log_every: int = 20
+    curve_file: str | None = None  # training curves JSON (default: <out>/train_curve.json)
 
 
 # ---- data ---------------------------------------------------------------------------------------
 class SeqData:
-    """Sequences of a dataset folder, kept flat in memory."""
+    """The sequences of a dataset folder as flat tensors on `device` (a GPU keeps all of it:
+    batches are gathered there, never copied from the host) plus host-side metadata.
 
-    def __init__(self, shards: list[dict], max_len: int):
-        self.items: list[tuple] = []  # (shard, start, length, prompt_len, ended)
-        self.shards = shards
-        for s, sh in enumerate(shards):
-            offs = sh["offsets"].tolist()
-            for j in range(len(offs) - 1):
-                n = min(offs[j + 1] - offs[j], max_len)
-                pl = int(sh["prompt_lens"][j])
-                ended = bool(sh["ended"][j]) and offs[j + 1] - offs[j] <= max_len
-                if n - pl >= 2:
-                    self.items.append((s, offs[j], n, pl, ended))
+    Training position p of a sequence feeds token x_{p+1} and feature h_p; its targets are
+    h_{p+1} and the target's next-token candidates at p + 1. Positions with a loss are the
+    ones the drafter uses when serving: p from prompt_len - 1 (the root after prefill is the
+    first answer token) to the position predicting the last token (the final EOS, or for a
+    cut answer the token after the cut)."""
+
+    def __init__(self, shards: list[dict], max_len: int, device="cpu"):
+        self.device = torch.device(device)
+        ids, hidden, top_ids, top_probs = [], [], [], []
+        starts, lens, pls, ended, groups = [], [], [], [], []
+        base = 0
+        for sh in shards:
+            offs = sh["offsets"].numpy()
+            host_ids = sh["input_ids"].cpu().numpy()
+            pl_sh = sh["prompt_lens"].numpy()
+            # a sequence's group is its prompt: passes over one prompt share it
+            groups.append(
+                np.array(
+                    [zlib.crc32(host_ids[o : o + p_].tobytes()) for o, p_ in zip(offs[:-1], pl_sh)],
+                    dtype=np.int64,
+                )
+            )
+            full = offs[1:] - offs[:-1]
+            n = np.minimum(full, max_len)
+            starts.append(offs[:-1] + base)
+            lens.append(n)
+            pls.append(sh["prompt_lens"].numpy().astype(np.int64))
+            ended.append(sh["ended"].numpy() & (full <= max_len))
+            base += int(offs[-1])
+            ids.append(sh["input_ids"].to(self.device))
+            hidden.append(sh["hidden"].to(self.device))
+            top_ids.append(sh["top_ids"].to(self.device))
+            top_probs.append(sh["top_probs"].to(self.device))
+        self.ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32)
+        self.hidden = torch.cat(hidden) if hidden else torch.zeros(0, 1)
+        self.top_ids = torch.cat(top_ids) if top_ids else torch.zeros(0, 1, dtype=torch.int32)
+        self.top_probs = torch.cat(top_probs) if top_probs else torch.zeros(0, 1)
+        cat = (lambda xs: np.concatenate(xs)) if shards else (lambda xs: np.zeros(0, np.int64))
+        start, n, pl, en = cat(starts), cat(lens), cat(pls), cat(ended).astype(bool)
+        group = cat(groups)
+        lo = pl - 1
+        hi = np.where(en, n - 2, n - 1)
+        keep = hi > lo  # at least one position with a loss
+        self.start, self.n, self.lo, self.hi = start[keep], n[keep], lo[keep], hi[keep]
+        self.group = group[keep]
+        self.num_loss_positions = int((self.hi - self.lo).sum())
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.start)
 
-    def batch(self, idx: list[int], device) -> dict[str, torch.Tensor]:
-        """Right-padded [B, N] tensors plus the loss mask over training positions p (token
-        x_{p+1}, feature h_p, targets at p + 1)."""
-        items = [self.items[i] for i in idx]
-        width = max(it[2] for it in items)
-        b = len(items)
-        sh0 = self.shards[0]
-        hsz, k = sh0["hidden"].shape[1], sh0["top_ids"].shape[1]
-        ids = torch.zeros(b, width, dtype=torch.int64)
-        hidden = torch.zeros(b, width, hsz, dtype=torch.float16)
-        top_ids = torch.zeros(b, width, k, dtype=torch.int64)
-        top_probs = torch.zeros(b, width, k, dtype=torch.float16)
-        mask = torch.zeros(b, width - 1, dtype=torch.bool)
-        for r, (s, start, n, pl, ended) in enumerate(items):
-            sh = self.shards[s]
-            ids[r, :n] = sh["input_ids"][start : start + n]
-            hidden[r, :n] = sh["hidden"][start : start + n]
-            top_ids[r, :n] = sh["top_ids"][start : start + n]
-            top_probs[r, :n] = sh["top_probs"][start : start + n]
-            # target index t = p + 1 in [pl - 1, last]: predictions of answer tokens (and of
-            # the token after a cut answer; nothing after a final EOS)
-            last = n - 2 if ended else n - 1
-            mask[r, max(0, pl - 2) : last] = True
+    def batch(self, idx, ttt_steps: int = 0) -> dict:
+        """Right-padded [B, N] tensors gathered on the device, and for every unrolled step k
+        the flat indices (b * (N - 1) + p) of the positions with a loss (p >= k)."""
+        idx = np.asarray(idx)
+        st, n, lo, hi = self.start[idx], self.n[idx], self.lo[idx], self.hi[idx]
+        width = int(n.max())
+        t = width - 1
+        pos = np.arange(width)
+        gather = st[:, None] + np.minimum(pos[None, :], n[:, None] - 1)  # padding repeats
+        cnt = hi - lo
+        p = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)])
+        rows = np.repeat(np.arange(len(idx)), cnt) * t + p
+        g = _to_device(gather, self.device)
+        rows_d = [_to_device(rows, self.device)]
+        for k in range(1, ttt_steps + 1):
+            ok = p >= k
+            rows_d.append(rows_d[0] if ok.all() else _to_device(rows[ok], self.device))
         return {
-            "ids": ids.to(device),
-            "hidden": hidden.to(device),
-            "top_ids": top_ids.to(device),
-            "top_probs": top_probs.to(device),
-            "mask": mask.to(device),
+            "ids": self.ids[g].long(),
+            "hidden": self.hidden[g],
+            "top_ids": self.top_ids[g].long(),
+            "top_probs": self.top_probs[g],
+            "rows": rows_d,
+            "tokens": int(len(idx) * width),
         }
 
+    def batches(
+        self, indices, seed: int, batch_size: int = 4, batch_tokens: int = 0
+    ) -> list[np.ndarray]:
+        """Shuffled batches of similar lengths (sorted within windows of many batches): of
+        `batch_size` sequences, or with `batch_tokens` of at most that many padded tokens."""
+        rng = np.random.default_rng(seed)
+        order = rng.permutation(np.asarray(indices, dtype=np.int64))
+        out: list[np.ndarray] = []
+        if batch_tokens <= 0:
+            window = batch_size * 32
+            for i in range(0, len(order), window):
+                chunk = order[i : i + window]
+                chunk = chunk[np.argsort(self.n[chunk], kind="stable")]
+                out += [chunk[j : j + batch_size] for j in range(0, len(chunk), batch_size)]
+        else:
+            mean = max(1.0, float(self.n.mean())) if len(self.n) else 1.0
+            window = max(64, int(32 * batch_tokens / mean))
+            for i in range(0, len(order), window):
+                chunk = order[i : i + window]
+                chunk = chunk[np.argsort(self.n[chunk], kind="stable")]
+                cur: list[int] = []
+                for j in chunk.tolist():  # ascending lengths: the newest sets the width
+                    if cur and (len(cur) + 1) * int(self.n[j]) > batch_tokens:
+                        out.append(np.asarray(cur))
+                        cur = []
+                    cur.append(j)
+                if cur:
+                    out.append(np.asarray(cur))
+        perm = rng.permutation(len(out))
+        return [out[i] for i in perm]
 
-def epoch_batches(data: SeqData, indices: list[int], batch_size: int, seed: int) -> list[list[int]]:
-    """Shuffled batches of similar lengths (sorted within windows of 32 batches)."""
-    rng = random.Random(seed)
-    order = list(indices)
-    rng.shuffle(order)
-    window = batch_size * 32
-    batches = []
-    for i in range(0, len(order), window):
-        chunk = sorted(order[i : i + window], key=lambda j: data.items[j][2])
-        batches += [chunk[j : j + batch_size] for j in range(0, len(chunk), batch_size)]
-    rng.shuffle(batches)
-    return batches
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 # ---- the head in training -----------------------------------------------------------------------
@@ -164,18 +229,21 @@ class _LinearSoftCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g, weight, ids, probs, chunk: int):
+        # in the weight's dtype (bfloat16 under autocast): float32 copies of [rows, vocab]
+        # cost more than the matmuls on a CPU; sums accumulate in float32
         losses, hits, grads = [], [], []
         for s in range(0, g.shape[0], chunk):
-            logits = F.linear(g[s : s + chunk].to(weight.dtype), weight).float()
+            logits = F.linear(g[s : s + chunk].to(weight.dtype), weight)
             m = logits.amax(-1, keepdim=True)
             picked = logits.gather(1, ids[s : s + chunk])
             hits.append(picked[:, 0] >= m[:, 0])
             e = logits.sub_(m).exp_()
-            z = e.sum(-1, keepdim=True)
+            z = e.sum(-1, keepdim=True, dtype=torch.float32)
             p = probs[s : s + chunk]
-            losses.append((m + z.log())[:, 0] - (p * picked).sum(-1))
-            e.div_(z).scatter_add_(1, ids[s : s + chunk], -p)
-            grads.append(e.to(weight.dtype) @ weight)
+            lse = m[:, 0].float() + z[:, 0].log()
+            losses.append(lse - (p * picked.float()).sum(-1))
+            e.div_(z.to(e.dtype)).scatter_add_(1, ids[s : s + chunk], -p.to(e.dtype))
+            grads.append(e @ weight)
         ctx.save_for_backward(torch.cat(grads))
         ctx.g_dtype = g.dtype
         return torch.cat(losses), torch.cat(hits)
@@ -186,30 +254,52 @@ class _LinearSoftCE(torch.autograd.Function):
         return (grad.float() * grad_loss[:, None]).to(ctx.g_dtype), None, None, None, None
 
 
-def unrolled_losses(head, lm_head_w, batch, args: TrainArgs, ce_chunk: int = 1024):
-    """Per unrolled step k: (feature loss, token loss, top-1 agreement, rows)."""
-    ids, hidden, mask = batch["ids"], batch["hidden"], batch["mask"]
+def unrolled_losses(
+    head, lm_head_w, batch, args: TrainArgs, lookup: torch.Tensor | None = None, ce_chunk=1024
+):
+    """Per unrolled step k: (feature loss, token loss, top-1 hits, rows); losses and hits are
+    device tensors (nothing here waits for the device), rows a host int.
+
+    lookup: with a reduced cross-entropy vocabulary (`lm_head_w` holds its rows), the index
+    of every target id in it, -1 outside; candidates outside it are dropped (a row whose
+    likeliest candidate is outside carries only the feature loss)."""
+    ids, hidden = batch["ids"], batch["hidden"]
     b, n = ids.shape
     t = n - 1
     tokens = ids[:, 1:]
-    target = hidden[:, 1:].float()
-    top_ids = batch["top_ids"][:, 1:]
-    top_p = batch["top_probs"][:, 1:].float()
-    top_p = top_p / top_p.sum(-1, keepdim=True).clamp(min=1e-6)
+    target = hidden[:, 1:].reshape(b * t, -1)
+    top_ids = batch["top_ids"][:, 1:].reshape(b * t, -1)
+    top_p = batch["top_probs"][:, 1:].reshape(b * t, -1)
     positions = torch.arange(t, device=ids.device).expand(b, t)
     feats = hidden[:, :-1].float()
     caches: list[list] = [[] for _ in head.layers]
     out = []
+    prepared: dict[int, tuple] = {}  # rows tensor id -> its CE inputs (shared by most k)
     for k in range(args.ttt_steps + 1):
         m = None if k == 0 else ttt_mask(t, k, ids.device)
         g = head_step(head, tokens, feats, positions, caches, m)
-        valid = mask.clone()
-        valid[:, :k] = False
-        rows = valid.nonzero(as_tuple=True)
-        gs = g[rows]
-        f_loss = F.smooth_l1_loss(gs.float(), target[rows])
-        t_rows, hits = _LinearSoftCE.apply(gs, lm_head_w, top_ids[rows], top_p[rows], ce_chunk)
-        out.append((f_loss, t_rows.mean(), hits.float().mean().item(), len(rows[0])))
+        rows = batch["rows"][k]
+        if id(rows) not in prepared:
+            r_ids, r_p = top_ids.index_select(0, rows), top_p.index_select(0, rows).float()
+            ok = None
+            if lookup is not None:
+                r_ids = lookup[r_ids]
+                r_p = torch.where(r_ids >= 0, r_p, 0.0)
+                ok = r_ids[:, 0] >= 0  # the target's likeliest token must be in it
+                r_ids = r_ids.clamp(min=0)
+            r_p = r_p / r_p.sum(-1, keepdim=True).clamp(min=1e-6)
+            prepared[id(rows)] = (r_ids, r_p, ok, target.index_select(0, rows).float())
+        r_ids, r_p, ok, r_target = prepared[id(rows)]
+        gs = g.reshape(b * t, -1).index_select(0, rows)  # backward: index_add, not index_put
+        f_loss = F.smooth_l1_loss(gs.float(), r_target)
+        t_rows, hits = _LinearSoftCE.apply(gs, lm_head_w, r_ids, r_p, ce_chunk)
+        if ok is None:
+            t_loss, hit_sum = t_rows.mean(), hits.sum()
+        else:
+            okf = ok.float()
+            t_loss = (t_rows * okf).sum() / okf.sum().clamp(min=1.0)
+            hit_sum = (hits & ok).sum()
+        out.append((f_loss, t_loss, hit_sum, int(rows.numel())))
         # next step: the feature at p is this step's output at p - 1
         feats = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)
     return out
@@ -225,6 +315,16 @@ def total_loss(losses, args: TrainArgs) -> torch.Tensor:
 
 
 # ---- the loop -----------------------------------------------------------------------------------
+def split_by_prompt(data: SeqData, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(held-back, training) sequence indices; every answer to a held-back prompt is held
+    back, so held-back accuracy measures prompts never trained on."""
+    prompts = sorted(set(data.group.tolist()))
+    random.Random(seed).shuffle(prompts)
+    held = set(prompts[: int(len(prompts) * fraction)])
+    is_val = np.fromiter((g in held for g in data.group.tolist()), dtype=bool, count=len(data))
+    return np.nonzero(is_val)[0], np.nonzero(~is_val)[0]
+
+
 def make_head(target, seed: int, init_layer: int | None = None) -> EagleHead:
     cfg = target.config.with_changes(num_layers=1, tie_word_embeddings=False)
     torch.manual_seed(seed)
@@ -238,11 +338,34 @@ def make_head(target, seed: int, init_layer: int | None = None) -> EagleHead:
     return head
 
 
-def lr_at(step: int, total: int, args: TrainArgs) -> float:
-    warm = max(1, int(args.warmup * total))
-    if step < warm:
-        return args.lr * (step + 1) / warm
-    frac = (step - warm) / max(1, total - warm)
+@torch.no_grad()
+def scale_fc_init_(head: EagleHead, data: SeqData, sample: int = 65536) -> None:
+    """Divide fc's weight columns by the RMS of their inputs (token embeddings of the data's
+    tokens, feature dimensions of the data): the embedding is ~15x smaller than the feature
+    (whose dimensions range 1x..20x), and at the default init fc would all but ignore the
+    token the draft must condition on. An initialization only; the architecture is EAGLE's."""
+    n = min(sample, data.hidden.shape[0])
+    dev = head.fc.weight.device
+    h_rms = data.hidden[:n].to(dev).float().pow(2).mean(0).sqrt().clamp(min=1e-3)
+    emb = head._embed[0](data.ids[:n].long().to(dev)).float()
+    e_rms = emb.pow(2).mean(0).sqrt().clamp(min=1e-3)
+    hsz = head.config.hidden_size
+    head.fc.weight[:, :hsz] /= e_rms.to(head.fc.weight)
+    head.fc.weight[:, hsz:] /= h_rms.to(head.fc.weight)
+
+
+def ce_vocabulary(data: SeqData, size: int) -> torch.Tensor:
+    """The `size` token ids most often among the target's next-token candidates."""
+    counts = torch.bincount(data.top_ids.reshape(-1).long()).cpu()
+    keep = counts.argsort(descending=True)[:size]
+    return keep[counts[keep] > 0].sort().values
+
+
+def lr_at(progress: float, args: TrainArgs) -> float:
+    """Linear warm-up over `warmup` of the schedule, then cosine down to min_lr_ratio."""
+    if args.warmup > 0 and progress < args.warmup:
+        return args.lr * max(progress / args.warmup, 0.01)
+    frac = min(1.0, (progress - args.warmup) / max(1e-9, 1.0 - args.warmup))
     return args.lr * (
         args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
     )
@@ -254,22 +377,43 @@ def _autocast(args: TrainArgs, device: torch.device):
     return torch.autocast(device.type, dtype=getattr(torch, args.autocast))
 
 
+def _ce_chunk(args: TrainArgs, device: torch.device) -> int:
+    return args.ce_chunk or (8192 if device.type == "cuda" else 1024)
+
+
 @torch.no_grad()
 def evaluate(head, lm_head_w, data: SeqData, indices, args: TrainArgs, device) -> dict:
-    """Top-1 agreement with the target per unrolled step on held-back sequences."""
-    if not indices:
+    """Top-1 agreement with the target (full vocabulary, as serving uses it) per unrolled
+    step, and the mean loss, on held-back sequences."""
+    if len(indices) == 0:
         return {}
+    was_training = head.training
     head.eval()
-    hits = [0.0] * (args.ttt_steps + 1)
-    count = [0] * (args.ttt_steps + 1)
-    for idx in epoch_batches(data, indices, args.batch_size, 0):
+    k1 = args.ttt_steps + 1
+    hits = torch.zeros(k1, device=device)
+    count = [0] * k1
+    loss_sum = torch.zeros((), device=device)
+    n_batches = 0
+    for idx in data.batches(indices, 0, args.batch_size, args.batch_tokens):
         with _autocast(args, device):
-            losses = unrolled_losses(head, lm_head_w, data.batch(idx, device), args)
-        for k, (_, _, acc, rows) in enumerate(losses):
-            hits[k] += acc * rows
+            losses = unrolled_losses(
+                head,
+                lm_head_w,
+                data.batch(idx, args.ttt_steps),
+                args,
+                None,
+                _ce_chunk(args, device),
+            )
+            loss_sum += total_loss(losses, args).float()
+        n_batches += 1
+        for k, (_, _, h, rows) in enumerate(losses):
+            hits[k] += h
             count[k] += rows
-    head.train()
-    return {f"val_acc_{k}": round(hits[k] / max(1, count[k]), 4) for k in range(len(hits))}
+    head.train(was_training)
+    acc = (hits / torch.tensor([max(1, c) for c in count], device=device)).tolist()
+    out = {f"val_acc_{k}": round(a, 4) for k, a in enumerate(acc)}
+    out["val_loss"] = round(float(loss_sum) / max(1, n_batches), 4)
+    return out
 
 
 def save_draft(folder: str, head: EagleHead, extra: dict | None = None) -> None:
@@ -278,7 +422,16 @@ def save_draft(folder: str, head: EagleHead, extra: dict | None = None) -> None:
     out.load_state_dict(head.state_dict())
     out = out.half()
     cfg = hf_style_config(head.config, ARCHITECTURE, torch_dtype="float16")
-    save_eagle_checkpoint(folder, out, cfg, extra)
+    tmp = folder.rstrip("/") + ".tmp"
+    save_eagle_checkpoint(tmp, out.cpu(), cfg, extra)
+    os.makedirs(folder, exist_ok=True)
+    for name in os.listdir(tmp):  # each file replaced whole: a reader never sees a torn one
+        os.replace(os.path.join(tmp, name), os.path.join(folder, name))
+    os.rmdir(tmp)
+
+
+def _stamp(msg: str) -> str:
+    return f"[{time.strftime('%H:%M:%S')}] {msg}"
 
 
 def train(
@@ -291,111 +444,206 @@ def train(
     log=print,
 ) -> dict:
     """Train a head for `target` (a `LlamaForCausalLM`) on the dataset in `data_dir`; write the
-    draft to `out_dir` (config.json, model.safetensors) and resumable state to
-    `work_dir/checkpoint.pt` (default: out_dir) every `save_every` steps and at the end.
+    draft to `out_dir` (config.json, model.safetensors, train_curve.json) and resumable state
+    to `work_dir/checkpoint.pt` (default: out_dir) at every checkpoint and at the end.
+
+    Stops after `epochs` passes or `time_budget` seconds (whichever comes first; with a time
+    budget the learning-rate schedule runs on the clock, so it anneals whatever the speed).
     Returns a summary (write it with `write_training_args`)."""
     from specserve.train.data import load_shards
 
+    t_start = time.time()
     device = torch.device(args.device)
+    if args.epochs <= 0 and args.time_budget <= 0 and args.finish_by <= 0:
+        raise ValueError("give epochs > 0 or a time budget")
     os.makedirs(out_dir, exist_ok=True)
-    data = SeqData(load_shards(data_dir), args.max_len)
+    data = SeqData(load_shards(data_dir, device), args.max_len, device)
     if len(data) == 0:
         raise ValueError(f"{data_dir}: no sequence with an answer")
-    rng = random.Random(args.seed)
-    all_idx = list(range(len(data)))
-    rng.shuffle(all_idx)
-    n_val = int(len(all_idx) * args.val_fraction)
-    val_idx, train_idx = all_idx[:n_val], all_idx[n_val:]
-    steps_per_epoch = math.ceil(len(train_idx) / args.batch_size)
-    total_steps = max(1, int(round(args.epochs * steps_per_epoch)))
+    val_idx, train_idx = split_by_prompt(data, args.val_fraction, args.seed)
+    budget = args.time_budget
+    if args.finish_by > 0:  # what is left, less a reserve for the final evaluation and saving
+        left = args.finish_by - time.time() - 15.0
+        budget = min(budget, left) if budget > 0 else left
+        budget = max(budget, 1.0)
+    first_epoch = data.batches(train_idx, args.seed * 1000, args.batch_size, args.batch_tokens)
+    total_steps = int(round(args.epochs * len(first_epoch))) if args.epochs > 0 else 0
+    limits = [f"{total_steps} steps" if total_steps else "no step limit"]
+    limits.append(f"{budget:.0f}s budget" if budget > 0 else "no time limit")
+    log(
+        _stamp(
+            f"train: {len(train_idx)} sequences ({data.num_loss_positions} positions with a "
+            f"loss), {len(val_idx)} held back; {len(first_epoch)} steps per epoch; "
+            f"{', '.join(limits)}; device {device}"
+        )
+    )
 
     head = make_head(target, args.seed, args.init_layer).to(device).float().train()
+    if args.scale_init and not resume:
+        scale_fc_init_(head, data)
     head.requires_grad_(True)
     compute_dtype = torch.float32 if args.autocast == "float32" else getattr(torch, args.autocast)
     lm_head_w = target.lm_head_weight.detach().to(device, compute_dtype)
+    ce_w, lookup = lm_head_w, None
+    if 0 < args.ce_vocab < lm_head_w.shape[0]:
+        keep = ce_vocabulary(data, args.ce_vocab)
+        lookup = torch.full((lm_head_w.shape[0],), -1, dtype=torch.int64)
+        lookup[keep] = torch.arange(len(keep))
+        lookup = lookup.to(device)
+        ce_w = lm_head_w[keep.to(device)].contiguous()
+        log(_stamp(f"cross-entropy over {len(keep)} of {lm_head_w.shape[0]} tokens"))
+    opt_kw = {"fused": True} if device.type == "cuda" else {}
     opt = torch.optim.AdamW(
-        head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
+        head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, **opt_kw
     )
     work_dir = work_dir or out_dir
     os.makedirs(work_dir, exist_ok=True)
     ckpt_path = os.path.join(work_dir, "checkpoint.pt")
-    step, history, elapsed0 = 0, [], 0.0
+    step, epoch, in_epoch, history, evals, elapsed0 = 0, 0, 0, [], [], 0.0
     if resume and os.path.isfile(ckpt_path):
         state = torch.load(ckpt_path, weights_only=False, map_location=device)
-        if state["total_steps"] != total_steps:
-            log(f"resume: schedule had {state['total_steps']} steps, now {total_steps}")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["optimizer"])
         step, history, elapsed0 = state["step"], state["history"], state["elapsed"]
-        log(f"resumed from {ckpt_path} at step {step}")
+        epoch, in_epoch = state.get("epoch", 0), state.get("in_epoch", 0)
+        evals = state.get("evals", [])
+        log(_stamp(f"resumed from {ckpt_path} at step {step} ({elapsed0:.0f}s trained)"))
+    ce_chunk = _ce_chunk(args, device)
+    t0 = time.perf_counter()
 
-    def checkpoint() -> None:
+    def elapsed() -> float:
+        return elapsed0 + time.perf_counter() - t0
+
+    def progress() -> float:
+        p = step / total_steps if total_steps else 0.0
+        return max(p, elapsed() / budget) if budget > 0 else p
+
+    def checkpoint(final: bool = False) -> dict:
+        metrics = evaluate(head, lm_head_w, data, val_idx, args, device)
+        evals.append({"step": step, "elapsed": round(elapsed(), 1), **metrics})
+        log(_stamp(f"step {step}, {elapsed():.0f}s: held-back {metrics}"))
         tmp = ckpt_path + ".tmp"
         torch.save(
             {
                 "head": head.state_dict(),
                 "optimizer": opt.state_dict(),
                 "step": step,
+                "epoch": epoch,
+                "in_epoch": in_epoch,
                 "total_steps": total_steps,
                 "history": history,
-                "elapsed": elapsed0 + time.perf_counter() - t0,
+                "evals": evals,
+                "elapsed": elapsed(),
                 "args": asdict(args),
             },
             tmp,
         )
         os.replace(tmp, ckpt_path)
+        save_draft(out_dir, head)
+        curve = args.curve_file or os.path.join(out_dir, "train_curve.json")
+        with open(curve + ".tmp", "w") as f:
+            json.dump({"final": final, "history": history, "evals": evals}, f)
+        os.replace(curve + ".tmp", curve)
+        return metrics
 
-    t0 = time.perf_counter()
-    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step")
-    while step < total_steps:
-        epoch, in_epoch = divmod(step, steps_per_epoch)
-        batches = epoch_batches(data, train_idx, args.batch_size, args.seed * 1000 + epoch)
-        for idx in batches[in_epoch:]:
-            if step >= total_steps:
-                break
+    bar = tqdm(total=total_steps or None, initial=step, desc="train", unit="step", mininterval=5)
+    last_save = time.perf_counter()
+    tokens_done = 0
+    window_t, window_tok = time.perf_counter(), 0
+    acc_sum = None
+    done = progress() >= 1.0
+    while not done:
+        batches = (
+            first_epoch
+            if epoch == 0
+            else data.batches(
+                train_idx, args.seed * 1000 + epoch, args.batch_size, args.batch_tokens
+            )
+        )
+        while in_epoch < len(batches):
+            idx = batches[in_epoch]
+            lr = lr_at(progress(), args)
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, total_steps, args)
-            batch = data.batch(idx, device)
-            want_acc = (step + 1) % args.log_every == 0
+                group["lr"] = lr
+            batch = data.batch(idx, args.ttt_steps)
             with _autocast(args, device):
-                losses = unrolled_losses(head, lm_head_w, batch, args)
+                losses = unrolled_losses(head, ce_w, batch, args, lookup, ce_chunk)
                 loss = total_loss(losses, args)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
             opt.step()
             step += 1
+            in_epoch += 1
+            tokens_done += batch["tokens"]
+            window_tok += batch["tokens"]
             bar.update(1)
-            if want_acc:
+            # rows are host ints: a host tensor moved to the device would synchronise
+            acc = torch.stack([x[2].float() / max(1, x[3]) for x in losses])
+            acc_sum = acc if acc_sum is None else acc_sum + acc
+            if step % args.log_every == 0:  # the one host read of device values per window
+                stats = torch.stack(
+                    [loss.detach().float()]
+                    + [x[0].detach().float() for x in losses]
+                    + [x[1].detach().float() for x in losses]
+                ).tolist()
+                k1 = len(losses)
+                now = time.perf_counter()
                 row = {
                     "step": step,
-                    "loss": round(float(loss), 4),
-                    "feature_loss": [round(float(x[0]), 4) for x in losses],
-                    "token_loss": [round(float(x[1]), 3) for x in losses],
-                    "acc": [round(x[2], 3) for x in losses],
-                    "lr": opt.param_groups[0]["lr"],
+                    "elapsed": round(elapsed(), 1),
+                    "loss": round(stats[0], 4),
+                    "feature_loss": [round(x, 4) for x in stats[1 : 1 + k1]],
+                    "token_loss": [round(x, 3) for x in stats[1 + k1 :]],
+                    "acc": [round(x, 3) for x in (acc_sum / args.log_every).tolist()],
+                    "lr": lr,
+                    "tokens_per_s": round(window_tok / max(1e-9, now - window_t)),
                 }
+                acc_sum, window_t, window_tok = None, now, 0
                 history.append(row)
                 bar.set_postfix(loss=row["loss"], acc0=row["acc"][0], accN=row["acc"][-1])
-            if step % args.save_every == 0 and step < total_steps:
+                if device.type != "cpu" or step % (args.log_every * 10) == 0:
+                    log(
+                        _stamp(
+                            f"step {step} {row['elapsed']:.0f}s loss {row['loss']} acc "
+                            f"{row['acc']} lr {lr:.2e} {row['tokens_per_s']} tok/s"
+                        )
+                    )
+            done = progress() >= 1.0
+            if done:
+                break
+            by_steps = args.save_every > 0 and step % args.save_every == 0
+            by_time = (
+                args.save_every_seconds > 0
+                and time.perf_counter() - last_save >= args.save_every_seconds
+            )
+            if by_steps or by_time:
                 checkpoint()
+                last_save = time.perf_counter()
+        if not done:
+            epoch, in_epoch = epoch + 1, 0
     bar.close()
-    elapsed = elapsed0 + time.perf_counter() - t0
-    metrics = evaluate(head, lm_head_w, data, val_idx, args, device)
-    log(f"trained {step} steps in {elapsed:.0f}s; held-back accuracy {metrics}")
-    save_draft(out_dir, head)
-    summary = {
+    metrics = checkpoint(final=True)
+    log(
+        _stamp(
+            f"trained {step} steps ({epoch + in_epoch / max(1, len(first_epoch)):.2f} epochs) in {elapsed():.0f}s"
+        )
+    )
+    return {
         "args": asdict(args),
         "data_dir": os.path.abspath(data_dir),
         "num_sequences": len(data),
-        "num_train_sequences": len(train_idx),
+        "num_train_sequences": int(len(train_idx)),
+        "num_loss_positions": data.num_loss_positions,
         "steps": step,
-        "train_seconds": round(elapsed, 1),
+        "epochs": round(epoch + in_epoch / max(1, len(first_epoch)), 3),
+        "train_seconds": round(elapsed(), 1),
+        "wall_seconds": round(time.time() - t_start, 1),
+        "padded_tokens_this_run": tokens_done,
         "final": metrics,
         "history_tail": history[-5:],
+        "evals": evals,
     }
-    checkpoint()
-    return summary
 
 
 def write_training_args(out_dir: str, summary: dict) -> None:
