@@ -14,6 +14,7 @@ and the decode time. JSON on stdout (and `--output`), then a table.
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -23,9 +24,9 @@ DEFAULT_CONFIGS: list[tuple[str, int, int, int]] = [
     ("chain-5", 5, 1, 6),
     ("chain-7", 7, 1, 8),
     ("tree-k4-n16", 5, 4, 16),
-    ("tree-k4-n32", 6, 4, 32),
+    ("tree-k4-n32", 8, 4, 32),  # num_draft_tokens <= 1 + num_steps * topk
     ("tree-k8-n32", 6, 8, 32),
-    ("tree-k8-n64", 7, 8, 64),
+    ("tree-k8-n64", 8, 8, 64),
 ]
 
 
@@ -59,7 +60,9 @@ def run_config(
         speculative_eagle_topk=topk,
         speculative_num_draft_tokens=tokens,
     )
-    kw.update(engine_overrides or {})
+    from specserve.train.generate import engine_kwargs_known
+
+    kw.update(engine_kwargs_known(engine_overrides or {}))
     with Engine(**kw) as engine:
         ids = [engine.tokenize_chat([{"role": "user", "content": p}]) for p in prompts]
         t0 = time.perf_counter()
@@ -104,16 +107,27 @@ def run_acceptance(
     prompts: str = "heldout",
     engine_overrides: dict[str, Any] | None = None,
     log=None,
+    on_row=None,
 ) -> list[dict[str, Any]]:
+    """One row per configuration (an impossible one is skipped with a log line); `on_row(rows)`
+    is called after each, e.g. to save partial results."""
+    from specserve.errors import InvalidArgument
     from specserve.train.prompts import load_prompts
 
     texts = load_prompts(prompts)[:num_prompts]
     rows = []
     for cfg in configs or DEFAULT_CONFIGS:
-        row = run_config(target, draft, algorithm, cfg, texts, max_new_tokens, engine_overrides)
+        try:
+            row = run_config(target, draft, algorithm, cfg, texts, max_new_tokens, engine_overrides)
+        except InvalidArgument as e:  # one impossible configuration does not end the sweep
+            if log is not None:
+                log(f"{cfg[0]}: skipped ({e})")
+            continue
         rows.append(row)
         if log is not None:
             log(f"{row['config']}: accept length {row['accept_length']:.3f}")
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -148,6 +162,13 @@ def add_acceptance_parser(bsub) -> None:
     )
     p.add_argument("--dtype", default=None, help="engine dtype (default: the engine's choice)")
     p.add_argument("--device", default=None)
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other engine argument (repeatable), e.g. max_total_tokens=65536",
+    )
     p.add_argument("--output", default=None, help="also write the JSON here")
 
     def run(args) -> int:
@@ -162,7 +183,18 @@ def add_acceptance_parser(bsub) -> None:
                 print(f"error: no bundled draft for {args.target}; pass --draft", file=sys.stderr)
                 return 2
         configs = [parse_config(c) for c in args.configs] if args.configs else None
-        overrides = {k: v for k, v in (("dtype", args.dtype), ("device", args.device)) if v}
+        from specserve.train.generate import parse_engine_args
+
+        overrides = parse_engine_args(args.engine_arg)
+        overrides.update({k: v for k, v in (("dtype", args.dtype), ("device", args.device)) if v})
+
+        def save(rows) -> None:  # after every configuration: a timeout keeps what was measured
+            if args.output:
+                result = {"target": args.target, "draft": draft, "algorithm": args.algorithm}
+                with open(args.output + ".tmp", "w") as f:
+                    json.dump({**result, "rows": rows}, f, indent=2)
+                os.replace(args.output + ".tmp", args.output)
+
         rows = run_acceptance(
             args.target,
             draft,
@@ -172,14 +204,12 @@ def add_acceptance_parser(bsub) -> None:
             args.max_new_tokens,
             args.prompts,
             overrides,
-            log=lambda m: print(m, file=sys.stderr),
+            log=lambda m: print(m, file=sys.stderr, flush=True),
+            on_row=save,
         )
         result = {"target": args.target, "draft": draft, "algorithm": args.algorithm, "rows": rows}
-        text = json.dumps(result, indent=2)
-        print(text)
-        if args.output:
-            with open(args.output, "w") as f:
-                f.write(text + "\n")
+        print(json.dumps(result, indent=2))
+        save(rows)
         print_table(rows)
         return 0
 
