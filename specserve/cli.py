@@ -108,10 +108,35 @@ def sampling_dict(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def with_default_draft(args: argparse.Namespace, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The default model with no speculative flag runs with its bundled EAGLE draft, when the
+    package has one (`--no-default-draft` turns this off); says so on stderr."""
+    if getattr(args, "no_default_draft", False):
+        return kwargs
+    if any(k.startswith("speculative_") or k.startswith("simulate_acc") for k in kwargs):
+        return kwargs
+    if kwargs.get("load_format", "auto") != "auto":  # e.g. random weights: a draft is no use
+        return kwargs
+    from specserve.train.defaults import default_draft_engine_kwargs
+
+    model = kwargs.get("model_path", EngineConfig.model_path)
+    spec = default_draft_engine_kwargs(model)
+    if spec is None:
+        return kwargs
+    print(
+        f"specserve: {model} runs with its bundled {spec['speculative_algorithm']} draft "
+        f"({spec['speculative_draft_model_path']}; {spec['speculative_num_steps']} steps, "
+        f"topk {spec['speculative_eagle_topk']}, {spec['speculative_num_draft_tokens']} draft "
+        "tokens); --no-default-draft turns it off",
+        file=sys.stderr,
+    )
+    return {**kwargs, **spec}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from specserve.engine import Engine
 
-    with Engine(**engine_kwargs(args)) as engine:
+    with Engine(**with_default_draft(args, engine_kwargs(args))) as engine:
         sp = sampling_dict(args)
         if args.chat:
             ids = engine.tokenize_chat([{"role": "user", "content": args.prompt}])
@@ -147,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         "--json", action="store_true", help="print the full output as JSON instead of streaming"
     )
     add_engine_args(gen)
+    gen.add_argument(
+        "--no-default-draft",
+        action="store_true",
+        help="do not use the bundled draft of the default model (used when no speculative "
+        "flag is given)",
+    )
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 

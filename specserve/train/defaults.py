@@ -1,7 +1,14 @@
-"""Bundled draft heads for packaged targets."""
+"""Bundled draft heads for packaged targets.
+
+`specserve generate` (and so `make run`) uses the bundled draft of the default model when no
+speculative flag is given (`--no-default-draft` turns that off). A draft folder may carry a
+`serving.json` with the speculative settings to run it with (`speculative_num_steps`,
+`speculative_eagle_topk`, `speculative_num_draft_tokens`); otherwise DEFAULT_SETTINGS apply.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from importlib import resources
 
@@ -11,20 +18,50 @@ _BUNDLED = {
     "smollm2-135m-instruct": ("EAGLE", "smollm2-135m-eagle"),
 }
 
+# a tree of topk 4, 5 steps deep, 16 tokens verified per step
+DEFAULT_SETTINGS = {
+    "speculative_num_steps": 5,
+    "speculative_eagle_topk": 4,
+    "speculative_num_draft_tokens": 16,
+}
+_SETTING_KEYS = tuple(DEFAULT_SETTINGS)
 
-def default_draft_for(model_path: str) -> str | None:
+
+def _drafts_root() -> str:
+    return str(resources.files("specserve").joinpath("data", "drafts"))
+
+
+def default_draft_for(model_path: str | None) -> str | None:
     """Folder of the bundled EAGLE draft for `model_path` (e.g. 'smollm2-135m'), or None when
     there is none (or its files are missing from this installation)."""
     entry = _BUNDLED.get(str(model_path).lower())
     if entry is None:
         return None
-    folder = str(resources.files("specserve").joinpath("data", "drafts", entry[1]))
+    folder = os.path.join(_drafts_root(), entry[1])
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
         return None
     return folder
 
 
-def default_draft_algorithm(model_path: str) -> str | None:
+def default_draft_algorithm(model_path: str | None) -> str | None:
     """'EAGLE' for a target with a bundled draft, else None."""
     entry = _BUNDLED.get(str(model_path).lower())
     return entry[0] if entry else None
+
+
+def default_draft_engine_kwargs(model_path: str | None) -> dict | None:
+    """Engine arguments that run `model_path` with its bundled draft, or None without one."""
+    folder = default_draft_for(model_path)
+    if folder is None:
+        return None
+    settings = dict(DEFAULT_SETTINGS)
+    path = os.path.join(folder, "serving.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
+        settings.update({k: int(saved[k]) for k in _SETTING_KEYS if k in saved})
+    return {
+        "speculative_algorithm": default_draft_algorithm(model_path),
+        "speculative_draft_model_path": folder,
+        **settings,
+    }
