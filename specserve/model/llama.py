@@ -41,33 +41,43 @@ class FusedOps:
     linear: bool  # skinny Triton GEMM (with its fused norm / SiLU-mul / residual) for few tokens
     elementwise: bool  # Triton RMSNorm, residual-add + RMSNorm, SiLU-and-mul otherwise
     max_tokens: int  # largest token count (rows of x) that takes the skinny GEMM
+    max_hidden: int  # widest input (hidden size) that takes it
 
 
-# The lead tunes max_tokens from bench/linear_kernels.py (where the skinny GEMM stops winning).
-SKINNY_MAX_TOKENS = (
-    1  # H200: at 2..16 tokens the skinny GEMM lost to F.linear (bench/linear_kernels.py)
-)
+# Where the skinny GEMM is used, from H200 measurements (docs/PERFORMANCE.md). At 2..16
+# tokens it lost to F.linear. At one token, small models (SmolLM2-135M, hidden 576) gain
+# more from its fused norm / SiLU / residual (fewer launches) than they lose (999 vs 712
+# tok/s), while for large ones (8B shape, hidden 4096) cuBLAS streams weights faster (195
+# vs 172 tok/s).
+SKINNY_MAX_TOKENS = 1
+SKINNY_MAX_HIDDEN = 2048
 FUSED = FusedOps(
     linear=not _env_flag("SPECSERVE_DISABLE_TRITON_LINEAR"),
     elementwise=not _env_flag("SPECSERVE_DISABLE_TRITON_ELEMENTWISE"),
     max_tokens=int(os.environ.get("SPECSERVE_SKINNY_MAX_TOKENS", SKINNY_MAX_TOKENS)),
+    max_hidden=int(os.environ.get("SPECSERVE_SKINNY_MAX_HIDDEN", SKINNY_MAX_HIDDEN)),
 )
 _HALF = (torch.float16, torch.bfloat16)
 _TRITON: bool | None = None
 
 
 def set_fused_ops(
-    linear: bool | None = None, elementwise: bool | None = None, max_tokens: int | None = None
+    linear: bool | None = None,
+    elementwise: bool | None = None,
+    max_tokens: int | None = None,
+    max_hidden: int | None = None,
 ) -> FusedOps:
     """Turn the fused GPU paths on or off (None: unchanged); returns the previous settings.
     Takes effect at the next forward (a captured CUDA graph keeps what it captured)."""
-    prev = FusedOps(FUSED.linear, FUSED.elementwise, FUSED.max_tokens)
+    prev = FusedOps(FUSED.linear, FUSED.elementwise, FUSED.max_tokens, FUSED.max_hidden)
     if linear is not None:
         FUSED.linear = linear
     if elementwise is not None:
         FUSED.elementwise = elementwise
     if max_tokens is not None:
         FUSED.max_tokens = max_tokens
+    if max_hidden is not None:
+        FUSED.max_hidden = max_hidden
     return prev
 
 
@@ -92,7 +102,11 @@ def fused_mode(x: torch.Tensor) -> int:
     """0: plain torch ops; 1: F.linear + fused elementwise kernels; 2: skinny GEMM."""
     if not (FUSED.linear or FUSED.elementwise) or not _eligible(x):
         return 0
-    if FUSED.linear and x.numel() <= FUSED.max_tokens * x.shape[-1]:
+    if (
+        FUSED.linear
+        and x.numel() <= FUSED.max_tokens * x.shape[-1]
+        and x.shape[-1] <= FUSED.max_hidden
+    ):
         return 2
     return 1 if FUSED.elementwise else 0
 
