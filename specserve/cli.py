@@ -28,6 +28,8 @@ ENGINE_HELP = {
     "mem_fraction_static": "CUDA: share of GPU memory for weights and KV cache.",
     "debug_check_invariants": "Check KV ownership after every step (slow; for tests).",
     "disable_overlap_schedule": "Apply each decode step before launching the next (overlap is on by default).",
+    "disable_cuda_graph": "Run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only).",
+    "cuda_graph_max_bs": "Largest batch replayed from a CUDA graph; larger batches run eagerly (default: max_running_requests, at most 256).",
     "speculative_algorithm": "EAGLE | EAGLE3 | STANDALONE (off when not given).",
     "speculative_draft_model_path": "Draft checkpoint folder (EAGLE/EAGLE3) or draft model (STANDALONE).",
     "speculative_num_steps": "Draft depth: forward passes of the draft per step.",
@@ -65,6 +67,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                 "speculative_eagle_topk",
                 "speculative_num_draft_tokens",
                 "simulate_acc_fixed_token",
+                "cuda_graph_max_bs",
             ):
                 kind = int
             if f.name == "simulate_acc_len":
