@@ -1,0 +1,451 @@
+"""`specserve train-eagle` on tiny random-weight targets (CPU, seconds): the generators, the
+dataset, the training (loss falls, the engine's accept length rises), resume, the time budget,
+the command line, and the bundled-draft wiring of `specserve generate`."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.spec.eagle_checkpoint import load_eagle_head
+from specserve.train.data import DataArgs, build_dataset, load_shards, load_target
+from specserve.train.features import forward_padded, generate_dense
+from specserve.train.generate import GenConfig, generate_answers, make_jobs, parse_workers
+from specserve.train.trainer import (
+    SeqData,
+    TrainArgs,
+    lr_at,
+    make_head,
+    save_draft,
+    scale_fc_init_,
+    train,
+    ttt_mask,
+)
+from tests.engine_utils import TINY, mixed_prompts, plain_forward
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+VOCAB = 128
+
+
+def tiny_target():
+    return load_target("tiny", "float32", "cpu", load_format="dummy").model
+
+
+def quiet(_msg) -> None:
+    pass
+
+
+def test_dense_generator_equals_engine_greedy():
+    prompts = mixed_prompts(6, 512, seed=3, min_len=1, max_len=20)
+    with Engine(**TINY) as e:
+        ref = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+    assert generate_dense(tiny_target(), prompts, 24) == ref
+
+
+def test_dense_generator_stops_and_compacts_like_the_engine():
+    # an EOS the tiny model draws often: rows finish at different steps, and whether the batch
+    # is compacted at every finish, never, or in between, the outputs are the engine's
+    model = tiny_target()
+    prompts = mixed_prompts(10, 512, seed=5, min_len=1, max_len=16)
+    free = generate_dense(model, prompts, 30)
+    # the token whose first occurrence falls at the most different steps across rows
+    firsts: dict[int, set[int]] = {}
+    for o in free:
+        for t in set(o):
+            firsts.setdefault(t, set()).add(o.index(t))
+    eos = max(firsts, key=lambda t: len(firsts[t]))
+    params = {"temperature": 0.0, "max_new_tokens": 30, "stop_token_ids": [eos]}
+    with Engine(**TINY) as e:
+        ref = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+    assert len({len(r) for r in ref}) > 2  # finished at several different steps
+    for frac in (0.0, 0.5, 1.1):
+        assert generate_dense(model, prompts, 30, {eos}, compact_fraction=frac) == ref
+
+
+def test_padded_forward_equals_runtime_forward():
+    model = tiny_target()
+    seqs = mixed_prompts(3, 512, seed=4, min_len=5, max_len=30)
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.int64)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = torch.tensor(s)
+    f = forward_padded(model, ids, capture_layers=(1,), topk=3)
+    for r, s in enumerate(seqs):
+        _, out = plain_forward(model, s)
+        torch.testing.assert_close(f.hidden[r, : len(s)], out.hidden, atol=1e-5, rtol=1e-5)
+        logits = model.compute_logits(out.hidden)
+        assert torch.equal(f.top_ids[r, : len(s), 0], logits.argmax(-1))
+
+
+def test_ttt_mask_is_the_drafter_visibility():
+    # step-k query at p: true-feature keys at <= p - k, then its draft ancestors p-k+1..p
+    m = ttt_mask(4, 2, "cpu").int()
+    assert m.tolist() == [
+        [0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0],
+        [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0],
+        [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0],
+        [1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1],
+    ]
+
+
+def test_jobs_and_worker_specs():
+    jobs = make_jobs(5, 3, (0.7, 1.0), seed=1)
+    assert len(jobs) == 15 and [j[1] for j in jobs] == [0.0] * 5 + [0.7] * 5 + [1.0] * 5
+    for ps in range(3):  # every pass visits every prompt once
+        assert sorted(j[0] for j in jobs[5 * ps : 5 * ps + 5]) == list(range(5))
+    assert len({j[2] for j in jobs}) == 15
+    assert parse_workers("engine:2,dense") == ["engine", "engine", "dense"]
+    with pytest.raises(ValueError):
+        parse_workers("vllm")
+
+
+def test_lr_schedule():
+    args = TrainArgs(lr=1.0, warmup=0.1, min_lr_ratio=0.1)
+    assert lr_at(0.0, args) == pytest.approx(0.01)
+    assert lr_at(0.05, args) == pytest.approx(0.5)
+    assert lr_at(0.1, args) == pytest.approx(1.0)
+    assert lr_at(0.55, args) == pytest.approx(0.55)
+    assert lr_at(1.0, args) == pytest.approx(0.1)
+
+
+# ---- a tiny target with structure to learn, its dataset ---------------------------------------
+def _write_target(folder, with_tokenizer: bool = False, num_layers: int = 2) -> str:
+    """A small random HF target whose lm_head is scaled up (peaked next-token distributions,
+    as in a trained model: a near-uniform random model has no structure to learn)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.model_factory import write_hf_model
+
+    target = write_hf_model(
+        folder,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        seed=5,
+        with_tokenizer=with_tokenizer,
+        num_layers=num_layers,
+    )
+    path = os.path.join(target, "model.safetensors")
+    weights = load_file(path)
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 8
+    save_file(weights, path, metadata={"format": "pt"})
+    return target
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """(folder, manifest, target path): 256 greedy + 256 sampled answers of 40 tokens."""
+    root = tmp_path_factory.mktemp("eagle")
+    target = _write_target(root / "target")
+    args = DataArgs(
+        target=target,
+        out_dir=str(root / "data"),
+        max_new_tokens=40,
+        gen_dtype="float32",
+        feature_dtype="float32",
+        batch_size=64,
+        shard_size=200,
+        sampled_passes=1,
+        temperature=0.7,
+    )
+    manifest = build_dataset(args, prompt_ids=mixed_prompts(256, VOCAB, seed=11, max_len=12))
+    return root, manifest, target
+
+
+def test_dataset_layout(tiny_data):
+    root, manifest, _ = tiny_data
+    assert manifest["complete"] and manifest["num_sequences"] == 512
+    assert len(manifest["shards"]) == 3  # 200 + 200 + 112 sequences
+    shards = load_shards(str(root / "data"))
+    sh = shards[0]
+    n = int(sh["offsets"][-1])
+    assert sh["input_ids"].shape == (n,) and sh["hidden"].shape == (n, 64)
+    assert sh["hidden"].dtype == torch.float16 and sh["top_ids"].shape == (n, 4)
+    # the greedy pass comes first: every answer token is the target's greedy choice
+    start, pl = 0, int(sh["prompt_lens"][0])
+    end = int(sh["offsets"][1])
+    ids, top = sh["input_ids"][start:end], sh["top_ids"][start:end, 0]
+    assert torch.equal(ids[pl:], top[pl - 1 : -1])
+    # a sequence trains when it has a position the drafter would use: an answer of one
+    # token that is EOS has none (the target drew the EOS itself, nothing is left to draft)
+    usable = 0
+    for sh in shards:
+        answer = (sh["offsets"][1:] - sh["offsets"][:-1]) - sh["prompt_lens"]
+        usable += int(((answer >= 2) | ((answer == 1) & ~sh["ended"])).sum())
+    data = SeqData(shards, 1024)
+    assert len(data) == usable >= 480
+    # batches: padded to their longest sequence, loss rows inside each sequence's answer
+    b = data.batch([0, 1, 2], ttt_steps=2)
+    width = int(data.n[[0, 1, 2]].max())
+    assert b["ids"].shape == (3, width) and b["hidden"].shape == (3, width, 64)
+    rows = b["rows"][0]
+    r, p = rows // (width - 1), rows % (width - 1)
+    for i in range(3):
+        mine = p[r == i]
+        assert int(mine.min()) == data.lo[i] and int(mine.max()) == data.hi[i] - 1
+    by_tokens = data.batches(range(len(data)), 0, batch_tokens=200)
+    assert sorted(int(i) for bt in by_tokens for i in bt) == list(range(len(data)))
+    assert all(len(bt) * int(data.n[bt].max()) <= 200 or len(bt) == 1 for bt in by_tokens)
+
+
+def _accept_length(target: str, draft: str, prompts) -> float:
+    with Engine(
+        model_path=target,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        device="cpu",
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=draft,
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+    ) as e:
+        e.generate(input_ids=prompts, sampling_params=GREEDY)
+        return e.stats()["spec_accept_length"]
+
+
+def test_training_lowers_loss_and_raises_accept_length(tiny_data):
+    root, _, target_path = tiny_data
+    target = load_target(target_path, "float32", "cpu").model
+    # the head as training starts it, saved as a draft: the baseline accept length
+    untrained = str(root / "untrained")
+    head = make_head(target, seed=0)
+    scale_fc_init_(head, SeqData(load_shards(str(root / "data")), 1024))
+    save_draft(untrained, head)
+
+    out = str(root / "draft")
+    args = TrainArgs(
+        epochs=6,
+        lr=3e-3,
+        batch_tokens=1024,
+        ttt_steps=2,
+        log_every=4,
+        save_every=0,
+        val_fraction=0.1,
+    )
+    summary = train(target, str(root / "data"), out, args, log=quiet)
+    curve = json.load(open(os.path.join(out, "train_curve.json")))
+    hist = curve["history"]
+    first, last = hist[0], hist[-1]
+    assert last["loss"] < 0.6 * first["loss"], (first, last)
+    assert last["acc"][0] > first["acc"][0] + 0.2, (first, last)
+    assert summary["final"]["val_acc_0"] > 0.25, summary["final"]  # prompts never trained on
+
+    # the saved folder is a published-layout EAGLE checkpoint without embedding / lm_head
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle"] and cfg["num_hidden_layers"] == 1
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(out, "model.safetensors"))
+    assert all(v.dtype == torch.float16 for v in saved.values())
+    assert not any("embed" in k or "lm_head" in k for k in saved)
+    loaded, _ = load_eagle_head(out, "EAGLE", target)
+    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    for name, p in loaded.state_dict().items():
+        torch.testing.assert_close(p, state["head"][name].half().float(), atol=0, rtol=0)
+
+    # the engine's greedy accept length (3-step chain), on prompts never trained on
+    prompts = mixed_prompts(8, VOCAB, seed=99, max_len=12)
+    before = _accept_length(target_path, untrained, prompts)
+    after = _accept_length(target_path, out, prompts)
+    # (measured: 1.0 -> about 1.5; the untrained head's drafts are never accepted)
+    assert before < 1.1 and after > before + 0.25, (before, after)
+    print(f"accept length untrained {before:.3f}, trained {after:.3f}")
+
+
+def test_resume_continues_from_saved_step(tiny_data):
+    root, _, target_path = tiny_data
+    target = load_target(target_path, "float32", "cpu").model
+    out = str(root / "resume")
+    args = TrainArgs(epochs=1, lr=3e-3, batch_size=16, ttt_steps=1, save_every=5)
+    first = train(target, str(root / "data"), out, args, log=quiet)
+    ckpt = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    per_epoch = -(-first["num_train_sequences"] // 16)
+    assert ckpt["step"] == first["steps"] == per_epoch
+    logs: list[str] = []
+    args2 = TrainArgs(**{**args.__dict__, "epochs": 2})
+    second = train(target, str(root / "data"), out, args2, resume=True, log=logs.append)
+    assert any("resumed" in m and f"step {per_epoch}" in m for m in logs)
+    assert second["steps"] == 2 * per_epoch
+    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    assert state["step"] == 2 * per_epoch and state["epoch"] == 1
+    assert len(state["history"]) > len(ckpt["history"])
+
+
+def test_time_budget_stops_training_and_anneals(tiny_data):
+    root, _, target_path = tiny_data
+    target = load_target(target_path, "float32", "cpu").model
+    out = str(root / "timed")
+    args = TrainArgs(
+        epochs=0, time_budget=3.0, lr=1e-3, batch_size=8, ttt_steps=1, log_every=1, save_every=0
+    )
+    t0 = time.perf_counter()
+    summary = train(target, str(root / "data"), out, args, log=quiet)
+    assert summary["steps"] > 5 and summary["train_seconds"] >= 3.0
+    assert time.perf_counter() - t0 < 30
+    hist = json.load(open(os.path.join(out, "train_curve.json")))["history"]
+    assert hist[-1]["lr"] < 0.3 * args.lr  # the schedule ran to its end on the clock
+
+
+# ---- generation workers ---------------------------------------------------------------------------
+def test_parallel_workers_answer_every_job_once(tiny_data, tmp_path):
+    """An engine worker and a dense worker (processes) share the jobs: every job is answered
+    once, and greedy answers equal the dense generator's in this process."""
+    _, _, target_path = tiny_data
+    prompts = mixed_prompts(24, VOCAB, seed=21, max_len=10)
+    jobs = make_jobs(len(prompts), 2, (0.8,), seed=0)
+    cfg = GenConfig(
+        target=target_path,
+        dense_dtype="float32",
+        engine_dtype="float32",
+        max_new_tokens=12,
+        eos=[2],
+        max_running_requests=8,
+        dense_batch_size=8,
+        torch_threads=1,
+    )
+    logs: list[str] = []
+    res = generate_answers(
+        cfg, prompts, jobs, ["engine", "dense"], str(tmp_path), chunk=4, log=logs.append
+    )
+    assert not any("failed" in m for m in logs), logs
+    assert sorted(os.listdir(tmp_path)) == ["answers_0_engine.jsonl", "answers_1_dense.jsonl"]
+    assert [r["job"] for r in res] == list(range(len(jobs)))
+    assert all(r["complete"] for r in res)
+    model = load_target(target_path, "float32", "cpu").model
+    greedy = [(j, job) for j, job in enumerate(jobs) if job[1] == 0.0]
+    ref = generate_dense(model, [prompts[job[0]] for _, job in greedy], 12, {2})
+    assert [res[j]["ids"] for j, _ in greedy] == ref
+
+
+def test_deadline_cuts_generation_and_keeps_prefixes(tiny_data):
+    _, _, target_path = tiny_data
+    prompts = mixed_prompts(16, VOCAB, seed=22, max_len=10)
+    cfg = GenConfig(
+        target=target_path, engine_dtype="float32", max_new_tokens=1000, eos=[], dense_batch_size=4
+    )
+    import tempfile
+
+    model = load_target(target_path, "float32", "cpu").model
+    for kind in ("engine", "dense"):
+        cfg.max_running_requests = 4
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.time()
+            res = generate_answers(
+                cfg, prompts, make_jobs(16, 1, (), 0), [kind], tmp, deadline=t0 + 2.0, log=quiet
+            )
+            assert time.time() - t0 < 20
+        assert res and not all(r["complete"] for r in res)
+        r = res[0]
+        # the cut answer is the start of the real one (compared over its first tokens: over
+        # hundreds of float32 steps batches of other sizes may break a near-tie differently)
+        assert len(r["ids"]) >= 16
+        ref = generate_dense(model, [prompts[make_jobs(16, 1, (), 0)[r["job"]][0]]], 16)[0]
+        assert r["ids"][:16] == ref
+
+
+# ---- the command line ---------------------------------------------------------------------------
+def test_train_eagle_command_end_to_end(tmp_path, capsys):
+    """Bundled prompts through a tiny target's chat template, one greedy and one sampled pass,
+    features, a short training; the output loads in the engine."""
+    from specserve.cli import main
+
+    target = _write_target(tmp_path / "target", with_tokenizer=True)
+    out = str(tmp_path / "draft")
+    argv = ["train-eagle", "--target", target, "--out", out, "--num-prompts", "24"]
+    argv += ["--max-new-tokens", "16", "--sampled-passes", "1", "--temperature", "0.7"]
+    argv += ["--gen-dtype", "float32", "--feature-dtype", "float32", "--gen-batch-size", "24"]
+    argv += ["--epochs", "1", "--batch-tokens", "2048", "--ttt-steps", "1"]
+    assert main(argv) == 0
+    meta = json.load(open(os.path.join(out, "training_args.json")))
+    assert meta["data"]["num_sequences"] == 48 and meta["train"]["steps"] >= 1
+    with Engine(
+        model_path=target,
+        dtype="float32",
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=out,
+        speculative_num_steps=2,
+    ) as e:
+        o = e.generate(prompt="hello", sampling_params={"max_new_tokens": 8})
+    assert o["meta_info"]["spec_verify_ct"] >= 1
+
+
+def test_generate_uses_the_bundled_draft_of_the_default_model(tmp_path, monkeypatch, capsys):
+    """With no speculative flag the default model runs with its bundled draft (said on
+    stderr); --no-default-draft, any speculative flag, or no bundled draft turn that off."""
+    from specserve import cli
+    from specserve.train import defaults
+
+    target = _write_target(tmp_path / "target", with_tokenizer=True)
+    drafts = tmp_path / "drafts"
+    head = make_head(load_target(target, "float32", "cpu").model, seed=0)
+    save_draft(str(drafts / "tiny-eagle"), head)
+    (drafts / "tiny-eagle" / "serving.json").write_text(
+        json.dumps(
+            {
+                "speculative_num_steps": 2,
+                "speculative_eagle_topk": 2,
+                "speculative_num_draft_tokens": 4,
+            }
+        )
+    )
+    monkeypatch.setattr(defaults, "_drafts_root", lambda: str(drafts))
+    monkeypatch.setitem(defaults._BUNDLED, target.lower(), ("EAGLE", "tiny-eagle"))
+    base = ["generate", "hello", "--model-path", target, "--max-new-tokens", "6", "--json"]
+
+    def run(*extra):
+        assert cli.main(base + list(extra)) == 0
+        out = capsys.readouterr()
+        return json.loads(out.out)["meta_info"], out.err
+
+    meta, err = run()
+    assert "bundled EAGLE draft" in err and "--no-default-draft" in err
+    assert "2 steps, topk 2, 4 draft tokens" in err  # serving.json over DEFAULT_SETTINGS
+    assert meta["spec_verify_ct"] >= 1
+    meta, err = run("--no-default-draft")
+    assert "spec_verify_ct" not in meta and "bundled" not in err
+    meta, err = run(
+        "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", target
+    )
+    assert "bundled" not in err and meta["spec_verify_ct"] >= 1
+    monkeypatch.setitem(defaults._BUNDLED, target.lower(), ("EAGLE", "missing"))
+    meta, err = run()
+    assert "spec_verify_ct" not in meta and "bundled" not in err
+
+
+def test_default_draft_names():
+    from specserve.train.defaults import default_draft_algorithm, default_draft_engine_kwargs
+
+    assert default_draft_algorithm("smollm2-135m") == "EAGLE"
+    assert default_draft_algorithm("llama3-8b") is None
+    assert default_draft_engine_kwargs("llama3-8b") is None
+
+
+@pytest.mark.slow
+def test_bundled_draft_runs_with_default_model():
+    from specserve.train.defaults import default_draft_for
+
+    draft = default_draft_for("smollm2-135m")
+    if draft is None:
+        pytest.skip("no bundled draft in this checkout (specserve/data/drafts/smollm2-135m-eagle)")
+    size = os.path.getsize(os.path.join(draft, "model.safetensors"))
+    assert size < 20 * 2**20
+    with Engine(
+        model_path="smollm2-135m",
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=draft,
+        speculative_num_steps=5,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=6,
+    ) as e:
+        ids = e.tokenize_chat([{"role": "user", "content": "Explain how tides work."}])
+        out = e.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 48})
+    with Engine(model_path="smollm2-135m") as e:
+        plain = e.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 48})
+    assert out["output_ids"] == plain["output_ids"]
+    assert out["meta_info"]["spec_accept_length"] > 1.5
