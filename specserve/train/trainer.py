@@ -461,6 +461,8 @@ def train(
     if len(data) == 0:
         raise ValueError(f"{data_dir}: no sequence with an answer")
     val_idx, train_idx = split_by_prompt(data, args.val_fraction, args.seed)
+    if len(train_idx) == 0:
+        raise ValueError(f"{data_dir}: no training sequence left after holding back prompts")
     budget = args.time_budget
     if args.finish_by > 0:  # what is left, less a reserve for the final evaluation and saving
         left = args.finish_by - time.time() - 15.0
