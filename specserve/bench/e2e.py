@@ -58,8 +58,6 @@ def _timed_passes(run_one, prompt_ids: list[list[int]]) -> tuple[float, list[lis
 
 
 def _engine_rows(args, prompt_texts: list[str]) -> tuple[list[dict], list[list[int]]]:
-    from specserve.engine import Engine
-
     base = dict(model_path=args.model_path, device=args.device, dtype=args.dtype)
     configs: list[tuple[str, dict]] = [("specserve", {})]
     for spec in args.spec:
@@ -77,34 +75,51 @@ def _engine_rows(args, prompt_texts: list[str]) -> tuple[list[dict], list[list[i
             )
         )
     rows, prompt_ids, reference = [], None, None
-    sp = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
     for label, kw in configs:
-        with Engine(**base, **kw) as engine:
-            if prompt_ids is None:
-                prompt_ids = [
-                    engine.tokenize_chat([{"role": "user", "content": t}]) for t in prompt_texts
-                ]
-
-            def run_one(ids, engine=engine):
-                o = engine.generate(input_ids=ids, sampling_params=sp)
-                return o["output_ids"], o["meta_info"]
-
-            seconds, outs, metas = _timed_passes(run_one, prompt_ids)
-            stats = engine.stats()
+        seconds, outs, accept, prompt_ids = _run_engine(
+            {**base, **kw}, prompt_texts, prompt_ids, args
+        )
+        _free_memory()  # the engine's KV cache, before the next engine sizes its own
         tokens = sum(len(o) for o in outs)
         row = {
             "system": label,
             "tok_s": tokens / seconds,
             "output_tokens": tokens,
             "seconds": seconds,
-            "accept_length": stats["spec_accept_length"],
+            "accept_length": accept,
         }
         if reference is None:
             reference = outs
         row["same_tokens"] = sum(a == b for a, b in zip(outs, reference)) / len(outs)
         rows.append(row)
-        gc.collect()
     return rows, prompt_ids, reference
+
+
+def _run_engine(kwargs: dict, prompt_texts: list[str], prompt_ids, args):
+    from specserve.engine import Engine
+
+    sp = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
+    with Engine(**kwargs) as engine:
+        if prompt_ids is None:
+            prompt_ids = [
+                engine.tokenize_chat([{"role": "user", "content": t}]) for t in prompt_texts
+            ]
+
+        def run_one(ids):
+            o = engine.generate(input_ids=ids, sampling_params=sp)
+            return o["output_ids"], o["meta_info"]
+
+        seconds, outs, _ = _timed_passes(run_one, prompt_ids)
+        accept = engine.stats()["spec_accept_length"]
+    return seconds, outs, accept, prompt_ids
+
+
+def _free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _hf_rows(args, prompt_ids: list[list[int]], reference: list[list[int]]) -> list[dict]:
@@ -202,7 +217,7 @@ def run_e2e(args) -> list[dict[str, Any]]:
     if not args.skip_hf:
         try:
             rows += _hf_rows(args, prompt_ids, reference)
-            gc.collect()
+            _free_memory()
         except ImportError as e:
             print(f"HF transformers not run: {e}")
     plain = rows[0]["tok_s"]
