@@ -83,7 +83,8 @@ class DecodeGraphs:
             # the row tensors were reallocated (more requests or longer contexts than sized
             # for): graphs captured the old addresses. A launched replay may still be running:
             # let it finish before its graph and memory pool are released.
-            torch.cuda.synchronize(self.worker.device)
+            if self.capture:
+                torch.cuda.synchronize(self.worker.device)
             self.graphs.clear()
             self._rows_version = self.worker.rows.version
         key = (*shape, sampling.all_greedy, sampling.needs_filter)

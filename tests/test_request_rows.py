@@ -1,0 +1,69 @@
+"""The device mirror of the page table: slots by row equal the host table's, through page
+allocation, truncation, release and row reuse, and through growth of the row tensors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve.kv.allocator import PageAllocator
+from specserve.kv.table import KVTable
+from specserve.runtime.request_rows import PAD_ROW, RequestRows
+
+
+def check(table: KVTable, rows: RequestRows) -> int:
+    rows.flush()
+    checked = 0
+    for rid in table.owners():
+        cap = table.capacity(rid)
+        if cap == 0:
+            continue
+        row = torch.tensor([rows.row(rid)])
+        got = rows.slots(row, cap)[0]
+        assert torch.equal(got, table.slots(rid, 0, cap)), rid
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_mirror_follows_the_table_and_grows(page_size):
+    rng = random.Random(page_size)
+    table = KVTable(PageAllocator(400, page_size))
+    # start tiny so rows and page columns both have to grow
+    rows = RequestRows(torch.device("cpu"), page_size, max_pages=2, rows=2)
+    table.mirror = rows
+    live: dict[str, int] = {}
+    checked = 0
+    for step in range(300):
+        op = rng.random()
+        if op < 0.5 or not live:
+            rid = f"r{step}" if rng.random() < 0.3 or not live else rng.choice(list(live))
+            want = live.get(rid, 0) + rng.randint(1, 3 * page_size)
+            if table.reserve(rid, want):
+                live[rid] = want
+        elif op < 0.7:
+            rid = rng.choice(list(live))
+            live[rid] = max(1, live[rid] - rng.randint(0, 2 * page_size))
+            table.truncate(rid, live[rid])
+        else:
+            rid = rng.choice(list(live))
+            table.release(rid)
+            del live[rid]
+        if step % 7 == 0:
+            checked += check(table, rows)
+    assert checked > 50 and rows.version > 0  # it grew, and stayed right
+    assert PAD_ROW not in {rows.row(r) for r in live}
+
+
+def test_state_by_row_and_padding_row_slots_are_scratch():
+    rows = RequestRows(torch.device("cpu"), page_size=4, max_pages=8, rows=4)
+    pad = torch.tensor([PAD_ROW, PAD_ROW])
+    assert torch.equal(rows.slots(pad, 10), torch.arange(10).remainder(4).expand(2, 10))
+    rows.on_pages_added("a", 0, [5, 6])
+    rows.flush()
+    r = torch.tensor([rows.row("a")])
+    rows.set_state(r, torch.tensor([7]), torch.tensor([42]))
+    assert rows.kv_lens[r].item() == 7 and rows.roots[r].item() == 42
+    assert torch.equal(rows.slots(r, 8)[0], torch.tensor([20, 21, 22, 23, 24, 25, 26, 27]))
