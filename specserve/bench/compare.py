@@ -11,14 +11,12 @@ draws decode throughput against accept length as a PNG.
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
 import tempfile
 import time
 from typing import Any
 
-from specserve.bench.one_batch import print_table, run_one_batch
+from specserve.bench.one_batch import dump, free_device_memory, run_one_batch
 
 
 def add_compare_parser(bsub) -> argparse.ArgumentParser:
@@ -58,7 +56,7 @@ def _engine_row(label: str, overlap: bool, accept: float | None, args, **engine_
     with Engine(**kwargs) as engine:
         r = run_one_batch(engine, args.batch_size, args.input_len, args.output_len)
     del engine  # its KV cache must be freed before the next engine sizes its own
-    _free_memory()
+    free_device_memory()
     return {
         "engine": label,
         "overlap": overlap,
@@ -68,14 +66,6 @@ def _engine_row(label: str, overlap: bool, accept: float | None, args, **engine_
         "ms_per_step_token": r["per_token_latency_ms"],
         "prefill_s": r["prefill_latency_s"],
     }
-
-
-def _free_memory() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def hf_static_cache_row(args) -> dict[str, Any]:
@@ -178,7 +168,7 @@ def run_compare(args) -> list[dict[str, Any]]:
             rows.append(hf_static_cache_row(args))
         except ImportError as e:
             print(f"HF transformers not run: {e}")
-        _free_memory()
+        free_device_memory()
     base = rows[0]["decode_tok_s"]
     hf = next((r["decode_tok_s"] for r in rows if r["engine"].startswith("hf")), None)
     for r in rows:
@@ -222,11 +212,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 def cmd_compare(args) -> int:
     rows = run_compare(args)
-    print(json.dumps(rows, indent=2))
-    print_table(rows)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(rows, f, indent=2)
+    dump(rows, args.output_json)
     if args.plot:
         plot(rows, args.plot)
         print(f"plot written to {args.plot}")

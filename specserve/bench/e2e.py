@@ -11,12 +11,10 @@ rows must reproduce the plain engine's tokens exactly (reported as `same_tokens`
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import time
 from typing import Any
 
-from specserve.bench.one_batch import print_table
+from specserve.bench.one_batch import dump, free_device_memory
 
 
 def add_e2e_parser(bsub) -> argparse.ArgumentParser:
@@ -79,7 +77,7 @@ def _engine_rows(args, prompt_texts: list[str]) -> tuple[list[dict], list[list[i
         seconds, outs, accept, prompt_ids = _run_engine(
             {**base, **kw}, prompt_texts, prompt_ids, args
         )
-        _free_memory()  # the engine's KV cache, before the next engine sizes its own
+        free_device_memory()  # the engine's KV cache, before the next engine sizes its own
         tokens = sum(len(o) for o in outs)
         row = {
             "system": label,
@@ -112,14 +110,6 @@ def _run_engine(kwargs: dict, prompt_texts: list[str], prompt_ids, args):
         seconds, outs, _ = _timed_passes(run_one, prompt_ids)
         accept = engine.stats()["spec_accept_length"]
     return seconds, outs, accept, prompt_ids
-
-
-def _free_memory() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _hf_rows(args, prompt_ids: list[list[int]], reference: list[list[int]]) -> list[dict]:
@@ -217,7 +207,7 @@ def run_e2e(args) -> list[dict[str, Any]]:
     if not args.skip_hf:
         try:
             rows += _hf_rows(args, prompt_ids, reference)
-            _free_memory()
+            free_device_memory()
         except ImportError as e:
             print(f"HF transformers not run: {e}")
     plain = rows[0]["tok_s"]
@@ -230,9 +220,5 @@ def run_e2e(args) -> list[dict[str, Any]]:
 
 def cmd_e2e(args) -> int:
     rows = run_e2e(args)
-    print(json.dumps(rows, indent=2))
-    print_table(rows)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(rows, f, indent=2)
+    dump(rows, args.output_json)
     return 0

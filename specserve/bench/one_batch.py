@@ -60,6 +60,22 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(" | ".join(f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys))
 
 
-def dump(rows: list[dict[str, Any]]) -> None:
+def dump(rows: list[dict[str, Any]], output_json: str | None = None) -> None:
+    """Print rows as JSON and a table; also write the JSON to `output_json` if given."""
     print(json.dumps(rows, indent=2))
     print_table(rows)
+    if output_json:
+        with open(output_json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+def free_device_memory() -> None:
+    """Collect dropped engines and return their cached GPU memory, so the next engine
+    sizes its KV cache from what is really free."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
