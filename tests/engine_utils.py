@@ -94,3 +94,16 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
     _, out = plain_forward(model, tokens)
     with torch.inference_mode():
         return model.compute_logits(out.hidden)
+
+
+def spec_args(draft: str, topk: int, steps: int, ndt: int, **extra) -> dict:
+    """Engine arguments for speculative decoding: "tiny" is a STANDALONE draft (the target
+    itself), anything else an EAGLE checkpoint folder."""
+    return dict(
+        speculative_algorithm="STANDALONE" if draft == "tiny" else "EAGLE",
+        speculative_draft_model_path=draft,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=ndt,
+        **extra,
+    )

@@ -14,7 +14,7 @@ from specserve import Engine
 from specserve.model.config import PRESETS
 from specserve.runtime.cuda_graphs import DecodeGraphs, batch_buckets
 from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
-from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, mixed_prompts
+from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, mixed_prompts, spec_args
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +35,6 @@ def generate(prompts, sps, padded: bool, max_bs: int = 4, **kw):
         shapes = sorted(worker.graphs.graphs) if padded else []
         assert e.stats()["kv_used_tokens"] == 0
     return [o["output_ids"] for o in outs], shapes
-
-
-def spec(draft, topk, steps, ndt, **extra):
-    return dict(
-        speculative_algorithm="STANDALONE" if draft == "tiny" else "EAGLE",
-        speculative_draft_model_path=draft,
-        speculative_num_steps=steps,
-        speculative_eagle_topk=topk,
-        speculative_num_draft_tokens=ndt,
-        **extra,
-    )
 
 
 def varied_params(n: int, sample: bool):
@@ -86,7 +75,7 @@ def test_speculative_padded_equals_eager(eagle, draft, topk, steps, ndt, page_si
     prompts = mixed_prompts(6, 512, seed=32)
     sps = varied_params(6, sample=True)
     draft_path = eagle if draft == "eagle" else "tiny"
-    kw = dict(page_size=page_size, **spec(draft_path, topk, steps, ndt))
+    kw = dict(page_size=page_size, **spec_args(draft_path, topk, steps, ndt))
     plain, _ = generate(prompts, sps, padded=False, page_size=page_size)
     padded, shapes = generate(prompts, sps, padded=True, max_bs=8, **kw)
     assert padded == plain  # lossless: speculative output equals plain decoding
@@ -98,7 +87,7 @@ def test_simulated_acceptance_padded_keeps_kv_consistent(topk, ndt):
     """Simulated lengths come from a device-side counter (graph-safe): the padded path must
     keep the cache equal to a plain prefill of the emitted tokens, as the eager path does."""
     prompts = mixed_prompts(5, 512, seed=33, min_len=4)
-    kw = spec("tiny", topk, 3, ndt, simulate_acc_len=2.5)
+    kw = spec_args("tiny", topk, 3, ndt, simulate_acc_len=2.5)
     checked = []
     with Engine(**TINY, page_size=4, **kw) as e:
         worker = e.core.worker

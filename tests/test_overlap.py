@@ -13,7 +13,7 @@ import pytest
 from specserve import Engine
 from specserve.model.config import PRESETS
 from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
-from tests.engine_utils import TINY, mixed_prompts
+from tests.engine_utils import TINY, mixed_prompts, spec_args
 
 SP = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 
@@ -36,16 +36,6 @@ def run(prompts, overlap: bool, spec: dict | None = None, sp=SP, **kw):
         assert stats["kv_used_tokens"] == 0
         ahead = core.num_launched_ahead
     return [o["output_ids"] for o in outs], stats, ahead
-
-
-def spec_args(draft, topk, steps, ndt):
-    return dict(
-        speculative_algorithm="STANDALONE" if draft == "tiny" else "EAGLE",
-        speculative_draft_model_path=draft,
-        speculative_num_steps=steps,
-        speculative_eagle_topk=topk,
-        speculative_num_draft_tokens=ndt,
-    )
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
