@@ -110,7 +110,7 @@ class RequestRows:
         pos = torch.arange(width, device=rows.device)
         ps = self.page_size
         page_idx = (pos // ps).clamp(max=self.pages.shape[1] - 1)
-        pages = self.pages[rows][:, page_idx].to(torch.int64)
+        pages = self.pages[rows[:, None], page_idx[None, :]].to(torch.int64)  # [B, width]
         return pages * ps + pos % ps if ps > 1 else pages
 
     def set_state(

@@ -65,8 +65,9 @@ class SimulatedAcceptance:
             frac = self.mean - lo
             lengths = lo + (self._uniform(bsz) < frac).long()
         elif self.method == "multinomial":
-            u = self._uniform(2 * bsz)  # Box-Muller: two uniforms per normal draw
-            normal = torch.sqrt(-2.0 * torch.log(u[:bsz])) * torch.cos(2 * math.pi * u[bsz:])
+            # Box-Muller, two uniforms per row (row i's draw does not depend on the batch size)
+            u = self._uniform(2 * bsz).view(bsz, 2)
+            normal = torch.sqrt(-2.0 * torch.log(u[:, 0])) * torch.cos(2 * math.pi * u[:, 1])
             lengths = torch.round(self.mean + normal * self.std).long()
         else:
             u = self._uniform(bsz * len(self.rates)).view(bsz, len(self.rates))
