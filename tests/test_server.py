@@ -448,21 +448,28 @@ LONG_STREAM = {
 }
 
 
-def test_client_disconnect_mid_stream_frees_kv(tiny):
+def test_client_disconnect_mid_stream_frees_kv(tiny_engine, tiny):
     before = tiny.wait_idle()
-    with httpx.Client(base_url=tiny.url, timeout=30) as http:
-        with http.stream("POST", "/v1/completions", json=LONG_STREAM) as resp:
-            assert resp.status_code == 200
-            n = 0
-            for line in resp.iter_lines():
-                n += line.startswith("data: ")
-                if n >= 5:
-                    break
-            busy = tiny.metrics()
-            assert busy["specserve_num_running_requests"] == 1
-            assert busy["specserve_kv_used_tokens"] > 0
-        # leaving the blocks closes the connection mid-stream
-    after = tiny.wait_idle()
+    # Pace the engine (2 ms a step: 2000 tokens take seconds), so a client slowed down by a
+    # loaded machine still reads its 5 events while the request is running.
+    pace = lambda core: time.sleep(0.002)  # noqa: E731
+    tiny_engine.step_hooks.append(pace)
+    try:
+        with httpx.Client(base_url=tiny.url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json=LONG_STREAM) as resp:
+                assert resp.status_code == 200
+                n = 0
+                for line in resp.iter_lines():
+                    n += line.startswith("data: ")
+                    if n >= 5:
+                        break
+                busy = tiny.metrics()
+                assert busy["specserve_num_running_requests"] == 1
+                assert busy["specserve_kv_used_tokens"] > 0
+            # leaving the blocks closes the connection mid-stream
+        after = tiny.wait_idle()
+    finally:
+        tiny_engine.step_hooks.remove(pace)
     assert after["specserve_num_running_requests"] == 0
     assert after["specserve_kv_used_tokens"] == 0
     assert after["specserve_num_inflight_requests"] == 0
