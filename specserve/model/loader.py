@@ -88,13 +88,8 @@ def build_model(
 ) -> torch.nn.Module:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
+    # (RotaryEmbedding recomputes its float32 frequencies on the new device itself)
     model = model.to_empty(device=device).to(dtype)
-    # Buffers (RoPE frequencies) were created on meta: recompute them for real.
-    for m in model.modules():
-        if hasattr(m, "inv_freq"):
-            from specserve.model.rope import rope_inv_freq
-
-            m.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     if load_format == "dummy" or src.kind == "preset":
         random_init_(model, seed)
     elif src.kind == "gguf":

@@ -41,7 +41,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None):
         super().__init__()
+        self._freq_args = (head_dim, theta, scaling)
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(bf16) would round the frequencies (angles drift by ~p * 2^-9 rad at
+        # position p) and to_empty() off the meta device leaves them uninitialised: whatever
+        # was applied, recompute them in float32 on the module's new device.
+        super()._apply(fn, recurse)
+        if self.inv_freq.device.type != "meta":
+            self.inv_freq = rope_inv_freq(*self._freq_args).to(self.inv_freq.device)
+        return self
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from specserve.kv.pool import KVCache
-from specserve.model.rope import RotaryEmbedding
 from specserve.ops.attention import ForwardContext
 from specserve.runtime.forward_batch import Segment, build_metadata, to_device
 from specserve.spec.draft_heads import DraftHead
@@ -45,17 +44,7 @@ class TreeDrafter:
         device: torch.device,
         dtype: torch.dtype,
     ):
-        # Module.to(dtype) would also round the rotary frequencies to half precision (angles
-        # drift by ~p * 2^-9 rad at position p): keep them float32, as the target's loader does.
-        freqs = {
-            name: m.inv_freq.float().clone()
-            for name, m in head.named_modules()
-            if isinstance(m, RotaryEmbedding)
-        }
         self.head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        for name, m in self.head.named_modules():
-            if name in freqs:
-                m.inv_freq = freqs[name].to(device)
         if hasattr(self.head, "d2t"):
             self.head.d2t = self.head.d2t.to(torch.int64)
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
