@@ -182,7 +182,7 @@ def test_dataset_layout(tiny_data):
     # batches: padded to their longest sequence, loss rows inside each sequence's answer
     b = data.batch([0, 1, 2], ttt_steps=2)
     width = int(data.n[[0, 1, 2]].max())
-    assert b["ids"].shape == (3, width) and b["hidden"].shape == (3, width, 64)
+    assert b["ids"].shape == (3, width) and b["features"].shape == (3, width, 64)
     rows = b["rows"][0]
     r, p = rows // (width - 1), rows % (width - 1)
     for i in range(3):
@@ -396,7 +396,7 @@ def test_generate_uses_the_bundled_draft_of_the_default_model(tmp_path, monkeypa
         )
     )
     monkeypatch.setattr(defaults, "_drafts_root", lambda: str(drafts))
-    monkeypatch.setitem(defaults._BUNDLED, target.lower(), ("EAGLE", "tiny-eagle"))
+    monkeypatch.setitem(defaults._BUNDLED, target.lower(), "tiny-eagle")
     base = ["generate", "hello", "--model-path", target, "--max-new-tokens", "6", "--json"]
 
     def run(*extra):
@@ -414,7 +414,7 @@ def test_generate_uses_the_bundled_draft_of_the_default_model(tmp_path, monkeypa
         "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", target
     )
     assert "bundled" not in err and meta["spec_verify_ct"] >= 1
-    monkeypatch.setitem(defaults._BUNDLED, target.lower(), ("EAGLE", "missing"))
+    monkeypatch.setitem(defaults._BUNDLED, target.lower(), "missing")
     meta, err = run()
     assert "spec_verify_ct" not in meta and "bundled" not in err
 
@@ -450,3 +450,131 @@ def test_bundled_draft_runs_with_default_model():
         plain = e.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 48})
     assert out["output_ids"] == plain["output_ids"]
     assert out["meta_info"]["spec_accept_length"] > 1.5
+
+
+# ---- the soft cross-entropy and EAGLE3 ------------------------------------------------------------
+@pytest.mark.parametrize("train_weight", [False, True])
+def test_linear_soft_ce_matches_autograd_reference(train_weight):
+    """The chunked cross-entropy (gradients formed in its forward) equals plain autograd: loss,
+    top-1 hits, and the gradients of the input and, when it trains, of the weight."""
+    from specserve.train.trainer import linear_soft_ce, soft_ce_reference
+
+    g = torch.Generator().manual_seed(int(time.time()) % 10000)
+    rows, hidden, vocab, k = 37, 16, 50, 4
+    x = torch.randn(rows, hidden, generator=g, requires_grad=True)
+    w = torch.randn(vocab, hidden, generator=g, requires_grad=train_weight)
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(rows)])
+    ids[:5, 0] = (x[:5].detach() @ w.detach().t()).argmax(-1)  # some certain hits
+    probs = torch.rand(rows, k, generator=g)
+    probs = probs / probs.sum(-1, keepdim=True)
+    row_w = torch.rand(rows, generator=g)
+    row_w[3] = 0.0
+    loss, hits = linear_soft_ce(x, w, ids, probs, row_w, chunk=8)
+    x2, w2 = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    ref_loss, ref_hits = soft_ce_reference(x2, w2, ids, probs, row_w)
+    (3.0 * loss).backward()
+    (3.0 * ref_loss).backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-4)
+    assert torch.equal(hits, ref_hits) and hits[:5].all()
+    torch.testing.assert_close(x.grad, x2.grad, atol=1e-5, rtol=1e-4)
+    if train_weight:
+        torch.testing.assert_close(w.grad, w2.grad, atol=1e-5, rtol=1e-4)
+    else:
+        assert w.grad is None
+
+
+def test_eagle3_capture_layers_fit_any_depth():
+    from specserve.spec.eagle_checkpoint import eagle3_capture_layers
+
+    assert eagle3_capture_layers({}, 32) == [2, 16, 29]
+    for n in range(1, 12):
+        layers = eagle3_capture_layers({}, n)
+        assert len(layers) == 3 and layers == sorted(layers) and 0 <= layers[0] <= layers[-1] < n
+    raw = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}
+    assert eagle3_capture_layers(raw, 32) == [2, 16, 29]
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        eagle3_capture_layers({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 40]}}, 32)
+
+
+def _accept_length_eagle3(target: str, draft: str, prompts, topk: int = 1) -> float:
+    with Engine(
+        model_path=target,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        device="cpu",
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=draft,
+        speculative_num_steps=3,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=4 if topk == 1 else 7,
+    ) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=GREEDY)
+        return e.stats()["spec_accept_length"], [o["output_ids"] for o in outs]
+
+
+@pytest.mark.parametrize("num_layers", [4, 8])
+def test_eagle3_training_raises_accept_length(tmp_path, num_layers):
+    """An EAGLE3 head (three target layers; on a 4-layer target one layer twice) over a reduced
+    draft vocabulary: the loss falls, the saved draft is a published-layout EAGLE3 checkpoint,
+    and the engine's accept length rises while its output stays the target's own."""
+    from safetensors.torch import load_file
+
+    target_path = _write_target(tmp_path / "target", num_layers=num_layers)
+    data_dir = str(tmp_path / "data")
+    build_dataset(
+        DataArgs(
+            target=target_path,
+            out_dir=data_dir,
+            max_new_tokens=40,
+            gen_dtype="float32",
+            feature_dtype="float32",
+            batch_size=64,
+            sampled_passes=1,
+            temperature=0.7,
+            eagle3=True,
+        ),
+        prompt_ids=mixed_prompts(256, VOCAB, seed=11, max_len=12),
+    )
+    target = load_target(target_path, "float32", "cpu").model
+    untrained = str(tmp_path / "untrained")
+    head = make_head(target, seed=0, kind="eagle3")
+    save_draft(untrained, head, capture_layers=[2, num_layers // 2, num_layers - 3])
+    out = str(tmp_path / "draft")
+    args = TrainArgs(
+        head="eagle3",
+        draft_vocab=96,
+        epochs=6,
+        lr=3e-3,
+        batch_tokens=1024,
+        ttt_steps=2,
+        log_every=4,
+        save_every=0,
+        val_fraction=0.1,
+    )
+    summary = train(target, data_dir, out, args, log=quiet)
+    hist = json.load(open(os.path.join(out, "train_curve.json")))["history"]
+    assert hist[-1]["loss"] < 0.6 * hist[0]["loss"], (hist[0], hist[-1])
+    assert summary["final"]["val_acc_0"] > 0.25, summary["final"]
+
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 96
+    from specserve.spec.eagle_checkpoint import eagle3_capture_layers
+
+    layers = eagle3_capture_layers(cfg, num_layers)
+    assert layers == eagle3_capture_layers({}, num_layers)
+    saved = load_file(os.path.join(out, "model.safetensors"))
+    assert saved["lm_head.weight"].shape == (96, 64) and saved["fc.weight"].shape == (64, 192)
+    d2t = saved["d2t"]
+    ids = torch.arange(96) + d2t
+    assert (ids[1:] > ids[:-1]).all() and int(ids.max()) < VOCAB  # sorted target ids
+    assert not any("embed" in k for k in saved)
+
+    prompts = mixed_prompts(8, VOCAB, seed=99, max_len=12)
+    with Engine(model_path=target_path, skip_tokenizer_init=True, dtype="float32") as e:
+        plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+    before, _ = _accept_length_eagle3(target_path, untrained, prompts)
+    after, outs = _accept_length_eagle3(target_path, out, prompts)
+    tree, tree_outs = _accept_length_eagle3(target_path, out, prompts, topk=2)
+    assert outs == plain and tree_outs == plain  # lossless
+    assert after > before + 0.25 and tree >= after - 0.05, (before, after, tree)
+    print(f"EAGLE3 accept length untrained {before:.3f}, trained {after:.3f}, tree {tree:.3f}")

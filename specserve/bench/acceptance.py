@@ -148,7 +148,12 @@ def add_acceptance_parser(bsub) -> None:
     p.add_argument(
         "--draft", default=None, help="draft checkpoint (default: the bundled one for the target)"
     )
-    p.add_argument("--algorithm", default="EAGLE", choices=["EAGLE", "EAGLE3", "STANDALONE"])
+    p.add_argument(
+        "--algorithm",
+        default=None,
+        choices=["EAGLE", "EAGLE3", "STANDALONE"],
+        help="default: EAGLE or EAGLE3, as the draft's config.json says",
+    )
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument(
@@ -182,6 +187,10 @@ def add_acceptance_parser(bsub) -> None:
             if draft is None:
                 print(f"error: no bundled draft for {args.target}; pass --draft", file=sys.stderr)
                 return 2
+        if args.algorithm is None:
+            from specserve.spec.eagle_checkpoint import draft_algorithm
+
+            args.algorithm = draft_algorithm(draft)
         configs = [parse_config(c) for c in args.configs] if args.configs else None
         from specserve.train.generate import parse_engine_args
 

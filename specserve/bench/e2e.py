@@ -21,7 +21,12 @@ def add_e2e_parser(bsub) -> argparse.ArgumentParser:
     p = bsub.add_parser("e2e", help="batch-1 chat: engine with/without draft vs HF transformers")
     p.add_argument("--model-path", default="smollm2-135m")
     p.add_argument("--draft", default=None, help="EAGLE draft folder (default: the bundled one)")
-    p.add_argument("--algorithm", default="EAGLE")
+    p.add_argument(
+        "--algorithm",
+        default=None,
+        choices=["EAGLE", "EAGLE3", "STANDALONE"],
+        help="default: EAGLE or EAGLE3, as the draft's config.json says",
+    )
     p.add_argument("--prompts", default="heldout", help="'heldout', 'train' or a JSONL path")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -179,6 +184,10 @@ def run_e2e(args) -> list[dict[str, Any]]:
         args.draft = default_draft_for(args.model_path)
         if args.draft is None:
             raise SystemExit(f"no bundled draft for {args.model_path}: pass --draft")
+    if args.algorithm is None:
+        from specserve.spec.eagle_checkpoint import draft_algorithm
+
+        args.algorithm = draft_algorithm(args.draft)
     texts = load_prompts(args.prompts)[: args.num_prompts]
     rows, prompt_ids, reference = _engine_rows(args, texts)
     if not args.skip_hf:

@@ -329,8 +329,8 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(input_ids)
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
-            if i in ctx.capture_layers:
-                aux.append(h)
+            if i in ctx.capture_layers:  # a layer named twice is captured twice
+                aux.extend(h for c in ctx.capture_layers if c == i)
             h = layer(h, positions, ctx)
         return ModelOutput(hidden=self.model.norm(h), aux_hidden=aux)
 

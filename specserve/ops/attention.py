@@ -76,7 +76,7 @@ class ForwardContext:
     backend: AttentionBackend
     kv_cache: KVCache
     meta: AttentionMetadata
-    capture_layers: frozenset[int] = frozenset()
+    capture_layers: tuple[int, ...] = ()  # target layers whose input EAGLE3 reads (may repeat)
 
     def attention(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None

@@ -20,7 +20,7 @@ class ModelRunner:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        capture_layers: frozenset[int] = frozenset(),
+        capture_layers: tuple[int, ...] = (),
         **model_kwargs,
     ):
         ctx = ForwardContext(self.backend, self.kv_cache, meta, capture_layers)

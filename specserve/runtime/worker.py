@@ -168,7 +168,7 @@ class Worker:
         input_ids = to_device(torch.tensor(tokens, dtype=torch.int64), dev)
         pos = to_device(torch.tensor(positions, dtype=torch.int64), dev)
         meta = build_metadata(segments, torch.cat(out_slots), dev)
-        capture = self.drafter.capture_layers if self.drafter is not None else frozenset()
+        capture = self.drafter.capture_layers if self.drafter is not None else ()
         out = self.target.forward(input_ids, pos, meta, capture)
 
         done = [i for i, c in enumerate(chunks) if c.completes]
@@ -260,7 +260,7 @@ class Worker:
         anc = None if n == 1 else ancestor_mask(trees.parents, trees.max_depth)
         mask = None if anc is None else anc.reshape(-1)
         meta = batch.metadata(n, n, n, out_slots, mask)
-        capture = self.drafter.capture_layers if self.drafter is not None else frozenset()
+        capture = self.drafter.capture_layers if self.drafter is not None else ()
         out = self.target.forward(trees.tokens.reshape(-1), positions, meta, capture)
         logits = self.target.model.compute_logits(out.hidden)
         # Each node's draw is for the position after it: kv_len + depth + 1.

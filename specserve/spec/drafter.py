@@ -40,7 +40,7 @@ class TreeDrafter:
         num_steps: int,
         topk: int,
         num_draft_tokens: int,
-        capture_layers: frozenset[int],
+        capture_layers: tuple[int, ...],
         device: torch.device,
         dtype: torch.dtype,
     ):

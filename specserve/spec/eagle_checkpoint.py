@@ -58,12 +58,30 @@ def read_draft_config(folder: str) -> tuple[dict, ModelConfig]:
     return raw, ModelConfig.from_hf_dict(raw)
 
 
+def draft_algorithm(folder: str) -> str:
+    """'EAGLE3' or 'EAGLE', from an EAGLE checkpoint's config.json (its architecture name, or
+    the presence of a draft vocabulary)."""
+    raw, _ = read_draft_config(folder)
+    archs = " ".join(raw.get("architectures") or []).lower()
+    return "EAGLE3" if "eagle3" in archs or "draft_vocab_size" in raw else "EAGLE"
+
+
 def eagle3_capture_layers(raw: dict, target_layers: int) -> list[int]:
-    """Target layers whose input residual stream EAGLE3 reads (SGLang's default otherwise)."""
+    """Target layers whose input residual stream EAGLE3 reads, ascending (the order of the
+    feature's three H-wide parts; a layer may repeat on a small target). The config's ids, or
+    SGLang's default [2, L/2, L-3]."""
     ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids:
-        return [i + 1 for i in ids]  # published ids name the layer whose *output* is taken
-    return [2, target_layers // 2, target_layers - 3]
+        layers = [i + 1 for i in ids]  # published ids name the layer whose *output* is taken
+        if len(layers) != 3 or not all(0 <= i < target_layers for i in layers):
+            raise ValueError(
+                f"eagle_aux_hidden_state_layer_ids must name three layers whose outputs feed "
+                f"layers in [1, {target_layers}); got {list(ids)}"
+            )
+    else:  # a target under 7 layers repeats layers rather than read past its ends
+        last = target_layers - 1
+        layers = [min(2, last), target_layers // 2, max(target_layers - 3, 0)]
+    return sorted(layers)
 
 
 def load_eagle_head(folder: str, algorithm: str, target) -> tuple[torch.nn.Module, dict]:

@@ -14,7 +14,7 @@ from specserve.spec.eagle_checkpoint import eagle3_capture_layers, load_eagle_he
 def build_drafter(cfg, target, device: torch.device, dtype: torch.dtype) -> TreeDrafter:
     algo = cfg.speculative_algorithm
     path = cfg.speculative_draft_model_path
-    capture: frozenset[int] = frozenset()
+    capture: tuple[int, ...] = ()
     if algo == "STANDALONE":
         # A dummy target pairs with a dummy draft of the same seed (the target as its own draft).
         fmt = "dummy" if cfg.load_format == "dummy" else "auto"
@@ -28,10 +28,10 @@ def build_drafter(cfg, target, device: torch.device, dtype: torch.dtype) -> Tree
     else:
         try:
             head, raw = load_eagle_head(path, algo, target.model)
+            if algo == "EAGLE3":
+                capture = tuple(eagle3_capture_layers(raw, target.config.num_layers))
         except (FileNotFoundError, ValueError, KeyError) as e:
             raise InvalidArgument("speculative_draft_model_path", str(e)) from e
-        if algo == "EAGLE3":
-            capture = frozenset(eagle3_capture_layers(raw, target.config.num_layers))
     vocab = target.config.vocab_size if algo != "EAGLE3" else head.lm_head.out_features
     if cfg.speculative_eagle_topk > vocab:
         raise InvalidArgument(

@@ -80,6 +80,19 @@ def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
     g.add_argument("--data-dir", default=None, help="use this finished dataset folder")
 
     g = p.add_argument_group("training")
+    g.add_argument(
+        "--head",
+        choices=["eagle", "eagle3"],
+        default=t.head,
+        help="eagle: EAGLE-1 (final hidden state, target's lm_head); eagle3: three target "
+        "layers, own lm_head over a reduced vocabulary (implies --eagle3-features)",
+    )
+    g.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=t.draft_vocab,
+        help=f"eagle3: draft vocabulary size, most frequent tokens (0: all; default {t.draft_vocab})",
+    )
     g.add_argument("--epochs", type=float, default=t.epochs, help="0: no limit (use a time budget)")
     g.add_argument(
         "--time-budget",
@@ -161,7 +174,7 @@ def run_train(args) -> int:
         temperature=args.temperature[0],
         temperatures=tuple(args.temperature),
         time_budget=args.gen_time_budget,
-        eagle3=args.eagle3_features,
+        eagle3=args.eagle3_features or args.head == "eagle3",
         seed=args.seed,
         device=args.device,
         load_format=args.load_format,
@@ -190,6 +203,8 @@ def run_train(args) -> int:
         grad_clip=args.grad_clip,
         max_len=args.max_len,
         val_fraction=args.val_fraction,
+        head=args.head,
+        draft_vocab=args.draft_vocab,
         ce_vocab=args.ce_vocab,
         ce_chunk=args.ce_chunk,
         init_layer=args.init_layer,

@@ -145,8 +145,9 @@ def build_dataset(args: DataArgs, prompt_ids: list[list[int]] | None = None) -> 
     seqs = [p + a for p, a in zip(prompt_ids, answers)]
     capture: tuple[int, ...] = ()
     if args.eagle3:
-        n_layers = loaded.config.num_layers
-        capture = (2, n_layers // 2, n_layers - 3)
+        from specserve.spec.eagle_checkpoint import eagle3_capture_layers
+
+        capture = tuple(eagle3_capture_layers({}, loaded.config.num_layers))
     _log(f"features: {len(seqs)} sequences, {sum(map(len, seqs))} tokens")
     shards = _write_features(args, loaded.model, seqs, prompt_ids, answers, eos, capture)
     manifest = {

@@ -12,10 +12,10 @@ import json
 import os
 from importlib import resources
 
-# target name -> (algorithm, folder under specserve/data/drafts)
+# target name -> folder under specserve/data/drafts (EAGLE or EAGLE3: its config.json says)
 _BUNDLED = {
-    "smollm2-135m": ("EAGLE", "smollm2-135m-eagle"),
-    "smollm2-135m-instruct": ("EAGLE", "smollm2-135m-eagle"),
+    "smollm2-135m": "smollm2-135m-eagle",
+    "smollm2-135m-instruct": "smollm2-135m-eagle",
 }
 
 # a tree of topk 4, 5 steps deep, 16 tokens verified per step
@@ -37,16 +37,18 @@ def default_draft_for(model_path: str | None) -> str | None:
     entry = _BUNDLED.get(str(model_path).lower())
     if entry is None:
         return None
-    folder = os.path.join(_drafts_root(), entry[1])
+    folder = os.path.join(_drafts_root(), entry)
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
         return None
     return folder
 
 
 def default_draft_algorithm(model_path: str | None) -> str | None:
-    """'EAGLE' for a target with a bundled draft, else None."""
-    entry = _BUNDLED.get(str(model_path).lower())
-    return entry[0] if entry else None
+    """'EAGLE' or 'EAGLE3' for a target with a bundled draft, else None."""
+    from specserve.spec.eagle_checkpoint import draft_algorithm
+
+    folder = default_draft_for(model_path)
+    return draft_algorithm(folder) if folder else None
 
 
 def default_draft_engine_kwargs(model_path: str | None) -> dict | None:

@@ -81,8 +81,8 @@ def forward_padded(
     h = model.model.embed_tokens(input_ids)
     aux = []
     for i, layer in enumerate(model.model.layers):
-        if i in capture_layers:
-            aux.append(h)
+        if i in capture_layers:  # a layer named twice is captured twice, as in the engine
+            aux.extend(h for c in capture_layers if c == i)
         q, k, v = _split_heads(layer.self_attn, layer.input_layernorm(h), positions)
         h = h + _attend(layer.self_attn, q, k, v, is_causal=True)
         h = h + layer.mlp(layer.post_attention_layernorm(h))

@@ -35,11 +35,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specserve.spec.draft_heads import EagleHead
+from specserve.spec.draft_heads import Eagle3Head, EagleHead
 from specserve.spec.eagle_checkpoint import hf_style_config, save_eagle_checkpoint
 from specserve.train.features import _attend, _split_heads
 
 ARCHITECTURE = "LlamaForCausalLMEagle"
+ARCHITECTURE_EAGLE3 = "LlamaForCausalLMEagle3"
 
 
 @dataclass
@@ -61,7 +62,9 @@ class TrainArgs:
     max_len: int = 1024  # longer sequences are cut
     val_fraction: float = 0.02
     init_layer: int | None = None  # copy this target layer into the head's decoder layer
-    ce_vocab: int = 0  # cross-entropy over the most frequent target candidates (0: all)
+    head: str = "eagle"  # 'eagle' (EAGLE-1: final hidden state) or 'eagle3' (three layers)
+    draft_vocab: int = 16384  # EAGLE3: the draft's vocabulary, most frequent first (0: all)
+    ce_vocab: int = 0  # EAGLE: cross-entropy over the most frequent target candidates (0: all)
     ce_chunk: int = 0  # rows per lm_head chunk of the cross-entropy (0: 1024 CPU, 8192 GPU)
     scale_init: bool = True  # fc's input columns start divided by each input's RMS
     autocast: str = "bfloat16"  # compute dtype of matmuls ('float32': none)
@@ -84,9 +87,11 @@ class SeqData:
     first answer token) to the position predicting the last token (the final EOS, or for a
     cut answer the token after the cut)."""
 
-    def __init__(self, shards: list[dict], max_len: int, device="cpu"):
+    def __init__(self, shards: list[dict], max_len: int, device="cpu", feature: str = "hidden"):
+        """feature: 'hidden' (EAGLE: the final normed hidden state) or 'aux' (EAGLE3: the
+        residual streams of three target layers, recorded with `DataArgs.eagle3`)."""
         self.device = torch.device(device)
-        ids, hidden, top_ids, top_probs = [], [], [], []
+        ids, features, top_ids, top_probs = [], [], [], []
         starts, lens, pls, ended, groups = [], [], [], [], []
         base = 0
         for sh in shards:
@@ -108,11 +113,16 @@ class SeqData:
             ended.append(sh["ended"].numpy() & (full <= max_len))
             base += int(offs[-1])
             ids.append(sh["input_ids"].to(self.device))
-            hidden.append(sh["hidden"].to(self.device))
+            if feature not in sh:
+                raise ValueError(
+                    f"the dataset has no {feature!r} features"
+                    + (" (generate it with --eagle3-features)" if feature == "aux" else "")
+                )
+            features.append(sh[feature].to(self.device))
             top_ids.append(sh["top_ids"].to(self.device))
             top_probs.append(sh["top_probs"].to(self.device))
         self.ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32)
-        self.hidden = torch.cat(hidden) if hidden else torch.zeros(0, 1)
+        self.features = torch.cat(features) if features else torch.zeros(0, 1)
         self.top_ids = torch.cat(top_ids) if top_ids else torch.zeros(0, 1, dtype=torch.int32)
         self.top_probs = torch.cat(top_probs) if top_probs else torch.zeros(0, 1)
         cat = (lambda xs: np.concatenate(xs)) if shards else (lambda xs: np.zeros(0, np.int64))
@@ -147,7 +157,7 @@ class SeqData:
             rows_d.append(rows_d[0] if ok.all() else _to_device(rows[ok], self.device))
         return {
             "ids": self.ids[g].long(),
-            "hidden": self.hidden[g],
+            "features": self.features[g],
             "top_ids": self.top_ids[g].long(),
             "top_probs": self.top_probs[g],
             "rows": rows_d,
@@ -222,36 +232,85 @@ def head_step(head: EagleHead, tokens, feats, positions, caches, mask):
 
 
 class _LinearSoftCE(torch.autograd.Function):
-    """Cross-entropy of lm_head(g) against soft targets over a few token ids, without keeping
-    [rows, vocab] logits for the backward: the gradient is formed chunk by chunk in the
-    forward ((softmax - target) @ W) and scaled in the backward. Returns per-row losses and
-    per-row top-1 hits (the target's likeliest token is the head's argmax)."""
+    """sum_r w_r * CE(softmax(x_r W^T), p_r): the cross-entropy of lm_head(x) against soft
+    targets over a few token ids, weighted per row, without keeping [rows, vocab] logits for
+    the backward. The gradients ((softmax - target) @ W for x and, when W trains,
+    (softmax - target)^T @ x for W) are formed chunk by chunk in the forward and scaled in the
+    backward. Returns the scalar loss and per-row top-1 hits (the target's likeliest token is
+    the head's argmax). Reference: `soft_ce_reference`."""
 
     @staticmethod
-    def forward(ctx, g, weight, ids, probs, chunk: int):
+    def forward(ctx, x, weight, ids, probs, row_w, chunk: int):
         # in the weight's dtype (bfloat16 under autocast): float32 copies of [rows, vocab]
-        # cost more than the matmuls on a CPU; sums accumulate in float32
-        losses, hits, grads = [], [], []
-        for s in range(0, g.shape[0], chunk):
-            logits = F.linear(g[s : s + chunk].to(weight.dtype), weight)
+        # cost more than the matmuls; sums accumulate in float32
+        want_w = ctx.needs_input_grad[1]
+        ctx.dtypes = (x.dtype, weight.dtype)
+        x = x.to(weight.dtype)
+        loss = torch.zeros((), device=x.device, dtype=torch.float32)
+        hits, grads = [], []
+        grad_w = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if want_w else None
+        for s in range(0, x.shape[0], chunk):
+            xs = x[s : s + chunk]
+            logits = F.linear(xs, weight)
             m = logits.amax(-1, keepdim=True)
             picked = logits.gather(1, ids[s : s + chunk])
             hits.append(picked[:, 0] >= m[:, 0])
             e = logits.sub_(m).exp_()
             z = e.sum(-1, keepdim=True, dtype=torch.float32)
             p = probs[s : s + chunk]
+            w = row_w[s : s + chunk].float()
             lse = m[:, 0].float() + z[:, 0].log()
-            losses.append(lse - (p * picked.float()).sum(-1))
+            loss += (w * (lse - (p * picked.float()).sum(-1))).sum()
+            # d loss / d logits = w * (softmax - target)
             e.div_(z.to(e.dtype)).scatter_add_(1, ids[s : s + chunk], -p.to(e.dtype))
+            e.mul_(w[:, None].to(e.dtype))
             grads.append(e @ weight)
-        ctx.save_for_backward(torch.cat(grads))
-        ctx.g_dtype = g.dtype
-        return torch.cat(losses), torch.cat(hits)
+            if want_w:
+                grad_w += (e.t() @ xs).float()
+        ctx.save_for_backward(torch.cat(grads), grad_w if want_w else torch.zeros(0))
+        return loss, torch.cat(hits)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_hits):
-        (grad,) = ctx.saved_tensors
-        return (grad.float() * grad_loss[:, None]).to(ctx.g_dtype), None, None, None, None
+        grad_x, grad_w = ctx.saved_tensors
+        gx = (grad_x.float() * grad_loss).to(ctx.dtypes[0])
+        gw = (grad_w * grad_loss).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None, None, None
+
+
+def soft_ce_reference(x, weight, ids, probs, row_w) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-autograd `_LinearSoftCE` (float32): the weighted loss and the top-1 hits."""
+    logits = F.linear(x.float(), weight.float())
+    logp = torch.log_softmax(logits, dim=-1)
+    loss = -(row_w.float() * (probs.float() * logp.gather(1, ids)).sum(-1)).sum()
+    hits = logits.gather(1, ids[:, :1])[:, 0] >= logits.amax(-1)
+    return loss, hits
+
+
+def linear_soft_ce(x, weight, ids, probs, row_w, chunk: int):
+    return _LinearSoftCE.apply(x, weight, ids, probs, row_w, chunk)
+
+
+def eagle3_step(head: Eagle3Head, tokens, feats, positions, caches, mask):
+    """One unrolled step of an EAGLE3 head over [B, T] (as `Eagle3Head.forward`): the 3H
+    target feature goes through fc, a draft step's own H-wide output does not."""
+    if feats.shape[-1] != head.config.hidden_size:
+        feats = head.fc(feats)
+    x = torch.cat(
+        [head.input_layernorm(head._embed[0](tokens).to(feats.dtype)), head.hidden_norm(feats)],
+        dim=-1,
+    )
+    attn = head.self_attn
+    q, k, v = _split_heads(attn, x, positions)
+    caches[0].append((k, v))
+    if mask is None:
+        out = _attend(attn, q, k, v, is_causal=True)
+    else:
+        ks = torch.cat([c[0] for c in caches[0]], dim=2)
+        vs = torch.cat([c[1] for c in caches[0]], dim=2)
+        out = _attend(attn, q, ks, vs, mask=mask)
+    h = feats + out
+    return h + head.mlp(head.post_attention_layernorm(h))
 
 
 def unrolled_losses(
@@ -260,24 +319,30 @@ def unrolled_losses(
     """Per unrolled step k: (feature loss, token loss, top-1 hits, rows); losses and hits are
     device tensors (nothing here waits for the device), rows a host int.
 
-    lookup: with a reduced cross-entropy vocabulary (`lm_head_w` holds its rows), the index
-    of every target id in it, -1 outside; candidates outside it are dropped (a row whose
-    likeliest candidate is outside carries only the feature loss)."""
-    ids, hidden = batch["ids"], batch["hidden"]
+    EAGLE: `lm_head_w` is the target's (frozen) lm_head, or its rows of a reduced
+    cross-entropy vocabulary; EAGLE3: None, the head's own (trained) lm_head is used after its
+    norm, and there is no feature loss. lookup: with a reduced vocabulary, the index of every
+    target id in it, -1 outside; candidates outside it are dropped (a row whose likeliest
+    candidate is outside carries no token loss and never counts as a hit)."""
+    eagle3 = isinstance(head, Eagle3Head)
+    ids, feats_all = batch["ids"], batch["features"]
     b, n = ids.shape
     t = n - 1
     tokens = ids[:, 1:]
-    target = hidden[:, 1:].reshape(b * t, -1)
     top_ids = batch["top_ids"][:, 1:].reshape(b * t, -1)
     top_p = batch["top_probs"][:, 1:].reshape(b * t, -1)
     positions = torch.arange(t, device=ids.device).expand(b, t)
-    feats = hidden[:, :-1].float()
-    caches: list[list] = [[] for _ in head.layers]
+    feats = feats_all[:, :-1].float()
+    target = None if eagle3 else feats_all[:, 1:].reshape(b * t, -1)
+    caches: list[list] = [[] for _ in range(1 if eagle3 else len(head.layers))]
     out = []
     prepared: dict[int, tuple] = {}  # rows tensor id -> its CE inputs (shared by most k)
     for k in range(args.ttt_steps + 1):
         m = None if k == 0 else ttt_mask(t, k, ids.device)
-        g = head_step(head, tokens, feats, positions, caches, m)
+        if eagle3:
+            g = eagle3_step(head, tokens, feats, positions, caches, m)
+        else:
+            g = head_step(head, tokens, feats, positions, caches, m)
         rows = batch["rows"][k]
         if id(rows) not in prepared:
             r_ids, r_p = top_ids.index_select(0, rows), top_p.index_select(0, rows).float()
@@ -288,17 +353,24 @@ def unrolled_losses(
                 ok = r_ids[:, 0] >= 0  # the target's likeliest token must be in it
                 r_ids = r_ids.clamp(min=0)
             r_p = r_p / r_p.sum(-1, keepdim=True).clamp(min=1e-6)
-            prepared[id(rows)] = (r_ids, r_p, ok, target.index_select(0, rows).float())
-        r_ids, r_p, ok, r_target = prepared[id(rows)]
+            if ok is None:
+                row_w = torch.full((len(rows),), 1.0 / max(1, len(rows)), device=ids.device)
+            else:
+                row_w = ok.float() / ok.float().sum().clamp(min=1.0)
+            r_target = None if target is None else target.index_select(0, rows).float()
+            prepared[id(rows)] = (r_ids, r_p, ok, row_w, r_target)
+        r_ids, r_p, ok, row_w, r_target = prepared[id(rows)]
         gs = g.reshape(b * t, -1).index_select(0, rows)  # backward: index_add, not index_put
-        f_loss = F.smooth_l1_loss(gs.float(), r_target)
-        t_rows, hits = _LinearSoftCE.apply(gs, lm_head_w, r_ids, r_p, ce_chunk)
-        if ok is None:
-            t_loss, hit_sum = t_rows.mean(), hits.sum()
+        if eagle3:
+            f_loss = torch.zeros((), device=ids.device)
+            x, w = head.norm(gs), head.lm_head.weight
+            if torch.is_autocast_enabled(ids.device.type):
+                w = w.to(torch.get_autocast_dtype(ids.device.type))
         else:
-            okf = ok.float()
-            t_loss = (t_rows * okf).sum() / okf.sum().clamp(min=1.0)
-            hit_sum = (hits & ok).sum()
+            f_loss = F.smooth_l1_loss(gs.float(), r_target)
+            x, w = gs, lm_head_w
+        t_loss, hits = linear_soft_ce(x, w, r_ids, r_p, row_w, ce_chunk)
+        hit_sum = hits.sum() if ok is None else (hits & ok).sum()
         out.append((f_loss, t_loss, hit_sum, int(rows.numel())))
         # next step: the feature at p is this step's output at p - 1
         feats = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)
@@ -325,9 +397,32 @@ def split_by_prompt(data: SeqData, fraction: float, seed: int) -> tuple[np.ndarr
     return np.nonzero(is_val)[0], np.nonzero(~is_val)[0]
 
 
-def make_head(target, seed: int, init_layer: int | None = None) -> EagleHead:
-    cfg = target.config.with_changes(num_layers=1, tie_word_embeddings=False)
+def make_head(
+    target,
+    seed: int,
+    init_layer: int | None = None,
+    kind: str = "eagle",
+    draft_ids: torch.Tensor | None = None,
+):
+    """A fresh head for `target`. kind 'eagle': EagleHead (target's embedding and lm_head
+    shared); 'eagle3': Eagle3Head over the sorted target ids `draft_ids` (default: the whole
+    vocabulary), its lm_head rows and final norm starting as the target's."""
+    cfg = target.config.with_changes(
+        num_layers=1, tie_word_embeddings=False, attention_bias=False, qk_norm=False
+    )
     torch.manual_seed(seed)
+    if kind == "eagle3":
+        vocab = target.config.vocab_size
+        ids = torch.arange(vocab) if draft_ids is None else draft_ids.cpu().long()
+        head = Eagle3Head(cfg, len(ids), target.model.embed_tokens)
+        with torch.no_grad():
+            head.d2t.copy_(ids - torch.arange(len(ids)))
+            w = target.lm_head_weight
+            head.lm_head.weight.copy_(w[ids.to(w.device)].to(head.lm_head.weight))
+            head.norm.weight.copy_(target.model.norm.weight.to(head.norm.weight))
+        return head
+    if kind != "eagle":
+        raise ValueError(f"head must be 'eagle' or 'eagle3', got {kind!r}")
     head = EagleHead(cfg, target.model.embed_tokens, target.lm_head_weight, fc_bias=True)
     if init_layer is not None:
         src = target.model.layers[init_layer].state_dict()
@@ -339,26 +434,37 @@ def make_head(target, seed: int, init_layer: int | None = None) -> EagleHead:
 
 
 @torch.no_grad()
-def scale_fc_init_(head: EagleHead, data: SeqData, sample: int = 65536) -> None:
-    """Divide fc's weight columns by the RMS of their inputs (token embeddings of the data's
-    tokens, feature dimensions of the data): the embedding is ~15x smaller than the feature
-    (whose dimensions range 1x..20x), and at the default init fc would all but ignore the
-    token the draft must condition on. An initialization only; the architecture is EAGLE's."""
-    n = min(sample, data.hidden.shape[0])
+def scale_fc_init_(head, data: SeqData, sample: int = 65536) -> None:
+    """Divide fc's weight columns by the RMS of their inputs. EAGLE: token embeddings and
+    feature dimensions (the embedding is ~15x smaller than the feature, whose dimensions range
+    1x..20x; at the default init fc would all but ignore the token the draft must condition
+    on). EAGLE3: the three layers' residual streams, whose scales differ by orders of
+    magnitude. An initialization only; the architecture is unchanged."""
+    n = min(sample, data.features.shape[0])
     dev = head.fc.weight.device
-    h_rms = data.hidden[:n].to(dev).float().pow(2).mean(0).sqrt().clamp(min=1e-3)
+    f_rms = data.features[:n].to(dev).float().pow(2).mean(0).sqrt().clamp(min=1e-3)
+    if isinstance(head, Eagle3Head):
+        head.fc.weight /= f_rms.to(head.fc.weight)
+        return
     emb = head._embed[0](data.ids[:n].long().to(dev)).float()
     e_rms = emb.pow(2).mean(0).sqrt().clamp(min=1e-3)
     hsz = head.config.hidden_size
     head.fc.weight[:, :hsz] /= e_rms.to(head.fc.weight)
-    head.fc.weight[:, hsz:] /= h_rms.to(head.fc.weight)
+    head.fc.weight[:, hsz:] /= f_rms.to(head.fc.weight)
 
 
-def ce_vocabulary(data: SeqData, size: int) -> torch.Tensor:
-    """The `size` token ids most often among the target's next-token candidates."""
-    counts = torch.bincount(data.top_ids.reshape(-1).long()).cpu()
-    keep = counts.argsort(descending=True)[:size]
-    return keep[counts[keep] > 0].sort().values
+def ce_vocabulary(data: SeqData, size: int, vocab_size: int | None = None) -> torch.Tensor:
+    """`size` sorted token ids, the target's likeliest next tokens first (counted over every
+    recorded position), then its other candidates; with `vocab_size`, padded with unseen ids
+    (in id order) to exactly `size`."""
+    top = data.top_ids.long()
+    n = vocab_size or int(top.max()) + 1
+    counts = torch.bincount(top[:, 0], minlength=n) * top.shape[1]
+    counts += torch.bincount(top.reshape(-1), minlength=n)
+    counts = counts.cpu()
+    order = torch.sort(counts, descending=True, stable=True).indices
+    keep = order[:size] if vocab_size else order[:size][counts[order[:size]] > 0]
+    return keep.sort().values
 
 
 def lr_at(progress: float, args: TrainArgs) -> float:
@@ -382,9 +488,10 @@ def _ce_chunk(args: TrainArgs, device: torch.device) -> int:
 
 
 @torch.no_grad()
-def evaluate(head, lm_head_w, data: SeqData, indices, args: TrainArgs, device) -> dict:
-    """Top-1 agreement with the target (full vocabulary, as serving uses it) per unrolled
-    step, and the mean loss, on held-back sequences."""
+def evaluate(head, lm_head_w, data: SeqData, indices, args: TrainArgs, device, lookup=None) -> dict:
+    """Top-1 agreement with the target per unrolled step over the vocabulary serving drafts
+    from (EAGLE: the target's whole lm_head; EAGLE3: its draft vocabulary, `lookup`), and the
+    mean loss, on held-back sequences."""
     if len(indices) == 0:
         return {}
     was_training = head.training
@@ -401,7 +508,7 @@ def evaluate(head, lm_head_w, data: SeqData, indices, args: TrainArgs, device) -
                 lm_head_w,
                 data.batch(idx, args.ttt_steps),
                 args,
-                None,
+                lookup,
                 _ce_chunk(args, device),
             )
             loss_sum += total_loss(losses, args).float()
@@ -416,12 +523,27 @@ def evaluate(head, lm_head_w, data: SeqData, indices, args: TrainArgs, device) -
     return out
 
 
-def save_draft(folder: str, head: EagleHead, extra: dict | None = None) -> None:
-    """The head in the published layout, float16, without the shared embedding / lm_head."""
-    out = EagleHead(head.config, head._embed[0], head._lm_head[0], fc_bias=head.fc.bias is not None)
+def save_draft(
+    folder: str, head, extra: dict | None = None, capture_layers: list[int] | None = None
+) -> None:
+    """The head in the published layout, float16, without the shared embedding (and for EAGLE
+    the shared lm_head). EAGLE3: `capture_layers` (the target layers whose input residual
+    stream the features are) go to config.json as the published ids (the layer before)."""
+    if isinstance(head, Eagle3Head):
+        out = Eagle3Head(head.config, head.lm_head.out_features, head._embed[0])
+        arch = ARCHITECTURE_EAGLE3
+        extra = {"draft_vocab_size": head.lm_head.out_features, **(extra or {})}
+        if capture_layers:
+            ids = [int(i) - 1 for i in capture_layers]
+            extra["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
+    else:
+        out = EagleHead(
+            head.config, head._embed[0], head._lm_head[0], fc_bias=head.fc.bias is not None
+        )
+        arch = ARCHITECTURE
     out.load_state_dict(head.state_dict())
     out = out.half()
-    cfg = hf_style_config(head.config, ARCHITECTURE, torch_dtype="float16")
+    cfg = hf_style_config(head.config, arch, torch_dtype="float16")
     tmp = folder.rstrip("/") + ".tmp"
     save_eagle_checkpoint(tmp, out.cpu(), cfg, extra)
     os.makedirs(folder, exist_ok=True)
@@ -457,7 +579,17 @@ def train(
     if args.epochs <= 0 and args.time_budget <= 0 and args.finish_by <= 0:
         raise ValueError("give epochs > 0 or a time budget")
     os.makedirs(out_dir, exist_ok=True)
-    data = SeqData(load_shards(data_dir, device), args.max_len, device)
+    if args.head not in ("eagle", "eagle3"):
+        raise ValueError(f"head must be 'eagle' or 'eagle3', got {args.head!r}")
+    eagle3 = args.head == "eagle3"
+    capture: list[int] = []
+    manifest_path = os.path.join(data_dir, "manifest.json")
+    if os.path.isfile(manifest_path):
+        with open(manifest_path) as f:
+            capture = list(json.load(f).get("capture_layers") or [])
+    data = SeqData(
+        load_shards(data_dir, device), args.max_len, device, "aux" if eagle3 else "hidden"
+    )
     if len(data) == 0:
         raise ValueError(f"{data_dir}: no sequence with an answer")
     val_idx, train_idx = split_by_prompt(data, args.val_fraction, args.seed)
@@ -480,20 +612,39 @@ def train(
         )
     )
 
-    head = make_head(target, args.seed, args.init_layer).to(device).float().train()
+    vocab = target.config.vocab_size
+
+    def vocabulary(size: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(sorted ids, lookup target id -> index or -1, share of top-1 tokens covered)."""
+        keep = ce_vocabulary(data, size, vocab if eagle3 else None)
+        lookup = torch.full((vocab,), -1, dtype=torch.int64)
+        lookup[keep] = torch.arange(len(keep))
+        top1 = data.top_ids[:, 0].long().cpu()
+        return keep, lookup.to(device), float((lookup.cpu()[top1] >= 0).float().mean())
+
+    compute_dtype = torch.float32 if args.autocast == "float32" else getattr(torch, args.autocast)
+    lm_head_w = target.lm_head_weight.detach().to(device, compute_dtype)
+    ce_w, lookup, draft_ids = lm_head_w, None, None
+    if eagle3:
+        ce_w = None
+        if 0 < args.draft_vocab < vocab:
+            draft_ids, lookup, cover = vocabulary(args.draft_vocab)
+            log(
+                _stamp(
+                    f"draft vocabulary: {len(draft_ids)} of {vocab} tokens, covering "
+                    f"{100 * cover:.2f}% of the target's next tokens in the data"
+                )
+            )
+    elif 0 < args.ce_vocab < vocab:
+        keep, lookup, cover = vocabulary(args.ce_vocab)
+        ce_w = lm_head_w[keep.to(device)].contiguous()
+        log(_stamp(f"cross-entropy over {len(keep)} of {vocab} tokens ({100 * cover:.2f}%)"))
+    eval_w, eval_lookup = (None, lookup) if eagle3 else (lm_head_w, None)
+    head = make_head(target, args.seed, args.init_layer, args.head, draft_ids)
+    head = head.to(device).float().train()
     if args.scale_init and not resume:
         scale_fc_init_(head, data)
     head.requires_grad_(True)
-    compute_dtype = torch.float32 if args.autocast == "float32" else getattr(torch, args.autocast)
-    lm_head_w = target.lm_head_weight.detach().to(device, compute_dtype)
-    ce_w, lookup = lm_head_w, None
-    if 0 < args.ce_vocab < lm_head_w.shape[0]:
-        keep = ce_vocabulary(data, args.ce_vocab)
-        lookup = torch.full((lm_head_w.shape[0],), -1, dtype=torch.int64)
-        lookup[keep] = torch.arange(len(keep))
-        lookup = lookup.to(device)
-        ce_w = lm_head_w[keep.to(device)].contiguous()
-        log(_stamp(f"cross-entropy over {len(keep)} of {lm_head_w.shape[0]} tokens"))
     opt_kw = {"fused": True} if device.type == "cuda" else {}
     opt = torch.optim.AdamW(
         head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, **opt_kw
@@ -521,7 +672,7 @@ def train(
         return max(p, elapsed() / budget) if budget > 0 else p
 
     def checkpoint(final: bool = False) -> dict:
-        metrics = evaluate(head, lm_head_w, data, val_idx, args, device)
+        metrics = evaluate(head, eval_w, data, val_idx, args, device, eval_lookup)
         evals.append({"step": step, "elapsed": round(elapsed(), 1), **metrics})
         log(_stamp(f"step {step}, {elapsed():.0f}s: held-back {metrics}"))
         tmp = ckpt_path + ".tmp"
@@ -541,7 +692,7 @@ def train(
             tmp,
         )
         os.replace(tmp, ckpt_path)
-        save_draft(out_dir, head)
+        save_draft(out_dir, head, capture_layers=capture)
         curve = args.curve_file or os.path.join(out_dir, "train_curve.json")
         with open(curve + ".tmp", "w") as f:
             json.dump({"final": final, "history": history, "evals": evals}, f)
