@@ -10,7 +10,7 @@
 #                sampled passes, until GEN_BUDGET; engine workers (specserve.Engine, the
 #                serving path) and a dense worker share the GPU and the job queue
 #   2. features  one forward of the target per answer: its final hidden states and top-4 tokens
-#   3. train     the EAGLE head on the GPU (bf16, BATCH_TOKENS tokens per step, training-time
+#   3. train     the EAGLE-1 head (HEAD=eagle3: an EAGLE3 head) on the GPU (bf16, BATCH_TOKENS tokens per step, training-time
 #                test over TTT_STEPS unrolled steps) until TRAIN_BUDGET, with a learning-rate
 #                schedule that runs on the clock; the draft in $OUT/draft is rewritten at every
 #                checkpoint (CKPT_SECONDS) and $OUT/train_curve.json with it
@@ -18,6 +18,7 @@
 #                own process at once (chains 3/5/7, trees topk 4 and 8 with 16..64 tokens), plus
 #                chain-5 on training prompts (the generalisation gap); ACC_TIMEOUT each
 #   5. a table   accept lengths, data and training figures; everything also in summary.json
+#   6. optional  (E2E_TIMEOUT > 0) `bench e2e`, batch-1 tok/s of the engine with and without it
 # Training stops by TRAIN_BUDGET or when TOTAL_BUDGET - ACC_TIMEOUT - 20 s have passed since
 # the start, whichever is first, so the measurements always get their time.
 #
@@ -45,6 +46,8 @@ ENGINE_ARGS=${ENGINE_ARGS:-cuda_graph_max_bs=256}
 BATCH_TOKENS=${BATCH_TOKENS:-32768}
 LR=${LR:-2e-3}
 WARMUP=${WARMUP:-0.05}
+HEAD=${HEAD:-eagle}                   # eagle (EAGLE-1, the committed draft) or eagle3
+DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
 TTT_STEPS=${TTT_STEPS:-6}
 TTT_DECAY=${TTT_DECAY:-0.8}
 FEATURE_WEIGHT=${FEATURE_WEIGHT:-1.0}
@@ -54,6 +57,9 @@ ACC_PROMPTS=${ACC_PROMPTS:-50}
 ACC_MAX_NEW=${ACC_MAX_NEW:-128}
 ACC_CONFIGS=${ACC_CONFIGS:-3,1,4 5,1,6 7,1,8 5,4,16 8,4,32 6,8,32 8,8,64}
 ACC_KV=${ACC_KV:-65536}
+KEEP_DRAFT=${KEEP_DRAFT:-}            # also copy the finished draft here (e.g. for a next call)
+E2E_TIMEOUT=${E2E_TIMEOUT:-0}         # > 0: stage 6, `bench e2e` with the draft (engine only)
+E2E_SPECS=${E2E_SPECS:-5,1,6 8,8,64}
 
 START=$(date +%s)
 mkdir -p "$OUT" "$WORK"
@@ -87,7 +93,7 @@ FINISH_BY=$((START + TOTAL_BUDGET - ACC_TIMEOUT - 20))
 log "stage 1-3: train-eagle (generation budget $GEN_BUDGET s, training until $TRAIN_BUDGET s or $(date -d @$FINISH_BY +%H:%M:%S 2>/dev/null || echo $FINISH_BY))"
 # shellcheck disable=SC2086
 $PY -m specserve.cli train-eagle --target "$MODEL" --out "$DRAFT" --work-dir "$WORK" \
-  --device "$DEVICE" --seed 0 \
+  --device "$DEVICE" --seed 0 --head "$HEAD" --draft-vocab "$DRAFT_VOCAB" \
   --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" --generator "$GENERATOR" \
   --gen-batch-size "$GEN_BATCH" --sampled-passes "$SAMPLED_PASSES" --temperature $TEMPS \
   --gen-time-budget "$GEN_BUDGET" "${ENGINE_FLAGS[@]}" \
@@ -172,4 +178,17 @@ trees = [r["accept_length"] for r in held if r["topk"] > 1]
 print()
 print(f"goal (issue 8): chain-5 >= 3.0: {chain5[0] if chain5 else 'n/a'}; best tree >= 3.5: {max(trees) if trees else 'n/a'}")
 EOF
+[ -n "$KEEP_DRAFT" ] && mkdir -p "$KEEP_DRAFT" && cp "$DRAFT"/*.json "$DRAFT"/*.safetensors "$KEEP_DRAFT"/ \
+  && log "draft copied to $KEEP_DRAFT"
+
+# ---- 6. optional: batch-1 speed of the engine with this draft -------------------------------------
+if [ "$E2E_TIMEOUT" -gt 0 ]; then
+  log "stage 6: bench e2e (engine only, specs $E2E_SPECS)"
+  # shellcheck disable=SC2086
+  timeout -k 5 "$E2E_TIMEOUT" $PY -m specserve.cli bench e2e --model-path "$MODEL" --draft "$DRAFT" \
+    --num-prompts 6 --max-new-tokens 160 --spec $E2E_SPECS --skip-hf \
+    --output-json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
+  log "bench e2e exited with $?"
+  tail -n 12 "$OUT/e2e.log" | tee -a "$OUT/run.log"
+fi
 log "done; total $(($(date +%s) - START)) s"
