@@ -10,6 +10,7 @@
 #                sampled passes, until GEN_BUDGET; engine workers (specserve.Engine, the
 #                serving path) and a dense worker share the GPU and the job queue
 #   2. features  one forward of the target per answer: its final hidden states and top-4 tokens
+#                (with HEAD=eagle3 also the three layers' residual streams an EAGLE3 head reads)
 #   3. train     the EAGLE-1 head (HEAD=eagle3: an EAGLE3 head) on the GPU (bf16, BATCH_TOKENS tokens per step, training-time
 #                test over TTT_STEPS unrolled steps) until TRAIN_BUDGET, with a learning-rate
 #                schedule that runs on the clock; the draft in $OUT/draft is rewritten at every
@@ -127,7 +128,8 @@ run_acc() {  # name prompts "configs"
     --max-new-tokens "$ACC_MAX_NEW" --output "$OUT/acceptance_$1.json" \
     "${ENGINE_FLAGS[@]}" --engine-arg "max_total_tokens=$ACC_KV" \
     > "$OUT/acceptance_$1.log" 2>&1
-  echo "[$(date +%H:%M:%S) +$(($(date +%s) - START))s] acceptance $1 ($3 on $2) exited with $?" | tee -a "$OUT/run.log"
+  local rc=$?
+  echo "[$(date +%H:%M:%S) +$(($(date +%s) - START))s] acceptance $1 ($3 on $2) exited with $rc" | tee -a "$OUT/run.log"
 }
 if [ "$PARALLEL" = 1 ]; then
   for c in $ACC_CONFIGS; do

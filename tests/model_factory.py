@@ -578,7 +578,7 @@ class SequenceRunner:
             segs.append(Segment(torch.tensor(have, dtype=torch.int64), len(toks), len(toks)))
         meta = build_metadata(segs, torch.tensor(out_loc, dtype=torch.int64), torch.device("cpu"))
         out = self.runner.forward(
-            torch.tensor(ids), torch.tensor(pos), meta, capture_layers=frozenset(capture_layers)
+            torch.tensor(ids), torch.tensor(pos), meta, capture_layers=tuple(sorted(capture_layers))
         )
         with torch.inference_mode():
             logits = self.model.compute_logits(out.hidden).float()

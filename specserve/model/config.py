@@ -68,6 +68,9 @@ class ModelConfig:
                 )
             elif kind not in (None, "default"):
                 raise ValueError(f"rope scaling type {kind!r} is not supported (llama3 or none)")
+            if rs.get("freq_factors") is not None:  # written by hf_style_config for GGUF targets
+                base = scaling or RopeScaling()
+                scaling = replace(base, freq_factors=tuple(float(x) for x in rs["freq_factors"]))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return ModelConfig(

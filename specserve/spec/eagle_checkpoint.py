@@ -58,12 +58,33 @@ def read_draft_config(folder: str) -> tuple[dict, ModelConfig]:
     return raw, ModelConfig.from_hf_dict(raw)
 
 
-def draft_algorithm(folder: str) -> str:
-    """'EAGLE3' or 'EAGLE', from an EAGLE checkpoint's config.json (its architecture name, or
-    the presence of a draft vocabulary)."""
-    raw, _ = read_draft_config(folder)
+def draft_algorithm(path: str) -> str:
+    """The speculative algorithm a draft checkpoint is for: 'EAGLE3' (an Eagle3 architecture
+    or a draft vocabulary in config.json, or fc [H, 3H]), 'EAGLE' (fc [H, 2H]: published EAGLE-1
+    heads often name a plain Llama architecture) or 'STANDALONE' (anything else: a whole model,
+    a GGUF file, a preset name)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return "STANDALONE"
+    raw, cfg = read_draft_config(path)
     archs = " ".join(raw.get("architectures") or []).lower()
-    return "EAGLE3" if "eagle3" in archs or "draft_vocab_size" in raw else "EAGLE"
+    if "eagle3" in archs or "draft_vocab_size" in raw:
+        return "EAGLE3"
+    fc = _tensor_shape(path, ("fc.weight", "model.fc.weight"))
+    if fc is not None and len(fc) == 2:
+        return "EAGLE3" if fc[1] == 3 * cfg.hidden_size else "EAGLE"
+    return "EAGLE" if "eagle" in archs else "STANDALONE"
+
+
+def _tensor_shape(folder: str, names: tuple[str, ...]) -> list[int] | None:
+    """Shape of the first of `names` in the folder's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with safe_open(f, framework="pt") as st:
+            for name in names:
+                if name in st.keys():
+                    return list(st.get_slice(name).get_shape())
+    return None
 
 
 def eagle3_capture_layers(raw: dict, target_layers: int) -> list[int]:
@@ -75,8 +96,8 @@ def eagle3_capture_layers(raw: dict, target_layers: int) -> list[int]:
         layers = [i + 1 for i in ids]  # published ids name the layer whose *output* is taken
         if len(layers) != 3 or not all(0 <= i < target_layers for i in layers):
             raise ValueError(
-                f"eagle_aux_hidden_state_layer_ids must name three layers whose outputs feed "
-                f"layers in [1, {target_layers}); got {list(ids)}"
+                f"eagle_aux_hidden_state_layer_ids must name three layers in [-1, "
+                f"{target_layers - 1}) (-1: the embedding output); got {list(ids)}"
             )
     else:  # a target under 7 layers repeats layers rather than read past its ends
         last = target_layers - 1
@@ -185,6 +206,17 @@ def hf_style_config(cfg: ModelConfig, architecture: str, **extra) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": False,
     }
+    rs = cfg.rope_scaling
+    if rs is not None:  # the head rotates like its target; llama3 scaling, or GGUF's factors
+        out["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings,
+        }
+        if rs.freq_factors is not None:
+            out["rope_scaling"]["freq_factors"] = list(rs.freq_factors)
     out.update(extra)
     return out
 

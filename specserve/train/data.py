@@ -123,8 +123,10 @@ def build_dataset(args: DataArgs, prompt_ids: list[list[int]] | None = None) -> 
     if os.path.isfile(manifest_path):
         with open(manifest_path) as f:
             manifest = json.load(f)
-        if manifest.get("complete"):
+        if manifest.get("complete") and (manifest.get("capture_layers") or not args.eagle3):
             return manifest
+        if manifest.get("complete"):  # EAGLE3 features wanted: redo the features only
+            _log(f"features: {args.out_dir} has no EAGLE3 features; recomputing them")
     t0 = time.perf_counter()
     answers_path = os.path.join(args.out_dir, "answers.json")
     if os.path.isfile(answers_path):  # generation finished in an earlier run
@@ -263,14 +265,15 @@ def _write_features(args, model, seqs, prompt_ids, answers, eos, capture) -> lis
     return shards
 
 
-def load_shards(data_dir: str, device="cpu") -> list[dict]:
+def load_shards(data_dir: str, device="cpu", drop: tuple[str, ...] = ()) -> list[dict]:
     """All shards of a dataset folder (in manifest order); tensors on `device`, except the
-    small per-sequence ones (offsets, prompt_lens, ended), which stay on the host."""
+    small per-sequence ones (offsets, prompt_lens, ended), which stay on the host, and the
+    keys in `drop`, which are not kept (e.g. the features a head does not read)."""
     with open(os.path.join(data_dir, "manifest.json")) as f:
         manifest = json.load(f)
     host = ("offsets", "prompt_lens", "ended")
     out = []
     for s in manifest["shards"]:
         sh = torch.load(os.path.join(data_dir, s), weights_only=True, map_location="cpu")
-        out.append({k: v if k in host else v.to(device) for k, v in sh.items()})
+        out.append({k: v if k in host else v.to(device) for k, v in sh.items() if k not in drop})
     return out

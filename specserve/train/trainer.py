@@ -123,6 +123,8 @@ class SeqData:
             top_probs.append(sh["top_probs"].to(self.device))
         self.ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32)
         self.features = torch.cat(features) if features else torch.zeros(0, 1)
+        if not bool(torch.isfinite(self.features).all()):  # e.g. float16 storage overflowed
+            raise ValueError(f"the dataset's {feature!r} features hold inf or nan values")
         self.top_ids = torch.cat(top_ids) if top_ids else torch.zeros(0, 1, dtype=torch.int32)
         self.top_probs = torch.cat(top_probs) if top_probs else torch.zeros(0, 1)
         cat = (lambda xs: np.concatenate(xs)) if shards else (lambda xs: np.zeros(0, np.int64))
@@ -261,19 +263,23 @@ class _LinearSoftCE(torch.autograd.Function):
             w = row_w[s : s + chunk].float()
             lse = m[:, 0].float() + z[:, 0].log()
             loss += (w * (lse - (p * picked.float()).sum(-1))).sum()
-            # d loss / d logits = w * (softmax - target)
+            # d loss / d logits = w * (softmax - target); w (about 1/rows) is applied in float32
+            # outside the low-precision product, where 1/vocab * 1/rows would underflow
             e.div_(z.to(e.dtype)).scatter_add_(1, ids[s : s + chunk], -p.to(e.dtype))
-            e.mul_(w[:, None].to(e.dtype))
-            grads.append(e @ weight)
-            if want_w:
-                grad_w += (e.t() @ xs).float()
+            grads.append((e @ weight).float() * w[:, None])
+            if want_w:  # weights relative to the chunk's largest keep the product near 1
+                top = w.max().clamp(min=1e-30)
+                rel = (xs.float() * (w / top)[:, None]).to(e.dtype)
+                grad_w += (e.t() @ rel).float() * top
         ctx.save_for_backward(torch.cat(grads), grad_w if want_w else torch.zeros(0))
-        return loss, torch.cat(hits)
+        hits = torch.cat(hits)
+        ctx.mark_non_differentiable(hits)
+        return loss, hits
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_hits):
         grad_x, grad_w = ctx.saved_tensors
-        gx = (grad_x.float() * grad_loss).to(ctx.dtypes[0])
+        gx = (grad_x * grad_loss).to(ctx.dtypes[0])
         gw = (grad_w * grad_loss).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
         return gx, gw, None, None, None, None
 
@@ -288,6 +294,10 @@ def soft_ce_reference(x, weight, ids, probs, row_w) -> tuple[torch.Tensor, torch
 
 
 def linear_soft_ce(x, weight, ids, probs, row_w, chunk: int):
+    """Each row of `probs` sums to 1 (or its row weight is 0): the loss is formed as
+    logsumexp - sum(p * logit)."""
+    if not torch.is_grad_enabled():  # needs_input_grad ignores no_grad: skip the W gradient
+        weight = weight.detach()
     return _LinearSoftCE.apply(x, weight, ids, probs, row_w, chunk)
 
 
@@ -454,9 +464,10 @@ def scale_fc_init_(head, data: SeqData, sample: int = 65536) -> None:
 
 
 def ce_vocabulary(data: SeqData, size: int, vocab_size: int | None = None) -> torch.Tensor:
-    """`size` sorted token ids, the target's likeliest next tokens first (counted over every
-    recorded position), then its other candidates; with `vocab_size`, padded with unseen ids
-    (in id order) to exactly `size`."""
+    """`size` sorted token ids ranked by (k + 1) * (times the target's likeliest next token) +
+    (times among its other k candidates), over every recorded position: top-1 occurrences
+    dominate, candidates break ties and rank the rest. With `vocab_size`, padded with unseen
+    ids (in id order) to exactly `size`."""
     top = data.top_ids.long()
     n = vocab_size or int(top.max()) + 1
     counts = torch.bincount(top[:, 0], minlength=n) * top.shape[1]
@@ -587,9 +598,16 @@ def train(
     if os.path.isfile(manifest_path):
         with open(manifest_path) as f:
             capture = list(json.load(f).get("capture_layers") or [])
-    data = SeqData(
-        load_shards(data_dir, device), args.max_len, device, "aux" if eagle3 else "hidden"
-    )
+    if eagle3 and args.init_layer is not None:
+        raise ValueError("init_layer applies to EAGLE heads only (an EAGLE3 layer reads 2H)")
+    if args.draft_vocab < 0 or args.ce_vocab < 0:
+        raise ValueError("draft_vocab and ce_vocab must be >= 0 (0: the whole vocabulary)")
+    if eagle3 and (args.ce_vocab or args.feature_weight != TrainArgs.feature_weight):
+        log(_stamp("EAGLE3: --ce-vocab and --feature-weight do not apply (no feature loss)"))
+    feature = "aux" if eagle3 else "hidden"
+    shards = load_shards(data_dir, device, drop=("hidden",) if eagle3 else ("aux",))
+    data = SeqData(shards, args.max_len, device, feature)
+    del shards
     if len(data) == 0:
         raise ValueError(f"{data_dir}: no sequence with an answer")
     val_idx, train_idx = split_by_prompt(data, args.val_fraction, args.seed)
@@ -655,7 +673,19 @@ def train(
     step, epoch, in_epoch, history, evals, elapsed0 = 0, 0, 0, [], [], 0.0
     if resume and os.path.isfile(ckpt_path):
         state = torch.load(ckpt_path, weights_only=False, map_location=device)
+        saved = state.get("args", {})
+        for key in ("head", "draft_vocab"):
+            if key in saved and saved[key] != getattr(args, key) and (eagle3 or key == "head"):
+                raise ValueError(
+                    f"{ckpt_path} was trained with {key}={saved[key]!r}, not "
+                    f"{getattr(args, key)!r}: resume with the same value or another --work-dir"
+                )
         head.load_state_dict(state["head"])
+        if eagle3:  # the checkpoint's vocabulary, whatever this data would choose
+            draft_ids = torch.arange(len(head.d2t), device=head.d2t.device) + head.d2t
+            lookup = torch.full((vocab,), -1, dtype=torch.int64, device=device)
+            lookup[draft_ids.to(device)] = torch.arange(len(draft_ids), device=device)
+            eval_lookup = lookup
         opt.load_state_dict(state["optimizer"])
         step, history, elapsed0 = state["step"], state["history"], state["elapsed"]
         epoch, in_epoch = state.get("epoch", 0), state.get("in_epoch", 0)
