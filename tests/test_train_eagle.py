@@ -666,3 +666,25 @@ def test_draft_config_keeps_the_targets_rope_scaling(factors):
     )
     back = ModelConfig.from_hf_dict(json.loads(json.dumps(hf_style_config(cfg, "X"))))
     assert back.rope_scaling == scaling and back.rope_theta == cfg.rope_theta
+
+
+def test_draft_algorithm_is_read_from_the_checkpoint(tmp_path):
+    """bench acceptance / e2e and the bundled-draft wiring pick EAGLE or EAGLE3 from the draft
+    itself: EAGLE-1 heads published under a plain Llama architecture, EAGLE3 heads, whole
+    models (STANDALONE)."""
+    from specserve.model.config import PRESETS
+    from specserve.spec.eagle_checkpoint import draft_algorithm, write_random_eagle_checkpoint
+
+    e1 = write_random_eagle_checkpoint(str(tmp_path / "e1"), PRESETS["tiny"], "EAGLE")
+    cfg_path = os.path.join(e1, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["architectures"] = ["LlamaForCausalLM"]  # as many published EAGLE-1 heads say
+    json.dump(cfg, open(cfg_path, "w"))
+    e3 = write_random_eagle_checkpoint(
+        str(tmp_path / "e3"), PRESETS["tiny"], "EAGLE3", draft_vocab_size=40
+    )
+    model = _write_target(tmp_path / "model")
+    assert draft_algorithm(e1) == "EAGLE"
+    assert draft_algorithm(e3) == "EAGLE3"
+    assert draft_algorithm(model) == "STANDALONE"
+    assert draft_algorithm(str(tmp_path / "model.gguf")) == "STANDALONE"
