@@ -193,20 +193,25 @@ def test_dataset_layout(tiny_data):
     assert all(len(bt) * int(data.n[bt].max()) <= 200 or len(bt) == 1 for bt in by_tokens)
 
 
-def _accept_length(target: str, draft: str, prompts) -> float:
+def _run_draft(target: str, draft: str, prompts, algorithm="EAGLE", topk: int = 1):
+    """(accept length, greedy outputs) of a 3-step chain (topk 1) or tree with the draft."""
     with Engine(
         model_path=target,
         skip_tokenizer_init=True,
         dtype="float32",
         device="cpu",
-        speculative_algorithm="EAGLE",
+        speculative_algorithm=algorithm,
         speculative_draft_model_path=draft,
         speculative_num_steps=3,
-        speculative_eagle_topk=1,
-        speculative_num_draft_tokens=4,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=4 if topk == 1 else 1 + 3 * topk,
     ) as e:
-        e.generate(input_ids=prompts, sampling_params=GREEDY)
-        return e.stats()["spec_accept_length"]
+        outs = e.generate(input_ids=prompts, sampling_params=GREEDY)
+        return e.stats()["spec_accept_length"], [o["output_ids"] for o in outs]
+
+
+def _accept_length(target: str, draft: str, prompts) -> float:
+    return _run_draft(target, draft, prompts)[0]
 
 
 def test_training_lowers_loss_and_raises_accept_length(tiny_data):
@@ -498,23 +503,6 @@ def test_eagle3_capture_layers_fit_any_depth():
         eagle3_capture_layers({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 40]}}, 32)
 
 
-def _accept_length_eagle3(target: str, draft: str, prompts, topk: int = 1):
-    """(accept length, greedy outputs) of a 3-step EAGLE3 chain (topk 1) or tree."""
-    with Engine(
-        model_path=target,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        device="cpu",
-        speculative_algorithm="EAGLE3",
-        speculative_draft_model_path=draft,
-        speculative_num_steps=3,
-        speculative_eagle_topk=topk,
-        speculative_num_draft_tokens=4 if topk == 1 else 7,
-    ) as e:
-        outs = e.generate(input_ids=prompts, sampling_params=GREEDY)
-        return e.stats()["spec_accept_length"], [o["output_ids"] for o in outs]
-
-
 @pytest.mark.parametrize("num_layers", [4, 8])
 def test_eagle3_training_raises_accept_length(tmp_path, num_layers):
     """An EAGLE3 head (three target layers; on a 4-layer target one layer twice) over a reduced
@@ -575,9 +563,9 @@ def test_eagle3_training_raises_accept_length(tmp_path, num_layers):
     prompts = mixed_prompts(8, VOCAB, seed=99, max_len=12)
     with Engine(model_path=target_path, skip_tokenizer_init=True, dtype="float32") as e:
         plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
-    before, _ = _accept_length_eagle3(target_path, untrained, prompts)
-    after, outs = _accept_length_eagle3(target_path, out, prompts)
-    tree, tree_outs = _accept_length_eagle3(target_path, out, prompts, topk=2)
+    before, _ = _run_draft(target_path, untrained, prompts, "EAGLE3")
+    after, outs = _run_draft(target_path, out, prompts, "EAGLE3")
+    tree, tree_outs = _run_draft(target_path, out, prompts, "EAGLE3", topk=2)
     assert outs == plain and tree_outs == plain  # lossless
     assert after > before + 0.25 and tree >= after - 0.05, (before, after, tree)
     print(f"EAGLE3 accept length untrained {before:.3f}, trained {after:.3f}, tree {tree:.3f}")
