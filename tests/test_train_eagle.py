@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specserve import Engine
-from specserve.spec.eagle_checkpoint import load_eagle_head
+from specserve.spec.eagle_checkpoint import eagle3_capture_layers, load_eagle_head
 from specserve.train.data import DataArgs, build_dataset, load_shards, load_target
 from specserve.train.features import forward_padded, generate_dense
 from specserve.train.generate import GenConfig, generate_answers, make_jobs, parse_workers
@@ -137,23 +137,34 @@ def _write_target(folder, with_tokenizer: bool = False, num_layers: int = 2) -> 
     return target
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    """(folder, manifest, target path): 256 greedy + 256 sampled answers of 40 tokens."""
-    root = tmp_path_factory.mktemp("eagle")
-    target = _write_target(root / "target")
+def _tiny_dataset(target: str, out_dir: str, **extra) -> dict:
+    """256 greedy + 256 sampled answers of 40 tokens; returns the manifest."""
     args = DataArgs(
         target=target,
-        out_dir=str(root / "data"),
+        out_dir=out_dir,
         max_new_tokens=40,
         gen_dtype="float32",
         feature_dtype="float32",
         batch_size=64,
-        shard_size=200,
         sampled_passes=1,
         temperature=0.7,
+        **extra,
     )
-    manifest = build_dataset(args, prompt_ids=mixed_prompts(256, VOCAB, seed=11, max_len=12))
+    return build_dataset(args, prompt_ids=mixed_prompts(256, VOCAB, seed=11, max_len=12))
+
+
+# a short training that visibly learns the tiny targets' structure
+SHORT_TRAIN = dict(
+    epochs=6, lr=3e-3, batch_tokens=1024, ttt_steps=2, log_every=4, save_every=0, val_fraction=0.1
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """(folder, manifest, target path): the tiny dataset in shards of 200 sequences."""
+    root = tmp_path_factory.mktemp("eagle")
+    target = _write_target(root / "target")
+    manifest = _tiny_dataset(target, str(root / "data"), shard_size=200)
     return root, manifest, target
 
 
@@ -224,16 +235,7 @@ def test_training_lowers_loss_and_raises_accept_length(tiny_data):
     save_draft(untrained, head)
 
     out = str(root / "draft")
-    args = TrainArgs(
-        epochs=6,
-        lr=3e-3,
-        batch_tokens=1024,
-        ttt_steps=2,
-        log_every=4,
-        save_every=0,
-        val_fraction=0.1,
-    )
-    summary = train(target, str(root / "data"), out, args, log=quiet)
+    summary = train(target, str(root / "data"), out, TrainArgs(**SHORT_TRAIN), log=quiet)
     curve = json.load(open(os.path.join(out, "train_curve.json")))
     hist = curve["history"]
     first, last = hist[0], hist[-1]
@@ -491,8 +493,6 @@ def test_linear_soft_ce_matches_autograd_reference(train_weight):
 
 
 def test_eagle3_capture_layers_fit_any_depth():
-    from specserve.spec.eagle_checkpoint import eagle3_capture_layers
-
     assert eagle3_capture_layers({}, 32) == [2, 16, 29]
     for n in range(1, 12):
         layers = eagle3_capture_layers({}, n)
@@ -512,36 +512,13 @@ def test_eagle3_training_raises_accept_length(tmp_path, num_layers):
 
     target_path = _write_target(tmp_path / "target", num_layers=num_layers)
     data_dir = str(tmp_path / "data")
-    build_dataset(
-        DataArgs(
-            target=target_path,
-            out_dir=data_dir,
-            max_new_tokens=40,
-            gen_dtype="float32",
-            feature_dtype="float32",
-            batch_size=64,
-            sampled_passes=1,
-            temperature=0.7,
-            eagle3=True,
-        ),
-        prompt_ids=mixed_prompts(256, VOCAB, seed=11, max_len=12),
-    )
+    _tiny_dataset(target_path, data_dir, eagle3=True)
     target = load_target(target_path, "float32", "cpu").model
     untrained = str(tmp_path / "untrained")
     head = make_head(target, seed=0, kind="eagle3")
-    save_draft(untrained, head, capture_layers=[2, num_layers // 2, num_layers - 3])
+    save_draft(untrained, head, capture_layers=eagle3_capture_layers({}, num_layers))
     out = str(tmp_path / "draft")
-    args = TrainArgs(
-        head="eagle3",
-        draft_vocab=96,
-        epochs=6,
-        lr=3e-3,
-        batch_tokens=1024,
-        ttt_steps=2,
-        log_every=4,
-        save_every=0,
-        val_fraction=0.1,
-    )
+    args = TrainArgs(head="eagle3", draft_vocab=96, **SHORT_TRAIN)
     summary = train(target, data_dir, out, args, log=quiet)
     hist = json.load(open(os.path.join(out, "train_curve.json")))["history"]
     assert hist[-1]["loss"] < 0.6 * hist[0]["loss"], (hist[0], hist[-1])
@@ -549,8 +526,6 @@ def test_eagle3_training_raises_accept_length(tmp_path, num_layers):
 
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 96
-    from specserve.spec.eagle_checkpoint import eagle3_capture_layers
-
     layers = eagle3_capture_layers(cfg, num_layers)
     assert layers == eagle3_capture_layers({}, num_layers)
     saved = load_file(os.path.join(out, "model.safetensors"))
@@ -673,6 +648,13 @@ def test_draft_algorithm_is_read_from_the_checkpoint(tmp_path):
     )
     model = _write_target(tmp_path / "model")
     assert draft_algorithm(e1) == "EAGLE"
+    from safetensors.torch import load_file
+
+    bin_dir = tmp_path / "e1bin"  # the older published layout: pytorch_model.bin
+    bin_dir.mkdir()
+    torch.save(load_file(os.path.join(e1, "model.safetensors")), bin_dir / "pytorch_model.bin")
+    json.dump(cfg, open(bin_dir / "config.json", "w"))
+    assert draft_algorithm(str(bin_dir)) == "EAGLE"
     assert draft_algorithm(e3) == "EAGLE3"
     assert draft_algorithm(model) == "STANDALONE"
     assert draft_algorithm(str(tmp_path / "model.gguf")) == "STANDALONE"

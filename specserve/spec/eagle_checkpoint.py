@@ -76,15 +76,23 @@ def draft_algorithm(path: str) -> str:
 
 
 def _tensor_shape(folder: str, names: tuple[str, ...]) -> list[int] | None:
-    """Shape of the first of `names` in the folder's safetensors files (headers only)."""
+    """Shape of the first of `names` in the folder's weights: safetensors headers only, or
+    (published EAGLE-1 heads ship pytorch_model.bin) the loaded state dict."""
     from safetensors import safe_open
 
-    for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    for f in files:
         with safe_open(f, framework="pt") as st:
             for name in names:
                 if name in st.keys():
                     return list(st.get_slice(name).get_shape())
-    return None
+    if files:
+        return None
+    try:
+        state = read_state_dict(folder)
+    except FileNotFoundError:
+        return None
+    return next((list(state[n].shape) for n in names if n in state), None)
 
 
 def eagle3_capture_layers(raw: dict, target_layers: int) -> list[int]:

@@ -214,21 +214,26 @@ def ttt_mask(t: int, k: int, device) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
+def _unrolled_attention(attn, x, positions, cache: list, mask) -> torch.Tensor:
+    """Attention of one unrolled step: appends this step's K/V to `cache` (one layer's list
+    over the steps so far); mask None: causal over this step alone (step 0), else `ttt_mask`
+    over the keys of every step so far."""
+    q, k, v = _split_heads(attn, x, positions)
+    cache.append((k, v))
+    if mask is None:
+        return _attend(attn, q, k, v, is_causal=True)
+    ks = torch.cat([c[0] for c in cache], dim=2)
+    vs = torch.cat([c[1] for c in cache], dim=2)
+    return _attend(attn, q, ks, vs, mask=mask)
+
+
 def head_step(head: EagleHead, tokens, feats, positions, caches, mask):
     """One unrolled step of the head over [B, T]: returns g [B, T, H]; appends each layer's
     K/V to `caches` (one list of (k, v) per layer). mask None: causal (step 0)."""
     h = head.fc(torch.cat([head._embed[0](tokens).to(feats.dtype), feats], dim=-1))
     for li, layer in enumerate(head.layers):
-        attn = layer.self_attn
-        q, k, v = _split_heads(attn, layer.input_layernorm(h), positions)
-        caches[li].append((k, v))
-        if mask is None:
-            out = _attend(attn, q, k, v, is_causal=True)
-        else:
-            ks = torch.cat([c[0] for c in caches[li]], dim=2)
-            vs = torch.cat([c[1] for c in caches[li]], dim=2)
-            out = _attend(attn, q, ks, vs, mask=mask)
-        h = h + out
+        x = layer.input_layernorm(h)
+        h = h + _unrolled_attention(layer.self_attn, x, positions, caches[li], mask)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return h
 
@@ -310,16 +315,7 @@ def eagle3_step(head: Eagle3Head, tokens, feats, positions, caches, mask):
         [head.input_layernorm(head._embed[0](tokens).to(feats.dtype)), head.hidden_norm(feats)],
         dim=-1,
     )
-    attn = head.self_attn
-    q, k, v = _split_heads(attn, x, positions)
-    caches[0].append((k, v))
-    if mask is None:
-        out = _attend(attn, q, k, v, is_causal=True)
-    else:
-        ks = torch.cat([c[0] for c in caches[0]], dim=2)
-        vs = torch.cat([c[1] for c in caches[0]], dim=2)
-        out = _attend(attn, q, ks, vs, mask=mask)
-    h = feats + out
+    h = feats + _unrolled_attention(head.self_attn, x, positions, caches[0], mask)
     return h + head.mlp(head.post_attention_layernorm(h))
 
 
@@ -476,6 +472,13 @@ def ce_vocabulary(data: SeqData, size: int, vocab_size: int | None = None) -> to
     order = torch.sort(counts, descending=True, stable=True).indices
     keep = order[:size] if vocab_size else order[:size][counts[order[:size]] > 0]
     return keep.sort().values
+
+
+def vocab_lookup(ids: torch.Tensor, vocab_size: int, device) -> torch.Tensor:
+    """[vocab_size] int64: the index of every target id in `ids`, -1 outside."""
+    lookup = torch.full((vocab_size,), -1, dtype=torch.int64, device=device)
+    lookup[ids.to(device)] = torch.arange(len(ids), device=device)
+    return lookup
 
 
 def lr_at(progress: float, args: TrainArgs) -> float:
@@ -635,10 +638,9 @@ def train(
     def vocabulary(size: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(sorted ids, lookup target id -> index or -1, share of top-1 tokens covered)."""
         keep = ce_vocabulary(data, size, vocab if eagle3 else None)
-        lookup = torch.full((vocab,), -1, dtype=torch.int64)
-        lookup[keep] = torch.arange(len(keep))
-        top1 = data.top_ids[:, 0].long().cpu()
-        return keep, lookup.to(device), float((lookup.cpu()[top1] >= 0).float().mean())
+        lookup = vocab_lookup(keep, vocab, device)
+        covered = (lookup[data.top_ids[:, 0].long().to(device)] >= 0).float().mean()
+        return keep, lookup, float(covered)
 
     compute_dtype = torch.float32 if args.autocast == "float32" else getattr(torch, args.autocast)
     lm_head_w = target.lm_head_weight.detach().to(device, compute_dtype)
@@ -683,9 +685,7 @@ def train(
         head.load_state_dict(state["head"])
         if eagle3:  # the checkpoint's vocabulary, whatever this data would choose
             draft_ids = torch.arange(len(head.d2t), device=head.d2t.device) + head.d2t
-            lookup = torch.full((vocab,), -1, dtype=torch.int64, device=device)
-            lookup[draft_ids.to(device)] = torch.arange(len(draft_ids), device=device)
-            eval_lookup = lookup
+            lookup = eval_lookup = vocab_lookup(draft_ids, vocab, device)
         opt.load_state_dict(state["optimizer"])
         step, history, elapsed0 = state["step"], state["history"], state["elapsed"]
         epoch, in_epoch = state.get("epoch", 0), state.get("in_epoch", 0)
