@@ -272,5 +272,6 @@ class Worker:
             acc = self.simulator.accept(trees, target_tokens, anc)
         else:
             acc = accept(trees, target_tokens)
-        commit_accepted_path([self.target.kv_cache], batch.window_slots, acc.path)
+        if n > 1:  # a one-node tree's KV is already where it belongs
+            commit_accepted_path([self.target.kv_cache], batch.window_slots, acc.path)
         return acc, out

@@ -22,6 +22,8 @@ draft ("draft extend") so its KV for them is exactly what a plain pass would com
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from specserve.kv.pool import KVCache
@@ -160,21 +162,21 @@ class TreeDrafter:
         f_anc = torch.zeros(bsz, k, max(scratch, 1), dtype=torch.bool, device=dev)
         next_id = 1 + k
         self_bits = torch.eye(k, dtype=torch.bool, device=dev)[None]
+        # Every depth sees the draft prefix [0, kv_len + delta) and the whole scratch; scratch
+        # not yet written this step is masked out (f_anc is False there), so one metadata
+        # serves all depths and only the mask and the output slots change.
+        if self.num_steps > 1:
+            shared = batch.metadata(d + scratch, k, scratch, None, f_anc.reshape(-1))
         for depth in range(1, self.num_steps):
             col0 = (depth - 1) * k
             # each frontier node sees itself (slice + OR: no index_put of a host scalar, which syncs)
             f_anc[:, :, col0 : col0 + k] |= self_bits
-            width = depth * k
-            # the draft prefix [0, kv_len + delta) plus the scratch written so far
             out_slots = batch.window_slots[:, d + col0 : d + col0 + k].reshape(-1)
             positions = (batch.kv_lens_dev[:, None] + (d - 1 + depth)).expand(bsz, k).reshape(-1)
-            mask = f_anc[:, :, :width].reshape(-1)
-            g = self._run(
-                f_tokens.reshape(-1),
-                f_feat.reshape(bsz * k, -1),
-                positions,
-                batch.metadata(d + width, k, width, out_slots, mask),
+            meta = dataclasses.replace(
+                shared, out_cache_loc=out_slots, custom_mask=f_anc.reshape(-1)
             )
+            g = self._run(f_tokens.reshape(-1), f_feat.reshape(bsz * k, -1), positions, meta)
             c_logp, c_tok = self.head.topk(g, k)
             c_scores = (f_scores[:, :, None] + c_logp.view(bsz, k, k).double()).reshape(bsz, k * k)
             c_tokens = c_tok.view(bsz, k * k)
@@ -197,9 +199,7 @@ class TreeDrafter:
             f_greedy = torch.gather(c_greedy, 1, sel)
             g3 = g.view(bsz, k, -1)
             f_feat = torch.gather(g3, 1, parent_idx[:, :, None].expand(bsz, k, g3.shape[-1]))
-            f_anc = torch.gather(
-                f_anc, 1, parent_idx[:, :, None].expand(bsz, k, f_anc.shape[-1])
-            ).clone()
+            f_anc = torch.gather(f_anc, 1, parent_idx[:, :, None].expand(bsz, k, f_anc.shape[-1]))
         return self._select_tree(
             batch.roots, cand_tokens, cand_keys, cand_parents, cand_depths, cand_scores
         )

@@ -2,15 +2,20 @@
 
 Node i of a tree wrote its KV at logical position kv_len + i; after acceptance the path
 node at depth d must sit at kv_len + d. Working in logical positions and translating to
-slots through the request's page table makes this correct for every page size. Sources
-are gathered before any destination is written, so overlapping moves are safe.
+slots through the request's page table makes this correct for every page size. On CUDA one
+Triton kernel moves every layer's rows (`ops/triton_kv_commit.py`); elsewhere torch gathers
+the sources before writing any destination, so overlapping moves are safe.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from specserve.kv.pool import KVCache
+
+_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def commit_accepted_path(
@@ -19,7 +24,11 @@ def commit_accepted_path(
     """window_slots: [B, W] slots of logical positions kv_len .. kv_len+W-1 per request;
     path: [B, D+1] accepted node ids by depth (padded by repeating the last one, whose
     copies land in positions past the accepted length, which are scratch)."""
-    src = torch.gather(window_slots, 1, path).reshape(-1)
-    dst = window_slots[:, : path.shape[1]].reshape(-1)
     for cache in caches:
-        cache.move(src, dst)
+        if _TRITON and cache.buffer.device.type == "cuda":
+            from specserve.ops.triton_kv_commit import commit_path
+
+            commit_path(cache.buffer, window_slots, path)
+        else:
+            src = torch.gather(window_slots, 1, path).reshape(-1)
+            cache.move(src, window_slots[:, : path.shape[1]].reshape(-1))
