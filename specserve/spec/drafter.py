@@ -23,6 +23,7 @@ draft ("draft extend") so its KV for them is exactly what a plain pass would com
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +34,16 @@ from specserve.spec.draft_heads import DraftHead
 from specserve.spec.tree import DraftTrees
 
 _GREEDY_KEY = 1.0e6  # above any log-probability (<= 0); minus depth keeps parents first
+
+
+@dataclass
+class _DraftConstants:
+    first_rank: torch.Tensor  # [k] bool: rank 0 (the draft's own greedy choice)
+    first_ids: torch.Tensor  # [k] candidate ids of depth 1: 1..k
+    root_parents: torch.Tensor  # [k] zeros: depth-1 candidates hang off the root
+    self_bits: torch.Tensor  # [1, k, k] identity: a frontier node sees itself
+    frontier_pos: torch.Tensor  # [num_steps - 1, k] position offsets past kv_len per depth
+    cand_depths: torch.Tensor  # [C] the depth of every candidate column
 
 
 class TreeDrafter:
@@ -60,6 +71,7 @@ class TreeDrafter:
         )
         self.capture_layers = capture_layers
         self.device, self.dtype = device, dtype
+        self._consts: _DraftConstants | None = None
         c = head.config
         self.kv_bytes_per_slot = KVCache.bytes_per_slot(
             c.num_layers, c.num_kv_heads, c.head_dim, dtype
@@ -146,75 +158,92 @@ class TreeDrafter:
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def draft(self, batch) -> DraftTrees:
+        # Few, fused kernels per depth: at batch 1 on a small target every launch costs about
+        # as much as the work in it. Scores are float32 (sums of at most num_steps
+        # log-probabilities); ties still resolve to the lower candidate id (the parent).
         k, d, dev = self.topk, self.delta, self.device
         bsz = batch.batch_size
         g_root = batch.root_g
+        c = self._constants()
         logp, tok = self.head.topk(g_root, k)
-        ranks = torch.arange(k, device=dev)
-        cand_tokens, cand_keys, cand_parents, cand_depths = [tok], [], [torch.zeros_like(tok)], [1]
-        cand_scores = [logp.double()]
-        f_ids = (1 + ranks).expand(bsz, k)
-        f_scores = logp.double()
-        f_greedy = (ranks == 0).expand(bsz, k)
-        cand_keys.append(torch.where(f_greedy, _GREEDY_KEY - 1.0, f_scores))
+        cand_tokens, cand_scores, cand_parents = [tok], [logp], [c.root_parents.expand(bsz, k)]
+        cand_keys = [torch.where(c.first_rank, _GREEDY_KEY - 1.0, logp)]
+        f_ids = c.first_ids.expand(bsz, k)
+        f_scores, f_greedy = logp, c.first_rank.expand(bsz, k)
         f_tokens, f_feat = tok, g_root[:, None, :].expand(bsz, k, g_root.shape[-1])
         scratch = (self.num_steps - 1) * k
         f_anc = torch.zeros(bsz, k, max(scratch, 1), dtype=torch.bool, device=dev)
         next_id = 1 + k
-        self_bits = torch.eye(k, dtype=torch.bool, device=dev)[None]
-        # Every depth sees the draft prefix [0, kv_len + delta) and the whole scratch; scratch
-        # not yet written this step is masked out (f_anc is False there), so one metadata
-        # serves all depths and only the mask and the output slots change.
         if self.num_steps > 1:
+            # Every depth sees the draft prefix [0, kv_len + delta) and the whole scratch;
+            # scratch not yet written this step is masked out (f_anc is False there), so one
+            # metadata serves all depths and only the mask and the output slots change.
             shared = batch.metadata(d + scratch, k, scratch, None, f_anc.reshape(-1))
+            # positions of every depth's frontier at once: kv_len + delta - 1 + depth
+            all_pos = batch.kv_lens_dev[:, None, None] + c.frontier_pos[None, :, :]
         for depth in range(1, self.num_steps):
             col0 = (depth - 1) * k
             # each frontier node sees itself (slice + OR: no index_put of a host scalar, which syncs)
-            f_anc[:, :, col0 : col0 + k] |= self_bits
+            f_anc[:, :, col0 : col0 + k] |= c.self_bits
             out_slots = batch.window_slots[:, d + col0 : d + col0 + k].reshape(-1)
-            positions = (batch.kv_lens_dev[:, None] + (d - 1 + depth)).expand(bsz, k).reshape(-1)
             meta = dataclasses.replace(
                 shared, out_cache_loc=out_slots, custom_mask=f_anc.reshape(-1)
             )
-            g = self._run(f_tokens.reshape(-1), f_feat.reshape(bsz * k, -1), positions, meta)
+            g = self._run(
+                f_tokens.reshape(-1),
+                f_feat.reshape(bsz * k, -1),
+                all_pos[:, depth - 1].reshape(-1),
+                meta,
+            )
             c_logp, c_tok = self.head.topk(g, k)
-            c_scores = (f_scores[:, :, None] + c_logp.view(bsz, k, k).double()).reshape(bsz, k * k)
+            c_scores = (f_scores[:, :, None] + c_logp.view(bsz, k, k)).view(bsz, k * k)
             c_tokens = c_tok.view(bsz, k * k)
             c_parent = f_ids[:, :, None].expand(bsz, k, k).reshape(bsz, k * k)
-            c_greedy = (f_greedy[:, :, None] & (ranks == 0)[None, None, :]).reshape(bsz, k * k)
-            c_ids = next_id + torch.arange(k * k, device=dev).expand(bsz, k * k)
-            next_id += k * k
+            c_greedy = (f_greedy[:, :, None] & c.first_rank).view(bsz, k * k)
             c_keys = torch.where(c_greedy, _GREEDY_KEY - (depth + 1.0), c_scores)
             cand_tokens.append(c_tokens)
             cand_scores.append(c_scores)
             cand_keys.append(c_keys)
             cand_parents.append(c_parent)
-            cand_depths.append(depth + 1)
-            # next frontier: best k children (their parent frontier index is sel // k)
+            # next frontier: the best k children (their parent frontier index is sel // k)
             sel = c_keys.topk(k, dim=1).indices
             parent_idx = sel // k
-            f_ids = torch.gather(c_ids, 1, sel)
+            f_ids = sel + next_id  # candidate ids of this depth are next_id + column
+            next_id += k * k
             f_tokens = torch.gather(c_tokens, 1, sel)
             f_scores = torch.gather(c_scores, 1, sel)
             f_greedy = torch.gather(c_greedy, 1, sel)
             g3 = g.view(bsz, k, -1)
             f_feat = torch.gather(g3, 1, parent_idx[:, :, None].expand(bsz, k, g3.shape[-1]))
             f_anc = torch.gather(f_anc, 1, parent_idx[:, :, None].expand(bsz, k, f_anc.shape[-1]))
-        return self._select_tree(
-            batch.roots, cand_tokens, cand_keys, cand_parents, cand_depths, cand_scores
-        )
+        return self._select_tree(batch.roots, cand_tokens, cand_keys, cand_parents, cand_scores)
 
-    def _select_tree(
-        self, roots, cand_tokens, cand_keys, cand_parents, cand_depths, cand_scores
-    ) -> DraftTrees:
+    def _constants(self) -> _DraftConstants:
+        """Index tensors that depend only on the tree shape, made once per device."""
+        if self._consts is None:
+            k, dev = self.topk, self.device
+            ranks = torch.arange(k, device=dev)
+            depths = [torch.full((k,), 1, device=dev)] + [
+                torch.full((k * k,), dep + 1, device=dev) for dep in range(1, self.num_steps)
+            ]
+            steps = torch.arange(1, max(self.num_steps, 2), device=dev)
+            self._consts = _DraftConstants(
+                first_rank=ranks == 0,
+                first_ids=1 + ranks,
+                root_parents=torch.zeros(k, dtype=torch.int64, device=dev),
+                self_bits=torch.eye(k, dtype=torch.bool, device=dev)[None],
+                frontier_pos=(self.delta - 1 + steps)[:, None].expand(len(steps), k).contiguous(),
+                cand_depths=torch.cat(depths),
+            )
+        return self._consts
+
+    def _select_tree(self, roots, cand_tokens, cand_keys, cand_parents, cand_scores) -> DraftTrees:
         n = self.num_draft_tokens
         tokens = torch.cat(cand_tokens, dim=1)  # [B, C], candidate id = column + 1
         keys = torch.cat(cand_keys, dim=1)
         parents = torch.cat(cand_parents, dim=1)
-        depths = torch.cat(
-            [torch.full_like(t, dep) for t, dep in zip(cand_tokens, cand_depths)], dim=1
-        )
         bsz, num_cand = tokens.shape
+        depths = self._constants().cand_depths.expand(bsz, num_cand)
         order = torch.sort(keys, dim=1, descending=True, stable=True).indices[:, : n - 1]
         chosen = torch.sort(order, dim=1).values  # candidate order = topological order
         # old id -> new node index (root 0 -> 0)
@@ -233,7 +262,7 @@ class TreeDrafter:
             max_depth=self.max_depth,
             scores=torch.cat(
                 [
-                    torch.zeros_like(roots[:, None], dtype=torch.float64),
+                    torch.zeros_like(roots[:, None], dtype=cand_scores[0].dtype),
                     torch.gather(torch.cat(cand_scores, dim=1), 1, chosen),
                 ],
                 dim=1,
