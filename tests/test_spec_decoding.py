@@ -229,3 +229,23 @@ def test_accept_walks_the_matching_path():
     # rejection at the root: only the correction token is emitted
     acc = accept(trees, torch.tensor([[42, 0, 0, 0, 0]]))
     assert acc.accept_len.tolist() == [1] and acc.emitted[0, 0].item() == 42
+
+
+def test_tree_selection_keeps_the_stable_sort_order_under_ties():
+    """The drafter picks the tree's nodes by one top-k over composite keys; it must choose
+    what a stable descending sort would (ties to the lower candidate id, i.e. a parent before
+    its children), or a chosen node could miss its parent."""
+    from specserve.spec.drafter import best_columns
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        b, c = 3, int(torch.randint(2, 200, (1,), generator=g))
+        keys = torch.randn(b, c, generator=g)
+        keys = torch.where(torch.rand(b, c, generator=g) < 0.4, keys.round(), keys)  # ties
+        keys[torch.rand(b, c, generator=g) < 0.1] = -0.0
+        keys[torch.rand(b, c, generator=g) < 0.05] = 1e6 - 3  # the draft's greedy chain
+        keys[torch.rand(b, c, generator=g) < 0.1] = float("-inf")
+        m = int(torch.randint(1, c + 1, (1,), generator=g))
+        stable = torch.sort(keys + 0.0, dim=1, descending=True, stable=True).indices[:, :m]
+        got = best_columns(keys, m)
+        assert torch.equal(got.sort(dim=1).values, stable.sort(dim=1).values)

@@ -13,6 +13,7 @@ graph the run needs) and reports, per decode step:
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import re
 import time
@@ -39,7 +40,10 @@ def add_profile_parser(bsub, add_engine_args, engine_kwargs) -> argparse.Argumen
                 engine, args.batch_size, args.input_len, args.output_len, args.top
             )
         print_profile(result)
-        dump([result["summary"]], args.output_json)
+        dump([result["summary"]])
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(result, f, indent=1)
         return 0
 
     p.set_defaults(func=run)
@@ -148,9 +152,16 @@ def profile_decode(engine, batch_size: int, input_len: int, output_len: int, top
         "kernels_per_step": len(in_window) / s,
         "decode_tok_s": sum(o["meta_info"]["completion_tokens"] - 1 for o in outs) / (wall / 1e6),
     }
+    middle = _middle_step(in_window)
+    if middle:
+        # one step's device span: its kernels plus the gaps between them inside the replay;
+        # the rest of the wall time per step is the device waiting for the host
+        span = max(start + dur for _, start, dur in middle) - middle[0][1]
+        summary["middle_step_span_us"] = span
+        summary["middle_step_gaps_us"] = span - sum(dur for _, _, dur in middle)
     return {
         "summary": summary,
-        "middle_step_kernels": _middle_step(in_window),
+        "middle_step_kernels": middle,
         "classes_us_per_step": {k: v / s for k, v in sorted(by_class.items(), key=lambda x: -x[1])},
         "runtime_calls_per_step": {
             k: v / s for k, v in sorted(runtime_calls.items(), key=lambda x: -x[1])
@@ -159,18 +170,25 @@ def profile_decode(engine, batch_size: int, input_len: int, output_len: int, top
     }
 
 
-def _middle_step(device_events) -> list[tuple[str, float]]:
-    """The device work of one step from the middle of the run, in order. Each replay is
+def _middle_step(device_events) -> list[tuple[str, float, float]]:
+    """(name, start after the step's first event, duration) in microseconds of the device
+    work of one step from the middle of the run, in order. Each replay is
     preceded by the host-to-device copy of its row ids, so those copies mark the steps (host
     times would not: under overlap the next launch precedes this step's kernels)."""
     events = sorted(device_events, key=lambda k: k.time_range.start)
-    marks = [k.time_range.start for k in events if k.name.startswith("Memcpy HtoD")]
+    starts = [k.time_range.start for k in events if k.name.startswith("Memcpy HtoD")]
+    if len(starts) < 3:
+        return []
+    # a step may copy more than once (new sampling rows): keep copies that open a step, i.e.
+    # come after the device's longest pauses (waiting for the host's next launch)
+    step = (starts[-1] - starts[0]) / max(len(starts) - 1, 1)
+    marks = [starts[0]] + [b for a, b in zip(starts, starts[1:]) if b - a > 0.3 * step]
     if len(marks) < 3:
         return []
     i = len(marks) // 2
     lo, hi = marks[i], marks[i + 1]
     return [
-        (k.name[:80], k.time_range.end - k.time_range.start)
+        (k.name[:80], k.time_range.start - lo, k.time_range.end - k.time_range.start)
         for k in events
         if lo <= k.time_range.start < hi
     ]

@@ -52,11 +52,12 @@ class SamplingTensors:
     all_greedy: bool  # host-known: skip the noise entirely
     needs_filter: bool  # host-known: skip sorting when nobody uses top_k/top_p/min_p
 
-    def expand(self, repeats: torch.Tensor, total: int) -> SamplingTensors:
-        """Repeat request rows to node rows (repeats on device; total known on host)."""
+    def expand(self, repeats: int) -> SamplingTensors:
+        """Each request row repeated `repeats` times (one row per tree node); one copy kernel
+        per tensor."""
 
         def rep(t: torch.Tensor) -> torch.Tensor:
-            return torch.repeat_interleave(t, repeats, output_size=total)
+            return t[:, None].expand(t.shape[0], repeats).reshape(-1)
 
         return SamplingTensors(
             rep(self.temperatures),

@@ -253,7 +253,6 @@ class Worker:
 
     def verify(self, batch: DecodeBatch, trees: DraftTrees):
         """One target forward over every tree of the batch; accept; compact the KV."""
-        dev = self.device
         b, n = trees.tokens.shape
         positions = (batch.kv_lens_dev[:, None] + trees.depths).reshape(-1)
         out_slots = batch.window_slots[:, :n].reshape(-1)
@@ -265,8 +264,8 @@ class Worker:
         logits = self.target.model.compute_logits(out.hidden)
         # Each node's draw is for the position after it: kv_len + depth + 1.
         st = batch.sampling
-        if n > 1:
-            st = st.expand(torch.full((b,), n, device=dev), b * n)
+        if n > 1 and not st.all_greedy:  # greedy rows need no per-node sampling parameters
+            st = st.expand(n)
         target_tokens = sample(logits, st, positions + 1).view(b, n)
         if self.simulator is not None and anc is not None:
             acc = self.simulator.accept(trees, target_tokens, anc)

@@ -46,6 +46,17 @@ class _DraftConstants:
     cand_depths: torch.Tensor  # [C] the depth of every candidate column
 
 
+def best_columns(keys: torch.Tensor, m: int) -> torch.Tensor:
+    """Columns of the m largest float32 keys per row, ties to the lower column (what a stable
+    descending sort gives), in no particular order. One top-k over unique int64 keys: the
+    float's bits made order-preserving (-0.0 equal to +0.0), then the reversed column."""
+    bits = keys.contiguous().view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+    width = keys.shape[1]
+    reversed_col = torch.arange(width - 1, -1, -1, device=keys.device)
+    return (ordered * width + reversed_col).topk(m, dim=1, sorted=False).indices
+
+
 class TreeDrafter:
     def __init__(
         self,
@@ -244,7 +255,7 @@ class TreeDrafter:
         parents = torch.cat(cand_parents, dim=1)
         bsz, num_cand = tokens.shape
         depths = self._constants().cand_depths.expand(bsz, num_cand)
-        order = torch.sort(keys, dim=1, descending=True, stable=True).indices[:, : n - 1]
+        order = best_columns(keys, n - 1)
         chosen = torch.sort(order, dim=1).values  # candidate order = topological order
         # old id -> new node index (root 0 -> 0)
         new_index = torch.full((bsz, num_cand + 1), -1, dtype=torch.int64, device=tokens.device)
