@@ -11,6 +11,7 @@ from specserve.kv.pool import KVCache
 from specserve.ops.attention import TorchAttentionBackend
 from specserve.runtime.forward_batch import Segment, build_metadata
 from specserve.runtime.model_runner import ModelRunner
+from specserve.spec.tree import DraftTrees
 
 TINY = dict(
     model_path="tiny", load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu"
@@ -107,3 +108,32 @@ def spec_args(draft: str, topk: int, steps: int, ndt: int, **extra) -> dict:
         speculative_num_draft_tokens=ndt,
         **extra,
     )
+
+
+def random_trees(bsz: int, n: int, max_depth: int, g: torch.Generator) -> DraftTrees:
+    """Random trees in topological order (parent id < child id), depth <= max_depth."""
+    parents = torch.full((bsz, n), -1, dtype=torch.int64)
+    depths = torch.zeros((bsz, n), dtype=torch.int64)
+    for b in range(bsz):
+        for i in range(1, n):
+            while True:
+                p = int(torch.randint(0, i, (1,), generator=g))
+                if depths[b, p] < max_depth:
+                    break
+            parents[b, i], depths[b, i] = p, depths[b, p] + 1
+    tokens = torch.arange(n).repeat(bsz, 1)  # siblings carry distinct tokens
+    return DraftTrees(tokens, parents, depths, max_depth)
+
+
+def target_following_random_paths(trees: DraftTrees, g: torch.Generator) -> torch.Tensor:
+    """At each node the target draws one of its children's tokens (or, one time in ten or at
+    a leaf, a token no child has), so accepted paths of every length occur."""
+    bsz, n = trees.tokens.shape
+    target = torch.full((bsz, n), -1, dtype=torch.int64)
+    for b in range(bsz):
+        for i in range(n):
+            children = (trees.parents[b] == i).nonzero().flatten()
+            if len(children) and float(torch.rand(1, generator=g)) > 0.1:
+                pick = children[int(torch.randint(0, len(children), (1,), generator=g))]
+                target[b, i] = trees.tokens[b, pick]
+    return target

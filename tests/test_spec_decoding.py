@@ -11,7 +11,13 @@ from specserve import Engine, InvalidArgument
 from specserve.model.config import PRESETS
 from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
 from specserve.spec.tree import DraftTrees, accept, ancestor_mask
-from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, mixed_prompts
+from tests.engine_utils import (
+    TINY,
+    assert_kv_matches_plain_prefill,
+    mixed_prompts,
+    random_trees,
+    target_following_random_paths,
+)
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True}
 PROMPTS = mixed_prompts(5, 512, seed=7, min_len=1, max_len=30)
@@ -249,3 +255,19 @@ def test_tree_selection_keeps_the_stable_sort_order_under_ties():
         stable = torch.sort(keys + 0.0, dim=1, descending=True, stable=True).indices[:, :m]
         got = best_columns(keys, m)
         assert torch.equal(got.sort(dim=1).values, stable.sort(dim=1).values)
+
+
+def test_accept_from_the_ancestor_mask_equals_the_walk():
+    """Verification accepts through the ancestor mask it already built; that must be the same
+    path, bonus and tokens as walking the tree depth by depth, on random trees."""
+    g = torch.Generator().manual_seed(3)
+    longest = 0
+    for bsz, n, max_depth in [(1, 6, 5), (3, 16, 4), (4, 64, 8), (2, 9, 1), (5, 33, 6)]:
+        trees = random_trees(bsz, n, max_depth, g)
+        target = target_following_random_paths(trees, g)
+        walked = accept(trees, target)
+        masked = accept(trees, target, ancestor_mask(trees.parents, max_depth))
+        for field in ("accept_len", "path", "bonus", "emitted"):
+            assert torch.equal(getattr(walked, field), getattr(masked, field)), field
+        longest = max(longest, int(walked.accept_len.max()))
+    assert longest > 3  # the cases exercise long accepted paths

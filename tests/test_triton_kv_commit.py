@@ -13,38 +13,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="the compaction kernel needs the triton package")
 
 from specserve.ops.triton_kv_commit import commit_path, commit_path_reference  # noqa: E402
-from specserve.spec.tree import DraftTrees, accept  # noqa: E402
+from specserve.spec.tree import accept  # noqa: E402
+from tests.engine_utils import random_trees, target_following_random_paths  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def random_trees(bsz: int, n: int, max_depth: int, g: torch.Generator) -> DraftTrees:
-    """Random trees in topological order (parent id < child id), depth <= max_depth."""
-    parents = torch.full((bsz, n), -1, dtype=torch.int64)
-    depths = torch.zeros((bsz, n), dtype=torch.int64)
-    for b in range(bsz):
-        for i in range(1, n):
-            while True:
-                p = int(torch.randint(0, i, (1,), generator=g))
-                if depths[b, p] < max_depth:
-                    break
-            parents[b, i], depths[b, i] = p, depths[b, p] + 1
-    tokens = torch.arange(n).repeat(bsz, 1)  # siblings carry distinct tokens
-    return DraftTrees(tokens, parents, depths, max_depth)
-
-
-def target_following_random_paths(trees: DraftTrees, g: torch.Generator) -> torch.Tensor:
-    """At each node the target draws one of its children's tokens (or, one time in ten or at
-    a leaf, a token no child has), so accepted paths of every length occur."""
-    bsz, n = trees.tokens.shape
-    target = torch.full((bsz, n), -1, dtype=torch.int64)
-    for b in range(bsz):
-        for i in range(n):
-            children = (trees.parents[b] == i).nonzero().flatten()
-            if len(children) and float(torch.rand(1, generator=g)) > 0.1:
-                pick = children[int(torch.randint(0, len(children), (1,), generator=g))]
-                target[b, i] = trees.tokens[b, pick]
-    return target
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ MIN_CHUNK, MAX_CHUNK, MAX_CHUNKS, MAX_BLOCK = 1024, 16384, 128, 2048
 _LOG2E = tl.constexpr(1.4426950408889634)
 _EMPTY = tl.constexpr(-0x7FFFFFFFFFFFFFFF)  # below every real key (-inf included)
 _FULL = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # padding slots of a candidate list: never its min
+_NO_COL = tl.constexpr(0x7FFFFFFF)
 
 
 def row_topk_logprobs_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +42,14 @@ def row_topk_logprobs_reference(logits: torch.Tensor, k: int) -> tuple[torch.Ten
 
 def row_argmax_reference(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
+
+
+@triton.jit
+def _encode(x, cols):
+    """int64 keys of float32 values at int32 columns."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)  # -0.0 ties with +0.0
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)  # negative: flip magnitude
+    return (ordered << 32) | (0x7FFFFFFF - cols).to(tl.int64)
 
 
 @triton.jit
@@ -64,9 +73,13 @@ def _chunk_kernel(
     x_row = X + row * stride_x
     offs = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, KP)
-    # the chunk's K best keys, unsorted, all distinct: empty slots _EMPTY + slot (below any
-    # real key), slots >= K padding that is never the minimum
+    # K > 1: the chunk's K best keys, unsorted, all distinct: empty slots _EMPTY + slot
+    # (below any real key), slots >= K padding that is never the minimum
     best = tl.where(offs_k < K, _EMPTY + offs_k.to(tl.int64), _FULL)
+    low = tl.min(best, 0)
+    # K == 1: per-lane max and its column (no keys, no reduction until the end)
+    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_col = tl.full([BLOCK], _NO_COL, tl.int32)
     m = float("-inf")
     s = 0.0
     lo = chunk * CHUNK
@@ -75,29 +88,35 @@ def _chunk_kernel(
         cols = start + offs
         mask = cols < hi
         x = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        # keys (inline: helper calls are slow under the interpreter); -0.0 ties with +0.0,
-        # negative floats get their magnitude bits flipped so integer order is float order
-        bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
-        ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
-        keys = tl.where(mask, (ordered << 32) | (0x7FFFFFFF - cols).to(tl.int64), _EMPTY)
-        top = tl.max(keys, 0)
+        if K == 1:  # strict >: a lane's later columns lose ties; unset lanes take any column
+            take = (x > lane_max) | ((lane_col == _NO_COL) & mask)
+            lane_max = tl.where(take, x, lane_max)
+            lane_col = tl.where(take, cols, lane_col)
+        else:
+            tile_max = tl.max(x, 0)
         if WITH_LSE:  # online logsumexp in float32
-            m_new = tl.maximum(m, tl.max(x, 0))
+            m_new = tl.maximum(m, tl.max(x, 0) if K == 1 else tile_max)
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: no NaN
             p = tl.exp2((x - m_ref) * _LOG2E)
             s = s * tl.exp2((m - m_ref) * _LOG2E) + tl.sum(p, 0)
             m = m_new
-        if K == 1:
-            best = tl.maximum(best, top)
-        else:
-            # replace the list's minimum by the tile's maximum while that improves it: at
-            # most K rounds, usually few after the first tile
-            low = tl.min(best, 0)
-            while top > low:
-                best = tl.where(best == low, top, best)
-                keys = tl.where(keys == top, _EMPTY, keys)
+        if K > 1:
+            # a tile can change the list only if the list has an empty slot or the tile's
+            # max beats the list's minimum (an equal value loses: its column is higher)
+            low_value, _ = _decode(low)
+            if (low < _EMPTY + KP) | (tile_max > low_value):
+                keys = tl.where(mask, _encode(x, cols), _EMPTY)
                 top = tl.max(keys, 0)
-                low = tl.min(best, 0)
+                # replace the list's minimum by the tile's maximum while that improves it
+                while top > low:
+                    best = tl.where(best == low, top, best)
+                    keys = tl.where(keys == top, _EMPTY, keys)
+                    top = tl.max(keys, 0)
+                    low = tl.min(best, 0)
+    if K == 1:
+        chunk_max = tl.max(lane_max, 0)
+        col = tl.min(tl.where(lane_max == chunk_max, lane_col, _NO_COL), 0)
+        best = tl.where(offs_k == 0, _encode(chunk_max, col), best)
     part = row * n_chunks + chunk
     tl.store(PartKeys + part * K + offs_k, best, mask=offs_k < K)
     if WITH_LSE:
@@ -159,6 +178,7 @@ def _select(
     out_ids: torch.Tensor,
     chunk: int | None,
     block: int | None,
+    warps: tuple[int, int] | None = None,  # (kernel 1, kernel 2) num_warps: tuning only
 ) -> None:
     rows, vocab = logits.shape
     if chunk is None or block is None:
@@ -174,7 +194,7 @@ def _select(
         logits, part_keys, part_max, part_sum,
         logits.stride(0), vocab, n_chunks,
         K=k, KP=kp, CHUNK=chunk, BLOCK=block, WITH_LSE=with_lse,
-        num_warps=max(1, min(8, block // 256)),
+        num_warps=warps[0] if warps else max(1, min(8, block // 256)),
     )  # fmt: skip
     np_ = max(2, triton.next_power_of_2(n_chunks * k))
     lp = out_logp if out_logp is not None else part_max  # unused without the logsumexp
@@ -182,7 +202,7 @@ def _select(
         part_keys, part_max, part_sum, lp, out_ids,
         n_chunks, lp.stride(0), out_ids.stride(0),
         K=k, KP=kp, NP=np_, CP=max(2, triton.next_power_of_2(n_chunks)), WITH_LSE=with_lse,
-        num_warps=max(1, min(8, np_ // 256)),
+        num_warps=warps[1] if warps else max(1, min(8, np_ // 256)),
     )  # fmt: skip
 
 

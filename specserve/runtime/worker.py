@@ -270,7 +270,7 @@ class Worker:
         if self.simulator is not None and anc is not None:
             acc = self.simulator.accept(trees, target_tokens, anc)
         else:
-            acc = accept(trees, target_tokens)
+            acc = accept(trees, target_tokens, anc)
         if n > 1:  # a one-node tree's KV is already where it belongs
             commit_accepted_path([self.target.kv_cache], batch.window_slots, acc.path)
         return acc, out

@@ -52,18 +52,29 @@ class Acceptance:
     emitted: torch.Tensor  # [B, max_depth + 1] tokens emitted: path tokens[1:] then bonus
 
 
-def accept(trees: DraftTrees, target_tokens: torch.Tensor) -> Acceptance:
+def accept(
+    trees: DraftTrees, target_tokens: torch.Tensor, anc: torch.Tensor | None = None
+) -> Acceptance:
     """Walk each tree from the root, following the child equal to the target's own token.
 
     target_tokens[b, i] is the token the target draws at node i (argmax, or a seeded sample
     of its filtered distribution). Following the draft only where it agrees with that draw
     makes every emitted token exactly the target's own: lossless for greedy and sampling.
     Siblings carry distinct tokens, so at most one child matches.
+
+    anc: the trees' `ancestor_mask`, if already built (verification builds it): then a node
+    is accepted iff no node on its root path disagrees, a handful of kernels instead of a
+    walk of max_depth steps.
     """
     parents, tokens = trees.parents, trees.tokens
     b, n = tokens.shape
     safe_parent = parents.clamp(min=0)
     agrees = tokens == torch.gather(target_tokens, 1, safe_parent)
+    if anc is not None:
+        not_root = torch.arange(n, device=tokens.device) > 0
+        disagrees = not_root > agrees  # the root always "agrees"
+        accepted = ~(anc & disagrees[:, None, :]).any(dim=2)
+        return acceptance_of_path(trees, accepted, target_tokens)
     accepted = torch.zeros(b, n, dtype=torch.bool, device=tokens.device)
     accepted[:, 0] = True
     for _ in range(trees.max_depth):
