@@ -31,8 +31,8 @@ CASES = [
     (3, 7, 4, None, None),
     (4, 65, 16, 64, 64),
     (6, 1025, 2, None, None),
-    (5, 5000, 16, None, None),
-    (2, 4099, 4, 1024, 256),
+    (3, 5000, 16, None, None),
+    (2, 4099, 8, 1024, 256),
     (9, 777, 1, 256, 64),
 ]
 
@@ -59,7 +59,9 @@ def check(logits, k, **plan):
     torch.testing.assert_close(logp, want_logp, equal_nan=True, **TOL)
     ref_logp, _ = row_topk_logprobs_reference(logits, k)
     torch.testing.assert_close(logp, ref_logp, equal_nan=True, **TOL)
-    assert torch.equal(row_argmax(logits, **plan), want_ids[:, 0])
+    argmax = row_argmax(logits, **plan)
+    assert torch.equal(argmax, want_ids[:, 0])
+    assert torch.equal(argmax, row_argmax_reference(logits))
     return logp, ids
 
 
@@ -74,10 +76,9 @@ def test_matches_reference(rows, vocab, k, chunk, block, dtype):
 
 def test_many_rows():
     """T = 70 (the interpreter runs one program at a time: kept to one dtype)."""
-    logits = random_logits(70, 300, torch.float32, seed=70)
+    logits = random_logits(70, 100, torch.float32, seed=70)
     _, ids = check(logits, 8)
     assert torch.equal(ids, row_topk_logprobs_reference(logits, 8)[1])
-    assert torch.equal(row_argmax(logits), row_argmax_reference(logits))
 
 
 def test_one_wide_row():
@@ -87,14 +88,21 @@ def test_one_wide_row():
     check(logits, 8)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_ties_lowest_column_first(dtype):
-    plan = dict(chunk=1024, block=256)
-    zeros = torch.zeros(2, 3000, dtype=dtype, device=DEVICE)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="interpreter: one program at a time")
+def test_large_shapes_on_cuda():
+    """T = 1024 (the throughput plan) and V = 256k at T = 1 (128 chunks, k = 16)."""
+    check(random_logits(1024, 5000, torch.bfloat16, seed=1), 8)
+    check(random_logits(1, 262144, torch.bfloat16, seed=2), 16)
+    check(random_logits(33, 128256, torch.float16, seed=3), 4)
+
+
+def test_ties_lowest_column_first():
+    dtype, plan = torch.float16, dict(chunk=1024, block=256)
+    zeros = torch.zeros(2, 1500, dtype=dtype, device=DEVICE)
     zeros[1, 1::2] = -0.0  # -0.0 equals +0.0
     logp, ids = check(zeros, 16, **plan)
     assert torch.equal(ids, torch.arange(16, device=DEVICE).expand(2, 16))
-    assert torch.allclose(logp, torch.full_like(logp, -torch.log(torch.tensor(3000.0)).item()))
+    assert torch.allclose(logp, torch.full_like(logp, -torch.log(torch.tensor(1500.0)).item()))
 
     # repeated maxima in different chunks and tiles, more of them than k
     x = random_logits(3, 3000, dtype, seed=11, scale=1.0)
@@ -112,17 +120,17 @@ def test_ties_lowest_column_first(dtype):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's -inf - -inf
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_with_neg_inf(dtype):
     plan = dict(chunk=512, block=128)
-    x = random_logits(5, 2000, dtype, seed=3)
+    x = random_logits(5, 1200, dtype, seed=3)
     x[0, ::3] = float("-inf")  # filtered entries scattered
     x[1] = float("-inf")
-    x[1, [1999, 40, 700]] = torch.tensor([0.5, 2.0, 0.5], dtype=dtype, device=DEVICE)  # k > 3
+    x[1, [1199, 40, 700]] = torch.tensor([0.5, 2.0, 0.5], dtype=dtype, device=DEVICE)  # k > 3
     x[2] = float("-inf")  # a row entirely -inf
-    x[3, :1500] = float("-inf")  # whole chunks -inf
+    x[3, :1024] = float("-inf")  # whole chunks -inf
     logp, ids = check(x, 8, **plan)
-    assert ids[1].tolist() == [40, 700, 1999, 0, 1, 2, 3, 4]
+    assert ids[1].tolist() == [40, 700, 1199, 0, 1, 2, 3, 4]
     assert torch.isfinite(logp[1, :3]).all() and (logp[1, 3:] == float("-inf")).all()
     assert ids[2].tolist() == list(range(8)) and logp[2].isnan().all()
     assert row_argmax(x, **plan)[1:3].tolist() == [40, 0]
@@ -151,9 +159,11 @@ def test_k_out_of_range(k, vocab):
 
 
 def test_plan():
-    for rows, vocab in [(1, 1), (1, 49152), (1, 128256), (1, 262144), (64, 128256), (1024, 5)]:
-        chunk, block = plan_chunks(rows, vocab)
+    for rows, vocab in [(1, 1), (1, 49152), (1, 262144), (64, 128256), (1024, 5), (1024, 262144)]:
+        chunk, block = plan_chunks(rows, vocab, 4)
         assert block <= chunk and chunk & (chunk - 1) == 0 and block & (block - 1) == 0
         assert -(-vocab // chunk) <= 128
     assert plan_chunks(1, 128256) == (1024, 1024)  # 126 programs at batch 1
-    assert plan_chunks(512, 128256) == (16384, 2048)  # 8 partials a row at large T
+    assert plan_chunks(8, 49152, 8) == (1024, 1024)
+    assert plan_chunks(512, 128256, 8) == (16384, 256)  # 8 partials a row at large T
+    assert plan_chunks(512, 128256, 1) == (16384, 512)

@@ -1,11 +1,15 @@
 """Row top-k of log_softmax and row argmax as split-row Triton reductions (two launches each).
 
-Torch spends ~25-35 us per decode step on `log_softmax(logits.float()).topk(k)` (a cast, a
-softmax kernel and a multi-block radix top-k) and ~12 us on `logits.argmax(-1)` (one block
-reduces a whole 49,152-wide row at batch 1). Here kernel 1 runs one program per (row, chunk
-of columns): the chunk's max and sum of exp (online, float32) and its k best candidates;
-kernel 2 runs one program per row and merges the chunks' partials. Launch sizes come from
-host ints only (no device->host copies), so both functions can be captured in CUDA graphs.
+Torch runs `log_softmax(logits.float()).topk(k)` as a cast, a softmax kernel and a multi-block
+radix top-k, and `logits.argmax(-1)` as one block reducing a whole row at batch 1; in decode
+steps of small models these cost tens of microseconds per call. Here kernel 1 runs one program
+per (row, chunk of columns) and writes the chunk's max, sum of exp (online, float32) and its
+k best candidates; kernel 2 runs one program per row and merges the chunks' partials. Launch
+sizes come from host ints only (no device->host copy), so both can be captured in CUDA graphs.
+
+Measured on an H200 (bench/topk_kernels.py, CUDA-graph replay, bf16 logits): T=1, V=49,152:
+top-8 12 us (torch 70), argmax 7 us (torch 20); T=512, V=128,256: top-8 116 us (torch 1262).
+Called eagerly, the two Triton launches cost ~30-90 us of Python overhead: capture them.
 
 Candidates are int64 keys: the float32 value's bits in the high word, mapped so that signed
 integer order is float order (-0.0 folded into +0.0), and 0x7FFFFFFF - column in the low word.
@@ -25,10 +29,13 @@ import triton
 import triton.language as tl
 
 MAX_K = 16
-# Chunk plan: enough (row, chunk) programs to fill an H200 (132 SMs) at small T, at most
-# MAX_CHUNKS partials per row for kernel 2, bigger chunks (fewer partials) at large T.
-TARGET_PROGRAMS = 264
+# Chunk plans, from graph-timed sweeps on an H200 (bench/topk_kernels.py --sweep):
+# - latency (few rows: T * V / MIN_CHUNK <= LATENCY_PROGRAMS): chunks of MIN_CHUNK columns
+#   (at least V / MAX_CHUNKS), one tile each: 48 programs at T = 1, V = 49,152;
+# - throughput (more rows): about THROUGHPUT_COLUMNS columns a program, 1-2 warps, small tiles
+#   (after the first tiles few beat the chunk's k-th best, and those skip the key work).
 MIN_CHUNK, MAX_CHUNK, MAX_CHUNKS, MAX_BLOCK = 1024, 16384, 128, 2048
+LATENCY_PROGRAMS, THROUGHPUT_COLUMNS = 1024, 2048
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _EMPTY = tl.constexpr(-0x7FFFFFFFFFFFFFFF)  # below every real key (-inf included)
@@ -156,12 +163,15 @@ def _merge_kernel(
         tl.store(OutLogp + row * stride_lp + offs_k, logp, mask=offs_k < K)
 
 
-def plan_chunks(num_rows: int, vocab: int) -> tuple[int, int]:
+def plan_chunks(num_rows: int, vocab: int, k: int = 1) -> tuple[int, int]:
     """(chunk, block): columns per kernel-1 program and per loaded tile (powers of two)."""
-    want = triton.next_power_of_2(max(1, -(-num_rows * vocab // TARGET_PROGRAMS)))
-    chunk = max(MIN_CHUNK, triton.next_power_of_2(-(-vocab // MAX_CHUNKS)), min(MAX_CHUNK, want))
-    chunk = min(chunk, max(16, triton.next_power_of_2(vocab)))
-    return chunk, min(chunk, MAX_BLOCK)
+    cap = max(16, triton.next_power_of_2(vocab))
+    if num_rows * -(-vocab // MIN_CHUNK) <= LATENCY_PROGRAMS:
+        chunk = min(cap, max(MIN_CHUNK, triton.next_power_of_2(-(-vocab // MAX_CHUNKS))))
+        return chunk, min(chunk, MAX_BLOCK)
+    want = triton.next_power_of_2(-(-num_rows * vocab // THROUGHPUT_COLUMNS))
+    chunk = min(cap, max(MIN_CHUNK, triton.next_power_of_2(-(-vocab // MAX_CHUNKS)), want))
+    return min(chunk, MAX_CHUNK), min(chunk, 256 if k > 1 else 512)
 
 
 def _check(logits: torch.Tensor) -> torch.Tensor:
@@ -181,8 +191,9 @@ def _select(
     warps: tuple[int, int] | None = None,  # (kernel 1, kernel 2) num_warps: tuning only
 ) -> None:
     rows, vocab = logits.shape
-    if chunk is None or block is None:
-        chunk, block = plan_chunks(rows, vocab)
+    plan_chunk, plan_block = plan_chunks(rows, vocab, k)
+    chunk = chunk or plan_chunk
+    block = block or min(chunk, plan_block)
     assert chunk & (chunk - 1) == 0 and block & (block - 1) == 0 and block <= chunk
     n_chunks = -(-vocab // chunk)
     kp = max(2, triton.next_power_of_2(k))
@@ -209,10 +220,11 @@ def _select(
 def row_topk_logprobs(
     logits: torch.Tensor, k: int, *, chunk: int | None = None, block: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest entries of each row of log_softmax(logits.float()), descending, and their
-    column ids (int64); equal values: lower column first. logits: [T, V] fp32/fp16/bf16, last
-    dim contiguous (rows may be strided). 1 <= k <= min(16, V). `chunk`/`block` override
-    plan_chunks (tests, tuning)."""
+    """The k largest entries of each row of log_softmax(logits.float()) (float32 [T, k],
+    descending) and their column ids (int64 [T, k]); equal values: lower column first.
+    logits: [T, V] fp32/fp16/bf16, rows may be strided (a last dim that is not contiguous is
+    copied first). 1 <= k <= min(16, V), else ValueError. A row entirely -inf: ids 0..k-1,
+    log-probs NaN. `chunk`/`block` (powers of two) override plan_chunks: tests, tuning."""
     logits = _check(logits)
     rows, vocab = logits.shape
     if not 1 <= k <= min(MAX_K, vocab):
@@ -227,7 +239,8 @@ def row_topk_logprobs(
 def row_argmax(
     logits: torch.Tensor, *, chunk: int | None = None, block: int | None = None
 ) -> torch.Tensor:
-    """Column of each row's maximum (int64 [T]); equal maxima: the lowest column."""
+    """Column of each row's maximum (int64 [T]); equal maxima (a row entirely -inf, too):
+    the lowest column. logits and overrides as for row_topk_logprobs."""
     logits = _check(logits)
     rows, vocab = logits.shape
     if vocab == 0:
