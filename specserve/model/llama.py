@@ -334,13 +334,16 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, positions, ctx)
         return ModelOutput(hidden=self.model.norm(h), aux_hidden=aux)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Logits, float32 (upcast=False: in the model's dtype where that saves a copy; for
+        callers that only take an argmax, which the upcast would not change)."""
         weight = self.lm_head_weight
         if fused_mode(hidden) == 2 and weight.dtype == hidden.dtype:
             from specserve.ops.triton_linear import skinny_linear
 
             return skinny_linear(hidden, weight, out_dtype=torch.float32)  # no bf16 rounding
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        return logits.float() if upcast else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up on the way."""

@@ -13,9 +13,44 @@ restricted to the tokens that survive top_k / top_p / min_p.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
+
+# Split-row Triton reductions for argmax and top-k log-probs on CUDA (ops/triton_topk.py);
+# SPECSERVE_DISABLE_TRITON_SAMPLING=1 keeps torch's own kernels.
+TRITON_REDUCTIONS = (
+    importlib.util.find_spec("triton") is not None
+    and os.environ.get("SPECSERVE_DISABLE_TRITON_SAMPLING", "0").strip().lower()
+    in ("", "0", "false", "no")
+)
+
+
+def _triton_rows(logits: torch.Tensor) -> bool:
+    return TRITON_REDUCTIONS and logits.is_cuda and logits.dim() == 2
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1), the first maximum on ties (as torch documents), any float dtype."""
+    if _triton_rows(logits) and logits.shape[-1] > 0:
+        from specserve.ops.triton_topk import row_argmax
+
+        return row_argmax(logits)
+    return logits.argmax(dim=-1)
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 [T, k] descending, int64 ids [T, k]): the k likeliest tokens of each row of
+    log_softmax(logits.float()); on CUDA equal values list the lower id first."""
+    if _triton_rows(logits):
+        from specserve.ops.triton_topk import MAX_K, row_topk_logprobs
+
+        if 1 <= k <= min(MAX_K, logits.shape[-1]):
+            return row_topk_logprobs(logits, k)
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return values, ids
 
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: products with 32-bit values stay inside int64.
@@ -98,8 +133,9 @@ def target_distribution_logits(logits: torch.Tensor, st: SamplingTensors) -> tor
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor) -> torch.Tensor:
-    """One token per row. logits [R, V] float32; positions [R]: where the sampled token goes."""
-    greedy = logits.argmax(dim=-1)
+    """One token per row. logits [R, V] (float32; bf16/fp16 logits are fine for all-greedy
+    rows: argmax needs no upcast); positions [R]: where the sampled token goes."""
+    greedy = argmax_rows(logits)
     if st.all_greedy:
         return greedy
     scaled = target_distribution_logits(logits, st)

@@ -261,9 +261,9 @@ class Worker:
         meta = batch.metadata(n, n, n, out_slots, mask)
         capture = self.drafter.capture_layers if self.drafter is not None else ()
         out = self.target.forward(trees.tokens.reshape(-1), positions, meta, capture)
-        logits = self.target.model.compute_logits(out.hidden)
-        # Each node's draw is for the position after it: kv_len + depth + 1.
         st = batch.sampling
+        logits = self.target.model.compute_logits(out.hidden, upcast=not st.all_greedy)
+        # Each node's draw is for the position after it: kv_len + depth + 1.
         if n > 1 and not st.all_greedy:  # greedy rows need no per-node sampling parameters
             st = st.expand(n)
         target_tokens = sample(logits, st, positions + 1).view(b, n)

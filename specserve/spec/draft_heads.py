@@ -16,6 +16,7 @@ from torch import nn
 from specserve.model.config import ModelConfig
 from specserve.model.llama import MLP, Attention, DecoderLayer, RMSNorm
 from specserve.ops.attention import ForwardContext
+from specserve.ops.sampling import topk_logprobs
 
 
 class DraftHead(nn.Module):
@@ -27,12 +28,13 @@ class DraftHead(nn.Module):
         raise NotImplementedError
 
     def topk(self, g: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probabilities [T, k], target token ids [T, k]) of the k likeliest next tokens."""
-        logp = torch.log_softmax(self.logits(g), dim=-1)
-        values, ids = logp.topk(k, dim=-1)
+        """(log-probabilities [T, k] float32, target token ids [T, k]) of the k likeliest next
+        tokens (log-softmax in float32 over the logits as the head computes them)."""
+        values, ids = topk_logprobs(self.logits(g), k)
         return values, self.map_ids(ids)
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """[T, draft vocab] in the head's dtype or float32."""
         raise NotImplementedError
 
     def map_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -76,7 +78,7 @@ class EagleHead(DraftHead):
         return h
 
     def logits(self, g):
-        return F.linear(g, self._lm_head[0]).float()
+        return F.linear(g, self._lm_head[0])
 
 
 class _Eagle3Attention(Attention):
@@ -118,7 +120,7 @@ class Eagle3Head(DraftHead):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def logits(self, g):
-        return self.lm_head(self.norm(g)).float()
+        return self.lm_head(self.norm(g))
 
     def map_ids(self, ids):
         return ids + self.d2t[ids]

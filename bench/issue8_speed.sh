@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 8's speed check in one device call (~6 min on an H200): the GPU tests of the decode
+# step's kernels, a device profile of batch-1 decode steps (135M shape, random weights, a random
+# EAGLE head at simulated acceptance), and `bench e2e` on the real SmolLM2-135M-Instruct with
+# the bundled draft against HF transformers (static cache; prompt lookup), same prompts.
+# Usage (repo root, CUDA machine): OUT=/tmp/out bash bench/issue8_speed.sh /root/stage/smollm2.gguf
+set -uo pipefail
+MODEL=${1:?usage: OUT=dir bash bench/issue8_speed.sh MODEL.gguf}
+OUT=${OUT:-/tmp/specserve-issue8}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+if [ -d .whl ] && ! $PY -c "import gguf" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+git rev-parse HEAD 2>/dev/null | tee -a "$OUT/device.txt"
+
+echo "== GPU tests $(date +%T)"
+timeout ${TEST_TIMEOUT:-200} $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+  tests/test_triton_kv_commit.py tests/test_triton_topk.py 2>&1 | tail -4 | tee "$OUT/tests.log"
+
+echo "== profile $(date +%T)"
+OUT=$OUT/profile bash bench/profile_steps.sh 2>&1 | grep "^== \|^decode steps" | tee "$OUT/profile.log"
+
+echo "== e2e $(date +%T)"
+timeout ${E2E_TIMEOUT:-330} $PY -m specserve.cli bench e2e --model-path "$MODEL" \
+  --draft specserve/data/drafts/smollm2-135m-eagle --num-prompts ${NUM_PROMPTS:-6} \
+  --max-new-tokens 160 --spec ${E2E_SPECS:-5,1,6 6,8,32 8,8,64} \
+  --output-json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
+echo "e2e rc $?"
+grep -v "^  \|^\[\|^\]\|^{\|^}" "$OUT/e2e.log" | tail -14
