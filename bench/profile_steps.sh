@@ -2,7 +2,7 @@
 # Device profile of batch-1 decode steps on the SmolLM2-135M shape (random weights, a random
 # EAGLE head, simulated acceptance so every configuration drafts and verifies its full tree):
 # plain, the 5-step chain and two trees. One JSON file per case in $OUT, tables on stdout.
-# Usage (repo root, CUDA machine): OUT=/tmp/out bash bench/profile_steps.sh [extra engine flags]
+# Usage (repo root, CUDA machine): OUT=/tmp/out [CASES="plain chain5"] bash bench/profile_steps.sh [engine flags]
 set -uo pipefail
 OUT=${OUT:-/tmp/specserve-profile}
 mkdir -p "$OUT"
@@ -19,8 +19,10 @@ from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
 write_random_eagle_checkpoint(sys.argv[1], PRESETS[sys.argv[2]], "EAGLE")
 PY
 fi
+CASES=${CASES:-plain chain5 tree8x8x64 tree6x8x32}
 prof() {  # name, then engine flags
   local name=$1; shift
+  case " $CASES " in *" $name "*) ;; *) return ;; esac
   echo "== $name $(date +%T)"
   timeout ${PROFILE_TIMEOUT:-150} $PY -m specserve.cli bench profile-step --model-path "$MODEL" $LOAD \
     --output-json "$OUT/$name.json" "$@" 2>&1 | grep -v '^USDT\|^\[\|^  \|^\]\|^{\|^}' | head -45

@@ -15,6 +15,7 @@ No host-device synchronisation: launch sizes come from the host lists of the met
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,9 @@ _MAX_SPLITS = 64
 # want several per SM to keep loads in flight; extend programs of 64 rows want about 2).
 _DECODE_PROGRAMS_PER_SM = 4
 _EXTEND_PROGRAMS_PER_SM = 2
+# Shortest cached-prefix chunk of a split extend (tree verify and tree drafting at small batch
+# have a handful of programs, each walking the whole prefix one KV block at a time).
+EXTEND_MIN_PREFIX_PER_SPLIT = int(os.environ.get("SPECSERVE_EXTEND_MIN_PREFIX_SPLIT", 256))
 
 
 @dataclass(frozen=True)
@@ -67,18 +71,17 @@ class TritonAttentionBackend(AttentionBackend):
         return self._num_sms
 
     def _splits(
-        self, programs: int, per_sm: int, max_len: int, device: torch.device
+        self, programs: int, per_sm: int, max_len: int, device: torch.device, min_len: int
     ) -> tuple[int, int]:
         """(split count, positions per split) for splitting `max_len` KV positions so that
-        `programs` programs become about `per_sm` per SM, with no chunk under
-        min_kv_per_split."""
+        `programs` programs become about `per_sm` per SM, with no chunk under min_len."""
         if self.num_kv_splits is not None:
             splits = self.num_kv_splits
         else:
             # Round down: one program past what fits at once adds a whole extra wave (H200:
             # 9 prefix splits of a batch-1 tree verify ran 1.5x slower than 8).
             splits = (per_sm * self._sm_count(device)) // max(programs, 1)
-            splits = min(splits, triton.cdiv(max_len, self.min_kv_per_split), _MAX_SPLITS)
+            splits = min(splits, triton.cdiv(max_len, min_len), _MAX_SPLITS)
         splits = max(1, splits)
         # Chunks are whole KV blocks; recompute the count so no trailing split is always empty.
         per_split = triton.cdiv(triton.cdiv(max(max_len, 1), splits), _BLOCK_N) * _BLOCK_N
@@ -92,7 +95,11 @@ class TritonAttentionBackend(AttentionBackend):
         max_q_len = max(q_lens, default=0)
         if meta.custom_mask is None and min(q_lens) == max_q_len == 1:
             splits, per_split = self._splits(
-                batch * kv_heads, _DECODE_PROGRAMS_PER_SM, max(kv_lens), device
+                batch * kv_heads,
+                _DECODE_PROGRAMS_PER_SM,
+                max(kv_lens),
+                device,
+                self.min_kv_per_split,
             )
             return _LaunchPlan(True, 1, splits, per_split)
         # Extend: only the cached prefix is split (the masked extra part stays in the last
@@ -102,7 +109,9 @@ class TritonAttentionBackend(AttentionBackend):
         max_prefix = max(n - e for n, e in zip(kv_lens, extra))
         if self.num_kv_splits is None and programs >= self._sm_count(device):
             return _LaunchPlan(False, max_q_len, 1, 0)
-        splits, per_split = self._splits(programs, _EXTEND_PROGRAMS_PER_SM, max_prefix, device)
+        splits, per_split = self._splits(
+            programs, _EXTEND_PROGRAMS_PER_SM, max_prefix, device, EXTEND_MIN_PREFIX_PER_SPLIT
+        )
         return _LaunchPlan(False, max_q_len, splits, per_split)
 
     def forward(
