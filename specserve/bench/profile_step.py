@@ -51,10 +51,13 @@ def add_profile_parser(bsub, add_engine_args, engine_kwargs) -> argparse.Argumen
 
 
 _CLASSES = [
-    ("matmul", re.compile(r"gemm|gemv|matmul|cutlass|sm\d+_xmma|linear|splitk", re.I)),
-    ("attention", re.compile(r"attn|attention|flash|decode_kernel|_fwd_", re.I)),
+    ("matmul", re.compile(r"gemm|gemv|matmul|cutlass|nvjet|sm\d+_xmma|skinny|linear|splitk", re.I)),
+    (
+        "attention",
+        re.compile(r"attn|attention|flash|extend_kernel|decode_split|merge_splits", re.I),
+    ),
     ("norm", re.compile(r"norm", re.I)),
-    ("rope/kv", re.compile(r"rope|rotary|kv_write|store_kv", re.I)),
+    ("rope/kv", re.compile(r"rope|rotary|kv_write|store_kv|commit_path", re.I)),
     ("sampling/topk", re.compile(r"topk|sort|softmax|argmax|max|sample|radix|bitonic", re.I)),
     ("copy/index", re.compile(r"copy|gather|scatter|index|cat|memcpy|memset|fill", re.I)),
 ]

@@ -1,0 +1,50 @@
+"""`specserve bench profile-step`: step counting and the interval arithmetic behind its numbers
+(the kernel columns need CUDA; on the CPU they are empty and say so)."""
+
+from __future__ import annotations
+
+import json
+
+from specserve.bench.profile_step import _busy_time, kernel_class
+from specserve.cli import main
+from specserve.model.config import PRESETS
+from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    assert _busy_time([]) == 0.0
+    assert _busy_time([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == 4.0  # overlap counted once
+    assert _busy_time([(5.0, 6.0), (0.0, 1.0), (0.5, 0.7)]) == 2.0  # nested, unsorted
+
+
+def test_kernel_classes():
+    assert kernel_class("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT") == "matmul"  # cuBLAS
+    assert kernel_class("_skinny_fma_kernel") == "matmul"
+    assert kernel_class("ampere_bf16_s16816gemm_bf16_128x64") == "matmul"
+    assert kernel_class("_extend_kernel") == "attention"
+    assert kernel_class("merge_splits_kernel") == "attention"
+    assert kernel_class("_add_rmsnorm_kernel") == "norm"
+    assert kernel_class("_rope_write_kernel") == "rope/kv"
+
+
+def test_profile_step_counts_speculative_steps(tmp_path, capsys):
+    draft = write_random_eagle_checkpoint(str(tmp_path / "draft"), PRESETS["tiny"], "EAGLE")
+    out = tmp_path / "profile.json"
+    rc = main(
+        [
+            "bench", "profile-step", "--model-path", "tiny", "--load-format", "dummy",
+            "--device", "cpu", "--input-len", "8", "--output-len", "13",
+            "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", draft,
+            "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+            "--speculative-num-draft-tokens", "4", "--simulate-acc-len", "3",
+            "--simulate-acc-method", "match-expected", "--output-json", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    result = json.loads(out.read_text())
+    s = result["summary"]
+    # 12 tokens after the prefill's first, 3 per step (accept length forced to 3)
+    assert s["decode_steps"] == 4 and abs(s["accept_length"] - 3.25) < 1e-6
+    assert s["wall_us_per_step"] > 0 and s["decode_tok_s"] > 0
+    assert s["kernels_per_step"] == 0 and s["idle_fraction"] is None  # no CUDA kernels here
+    assert "decode_steps" in capsys.readouterr().out
