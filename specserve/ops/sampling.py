@@ -21,11 +21,9 @@ import torch
 
 # Split-row Triton reductions for argmax and top-k log-probs on CUDA (ops/triton_topk.py);
 # SPECSERVE_DISABLE_TRITON_SAMPLING=1 keeps torch's own kernels.
-TRITON_REDUCTIONS = (
-    importlib.util.find_spec("triton") is not None
-    and os.environ.get("SPECSERVE_DISABLE_TRITON_SAMPLING", "0").strip().lower()
-    in ("", "0", "false", "no")
-)
+TRITON_REDUCTIONS = importlib.util.find_spec("triton") is not None and os.environ.get(
+    "SPECSERVE_DISABLE_TRITON_SAMPLING", "0"
+).strip().lower() in ("", "0", "false", "no")
 
 
 def _triton_rows(logits: torch.Tensor) -> bool:
@@ -51,6 +49,7 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
             return row_topk_logprobs(logits, k)
     values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
     return values, ids
+
 
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: products with 32-bit values stay inside int64.
