@@ -251,8 +251,12 @@ def test_tree_selection_keeps_the_stable_sort_order_under_ties():
         keys[torch.rand(b, c, generator=g) < 0.1] = -0.0
         keys[torch.rand(b, c, generator=g) < 0.05] = 1e6 - 3  # the draft's greedy chain
         keys[torch.rand(b, c, generator=g) < 0.1] = float("-inf")
+        nan = torch.rand(b, c, generator=g) < 0.05
+        keys[nan] = float("nan")
+        keys[nan & (torch.rand(b, c, generator=g) < 0.5)] = -float("nan")  # sign bit set
         m = int(torch.randint(1, c + 1, (1,), generator=g))
-        stable = torch.sort(keys + 0.0, dim=1, descending=True, stable=True).indices[:, :m]
+        as_sorted = torch.where(keys.isnan(), float("-inf"), keys + 0.0)  # NaN ranks as -inf
+        stable = torch.sort(as_sorted, dim=1, descending=True, stable=True).indices[:, :m]
         got = best_columns(keys, m)
         assert torch.equal(got.sort(dim=1).values, stable.sort(dim=1).values)
 
@@ -271,3 +275,40 @@ def test_accept_from_the_ancestor_mask_equals_the_walk():
             assert torch.equal(getattr(walked, field), getattr(masked, field)), field
         longest = max(longest, int(walked.accept_len.max()))
     assert longest > 3  # the cases exercise long accepted paths
+
+
+def test_accept_never_takes_a_node_without_a_parent():
+    """A non-root node whose parent is missing (-1) is not on any root path; neither way of
+    accepting may take it, whatever the target says."""
+    trees = DraftTrees(
+        tokens=torch.tensor([[5, 10, 11]]),
+        parents=torch.tensor([[-1, 0, -1]]),
+        depths=torch.tensor([[0, 1, 2]]),
+        max_depth=2,
+    )
+    target = torch.tensor([[11, 7, 9]])  # after the root the target says 11: node 2's token
+    for acc in (accept(trees, target), accept(trees, target, ancestor_mask(trees.parents, 2))):
+        assert acc.accept_len.tolist() == [1] and acc.emitted[0, 0].item() == 11
+
+
+def test_stale_nan_in_the_draft_cache_does_not_leak_into_drafting(plain_outputs):
+    """Tree drafting attends over the whole draft scratch with a mask; masked entries still
+    enter with weight 0, so a non-finite leftover there (a reused page) must be cleared
+    first, or every draft goes NaN and nothing is accepted. (The target is its own draft here,
+    so every draft token is accepted when nothing leaks.)"""
+    kwargs = dict(
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path="tiny",
+        speculative_num_steps=4,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=8,
+    )
+    accept_lengths = []
+    for poison in (False, True):
+        with Engine(**TINY, **kwargs) as engine:
+            if poison:
+                engine.core.worker.drafter.kv.buffer.fill_(float("nan"))
+            outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+            assert [o["output_ids"] for o in outs] == plain_outputs
+            accept_lengths.append(engine.stats()["spec_accept_length"])
+    assert accept_lengths[0] > 4.5 and accept_lengths[1] == accept_lengths[0]

@@ -210,7 +210,7 @@ def test_extend_split_prefix(splits, tree):
 
 def test_tree_verify_batch_one_splits_automatically():
     # 2 programs unsplit < 4 "SMs" on CPU: the heuristic splits the 600-long prefix.
-    backend = TritonAttentionBackend(min_kv_per_split=64)
+    backend = TritonAttentionBackend(min_prefix_per_split=64)
     case = make_case([Req(16, 600)], heads=4, kv_heads=1, head_dim=16, tree_mask=True, seed=140)
     check(case, backend)
     assert backend._plan is not None and backend._plan.num_splits > 1

@@ -58,7 +58,12 @@ _CLASSES = [
     ),
     ("norm", re.compile(r"norm", re.I)),
     ("rope/kv", re.compile(r"rope|rotary|kv_write|store_kv|commit_path", re.I)),
-    ("sampling/topk", re.compile(r"topk|sort|softmax|argmax|max|sample|radix|bitonic", re.I)),
+    (
+        "sampling/topk",
+        re.compile(
+            r"topk|sort|softmax|argmax|max|sample|radix|bitonic|_chunk_kernel|_merge_kernel", re.I
+        ),
+    ),
     ("copy/index", re.compile(r"copy|gather|scatter|index|cat|memcpy|memset|fill", re.I)),
 ]
 
@@ -115,7 +120,9 @@ def profile_decode(engine, batch_size: int, input_len: int, output_len: int, top
     launches = sorted(e.time_range.start for e in host if e.name == "cudaGraphLaunch")
     # Device work of the decode phase: from the first graph launch (prefill runs eagerly).
     t0 = launches[0] if launches else float("-inf")
-    steps = _decode_steps(before, after, outs)
+    # every replayed decode step is one graph launch (the step overlap launches ahead counts:
+    # it runs on the device); without graphs, the engine's counts
+    steps = len(launches) or _decode_steps(before, after, outs)
     in_window = [k for k in kernels if k.time_range.start >= t0]
     per_name: dict[str, list[float]] = defaultdict(list)
     for k in in_window:

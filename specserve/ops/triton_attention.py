@@ -34,7 +34,7 @@ _DECODE_PROGRAMS_PER_SM = 4
 _EXTEND_PROGRAMS_PER_SM = 2
 # Shortest cached-prefix chunk of a split extend (tree verify and tree drafting at small batch
 # have a handful of programs, each walking the whole prefix one KV block at a time).
-EXTEND_MIN_PREFIX_PER_SPLIT = int(os.environ.get("SPECSERVE_EXTEND_MIN_PREFIX_SPLIT", 64))
+EXTEND_MIN_PREFIX_PER_SPLIT = max(1, int(os.environ.get("SPECSERVE_EXTEND_MIN_PREFIX_SPLIT", 64)))
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,20 @@ class _LaunchPlan:
 class TritonAttentionBackend(AttentionBackend):
     fused_rope_write = True
 
-    def __init__(self, num_kv_splits: int | None = None, min_kv_per_split: int = 256):
+    def __init__(
+        self,
+        num_kv_splits: int | None = None,
+        min_kv_per_split: int = 256,
+        min_prefix_per_split: int = EXTEND_MIN_PREFIX_PER_SPLIT,
+    ):
         """num_kv_splits: force the split count of both paths (tests, benchmarks); None picks
         it from the GPU size and the lengths.
-        min_kv_per_split: shortest chunk worth its own program (smaller chunks cost more in
-        the merge than they save)."""
+        min_kv_per_split: shortest decode chunk worth its own program (smaller chunks cost
+        more in the merge than they save); min_prefix_per_split: the same for an extend's
+        cached prefix (H200: 64 beat 128 and 256 for batch-1 tree verify and drafting)."""
         self.num_kv_splits = num_kv_splits
-        self.min_kv_per_split = min_kv_per_split
+        self.min_kv_per_split = max(1, min_kv_per_split)
+        self.min_prefix_per_split = max(1, min_prefix_per_split)
         self._num_sms: int | None = None
         # One forward calls us once per layer with the same metadata object: plan once.
         self._plan_for: AttentionMetadata | None = None
@@ -110,7 +117,7 @@ class TritonAttentionBackend(AttentionBackend):
         if self.num_kv_splits is None and programs >= self._sm_count(device):
             return _LaunchPlan(False, max_q_len, 1, 0)
         splits, per_split = self._splits(
-            programs, _EXTEND_PROGRAMS_PER_SM, max_prefix, device, EXTEND_MIN_PREFIX_PER_SPLIT
+            programs, _EXTEND_PROGRAMS_PER_SM, max_prefix, device, self.min_prefix_per_split
         )
         return _LaunchPlan(False, max_q_len, splits, per_split)
 

@@ -48,9 +48,11 @@ class _DraftConstants:
 
 def best_columns(keys: torch.Tensor, m: int) -> torch.Tensor:
     """Columns of the m largest float32 keys per row, ties to the lower column (what a stable
-    descending sort gives), in no particular order. One top-k over unique int64 keys: the
-    float's bits made order-preserving (-0.0 equal to +0.0), then the reversed column."""
-    bits = keys.contiguous().view(torch.int32).to(torch.int64)
+    descending sort gives), in no particular order; NaN ranks as -inf (a NaN score is never
+    preferred, and a NaN child never outranks its parent). One top-k over unique int64 keys:
+    the float's bits made order-preserving (-0.0 equal to +0.0), then the reversed column."""
+    keys = torch.nan_to_num(keys, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    bits = keys.view(torch.int32).to(torch.int64)
     ordered = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
     width = keys.shape[1]
     reversed_col = torch.arange(width - 1, -1, -1, device=keys.device)
@@ -190,6 +192,10 @@ class TreeDrafter:
             # scratch not yet written this step is masked out (f_anc is False there), so one
             # metadata serves all depths and only the mask and the output slots change.
             shared = batch.metadata(d + scratch, k, scratch, None, f_anc.reshape(-1))
+            # Masked-out scratch still enters attention with weight 0, and 0 * NaN is NaN:
+            # clear it, so stale values (a page's earlier owner, a broken earlier step) are inert.
+            idx = batch.window_slots[:, d : d + scratch].reshape(-1)
+            self.kv.buffer.index_fill_(2, idx, 0)
             # positions of every depth's frontier at once: kv_len + delta - 1 + depth
             all_pos = batch.kv_lens_dev[:, None, None] + c.frontier_pos[None, :, :]
         for depth in range(1, self.num_steps):

@@ -72,7 +72,8 @@ def accept(
     agrees = tokens == torch.gather(target_tokens, 1, safe_parent)
     if anc is not None:
         not_root = torch.arange(n, device=tokens.device) > 0
-        disagrees = not_root > agrees  # the root always "agrees"
+        # the root always "agrees"; a non-root node without a parent never does (as in the walk)
+        disagrees = not_root > (agrees & (parents >= 0))
         accepted = ~(anc & disagrees[:, None, :]).any(dim=2)
         return acceptance_of_path(trees, accepted, target_tokens)
     accepted = torch.zeros(b, n, dtype=torch.bool, device=tokens.device)
