@@ -61,6 +61,14 @@ ACC_KV=${ACC_KV:-65536}
 KEEP_DRAFT=${KEEP_DRAFT:-}            # also copy the finished draft here (e.g. for a next call)
 E2E_TIMEOUT=${E2E_TIMEOUT:-0}         # > 0: stage 6, `bench e2e` with the draft (engine only)
 E2E_SPECS=${E2E_SPECS:-5,1,6 8,8,64}
+# Training longer than one call (the machine keeps $WORK while it stays warm between calls):
+# CONTINUES=1 pauses training at the call's end without annealing and skips the measurements;
+# RESUME=1 continues from $WORK/checkpoint.pt (the data there is reused). TRAIN_BUDGET is then
+# the schedule's whole length over all calls, e.g. three calls back to back:
+#   CONTINUES=1 TRAIN_BUDGET=1300 ...; RESUME=1 CONTINUES=1 TRAIN_BUDGET=1300 ...;
+#   RESUME=1 TRAIN_BUDGET=1300 ...
+CONTINUES=${CONTINUES:-0}
+RESUME=${RESUME:-0}
 
 START=$(date +%s)
 mkdir -p "$OUT" "$WORK"
@@ -88,7 +96,15 @@ esac
 
 ENGINE_FLAGS=()
 for a in $ENGINE_ARGS; do ENGINE_FLAGS+=(--engine-arg "$a"); done
-FINISH_BY=$((START + TOTAL_BUDGET - ACC_TIMEOUT - 20))
+if [ "$CONTINUES" = 1 ]; then
+  STOP_FLAG=(--pause-by "$((START + TOTAL_BUDGET - 10))")   # no measurement in this call
+  FINISH_BY=$((START + TOTAL_BUDGET - 10))
+else
+  FINISH_BY=$((START + TOTAL_BUDGET - ACC_TIMEOUT - 20))
+  STOP_FLAG=(--finish-by "$FINISH_BY")
+fi
+RESUME_FLAG=()
+[ "$RESUME" = 1 ] && RESUME_FLAG=(--resume)
 
 # ---- 1-3. generate, features, train (one process; its own timestamped lines) ---------------------
 log "stage 1-3: train-eagle (generation budget $GEN_BUDGET s, training until $TRAIN_BUDGET s or $(date -d @$FINISH_BY +%H:%M:%S 2>/dev/null || echo $FINISH_BY))"
@@ -98,7 +114,7 @@ $PY -m specserve.cli train-eagle --target "$MODEL" --out "$DRAFT" --work-dir "$W
   --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" --generator "$GENERATOR" \
   --gen-batch-size "$GEN_BATCH" --sampled-passes "$SAMPLED_PASSES" --temperature $TEMPS \
   --gen-time-budget "$GEN_BUDGET" "${ENGINE_FLAGS[@]}" \
-  --epochs 0 --time-budget "$TRAIN_BUDGET" --finish-by "$FINISH_BY" \
+  --epochs 0 --time-budget "$TRAIN_BUDGET" "${STOP_FLAG[@]}" "${RESUME_FLAG[@]}" \
   --batch-tokens "$BATCH_TOKENS" --lr "$LR" --warmup "$WARMUP" \
   --ttt-steps "$TTT_STEPS" --ttt-decay "$TTT_DECAY" \
   --feature-weight "$FEATURE_WEIGHT" --token-weight "$TOKEN_WEIGHT" \
@@ -117,6 +133,12 @@ if [ ! -f "$DRAFT/model.safetensors" ]; then
   log "no draft was written; last lines of train.log:"
   tail -n 40 "$OUT/train.log" | tee -a "$OUT/run.log"
   exit 1
+fi
+
+if [ "$CONTINUES" = 1 ]; then
+  [ -n "$KEEP_DRAFT" ] && mkdir -p "$KEEP_DRAFT" && cp "$DRAFT"/*.json "$DRAFT"/*.safetensors "$KEEP_DRAFT"/
+  log "paused (CONTINUES=1): resume with RESUME=1 on this machine; total $(($(date +%s) - START)) s"
+  exit 0
 fi
 
 # ---- 4. measure: every configuration in its own process, at once --------------------------------

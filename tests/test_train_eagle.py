@@ -299,6 +299,34 @@ def test_time_budget_stops_training_and_anneals(tiny_data):
     assert hist[-1]["lr"] < 0.3 * args.lr  # the schedule ran to its end on the clock
 
 
+def test_pause_then_resume_continues_one_schedule(tiny_data):
+    """Training spread over two runs: the first pauses (pause_by) with its learning rate still
+    high; the resumed run continues the same clock-driven schedule and anneals it. A resumed
+    run with a finish_by deadline counts the seconds already trained."""
+    root, _, target_path = tiny_data
+    target = load_target(target_path, "float32", "cpu").model
+    out = str(root / "paused")
+    base = dict(epochs=0, time_budget=8.0, lr=1e-3, batch_size=8, ttt_steps=1, log_every=1)
+    first = train(
+        target, str(root / "data"), out,
+        TrainArgs(**base, save_every=0, pause_by=time.time() + 15.0 + 2.0), log=quiet,
+    )  # fmt: skip
+    curve = os.path.join(out, "train_curve.json")
+    hist = json.load(open(curve))["history"]
+    assert 2.0 <= first["train_seconds"] < 5.0
+    assert hist[-1]["lr"] > 0.7 * base["lr"]  # paused a quarter in: not annealed
+    second = train(
+        target, str(root / "data"), out,
+        TrainArgs(**{**base, "time_budget": 100.0}, finish_by=time.time() + 15.0 + 3.0),
+        resume=True, log=quiet,
+    )  # fmt: skip
+    hist = json.load(open(curve))["history"]
+    assert second["steps"] > first["steps"]
+    # the deadline left ~3 s: the schedule spans the ~2 s already trained plus those
+    assert first["train_seconds"] + 2.0 < second["train_seconds"] < first["train_seconds"] + 6.0
+    assert hist[-1]["lr"] < 0.3 * base["lr"]
+
+
 # ---- generation workers ---------------------------------------------------------------------------
 def test_parallel_workers_answer_every_job_once(tiny_data, tmp_path):
     """An engine worker and a dense worker (processes) share the jobs: every job is answered

@@ -106,6 +106,13 @@ def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
         default=t.finish_by,
         help="a Unix time by which training must be done (shortens the budget if needed)",
     )
+    g.add_argument(
+        "--pause-by",
+        type=float,
+        default=t.pause_by,
+        help="a Unix time at which to save and stop without shortening the schedule: "
+        "a later --resume run continues it (training spread over several sessions)",
+    )
     g.add_argument("--lr", type=float, default=t.lr)
     g.add_argument("--min-lr-ratio", type=float, default=t.min_lr_ratio)
     g.add_argument("--weight-decay", type=float, default=t.weight_decay)
@@ -190,6 +197,7 @@ def run_train(args) -> int:
         epochs=args.epochs,
         time_budget=args.time_budget,
         finish_by=args.finish_by,
+        pause_by=args.pause_by,
         lr=args.lr,
         min_lr_ratio=args.min_lr_ratio,
         weight_decay=args.weight_decay,

@@ -48,6 +48,9 @@ class TrainArgs:
     epochs: float = 4.0  # passes over the data (0: no limit; then time_budget must be set)
     time_budget: float = 0.0  # seconds of training (0: none); the schedule follows the clock
     finish_by: float = 0.0  # a time.time() value by which training must be done (0: none)
+    # a time.time() value at which to save and stop WITHOUT shortening the schedule, so that a
+    # --resume run continues it (training spread over several sessions or device calls)
+    pause_by: float = 0.0
     lr: float = 1e-3
     batch_size: int = 4  # sequences per step (grouped by length), when batch_tokens is 0
     batch_tokens: int = 0  # padded tokens per step (0: batch_size sequences)
@@ -481,6 +484,19 @@ def vocab_lookup(ids: torch.Tensor, vocab_size: int, device) -> torch.Tensor:
     return lookup
 
 
+def schedule_seconds(args: TrainArgs, trained: float) -> float:
+    """Seconds of training the learning-rate schedule spans (0: it follows steps): the time
+    budget, shortened so that a finish_by deadline is met, counting `trained` seconds done
+    before this run (a resumed run continues its schedule). 15 s stay in reserve for the final
+    evaluation and saving."""
+    budget = args.time_budget
+    if args.finish_by > 0:
+        left = args.finish_by - time.time() - 15.0
+        budget = min(budget, trained + left) if budget > 0 else trained + left
+        budget = max(budget, trained + 1.0)
+    return budget
+
+
 def lr_at(progress: float, args: TrainArgs) -> float:
     """Linear warm-up over `warmup` of the schedule, then cosine down to min_lr_ratio."""
     if args.warmup > 0 and progress < args.warmup:
@@ -616,11 +632,7 @@ def train(
     val_idx, train_idx = split_by_prompt(data, args.val_fraction, args.seed)
     if len(train_idx) == 0:
         raise ValueError(f"{data_dir}: no training sequence left after holding back prompts")
-    budget = args.time_budget
-    if args.finish_by > 0:  # what is left, less a reserve for the final evaluation and saving
-        left = args.finish_by - time.time() - 15.0
-        budget = min(budget, left) if budget > 0 else left
-        budget = max(budget, 1.0)
+    budget = schedule_seconds(args, 0.0)
     first_epoch = data.batches(train_idx, args.seed * 1000, args.batch_size, args.batch_tokens)
     total_steps = int(round(args.epochs * len(first_epoch))) if args.epochs > 0 else 0
     limits = [f"{total_steps} steps" if total_steps else "no step limit"]
@@ -691,6 +703,7 @@ def train(
         epoch, in_epoch = state.get("epoch", 0), state.get("in_epoch", 0)
         evals = state.get("evals", [])
         log(_stamp(f"resumed from {ckpt_path} at step {step} ({elapsed0:.0f}s trained)"))
+        budget = schedule_seconds(args, elapsed0)
     ce_chunk = _ce_chunk(args, device)
     t0 = time.perf_counter()
 
@@ -700,6 +713,10 @@ def train(
     def progress() -> float:
         p = step / total_steps if total_steps else 0.0
         return max(p, elapsed() / budget) if budget > 0 else p
+
+    def stop() -> bool:
+        """The schedule is done, or this run must pause (its schedule goes on at --resume)."""
+        return progress() >= 1.0 or (args.pause_by > 0 and time.time() >= args.pause_by - 15.0)
 
     def checkpoint(final: bool = False) -> dict:
         metrics = evaluate(head, eval_w, data, val_idx, args, device, eval_lookup)
@@ -734,7 +751,7 @@ def train(
     tokens_done = 0
     window_t, window_tok = time.perf_counter(), 0
     acc_sum = None
-    done = progress() >= 1.0
+    done = stop()
     while not done:
         batches = (
             first_epoch
@@ -792,7 +809,7 @@ def train(
                             f"{row['acc']} lr {lr:.2e} {row['tokens_per_s']} tok/s"
                         )
                     )
-            done = progress() >= 1.0
+            done = stop()
             if done:
                 break
             by_steps = args.save_every > 0 and step % args.save_every == 0
