@@ -25,37 +25,9 @@ import torch
 # Runnable as a plain script from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specserve.bench.gpu_timing import graph_ms, warm_up_clocks  # noqa: E402
+
 ROWS, VOCABS, KS = [1, 8, 64, 512], [49152, 128256], [1, 4, 8]
-
-
-def graph_ms(fn) -> float:
-    """Median ms of replaying fn from a CUDA graph (no Python launch overhead)."""
-    from triton.testing import do_bench
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile and warm outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, return_mode="median")
-
-
-def warm_up_clocks(seconds: float = 1.0) -> None:
-    """The GPU idles at low clocks; keep it busy a moment so the first case is not slow."""
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    while True:
-        for _ in range(20):
-            a @ a
-        end.record()
-        end.synchronize()
-        if start.elapsed_time(end) > seconds * 1e3:
-            return
 
 
 def check(logits: torch.Tensor, k: int) -> list[str]:
