@@ -26,7 +26,7 @@ OUT=$OUT/profile bash bench/profile_steps.sh 2>&1 | grep "^== \|^decode steps" |
 echo "== e2e $(date +%T)"
 timeout ${E2E_TIMEOUT:-330} $PY -m specserve.cli bench e2e --model-path "$MODEL" \
   --draft specserve/data/drafts/smollm2-135m-eagle --num-prompts ${NUM_PROMPTS:-6} \
-  --max-new-tokens 160 --spec ${E2E_SPECS:-5,1,6 6,8,32 8,8,64} \
+  --max-new-tokens 160 --spec ${E2E_SPECS:-5,1,6 6,8,32 8,8,64 5,8,64} \
   --output-json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
 echo "e2e rc $?"
 grep -v "^  \|^\[\|^\]\|^{\|^}" "$OUT/e2e.log" | tail -14

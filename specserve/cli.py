@@ -34,7 +34,7 @@ ENGINE_HELP = {
     "speculative_draft_model_path": "Draft checkpoint folder (EAGLE/EAGLE3) or draft model (STANDALONE).",
     "speculative_num_steps": "Draft depth: forward passes of the draft per step.",
     "speculative_eagle_topk": "Children kept per expanded draft node (1 = chain).",
-    "speculative_num_draft_tokens": "Tree size verified per step, root included (<= 1 + steps * topk).",
+    "speculative_num_draft_tokens": "Tree size verified per step, root included (<= 1 + topk + (steps - 1) * topk^2).",
     "simulate_acc_len": "Benchmarking: force this mean accept length (bonus token included; 1 = all rejected).",
     "simulate_acc_method": "multinomial | match-expected | per-position (default multinomial).",
     "simulate_acc_token_mode": "real-draft-token (default; tokens and KV consistent) | fixed.",

@@ -63,6 +63,8 @@ QUICK = [
     ("EAGLE3", 2, 5, 10, 16),
     ("STANDALONE", 8, 3, 16, 3),
     ("EAGLE", 16, 1, 17, 1),
+    ("EAGLE", 8, 5, 64, 16),  # SGLang's usual tree: more nodes than steps * topk
+    ("EAGLE3", 3, 4, 31, 3),  # the most the candidates allow: 1 + 3 + 3 * 9
 ]
 
 
@@ -78,8 +80,8 @@ def test_greedy_speculative_equals_plain(plain_outputs, drafts, algo, topk, step
 
 def _sweep():
     for topk, steps, page_size in itertools.product([1, 2, 4, 8, 16], [1, 3, 5], [1, 3, 16]):
-        max_tree = 1 + steps * topk
-        for ndt in sorted({2, min(max_tree, 1 + steps), max_tree}):
+        max_tree = 1 + topk + (steps - 1) * topk * topk
+        for ndt in sorted({2, min(max_tree, 1 + steps), min(max_tree, 1 + steps * topk, 64)}):
             yield ("EAGLE", topk, steps, ndt, page_size)
 
 
@@ -172,7 +174,7 @@ def test_seeded_sampling_equals_plain_sampling(drafts):
                 speculative_draft_model_path="tiny",
                 speculative_num_steps=2,
                 speculative_eagle_topk=2,
-                speculative_num_draft_tokens=6,
+                speculative_num_draft_tokens=8,  # 7 candidates: 2, then 2 x 2
             ),
             "speculative_num_draft_tokens",
         ),

@@ -24,9 +24,10 @@ DEFAULT_CONFIGS: list[tuple[str, int, int, int]] = [
     ("chain-5", 5, 1, 6),
     ("chain-7", 7, 1, 8),
     ("tree-k4-n16", 5, 4, 16),
-    ("tree-k4-n32", 8, 4, 32),  # num_draft_tokens <= 1 + num_steps * topk
+    ("tree-k4-n32", 8, 4, 32),
     ("tree-k8-n32", 6, 8, 32),
     ("tree-k8-n64", 8, 8, 64),
+    ("tree-k8-n64-s5", 5, 8, 64),  # SGLang's usual shape: 64 of the 8 + 4 x 64 candidates
 ]
 
 

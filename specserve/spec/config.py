@@ -79,9 +79,11 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
     require(
         1 <= topk <= MAX_TOPK, "speculative_eagle_topk", f"must be in [1, {MAX_TOPK}], got {topk}"
     )
-    max_tree = 1 + steps * topk
+    # the candidates drafting produces: topk at depth 1, then topk children of each of the topk
+    # frontier nodes per further step (SGLang's bound); the tree keeps the best of them
+    max_tree = 1 + topk + (steps - 1) * topk * topk
     if c.speculative_num_draft_tokens is None:
-        value = min(max_tree, 64)
+        value = min(1 + steps * topk, 64)
         decide(
             "speculative_num_draft_tokens",
             value,
@@ -91,8 +93,8 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
     require(
         2 <= ndt <= max_tree,
         "speculative_num_draft_tokens",
-        f"must be in [2, {max_tree}] (1 + speculative_num_steps * speculative_eagle_topk with "
-        f"num_steps={steps}, topk={topk}), got {ndt}",
+        f"must be in [2, {max_tree}] (1 + topk + (num_steps - 1) * topk^2: the draft "
+        f"candidates with num_steps={steps}, topk={topk}), got {ndt}",
     )
     return c, decisions
 
