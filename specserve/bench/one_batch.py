@@ -8,6 +8,16 @@ import time
 from typing import Any
 
 
+def random_batch(
+    engine, batch_size: int, input_len: int, output_len: int, seed: int = 0
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """Random prompts and greedy sampling parameters that generate exactly output_len tokens."""
+    rng = random.Random(seed)
+    vocab = engine.core.model_config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(input_len)] for _ in range(batch_size)]
+    return prompts, {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
+
+
 def run_one_batch(
     engine, batch_size: int, input_len: int, output_len: int, seed: int = 0
 ) -> dict[str, Any]:
@@ -15,10 +25,7 @@ def run_one_batch(
 
     Measured through the public API: TTFT of the batch = prefill; the remaining
     (output_len - 1) tokens per request over the remaining time = decode."""
-    rng = random.Random(seed)
-    vocab = engine.core.model_config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(input_len)] for _ in range(batch_size)]
-    sp = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
+    prompts, sp = random_batch(engine, batch_size, input_len, output_len, seed)
     # Warm-up: the same batch and lengths once, so Triton compiles and every CUDA graph the
     # timed run needs (batch bucket x context-width bucket) is captured before timing.
     engine.generate(input_ids=prompts, sampling_params=sp)

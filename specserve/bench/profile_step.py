@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import re
 import time
 from collections import defaultdict
 from typing import Any
 
-from specserve.bench.one_batch import dump
+from specserve.bench.one_batch import dump, random_batch
 
 
 def add_profile_parser(bsub, add_engine_args, engine_kwargs) -> argparse.ArgumentParser:
@@ -95,10 +94,7 @@ def profile_decode(engine, batch_size: int, input_len: int, output_len: int, top
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    rng = random.Random(0)
-    vocab = engine.core.model_config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(input_len)] for _ in range(batch_size)]
-    sp = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
+    prompts, sp = random_batch(engine, batch_size, input_len, output_len)
     engine.generate(input_ids=prompts, sampling_params=sp)  # compile, capture graphs
     before = engine.stats()
     activities = [ProfilerActivity.CPU]

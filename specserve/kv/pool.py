@@ -16,8 +16,8 @@ class KVCache:
         device: torch.device | str,
     ):
         self.num_slots = num_slots
-        # One buffer for all layers' K and V, so moving slots (accepted-path compaction) is a
-        # single gather and scatter rather than two per layer; k[i] / v[i] are views.
+        # One buffer for all layers' K and V, so moving slots (accepted-path compaction,
+        # spec/kv_commit.py) touches one tensor rather than two per layer; k[i] / v[i] are views.
         self.buffer = torch.zeros(
             (2, num_layers, num_slots, num_kv_heads, head_dim), dtype=dtype, device=device
         )
@@ -38,7 +38,3 @@ class KVCache:
     def write(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer_id][slots] = k.to(self.k[layer_id].dtype)
         self.v[layer_id][slots] = v.to(self.v[layer_id].dtype)
-
-    def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Copy every layer's KV from src to dst slots (gather first, so overlaps are safe)."""
-        self.buffer[:, :, dst_slots] = self.buffer[:, :, src_slots]

@@ -18,7 +18,6 @@ weights loaded after construction are used as they are.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,11 +28,8 @@ from torch import nn
 
 from specserve.model.config import ModelConfig
 from specserve.model.rope import RotaryEmbedding
+from specserve.ops import env_flag, triton_available
 from specserve.ops.attention import ForwardContext
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
 
 
 @dataclass
@@ -52,13 +48,12 @@ class FusedOps:
 SKINNY_MAX_TOKENS = 1
 SKINNY_MAX_HIDDEN = 2048
 FUSED = FusedOps(
-    linear=not _env_flag("SPECSERVE_DISABLE_TRITON_LINEAR"),
-    elementwise=not _env_flag("SPECSERVE_DISABLE_TRITON_ELEMENTWISE"),
+    linear=not env_flag("SPECSERVE_DISABLE_TRITON_LINEAR"),
+    elementwise=not env_flag("SPECSERVE_DISABLE_TRITON_ELEMENTWISE"),
     max_tokens=int(os.environ.get("SPECSERVE_SKINNY_MAX_TOKENS", SKINNY_MAX_TOKENS)),
     max_hidden=int(os.environ.get("SPECSERVE_SKINNY_MAX_HIDDEN", SKINNY_MAX_HIDDEN)),
 )
 _HALF = (torch.float16, torch.bfloat16)
-_TRITON: bool | None = None
 
 
 def set_fused_ops(
@@ -81,20 +76,13 @@ def set_fused_ops(
     return prev
 
 
-def _triton_ok() -> bool:
-    global _TRITON
-    if _TRITON is None:
-        _TRITON = importlib.util.find_spec("triton") is not None
-    return _TRITON
-
-
 def _eligible(x: torch.Tensor) -> bool:
     """Fused kernels apply: CUDA fp16/bf16 activations, no autograd, Triton importable."""
     return (
         x.device.type == "cuda"
         and x.dtype in _HALF
         and not torch.is_grad_enabled()
-        and _triton_ok()
+        and triton_available()
     )
 
 

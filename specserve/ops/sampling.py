@@ -13,17 +13,15 @@ restricted to the tokens that survive top_k / top_p / min_p.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
 
+from specserve.ops import env_flag, triton_available
+
 # Split-row Triton reductions for argmax and top-k log-probs on CUDA (ops/triton_topk.py);
 # SPECSERVE_DISABLE_TRITON_SAMPLING=1 keeps torch's own kernels.
-TRITON_REDUCTIONS = importlib.util.find_spec("triton") is not None and os.environ.get(
-    "SPECSERVE_DISABLE_TRITON_SAMPLING", "0"
-).strip().lower() in ("", "0", "false", "no")
+TRITON_REDUCTIONS = triton_available() and not env_flag("SPECSERVE_DISABLE_TRITON_SAMPLING")
 
 
 def _triton_rows(logits: torch.Tensor) -> bool:

@@ -1,4 +1,5 @@
-"""Accepted-path KV compaction in one kernel (the torch reference is two indexing ops).
+"""Accepted-path KV compaction in one kernel (the torch reference,
+`spec/kv_commit.py: commit_path_reference`, is two indexing ops and runs without triton).
 
 `buffer` is KVCache's [2, layers, slots, kv_heads, head_dim] tensor. For request b the path
 node at depth d (node id path[b, d], whose KV sits at slot window_slots[b, path[b, d]]) moves
@@ -18,14 +19,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-def commit_path_reference(
-    buffer: torch.Tensor, window_slots: torch.Tensor, path: torch.Tensor
-) -> None:
-    src = torch.gather(window_slots, 1, path).reshape(-1)
-    dst = window_slots[:, : path.shape[1]].reshape(-1)
-    buffer[:, :, dst] = buffer[:, :, src]
 
 
 @triton.jit

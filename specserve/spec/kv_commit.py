@@ -9,13 +9,10 @@ the sources before writing any destination, so overlapping moves are safe.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from specserve.kv.pool import KVCache
-
-_TRITON = importlib.util.find_spec("triton") is not None
+from specserve.ops import triton_available
 
 
 def commit_accepted_path(
@@ -25,10 +22,18 @@ def commit_accepted_path(
     path: [B, D+1] accepted node ids by depth (padded by repeating the last one, whose
     copies land in positions past the accepted length, which are scratch)."""
     for cache in caches:
-        if _TRITON and cache.buffer.device.type == "cuda":
+        if triton_available() and cache.buffer.device.type == "cuda":
             from specserve.ops.triton_kv_commit import commit_path
 
             commit_path(cache.buffer, window_slots, path)
         else:
-            src = torch.gather(window_slots, 1, path).reshape(-1)
-            cache.move(src, window_slots[:, : path.shape[1]].reshape(-1))
+            commit_path_reference(cache.buffer, window_slots, path)
+
+
+def commit_path_reference(
+    buffer: torch.Tensor, window_slots: torch.Tensor, path: torch.Tensor
+) -> None:
+    """The compaction in torch: gather every source row, then scatter (KVCache.buffer layout)."""
+    src = torch.gather(window_slots, 1, path).reshape(-1)
+    dst = window_slots[:, : path.shape[1]].reshape(-1)
+    buffer[:, :, dst] = buffer[:, :, src]
