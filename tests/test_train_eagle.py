@@ -23,6 +23,7 @@ from specserve.train.trainer import (
     make_head,
     save_draft,
     scale_fc_init_,
+    schedule_seconds,
     train,
     ttt_mask,
 )
@@ -322,9 +323,13 @@ def test_pause_then_resume_continues_one_schedule(tiny_data):
     )  # fmt: skip
     hist = json.load(open(curve))["history"]
     assert second["steps"] > first["steps"]
-    # the deadline left ~3 s: the schedule spans the ~2 s already trained plus those
-    assert first["train_seconds"] + 2.0 < second["train_seconds"] < first["train_seconds"] + 6.0
+    # the deadline left under 3 s (less the data loading): the resumed run trained on to it
+    assert first["train_seconds"] + 0.5 < second["train_seconds"] < first["train_seconds"] + 6.0
     assert hist[-1]["lr"] < 0.3 * base["lr"]
+    # what the resumed run's schedule spans: the seconds already trained plus what is left
+    deadline = TrainArgs(**{**base, "time_budget": 100.0}, finish_by=time.time() + 15.0 + 3.0)
+    assert abs(schedule_seconds(deadline, 2.0) - 5.0) < 0.5
+    assert schedule_seconds(TrainArgs(**base), 2.0) == base["time_budget"]
 
 
 # ---- generation workers ---------------------------------------------------------------------------
