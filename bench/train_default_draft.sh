@@ -20,6 +20,7 @@
 #                chain-5 on training prompts (the generalisation gap); ACC_TIMEOUT each
 #   5. a table   accept lengths, data and training figures; everything also in summary.json
 #   6. optional  (E2E_TIMEOUT > 0) `bench e2e`, batch-1 tok/s of the engine with and without it
+#                (E2E_HF=1: and of HF transformers, in the same run)
 # Training stops by TRAIN_BUDGET or when TOTAL_BUDGET - ACC_TIMEOUT - 20 s have passed since
 # the start, whichever is first, so the measurements always get their time.
 #
@@ -39,7 +40,7 @@ ACC_TIMEOUT=${ACC_TIMEOUT:-75}
 CKPT_SECONDS=${CKPT_SECONDS:-45}
 GENERATOR=${GENERATOR:-engine:4,dense:1}
 GEN_BATCH=${GEN_BATCH:-256}
-NUM_PROMPTS=${NUM_PROMPTS:-4000}
+NUM_PROMPTS=${NUM_PROMPTS:-12000}
 MAX_NEW=${MAX_NEW:-192}
 SAMPLED_PASSES=${SAMPLED_PASSES:-30}
 TEMPS=${TEMPS:-0.8 0.6 1.0}
@@ -60,7 +61,8 @@ ACC_CONFIGS=${ACC_CONFIGS:-3,1,4 5,1,6 7,1,8 5,4,16 8,4,32 6,8,32 8,8,64 5,8,64}
 ACC_KV=${ACC_KV:-65536}
 KEEP_DRAFT=${KEEP_DRAFT:-}            # also copy the finished draft here (e.g. for a next call)
 E2E_TIMEOUT=${E2E_TIMEOUT:-0}         # > 0: stage 6, `bench e2e` with the draft (engine only)
-E2E_SPECS=${E2E_SPECS:-5,1,6 8,8,64}
+E2E_SPECS=${E2E_SPECS:-5,1,6 8,8,64 5,8,64}
+E2E_HF=${E2E_HF:-0}                   # 1: stage 6 also times HF transformers (static cache, prompt lookup)
 # Training longer than one call (the machine keeps $WORK while it stays warm between calls):
 # CONTINUES=1 pauses training at the call's end without annealing and skips the measurements;
 # RESUME=1 continues from $WORK/checkpoint.pt (the data there is reused). TRAIN_BUDGET is then
@@ -207,10 +209,11 @@ EOF
 
 # ---- 6. optional: batch-1 speed of the engine with this draft -------------------------------------
 if [ "$E2E_TIMEOUT" -gt 0 ]; then
-  log "stage 6: bench e2e (engine only, specs $E2E_SPECS)"
+  HF_FLAG=(--skip-hf); [ "$E2E_HF" = 1 ] && HF_FLAG=()
+  log "stage 6: bench e2e (specs $E2E_SPECS; HF transformers too: $E2E_HF)"
   # shellcheck disable=SC2086
   timeout -k 5 "$E2E_TIMEOUT" $PY -m specserve.cli bench e2e --model-path "$MODEL" --draft "$DRAFT" \
-    --num-prompts 6 --max-new-tokens 160 --spec $E2E_SPECS --skip-hf \
+    --num-prompts 6 --max-new-tokens 160 --spec $E2E_SPECS "${HF_FLAG[@]}" \
     --output-json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
   log "bench e2e exited with $?"
   tail -n 12 "$OUT/e2e.log" | tee -a "$OUT/run.log"

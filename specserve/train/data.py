@@ -37,7 +37,7 @@ class DataArgs:
     target: str = "smollm2-135m"
     out_dir: str = "eagle-data"
     prompts: str = "train"  # 'train', 'heldout' or a JSONL path
-    num_prompts: int = 4000  # at most this many prompts of the set
+    num_prompts: int = 12000  # at most this many prompts of the set (the first N)
     max_new_tokens: int = 192
     # generator workers: 'dense', 'engine', or a mix such as 'engine:4,dense:1' (one worker
     # runs in this process, several run as processes sharing the device)

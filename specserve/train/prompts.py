@@ -1,7 +1,8 @@
 """Instruction prompts for self-distillation, built from templates x topics x styles.
 
 Two sets ship in `specserve/data/`:
-- `train_prompts.jsonl`: `build_train_prompts()` (4,000 by default): explanations, lists,
+- `train_prompts.jsonl`: `build_train_prompts()` (12,000 by default; the first
+  4,000 are the set the first drafts were trained on): explanations, lists,
   code, maths, summarising, rewriting, creative writing, e-mails, advice/chat, comparisons.
 - `heldout_prompts.jsonl`: `build_heldout_prompts()` (100): other templates and other topics,
   never used for training; `specserve bench acceptance` reads it.
@@ -529,7 +530,7 @@ def _build(templates, weights, slots, styles, n: int, seed: int, exclude=frozens
     return out
 
 
-def build_train_prompts(n: int = 4000, seed: int = 0) -> list[dict]:
+def build_train_prompts(n: int = 12000, seed: int = 0) -> list[dict]:
     return _build(TRAIN_TEMPLATES, CATEGORY_WEIGHTS, _train_slots(), STYLES, n, seed)
 
 
