@@ -123,7 +123,7 @@ def with_default_draft(args: argparse.Namespace, kwargs: dict[str, Any]) -> dict
     from specserve.train.defaults import default_draft_engine_kwargs
 
     model = kwargs.get("model_path", EngineConfig.model_path)
-    spec = default_draft_engine_kwargs(model)
+    spec = default_draft_engine_kwargs(model, kwargs.get("device", EngineConfig.device))
     if spec is None:
         return kwargs
     print(

@@ -459,6 +459,36 @@ def test_generate_uses_the_bundled_draft_of_the_default_model(tmp_path, monkeypa
     assert "spec_verify_ct" not in meta and "bundled" not in err
 
 
+def test_default_draft_settings_per_device(tmp_path, monkeypatch):
+    """serving.json's "cuda" section applies on a GPU only; the top level elsewhere."""
+    from specserve.train import defaults
+
+    folder = tmp_path / "drafts" / "d"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"")
+    chain = {"speculative_num_steps": 3, "speculative_eagle_topk": 1}
+    tree = {
+        "speculative_num_steps": 8,
+        "speculative_eagle_topk": 8,
+        "speculative_num_draft_tokens": 64,
+    }
+    (folder / "serving.json").write_text(
+        json.dumps({**chain, "speculative_num_draft_tokens": 4, "cuda": tree})
+    )
+    monkeypatch.setattr(defaults, "_drafts_root", lambda: str(tmp_path / "drafts"))
+    monkeypatch.setitem(defaults._BUNDLED, "m", "d")
+    monkeypatch.setattr(defaults, "default_draft_algorithm", lambda model: "EAGLE")
+
+    def shape(device):
+        kw = defaults.default_draft_engine_kwargs("m", device)
+        return tuple(kw[k] for k in defaults._SETTING_KEYS)
+
+    assert shape("cpu") == (3, 1, 4)
+    assert shape("cuda") == shape("cuda:1") == (8, 8, 64)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert shape("auto") == (3, 1, 4)
+
+
 def test_default_draft_names():
     from specserve.train.defaults import default_draft_algorithm, default_draft_engine_kwargs
 

@@ -3,7 +3,9 @@
 `specserve generate` (and so `make run`) uses the bundled draft of the default model when no
 speculative flag is given (`--no-default-draft` turns that off). A draft folder may carry a
 `serving.json` with the speculative settings to run it with (`speculative_num_steps`,
-`speculative_eagle_topk`, `speculative_num_draft_tokens`); otherwise DEFAULT_SETTINGS apply.
+`speculative_eagle_topk`, `speculative_num_draft_tokens`); otherwise DEFAULT_SETTINGS apply. A
+`"cuda"` section in it overrides them on a GPU: the best tree there (the device is bound by
+kernel launches, so a wide tree costs little more than a chain) is too costly on a CPU.
 """
 
 from __future__ import annotations
@@ -51,8 +53,17 @@ def default_draft_algorithm(model_path: str | None) -> str | None:
     return draft_algorithm(folder) if folder else None
 
 
-def default_draft_engine_kwargs(model_path: str | None) -> dict | None:
-    """Engine arguments that run `model_path` with its bundled draft, or None without one."""
+def _on_cuda(device: str) -> bool:
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def default_draft_engine_kwargs(model_path: str | None, device: str = "auto") -> dict | None:
+    """Engine arguments that run `model_path` with its bundled draft on `device` (as the engine
+    resolves it: 'auto' is CUDA when available), or None without a draft."""
     folder = default_draft_for(model_path)
     if folder is None:
         return None
@@ -61,7 +72,8 @@ def default_draft_engine_kwargs(model_path: str | None) -> dict | None:
     if os.path.isfile(path):
         with open(path) as f:
             saved = json.load(f)
-        settings.update({k: int(saved[k]) for k in _SETTING_KEYS if k in saved})
+        for section in (saved, saved.get("cuda", {}) if _on_cuda(device) else {}):
+            settings.update({k: int(section[k]) for k in _SETTING_KEYS if k in section})
     return {
         "speculative_algorithm": default_draft_algorithm(model_path),
         "speculative_draft_model_path": folder,
