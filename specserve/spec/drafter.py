@@ -29,19 +29,14 @@ import torch
 
 from specserve.kv.pool import KVCache
 from specserve.ops.attention import ForwardContext
+from specserve.ops.triton_draft_frontier import Candidates, Frontier, expand_frontier
 from specserve.runtime.forward_batch import Segment, build_metadata, to_device
 from specserve.spec.draft_heads import DraftHead
 from specserve.spec.tree import DraftTrees
 
-_GREEDY_KEY = 1.0e6  # above any log-probability (<= 0); minus depth keeps parents first
-
 
 @dataclass
 class _DraftConstants:
-    first_rank: torch.Tensor  # [k] bool: rank 0 (the draft's own greedy choice)
-    first_ids: torch.Tensor  # [k] candidate ids of depth 1: 1..k
-    root_parents: torch.Tensor  # [k] zeros: depth-1 candidates hang off the root
-    self_bits: torch.Tensor  # [1, k, k] identity: a frontier node sees itself
     frontier_pos: torch.Tensor  # [num_steps - 1, k] position offsets past kv_len per depth
     cand_depths: torch.Tensor  # [C] the depth of every candidate column
 
@@ -172,93 +167,75 @@ class TreeDrafter:
     @torch.inference_mode()
     def draft(self, batch) -> DraftTrees:
         # Few, fused kernels per depth: at batch 1 on a small target every launch costs about
-        # as much as the work in it. Scores are float32 (sums of at most num_steps
-        # log-probabilities); ties still resolve to the lower candidate id (the parent).
+        # as much as the work in it. After the head's top-k, one expand_frontier call (one
+        # kernel on CUDA) per depth scores the children, writes them into the candidate
+        # buffers and picks the next frontier (ops/triton_draft_frontier.py). Scores are
+        # float32 (sums of at most num_steps log-probabilities); equal keys resolve to the
+        # lower candidate id (the parent before its children).
         k, d, dev = self.topk, self.delta, self.device
         bsz = batch.batch_size
         g_root = batch.root_g
         c = self._constants()
-        logp, tok = self.head.topk(g_root, k)
-        cand_tokens, cand_scores, cand_parents = [tok], [logp], [c.root_parents.expand(bsz, k)]
-        cand_keys = [torch.where(c.first_rank, _GREEDY_KEY - 1.0, logp)]
-        f_ids = c.first_ids.expand(bsz, k)
-        f_scores, f_greedy = logp, c.first_rank.expand(bsz, k)
-        f_tokens, f_feat = tok, g_root[:, None, :].expand(bsz, k, g_root.shape[-1])
         scratch = (self.num_steps - 1) * k
-        f_anc = torch.zeros(bsz, k, max(scratch, 1), dtype=torch.bool, device=dev)
-        next_id = 1 + k
+        cands = Candidates.empty(bsz, k + scratch * k, dev)  # candidate id = column + 1
+        # A depth reads one frontier and writes the other: the next one's ancestor rows are
+        # gathered from the current ones, and the current mask is still read by attention.
+        fronts = (None, None)
+        if self.num_steps > 1:
+            fronts = Frontier.empty_pair(bsz, k, g_root.shape[-1], scratch, self.dtype, dev)
+        logp, tok = self.head.topk(g_root, k)
+        # depth 1: the root is a frontier of one node; its children come out in rank order
+        front = fronts[0]
+        expand_frontier(logp, tok, g_root, None, 0, cands, front)
         if self.num_steps > 1:
             # Every depth sees the draft prefix [0, kv_len + delta) and the whole scratch;
-            # scratch not yet written this step is masked out (f_anc is False there), so one
-            # metadata serves all depths and only the mask and the output slots change.
-            shared = batch.metadata(d + scratch, k, scratch, None, f_anc.reshape(-1))
+            # scratch not yet written this step is masked out (its ancestor bits are False),
+            # so one metadata serves all depths and only the mask and the output slots change.
+            shared = batch.metadata(d + scratch, k, scratch, None, front.anc.reshape(-1))
+            # depth-major [num_steps - 1, B, k]: each depth's slots and positions are then
+            # contiguous views (no copy per depth when B > 1)
+            slots = batch.window_slots[:, d : d + scratch].reshape(bsz, self.num_steps - 1, k)
+            slots = slots.transpose(0, 1).contiguous()
             # Masked-out scratch still enters attention with weight 0, and 0 * NaN is NaN:
             # clear it, so stale values (a page's earlier owner, a broken earlier step) are inert.
-            idx = batch.window_slots[:, d : d + scratch].reshape(-1)
-            self.kv.buffer.index_fill_(2, idx, 0)
+            self.kv.buffer.index_fill_(2, slots.reshape(-1), 0)
             # positions of every depth's frontier at once: kv_len + delta - 1 + depth
-            all_pos = batch.kv_lens_dev[:, None, None] + c.frontier_pos[None, :, :]
+            all_pos = batch.kv_lens_dev[None, :, None] + c.frontier_pos[:, None, :]
         for depth in range(1, self.num_steps):
-            col0 = (depth - 1) * k
-            # each frontier node sees itself (slice + OR: no index_put of a host scalar, which syncs)
-            f_anc[:, :, col0 : col0 + k] |= c.self_bits
-            out_slots = batch.window_slots[:, d + col0 : d + col0 + k].reshape(-1)
             meta = dataclasses.replace(
-                shared, out_cache_loc=out_slots, custom_mask=f_anc.reshape(-1)
+                shared,
+                out_cache_loc=slots[depth - 1].reshape(-1),
+                custom_mask=front.anc.reshape(-1),
             )
             g = self._run(
-                f_tokens.reshape(-1),
-                f_feat.reshape(bsz * k, -1),
-                all_pos[:, depth - 1].reshape(-1),
+                front.tokens.reshape(-1),
+                front.feat.reshape(bsz * k, -1),
+                all_pos[depth - 1].reshape(-1),
                 meta,
             )
             c_logp, c_tok = self.head.topk(g, k)
-            c_scores = (f_scores[:, :, None] + c_logp.view(bsz, k, k)).view(bsz, k * k)
-            c_tokens = c_tok.view(bsz, k * k)
-            c_parent = f_ids[:, :, None].expand(bsz, k, k).reshape(bsz, k * k)
-            c_greedy = (f_greedy[:, :, None] & c.first_rank).view(bsz, k * k)
-            c_keys = torch.where(c_greedy, _GREEDY_KEY - (depth + 1.0), c_scores)
-            cand_tokens.append(c_tokens)
-            cand_scores.append(c_scores)
-            cand_keys.append(c_keys)
-            cand_parents.append(c_parent)
-            # next frontier: the best k children (their parent frontier index is sel // k)
-            sel = c_keys.topk(k, dim=1).indices
-            parent_idx = sel // k
-            f_ids = sel + next_id  # candidate ids of this depth are next_id + column
-            next_id += k * k
-            f_tokens = torch.gather(c_tokens, 1, sel)
-            f_scores = torch.gather(c_scores, 1, sel)
-            f_greedy = torch.gather(c_greedy, 1, sel)
-            g3 = g.view(bsz, k, -1)
-            f_feat = torch.gather(g3, 1, parent_idx[:, :, None].expand(bsz, k, g3.shape[-1]))
-            f_anc = torch.gather(f_anc, 1, parent_idx[:, :, None].expand(bsz, k, f_anc.shape[-1]))
-        return self._select_tree(batch.roots, cand_tokens, cand_keys, cand_parents, cand_scores)
+            nxt = fronts[depth % 2] if depth + 1 < self.num_steps else None  # last: none needed
+            expand_frontier(c_logp, c_tok, g, front, depth, cands, nxt)
+            front = nxt
+        return self._select_tree(batch.roots, cands)
 
     def _constants(self) -> _DraftConstants:
         """Index tensors that depend only on the tree shape, made once per device."""
         if self._consts is None:
             k, dev = self.topk, self.device
-            ranks = torch.arange(k, device=dev)
             depths = [torch.full((k,), 1, device=dev)] + [
                 torch.full((k * k,), dep + 1, device=dev) for dep in range(1, self.num_steps)
             ]
             steps = torch.arange(1, max(self.num_steps, 2), device=dev)
             self._consts = _DraftConstants(
-                first_rank=ranks == 0,
-                first_ids=1 + ranks,
-                root_parents=torch.zeros(k, dtype=torch.int64, device=dev),
-                self_bits=torch.eye(k, dtype=torch.bool, device=dev)[None],
                 frontier_pos=(self.delta - 1 + steps)[:, None].expand(len(steps), k).contiguous(),
                 cand_depths=torch.cat(depths),
             )
         return self._consts
 
-    def _select_tree(self, roots, cand_tokens, cand_keys, cand_parents, cand_scores) -> DraftTrees:
+    def _select_tree(self, roots, cands: Candidates) -> DraftTrees:
         n = self.num_draft_tokens
-        tokens = torch.cat(cand_tokens, dim=1)  # [B, C], candidate id = column + 1
-        keys = torch.cat(cand_keys, dim=1)
-        parents = torch.cat(cand_parents, dim=1)
+        tokens, keys, parents = cands.tokens, cands.keys, cands.parents  # [B, C]: id = column + 1
         bsz, num_cand = tokens.shape
         depths = self._constants().cand_depths.expand(bsz, num_cand)
         order = best_columns(keys, n - 1)
@@ -279,8 +256,8 @@ class TreeDrafter:
             max_depth=self.max_depth,
             scores=torch.cat(
                 [
-                    torch.zeros_like(roots[:, None], dtype=cand_scores[0].dtype),
-                    torch.gather(torch.cat(cand_scores, dim=1), 1, chosen),
+                    torch.zeros_like(roots[:, None], dtype=cands.scores.dtype),
+                    torch.gather(cands.scores, 1, chosen),
                 ],
                 dim=1,
             ),
