@@ -4,6 +4,8 @@
 # EAGLE head at simulated acceptance), and `bench e2e` on the real SmolLM2-135M-Instruct with
 # the bundled draft against HF transformers (static cache; prompt lookup), same prompts.
 # Usage (repo root, CUDA machine): OUT=/tmp/out bash bench/issue8_speed.sh /root/stage/smollm2.gguf
+# Narrower runs: TESTS="tests/..." PROFILE_CASES="tree8x8x64" PROFILE_TORCH_DRAFT="tree8x8x64"
+# (also profile those cases with SPECSERVE_DISABLE_TRITON_DRAFT=1) E2E_SPECS="8,8,64".
 set -uo pipefail
 MODEL=${1:?usage: OUT=dir bash bench/issue8_speed.sh MODEL.gguf}
 OUT=${OUT:-/tmp/specserve-issue8}
@@ -17,11 +19,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 
 echo "== GPU tests $(date +%T)"
-timeout ${TEST_TIMEOUT:-200} $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-  tests/test_triton_kv_commit.py tests/test_triton_topk.py 2>&1 | tail -4 | tee "$OUT/tests.log"
+timeout ${TEST_TIMEOUT:-200} $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py \
+  tests/test_triton_kv_commit.py tests/test_triton_topk.py tests/test_triton_draft_frontier.py} \
+  2>&1 | tail -4 | tee "$OUT/tests.log"
 
 echo "== profile $(date +%T)"
-OUT=$OUT/profile bash bench/profile_steps.sh 2>&1 | grep "^== \|^decode steps" | tee "$OUT/profile.log"
+OUT=$OUT/profile CASES=${PROFILE_CASES:-plain chain5 tree8x8x64 tree6x8x32} bash bench/profile_steps.sh 2>&1 \
+  | grep "^== \|^decode steps" | tee "$OUT/profile.log"
+if [ -n "${PROFILE_TORCH_DRAFT:-}" ]; then  # the same cases with the drafter's torch bookkeeping
+  SPECSERVE_DISABLE_TRITON_DRAFT=1 OUT=$OUT/profile_torch_draft CASES=$PROFILE_TORCH_DRAFT \
+    bash bench/profile_steps.sh 2>&1 | grep "^== \|^decode steps" | tee "$OUT/profile_torch_draft.log"
+fi
 
 echo "== e2e $(date +%T)"
 timeout ${E2E_TIMEOUT:-330} $PY -m specserve.cli bench e2e --model-path "$MODEL" \
