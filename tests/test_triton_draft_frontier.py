@@ -130,6 +130,9 @@ def test_ties_go_to_the_lower_column_and_nan_last():
     c_logp = torch.tensor([[0.0, -1.0, -inf], [nan, -1.0, -1.0], [0.0, -inf, nan]])
     c_tok = torch.arange(9).view(3, 3)
     g = torch.arange(3 * hidden, dtype=torch.float32).view(3, hidden)
+    # on a CUDA machine the kernel is compiled and takes CUDA tensors only
+    frontier = Frontier(*(t.to(DEVICE) for t in vars(frontier).values()))
+    c_logp, c_tok, g = c_logp.to(DEVICE), c_tok.to(DEVICE), g.to(DEVICE)
     impls = [expand_frontier_reference]
     try:
         from specserve.ops.triton_draft_frontier import expand_frontier_triton
@@ -138,14 +141,14 @@ def test_ties_go_to_the_lower_column_and_nan_last():
     except ImportError:
         pass
     for impl in impls:
-        cands = Candidates.empty(bsz, 3 + 9, "cpu")
-        out = Frontier.empty_pair(bsz, k, hidden, scratch, torch.float32, "cpu")[0]
+        cands = Candidates.empty(bsz, 3 + 9, DEVICE)
+        out = Frontier.empty_pair(bsz, k, hidden, scratch, torch.float32, DEVICE)[0]
         impl(c_logp, c_tok, g, frontier, 1, cands, out)
         # keys by column: -1 -2 -inf | nan -1 -1 | -1 -inf nan  -> columns 0, 4, 5
         assert out.ids.tolist() == [[3 + 1 + 0, 3 + 1 + 4, 3 + 1 + 5]], impl
         assert out.feat[0, :, 0].tolist() == [0.0, hidden, hidden]
-        out2 = Frontier.empty_pair(bsz, 9, hidden, scratch, torch.float32, "cpu")[0]
-        cands2 = Candidates.empty(bsz, 9 + 9 * 81, "cpu")  # k = 9 from one root: all columns
+        out2 = Frontier.empty_pair(bsz, 9, hidden, scratch, torch.float32, DEVICE)[0]
+        cands2 = Candidates.empty(bsz, 9 + 9 * 81, DEVICE)  # k = 9 from one root: all columns
         impl(c_logp.view(1, 9), c_tok.view(1, 9), g[:1], None, 0, cands2, out2)
         # the greedy column 0, then 0, -1 x 3, -inf or NaN x 4: equal keys in column order
         assert out2.tokens.tolist() == [[0, 6, 1, 4, 5, 2, 3, 7, 8]], impl
@@ -221,12 +224,15 @@ def test_reference_equals_the_previous_loop():
 @pytest.mark.slow
 def test_drafter_with_the_kernel_drafts_the_reference_trees(monkeypatch, tmp_path):
     """Whole decodes (batch > 1, k = 4, several depths) with the kernel in the drafter
-    (interpreted on CPU) draft exactly the trees the torch path drafts: the kernel's
+    (interpreted on CPU, compiled on CUDA) draft exactly the trees the torch path drafts: the kernel's
     arguments and double-buffered frontiers are wired as the reference's."""
     pytest.importorskip("triton", reason="the frontier kernel needs the triton package")
     from specserve import Engine
     from specserve.model.config import PRESETS
-    from specserve.ops.triton_draft_frontier import expand_frontier_triton
+    from specserve.ops.triton_draft_frontier import (
+        expand_frontier_reference,
+        expand_frontier_triton,
+    )
     from specserve.spec import drafter as drafter_module
     from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
     from tests.engine_utils import TINY, mixed_prompts
@@ -244,12 +250,12 @@ def test_drafter_with_the_kernel_drafts_the_reference_trees(monkeypatch, tmp_pat
 
     monkeypatch.setattr(drafter_module.TreeDrafter, "draft", recording_draft)
     runs = []
-    for use_kernel in (False, True):
-        if use_kernel:
-            monkeypatch.setattr(drafter_module, "expand_frontier", expand_frontier_triton)
+    for impl in (expand_frontier_reference, expand_frontier_triton):
+        # pinned both ways: on CUDA the drafter's default is already the kernel
+        monkeypatch.setattr(drafter_module, "expand_frontier", impl)
         trees.clear()
         with Engine(
-            **TINY,
+            **{**TINY, "device": DEVICE.type},
             speculative_algorithm="EAGLE",
             speculative_draft_model_path=draft,
             speculative_num_steps=3,
