@@ -30,6 +30,7 @@ ENGINE_HELP = {
     "disable_overlap_schedule": "Apply each decode step before launching the next (overlap is on by default).",
     "disable_cuda_graph": "Run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only).",
     "cuda_graph_max_bs": "Largest batch replayed from a CUDA graph; larger batches run eagerly (default: max_running_requests, at most 256).",
+    "cuda_graph_max_prefill_tokens": "A prefill of one request's chunk up to this many tokens replays a captured forward; 0: always eager (default 512 on CUDA).",
     "speculative_algorithm": "EAGLE | EAGLE3 | STANDALONE (off when not given).",
     "speculative_draft_model_path": "Draft checkpoint folder (EAGLE/EAGLE3) or draft model (STANDALONE).",
     "speculative_num_steps": "Draft depth: forward passes of the draft per step.",
@@ -68,6 +69,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                 "speculative_num_draft_tokens",
                 "simulate_acc_fixed_token",
                 "cuda_graph_max_bs",
+                "cuda_graph_max_prefill_tokens",
             ):
                 kind = int
             if f.name == "simulate_acc_len":

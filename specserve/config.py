@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SPEC_ALGORITHMS = (None, "EAGLE", "EAGLE3", "STANDALONE")
+DEFAULT_GRAPH_PREFILL_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class EngineConfig:
     disable_overlap_schedule: bool = False  # overlap: launch step k+1 before applying step k
     disable_cuda_graph: bool = False  # CUDA: replay decode steps from captured graphs
     cuda_graph_max_bs: int | None = None  # largest captured batch size (eager above it)
+    cuda_graph_max_prefill_tokens: int | None = None  # one-chunk prefills replayed up to this
     # speculative decoding (SGLang's names)
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -176,18 +178,18 @@ class EngineConfig:
 def _resolve_cuda_graph(c: EngineConfig, on_gpu: bool, decide) -> None:
     if c.cuda_graph_max_bs is not None:
         _check_int("cuda_graph_max_bs", c.cuda_graph_max_bs, minimum=1)
+    if c.cuda_graph_max_prefill_tokens is not None:
+        _check_int("cuda_graph_max_prefill_tokens", c.cuda_graph_max_prefill_tokens, minimum=0)
+    off = None
     if c.disable_cuda_graph:
-        decide("disable_cuda_graph", True, "requested: decode steps run eagerly")
-        return
-    if not on_gpu:
-        decide("disable_cuda_graph", True, "no CUDA device: decode steps run eagerly")
-        return
-    if c.attention_backend != "triton":
-        decide(
-            "disable_cuda_graph",
-            True,
-            "the torch attention backend sizes its work from host lists; graphs need triton",
-        )
+        off = "requested: decode steps run eagerly"
+    elif not on_gpu:
+        off = "no CUDA device: decode steps run eagerly"
+    elif c.attention_backend != "triton":
+        off = "the torch attention backend sizes its work from host lists; graphs need triton"
+    if off is not None:
+        decide("disable_cuda_graph", True, off)
+        decide("cuda_graph_max_prefill_tokens", 0, "CUDA graphs are off: prefills run eagerly")
         return
     decide(
         "disable_cuda_graph",
@@ -200,6 +202,13 @@ def _resolve_cuda_graph(c: EngineConfig, on_gpu: bool, decide) -> None:
             "cuda_graph_max_bs",
             min(c.max_running_requests, 256),
             "max_running_requests, at most 256 (larger batches run eagerly)",
+        )
+    if c.cuda_graph_max_prefill_tokens is None:
+        decide(
+            "cuda_graph_max_prefill_tokens",
+            DEFAULT_GRAPH_PREFILL_TOKENS,
+            "a prefill of one request's chunk up to this many tokens replays a captured forward "
+            "(a short prompt's eager prefill is bound by kernel launches); 0 turns this off",
         )
 
 

@@ -178,3 +178,26 @@ def test_cuda_graphs_simulated_acceptance_draws_fresh_lengths():
     )
     assert captures > 0
     assert abs(stats["spec_accept_length"] - 2.3) < 0.1, stats
+
+
+@pytest.mark.parametrize("spec", [{}, dict(SPEC, speculative_eagle_topk=4, speculative_num_draft_tokens=8)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_graphs_match_eager_prefill(spec, page_size):
+    """Single-chunk prefills replayed from captured graphs (chunks starting at 0 and past it,
+    while other requests decode) give the tokens of eager prefills."""
+    prompts = mixed_prompts(6, 512, seed=9, min_len=2, max_len=150)
+    sps = [
+        {"max_new_tokens": 6 + 3 * i, "ignore_eos": True, "temperature": 0.8 * (i % 2), "seed": i}
+        for i in range(6)
+    ]
+    kw = dict(page_size=page_size, chunked_prefill_size=48, max_running_requests=2,
+              debug_check_invariants=True, **spec)  # fmt: skip
+    runs = []
+    for limit in (0, 64):
+        with Engine(**GPU, cuda_graph_max_prefill_tokens=limit, **kw) as e:
+            outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sps)]
+            graphs = e.core.worker.prefill_graphs
+            runs.append((outs, graphs.num_captures if graphs is not None else 0))
+    (eager, none), (graphed, captures) = runs
+    assert none == 0 and captures >= 2
+    assert graphed == eager

@@ -31,6 +31,29 @@ log = logging.getLogger(__name__)
 MIN_WIDTH = 256
 
 
+def pow2_bucket(n: int, minimum: int) -> int:
+    """The smallest power-of-two multiple of `minimum` that is >= n."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+def capture_graph(fn, pool, device: torch.device):
+    """Warm `fn` up on a side stream (Triton compiles, the allocator settles), then capture
+    it into a new graph on `pool`. Returns (graph, fn's outputs as captured)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 def batch_buckets(max_bs: int) -> list[int]:
     """1, 2, 4, then multiples of 8, and max_bs itself."""
     sizes = {b for b in (1, 2, 4) if b < max_bs} | set(range(8, max_bs, 8)) | {max_bs}
@@ -67,10 +90,7 @@ class DecodeGraphs:
         bs = next((b for b in self.buckets if b >= bsz), None)
         if bs is None or width > self.max_width:
             return None
-        w = MIN_WIDTH
-        while w < width:
-            w *= 2
-        return bs, min(w, self.max_width)
+        return bs, min(pow2_bucket(width, MIN_WIDTH), self.max_width)
 
     def run(
         self, rows: list[int], sampling: SamplingTensors, width: int
@@ -141,18 +161,9 @@ class DecodeGraphs:
 
         if not self.capture:
             return _Captured(None, step, rows, sampling, None, None)
-        # Warm up on a side stream (Triton compiles, allocator settles), then capture.
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(dev).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            accept_len, emitted = step()
+        graph, (accept_len, emitted) = capture_graph(step, self.pool, dev)
         self.num_captures += 1
         log.info("captured decode graph: batch %d, width %d, greedy=%s", bs, width, all_greedy)
         return _Captured(graph, step, rows, sampling, accept_len, emitted)

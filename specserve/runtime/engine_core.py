@@ -98,6 +98,12 @@ class EngineCore:
             self.worker.graphs = DecodeGraphs(
                 self.worker, cfg.cuda_graph_max_bs, max_width=self.context_len + 2 * window
             )
+            if cfg.cuda_graph_max_prefill_tokens > 0:
+                from specserve.runtime.prefill_graphs import PrefillGraphs
+
+                self.worker.prefill_graphs = PrefillGraphs(
+                    self.worker, cfg.cuda_graph_max_prefill_tokens, max_width=self.context_len
+                )
         self.scheduler = Scheduler(
             self.table,
             SchedulerLimits(

@@ -129,6 +129,7 @@ class Worker:
         self.drafter = drafter
         self.simulator = simulator  # forces acceptance lengths (benchmarking)
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
+        self.prefill_graphs = None  # PrefillGraphs, when CUDA graphs are on
         self._sampling_cache: tuple[tuple[str, ...], SamplingTensors] | None = None
 
     # ---- sizes the scheduler must reserve ------------------------------------------------
@@ -155,26 +156,29 @@ class Worker:
     @torch.inference_mode()
     def prefill(self, chunks: list[PrefillChunk]) -> dict[str, int]:
         """Run the chunks; return the first sampled token of each request whose prefill completes."""
-        tokens, positions, segments, out_slots = [], [], [], []
+        tokens, positions = [], []
         for c in chunks:
-            ids = c.req.all_ids[c.start : c.end]
-            tokens.extend(ids)
+            tokens.extend(c.req.all_ids[c.start : c.end])
             positions.extend(range(c.start, c.end))
-            segments.append(
-                Segment(self.table.slots(c.req.rid, 0, c.end), c.end - c.start, c.end - c.start)
-            )
-            out_slots.append(self.table.slots(c.req.rid, c.start, c.end))
         dev = self.device
         input_ids = to_device(torch.tensor(tokens, dtype=torch.int64), dev)
         pos = to_device(torch.tensor(positions, dtype=torch.int64), dev)
-        meta = build_metadata(segments, torch.cat(out_slots), dev)
         capture = self.drafter.capture_layers if self.drafter is not None else ()
-        out = self.target.forward(input_ids, pos, meta, capture)
+        out = None
+        if self.prefill_graphs is not None and len(chunks) == 1:
+            c = chunks[0]
+            self.rows.flush()  # the graph reads the request's pages on the device
+            out = self.prefill_graphs.forward(self.rows.row(c.req.rid), c.start, tokens, capture)
+        if out is None:
+            out = self.target.forward(input_ids, pos, self._prefill_metadata(chunks), capture)
 
         done = [i for i, c in enumerate(chunks) if c.completes]
         sampled = None
         if done:
-            last_rows = to_device(torch.tensor([meta.host_qo_indptr[i + 1] - 1 for i in done]), dev)
+            ends = [0]
+            for c in chunks:
+                ends.append(ends[-1] + c.end - c.start)
+            last_rows = to_device(torch.tensor([ends[i + 1] - 1 for i in done]), dev)
             logits = self.target.model.compute_logits(out.hidden[last_rows])
             reqs = [chunks[i].req for i in done]
             sample_pos = to_device(torch.tensor([chunks[i].end for i in done]), dev)
@@ -188,6 +192,14 @@ class Worker:
         self.rows.set_state(to_device(torch.tensor(rows), dev), sample_pos, sampled, features)
         values = sampled.tolist()
         return {chunks[i].req.rid: values[j] for j, i in enumerate(done)}
+
+    def _prefill_metadata(self, chunks: list[PrefillChunk]):
+        segments, out_slots = [], []
+        for c in chunks:
+            n = c.end - c.start
+            segments.append(Segment(self.table.slots(c.req.rid, 0, c.end), n, n))
+            out_slots.append(self.table.slots(c.req.rid, c.start, c.end))
+        return build_metadata(segments, torch.cat(out_slots), self.device)
 
     # ---- decode -----------------------------------------------------------------------------
     def _sampling_for(self, reqs: list[Request]) -> SamplingTensors:

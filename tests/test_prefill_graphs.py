@@ -1,0 +1,126 @@
+"""Prefills in CUDA-graph shape: a single request's chunk padded to a token bucket, its KV
+slots read on the device from its row, padding tokens writing only the scratch slot.
+
+On CPU the padded forward runs eagerly (`PrefillGraphs(capture=False)`): everything a graph
+replays except the capture itself (tests/test_gpu.py captures on CUDA). Outputs must equal
+eager prefills token for token, and every running request's KV must stay equal to a plain
+prefill of its tokens after every step (a padding write into a live slot would break it),
+with chunked prompts (chunks starting past 0), decodes in between, and every page size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.errors import InvalidArgument
+from specserve.runtime.prefill_graphs import PrefillGraphs
+from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, mixed_prompts, spec_args
+
+
+def generate(prompts, sps, padded: bool, max_tokens: int = 64, **kw):
+    """Outputs, the graph shapes used, and how many steps had their KV checked."""
+    checked = []
+    with Engine(**TINY, debug_check_invariants=True, **kw) as e:
+        worker = e.core.worker
+        assert worker.prefill_graphs is None  # CPU: graphs are off by default
+        if padded:
+            worker.prefill_graphs = PrefillGraphs(
+                worker, max_tokens, max_width=e.core.context_len, capture=False
+            )
+        e.step_hooks.append(lambda core: checked.append(assert_kv_matches_plain_prefill(core)))
+        outs = e.generate(input_ids=prompts, sampling_params=sps)
+        shapes = sorted(worker.prefill_graphs.graphs) if padded else []
+        assert e.stats()["kv_used_tokens"] == 0
+    return [o["output_ids"] for o in outs], shapes, sum(checked)
+
+
+def params(n: int):
+    out = []
+    for i in range(n):
+        sp = {"max_new_tokens": 4 + 3 * i, "ignore_eos": True, "temperature": 0.0}
+        if i % 2:
+            sp.update(temperature=0.8, top_k=10, seed=7 + i)
+        out.append(sp)
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_chunked_prefills_padded_equal_eager(page_size):
+    """Chunks of 24 tokens one request at a time (the single-chunk case the graphs take),
+    starting at 0 and past it; prompts up to 90 tokens, decodes interleaved."""
+    prompts = mixed_prompts(5, 512, seed=41, min_len=3, max_len=90)
+    kw = dict(page_size=page_size, chunked_prefill_size=24, max_running_requests=3)
+    eager, _, _ = generate(prompts, params(5), padded=False, **kw)
+    padded, shapes, checked = generate(prompts, params(5), padded=True, **kw)
+    assert padded == eager
+    assert checked > 10
+    assert {t for t, _ in shapes} >= {16, 32}  # 24-token chunks and shorter tails
+    assert all(w >= t for t, w in shapes)
+
+
+@pytest.mark.parametrize("draft, topk, steps, ndt", [("tiny", 1, 3, 4), ("tiny", 3, 2, 7)])
+def test_speculative_prefills_padded_equal_plain(draft, topk, steps, ndt):
+    """The draft's own prefill reads the graph's outputs (views of its static buffers)."""
+    prompts = mixed_prompts(4, 512, seed=42, min_len=2, max_len=70)
+    kw = dict(page_size=3, chunked_prefill_size=32, max_running_requests=2)
+    plain, _, _ = generate(prompts, params(4), padded=False, **kw)
+    spec, shapes, _ = generate(
+        prompts, params(4), padded=True, **kw, **spec_args(draft, topk, steps, ndt)
+    )
+    assert spec == plain  # lossless: speculative output equals plain decoding
+    assert shapes
+
+
+def test_longer_chunks_than_the_graphs_take_run_eagerly():
+    prompts = mixed_prompts(2, 512, seed=43, min_len=40, max_len=60)
+    eager, _, _ = generate(prompts, params(2), padded=False, max_running_requests=1)
+    padded, shapes, _ = generate(prompts, params(2), padded=True, max_tokens=32,
+                                 max_running_requests=1)
+    assert padded == eager
+    assert shapes == []  # 40-60 token prompts in one chunk: above the 32-token limit
+
+
+def test_prefill_graph_limit_is_validated():
+    with pytest.raises(InvalidArgument, match="cuda_graph_max_prefill_tokens"):
+        Engine(**TINY, cuda_graph_max_prefill_tokens=-1)
+
+
+def test_padding_never_writes_a_stale_page_of_its_row():
+    """Past a request's pages its row may still name pages of the row's previous owner, now
+    another live request's. A short prompt's padding positions fall there: they must write
+    the scratch slot, leaving the other request's KV intact."""
+    from specserve.config import EngineConfig
+    from specserve.runtime.engine_core import EngineCore
+    from specserve.runtime.request import Request
+    from specserve.sampling_params import SamplingParams
+
+    core = EngineCore(EngineConfig.from_kwargs(**TINY, page_size=2).resolve())
+    worker, rows = core.worker, core.rows
+    worker.prefill_graphs = PrefillGraphs(worker, 64, max_width=core.context_len, capture=False)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    long_prompt, short_prompt = mixed_prompts(2, 512, seed=44, min_len=3, max_len=3)
+    long_prompt = long_prompt * 10
+    core.add_request(Request("b", long_prompt, sp, seed=0))
+    while not core.requests["b"].output_ids:
+        core.step()
+
+    poisoned = []
+    add_pages = rows.on_pages_added
+
+    def stale_row(rid, first_index, pages):
+        add_pages(rid, first_index, pages)
+        if rid == "c":  # the row's later entries still name b's pages
+            b_pages = core.table._pages["b"]
+            end = first_index + len(pages)
+            rows.pages[rows.row("c"), end : end + len(b_pages)] = torch.tensor(b_pages)
+            poisoned.append(end)
+
+    rows.on_pages_added = stale_row
+    core.add_request(Request("c", short_prompt, sp, seed=0))
+    checked = 0
+    while core.has_work():
+        core.step()
+        checked += assert_kv_matches_plain_prefill(core)
+    assert poisoned and checked > 0
+    assert worker.prefill_graphs.graphs  # c's 3-token prompt took the padded path
