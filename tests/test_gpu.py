@@ -201,3 +201,21 @@ def test_prefill_graphs_match_eager_prefill(spec, page_size):
     (eager, none), (graphed, captures) = runs
     assert none == 0 and captures >= 2
     assert graphed == eager
+
+
+@pytest.mark.parametrize("ndt", [16, 48, 64, 65, 128, 200])
+def test_self_draft_accepts_every_depth_for_every_tree_size(ndt):
+    """The target as its own draft (float32) must accept nearly its whole depth at every tree
+    size: a verify mask or kernel tile that mishandles some node count shows up as lost
+    acceptance here long before it shows up in outputs."""
+    steps = 6
+    prompts = mixed_prompts(4, 512, seed=10, min_len=4, max_len=40)
+    sp = {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True}
+    with Engine(**GPU) as e:
+        plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)]
+    with Engine(**GPU, **dict(SPEC, speculative_num_steps=steps), speculative_eagle_topk=8,
+                speculative_num_draft_tokens=ndt) as e:  # fmt: skip
+        spec = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)]
+        accept = e.stats()["spec_accept_length"]
+    assert spec == plain
+    assert accept > 0.9 * (steps + 1), accept

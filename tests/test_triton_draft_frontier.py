@@ -262,6 +262,7 @@ def test_drafter_with_the_kernel_drafts_the_reference_trees(monkeypatch, tmp_pat
             speculative_eagle_topk=4,
             speculative_num_draft_tokens=12,
             max_total_tokens=4096,  # the previous engine may not be collected yet (CUDA)
+            disable_cuda_graph=True,  # graphs call draft() only while capturing: record every step
         ) as e:
             outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
         runs.append((outs, list(trees)))
