@@ -31,4 +31,5 @@ SPEC="--speculative-algorithm EAGLE --speculative-draft-model-path $DRAFT --simu
 prof plain "$@"
 prof chain5 $SPEC --speculative-num-steps 5 --speculative-eagle-topk 1 --speculative-num-draft-tokens 6 --simulate-acc-len 2 "$@"
 prof tree8x8x64 $SPEC --speculative-num-steps 8 --speculative-eagle-topk 8 --speculative-num-draft-tokens 64 --simulate-acc-len 3 "$@"
+prof tree8x8x48 $SPEC --speculative-num-steps 8 --speculative-eagle-topk 8 --speculative-num-draft-tokens 48 --simulate-acc-len 3 "$@"
 prof tree6x8x32 $SPEC --speculative-num-steps 6 --speculative-eagle-topk 8 --speculative-num-draft-tokens 32 --simulate-acc-len 3 "$@"

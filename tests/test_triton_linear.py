@@ -270,8 +270,10 @@ def test_model_fused_paths_match_plain_torch_on_cpu(
 ):
     # Let the fused paths run on the CPU (interpreter, float32) to check the wiring: norms
     # fused into qkv / gate_up, residual adds, SiLU-and-mul, add + RMSNorm, fp32 logits.
+    # Three layers, layer 1 captured: mode 1 carries an MLP output into layer 1's capture
+    # (added there) and into layer 2's first norm (added in the norm's kernel).
     llama = fused_settings
-    model = _tiny_model(torch.float32, DEVICE)
+    model = _tiny_model(torch.float32, DEVICE, num_layers=3)
     if eagle_layer0:  # EAGLE's first draft layer has no input norm
         model.model.layers[0].input_layernorm = torch.nn.Identity()
     llama.set_fused_ops(linear=False, elementwise=False)

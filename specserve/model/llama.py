@@ -275,6 +275,26 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(x, positions, ctx, norm=norm1, residual=h)
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
+    def forward_deferred(
+        self, h: torch.Tensor, pending: torch.Tensor | None, positions, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The F.linear path (`fused_mode` 1) with the residual stream kept as h + pending:
+        the previous layer's MLP output is added inside this layer's first norm kernel, and
+        this layer's is returned unadded. One add kernel fewer per layer."""
+        from specserve.ops.triton_norm import add_rmsnorm
+
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if pending is None:
+            x = norm1(h)
+        elif isinstance(norm1, RMSNorm):
+            h, x = add_rmsnorm(pending, h, norm1.weight, norm1.eps)
+        else:
+            h = h + pending
+            x = norm1(h)
+        o = self.self_attn(x, positions, ctx)
+        h, x = add_rmsnorm(o, h, norm2.weight, norm2.eps)
+        return h, self.mlp(x)
+
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -316,11 +336,25 @@ class LlamaForCausalLM(nn.Module):
     ) -> ModelOutput:
         h = self.embed(input_ids)
         aux: list[torch.Tensor] = []
+        # F.linear path: the residual adds ride in the next norm's kernel (forward_deferred)
+        deferred = fused_mode(h) == 1 and not torch.is_autocast_enabled()
+        pending = None  # the last MLP output, not yet added to h
         for i, layer in enumerate(self.model.layers):
             if i in ctx.capture_layers:  # a layer named twice is captured twice
+                if pending is not None:
+                    h, pending = h + pending, None
                 aux.extend(h for c in ctx.capture_layers if c == i)
-            h = layer(h, positions, ctx)
-        return ModelOutput(hidden=self.model.norm(h), aux_hidden=aux)
+            if deferred:
+                h, pending = layer.forward_deferred(h, pending, positions, ctx)
+            else:
+                h = layer(h, positions, ctx)
+        norm = self.model.norm
+        if pending is None:
+            return ModelOutput(hidden=norm(h), aux_hidden=aux)
+        from specserve.ops.triton_norm import add_rmsnorm
+
+        _, hidden = add_rmsnorm(pending, h, norm.weight, norm.eps)
+        return ModelOutput(hidden=hidden, aux_hidden=aux)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Logits, float32 (upcast=False: in the model's dtype where that saves a copy; for
