@@ -22,7 +22,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def outputs(backend: str, prompts, **kw) -> list[list[int]]:
-    args = dict(TINY, device=DEVICE, dtype="float32", attention_backend=backend, **kw)
+    # a fixed KV size: on CUDA the previous engine may not be collected yet
+    args = dict(TINY, device=DEVICE, dtype="float32", attention_backend=backend,
+                max_total_tokens=4096, **kw)  # fmt: skip
     with Engine(**args) as e:
         return [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=SP)]
 
