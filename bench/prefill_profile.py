@@ -16,10 +16,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from specserve.config import EngineConfig
+from specserve.runtime import worker as worker_module
 from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.request import Request
 from specserve.sampling_params import SamplingParams
-from specserve.runtime import worker as worker_module
 from specserve.spec import drafter as drafter_module
 
 
@@ -81,8 +81,13 @@ def main() -> None:
     ka = prof.key_averages()
     print(f"\nlabelled parts, CPU ms per prefill ({a.repeats} prefills of {a.prompt_len} tokens):")
     for e in ka:
-        if e.key in ("prefill", "target/draft forward", "sample", "build_metadata (target)",
-                     "draft extend_after_prefill"):
+        if e.key in (
+            "prefill",
+            "target/draft forward",
+            "sample",
+            "build_metadata (target)",
+            "draft extend_after_prefill",
+        ):
             print(f"  {e.key:30s} {e.cpu_time_total / 1e3 / a.repeats:8.2f} ms  {e.count} calls")
     print(ka.table(sort_by="self_cpu_time_total", row_limit=35))
 

@@ -180,7 +180,9 @@ def test_cuda_graphs_simulated_acceptance_draws_fresh_lengths():
     assert abs(stats["spec_accept_length"] - 2.3) < 0.1, stats
 
 
-@pytest.mark.parametrize("spec", [{}, dict(SPEC, speculative_eagle_topk=4, speculative_num_draft_tokens=8)])
+@pytest.mark.parametrize(
+    "spec", [{}, dict(SPEC, speculative_eagle_topk=4, speculative_num_draft_tokens=8)]
+)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_prefill_graphs_match_eager_prefill(spec, page_size):
     """Single-chunk prefills replayed from captured graphs (chunks starting at 0 and past it,

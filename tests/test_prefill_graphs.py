@@ -75,8 +75,9 @@ def test_speculative_prefills_padded_equal_plain(draft, topk, steps, ndt):
 def test_longer_chunks_than_the_graphs_take_run_eagerly():
     prompts = mixed_prompts(2, 512, seed=43, min_len=40, max_len=60)
     eager, _, _ = generate(prompts, params(2), padded=False, max_running_requests=1)
-    padded, shapes, _ = generate(prompts, params(2), padded=True, max_tokens=32,
-                                 max_running_requests=1)
+    padded, shapes, _ = generate(
+        prompts, params(2), padded=True, max_tokens=32, max_running_requests=1
+    )
     assert padded == eager
     assert shapes == []  # 40-60 token prompts in one chunk: above the 32-token limit
 
