@@ -283,11 +283,16 @@ class Engine:
                 continue
             try:
                 touched = core.step()
-                for hook in self.step_hooks:  # a failing check fails the requests, not the loop
-                    hook(core)
             except Exception as e:  # keep serving: fail the live requests with the reason
                 log.exception("step failed")
                 touched = self._fail_all(f"internal error: {type(e).__name__}: {e}")
+            try:
+                for hook in self.step_hooks:
+                    hook(core)
+            except Exception as e:  # a failing check fails the requests, not the loop; the
+                # step's own outputs (requests it finished and reaped) still go out
+                log.exception("step hook failed")
+                touched = touched + self._fail_all(f"step hook: {type(e).__name__}: {e}")
             for r in touched:
                 self._deliver(r)
         self._drain_inbox()

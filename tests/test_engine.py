@@ -171,3 +171,27 @@ def _shared_engine() -> Engine:
 def teardown_module(module):
     if "e" in _ENGINE:
         _ENGINE.pop("e").shutdown()
+
+
+def test_a_failing_step_hook_fails_requests_and_loses_none():
+    """A step hook (an invariant check) that raises must not stop the loop or swallow the
+    requests its step finished: every caller gets an answer."""
+    prompts = mixed_prompts(3, 512, seed=46)
+    sp = {"temperature": 0.0, "max_new_tokens": 1}  # the prefill step finishes and reaps them
+    results = []
+    with Engine(**TINY, disable_overlap_schedule=True) as e:
+
+        def boom(core):
+            raise RuntimeError("check failed")
+
+        e.step_hooks.append(boom)
+        t = threading.Thread(
+            target=lambda: results.append(e.generate(input_ids=prompts, sampling_params=sp))
+        )
+        t.start()
+        t.join(timeout=60)
+        assert not t.is_alive(), "generate hung after a failing step hook"
+        e.step_hooks.remove(boom)
+        again = e.generate(input_ids=prompts[0], sampling_params=sp)  # still serving
+    assert len(results[0]) == 3 and all(o["finished"] for o in results[0])
+    assert again["finished"]

@@ -10,8 +10,8 @@ A graph is keyed by the chunk's length padded up to a power of two (>= MIN_TOKEN
 context width (start + padded length, padded as decode graphs pad it). Its static inputs are
 the token ids and (row, start, end): the request's KV slots are read on the device from its
 row of `RequestRows`, as a decode step reads them. Padding tokens sit after the chunk, so
-causal attention keeps them out of every real token's view; their K/V go to the scratch
-slot 0 and their outputs are discarded. Only the forward is captured: the last token's
+causal attention keeps them out of every real token's view; they read and write only the
+scratch slot 0 and their outputs are discarded. Only the forward is captured: the last token's
 logits, sampling and the draft's prefill run eagerly on the graph's outputs (views valid
 until the next replay of a graph in this pool).
 """
@@ -104,7 +104,11 @@ class PrefillGraphs:
         def forward() -> ModelOutput:
             with torch.inference_mode():
                 row, start, end = span[0:1], span[1], span[2]
-                owned = worker.rows.slots(row, width)  # [1, width]
+                # Positions from `end` on are padding: they read and write only the scratch
+                # slot. (Masked keys still enter the attention sums at weight 0, and 0 * NaN is
+                # NaN: a stale slot past the request's KV must not even be read.)
+                cols = torch.arange(width, device=dev)
+                owned = torch.where(cols < end, worker.rows.slots(row, width), SCRATCH_SLOT)
                 pos = start + torch.arange(tokens, device=dev)
                 real = pos < end
                 slots = owned[0, pos.clamp(max=width - 1)]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.kv.table import KVTable
+from specserve.kv.table import KVInvariantError, KVTable
 from specserve.ops.sampling import SamplingTensors, sample
 from specserve.runtime.forward_batch import (
     Segment,
@@ -161,15 +161,17 @@ class Worker:
             tokens.extend(c.req.all_ids[c.start : c.end])
             positions.extend(range(c.start, c.end))
         dev = self.device
-        input_ids = to_device(torch.tensor(tokens, dtype=torch.int64), dev)
-        pos = to_device(torch.tensor(positions, dtype=torch.int64), dev)
         capture = self.drafter.capture_layers if self.drafter is not None else ()
         out = None
         if self.prefill_graphs is not None and len(chunks) == 1:
             c = chunks[0]
+            if self.table.capacity(c.req.rid) < c.end:  # (the eager path's slots() checks it)
+                raise KVInvariantError(f"{c.req.rid}: prefill to {c.end} exceeds its pages")
             self.rows.flush()  # the graph reads the request's pages on the device
             out = self.prefill_graphs.forward(self.rows.row(c.req.rid), c.start, tokens, capture)
         if out is None:
+            input_ids = to_device(torch.tensor(tokens, dtype=torch.int64), dev)
+            pos = to_device(torch.tensor(positions, dtype=torch.int64), dev)
             out = self.target.forward(input_ids, pos, self._prefill_metadata(chunks), capture)
 
         done = [i for i, c in enumerate(chunks) if c.completes]
@@ -185,7 +187,7 @@ class Worker:
             sampled = sample(logits, sampling_tensors(reqs, dev), sample_pos)
         features = None
         if self.drafter is not None:
-            features = self.drafter.extend_after_prefill(chunks, input_ids, pos, out, done, sampled)
+            features = self.drafter.extend_after_prefill(chunks, out, done, sampled)
         if sampled is None:
             return {}
         rows = self.rows.rows_of([chunks[i].req.rid for i in done])

@@ -116,9 +116,7 @@ class TreeDrafter:
 
     # ---- prefill ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def extend_after_prefill(
-        self, chunks, input_ids, positions, target_out, done, sampled
-    ) -> torch.Tensor | None:
+    def extend_after_prefill(self, chunks, target_out, done, sampled) -> torch.Tensor | None:
         """Draft entries for the chunk: EAGLE pairs x_{j} with h_{j-1}; a standalone draft
         takes the chunk's tokens (plus the sampled token once the prompt is complete).
         Returns the root state of each completed chunk (in `done` order), or None."""
