@@ -721,3 +721,38 @@ def test_draft_algorithm_is_read_from_the_checkpoint(tmp_path):
     assert draft_algorithm(e3) == "EAGLE3"
     assert draft_algorithm(model) == "STANDALONE"
     assert draft_algorithm(str(tmp_path / "model.gguf")) == "STANDALONE"
+
+
+def test_two_layer_head_trains_saves_and_drafts_losslessly(tiny_data, tmp_path):
+    """--draft-layers 2: the head trains (loss falls), is saved with two decoder layers, and
+    the engine drafts with it without changing the output; resuming as another depth fails."""
+    root, _, target_path = tiny_data
+    target = load_target(target_path, "float32", "cpu").model
+    out, work = str(tmp_path / "draft2"), str(tmp_path / "work2")
+    args = TrainArgs(**{**SHORT_TRAIN, "epochs": 3, "draft_layers": 2})
+    train(target, str(root / "data"), out, args, work_dir=work, log=quiet)
+    hist = json.load(open(os.path.join(out, "train_curve.json")))["history"]
+    assert hist[-1]["loss"] < 0.8 * hist[0]["loss"], (hist[0], hist[-1])
+    assert json.load(open(os.path.join(out, "config.json")))["num_hidden_layers"] == 2
+    loaded, _ = load_eagle_head(out, "EAGLE", target)
+    assert len(loaded.layers) == 2
+    prompts = mixed_prompts(4, VOCAB, seed=98, max_len=12)
+    accept, outs = _run_draft(target_path, out, prompts, topk=2)
+    with Engine(model_path=target_path, skip_tokenizer_init=True, dtype="float32") as e:
+        plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+    assert outs == plain and accept >= 1.0
+    bad = TrainArgs(**{**args.__dict__, "draft_layers": 1, "epochs": 4})
+    with pytest.raises(ValueError, match="draft_layers"):
+        train(target, str(root / "data"), out, bad, resume=True, work_dir=work, log=quiet)
+    with pytest.raises(ValueError, match="draft_layers"):
+        make_head(target, seed=0, kind="eagle3", num_layers=2)
+
+
+def test_train_eagle_refuses_a_bad_head_depth_before_generating(tmp_path):
+    from specserve import cli
+
+    for head, layers in (("eagle3", 2), ("eagle", 0)):
+        with pytest.raises(SystemExit, match="--draft-layers"):
+            cli.main(["train-eagle", "--out", str(tmp_path / "d"), "--head", head,
+                      "--draft-layers", str(layers)])  # fmt: skip
+    assert not (tmp_path / "d.work").exists()  # nothing generated

@@ -93,6 +93,12 @@ def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
         default=t.draft_vocab,
         help=f"eagle3: draft vocabulary size, most frequent tokens (0: all; default {t.draft_vocab})",
     )
+    g.add_argument(
+        "--draft-layers",
+        type=int,
+        default=t.draft_layers,
+        help="eagle: decoder layers in the head (default 1; eagle3 heads have one)",
+    )
     g.add_argument("--epochs", type=float, default=t.epochs, help="0: no limit (use a time budget)")
     g.add_argument(
         "--time-budget",
@@ -159,6 +165,12 @@ def _log(msg: str) -> None:
 
 
 def run_train(args) -> int:
+    if args.draft_layers < 1 or (args.head == "eagle3" and args.draft_layers != 1):
+        # before generating data: the head is built only when training starts
+        raise SystemExit(
+            f"--draft-layers must be >= 1 for --head eagle and 1 for --head eagle3, "
+            f"got {args.draft_layers}"
+        )
     from specserve.train.data import DataArgs, build_dataset, load_target
     from specserve.train.generate import parse_engine_args
     from specserve.train.trainer import TrainArgs, train, write_training_args
@@ -212,6 +224,7 @@ def run_train(args) -> int:
         max_len=args.max_len,
         val_fraction=args.val_fraction,
         head=args.head,
+        draft_layers=args.draft_layers,
         draft_vocab=args.draft_vocab,
         ce_vocab=args.ce_vocab,
         ce_chunk=args.ce_chunk,

@@ -66,6 +66,7 @@ class TrainArgs:
     val_fraction: float = 0.02
     init_layer: int | None = None  # copy this target layer into the head's decoder layer
     head: str = "eagle"  # 'eagle' (EAGLE-1: final hidden state) or 'eagle3' (three layers)
+    draft_layers: int = 1  # EAGLE-1: decoder layers in the head (EAGLE3 heads have one)
     draft_vocab: int = 16384  # EAGLE3: the draft's vocabulary, most frequent first (0: all)
     ce_vocab: int = 0  # EAGLE: cross-entropy over the most frequent target candidates (0: all)
     ce_chunk: int = 0  # rows per lm_head chunk of the cross-entropy (0: 1024 CPU, 8192 GPU)
@@ -412,12 +413,18 @@ def make_head(
     init_layer: int | None = None,
     kind: str = "eagle",
     draft_ids: torch.Tensor | None = None,
+    num_layers: int = 1,
 ):
-    """A fresh head for `target`. kind 'eagle': EagleHead (target's embedding and lm_head
-    shared); 'eagle3': Eagle3Head over the sorted target ids `draft_ids` (default: the whole
-    vocabulary), its lm_head rows and final norm starting as the target's."""
+    """A fresh head for `target`. kind 'eagle': EagleHead of `num_layers` decoder layers
+    (target's embedding and lm_head shared); 'eagle3': Eagle3Head (one layer) over the sorted
+    target ids `draft_ids` (default: the whole vocabulary), its lm_head rows and final norm
+    starting as the target's. init_layer: copy that target layer into the head's first."""
+    if num_layers < 1 or (kind == "eagle3" and num_layers != 1):
+        raise ValueError(
+            f"draft_layers must be >= 1 for an EAGLE head and 1 for an EAGLE3 head, got {num_layers}"
+        )
     cfg = target.config.with_changes(
-        num_layers=1, tie_word_embeddings=False, attention_bias=False, qk_norm=False
+        num_layers=num_layers, tie_word_embeddings=False, attention_bias=False, qk_norm=False
     )
     torch.manual_seed(seed)
     if kind == "eagle3":
@@ -672,7 +679,7 @@ def train(
         ce_w = lm_head_w[keep.to(device)].contiguous()
         log(_stamp(f"cross-entropy over {len(keep)} of {vocab} tokens ({100 * cover:.2f}%)"))
     eval_w, eval_lookup = (None, lookup) if eagle3 else (lm_head_w, None)
-    head = make_head(target, args.seed, args.init_layer, args.head, draft_ids)
+    head = make_head(target, args.seed, args.init_layer, args.head, draft_ids, args.draft_layers)
     head = head.to(device).float().train()
     if args.scale_init and not resume:
         scale_fc_init_(head, data)
@@ -688,8 +695,12 @@ def train(
     if resume and os.path.isfile(ckpt_path):
         state = torch.load(ckpt_path, weights_only=False, map_location=device)
         saved = state.get("args", {})
-        for key in ("head", "draft_vocab"):
-            if key in saved and saved[key] != getattr(args, key) and (eagle3 or key == "head"):
+        for key in ("head", "draft_vocab", "draft_layers"):
+            if (
+                key in saved
+                and saved[key] != getattr(args, key)
+                and (eagle3 or key != "draft_vocab")
+            ):
                 raise ValueError(
                     f"{ckpt_path} was trained with {key}={saved[key]!r}, not "
                     f"{getattr(args, key)!r}: resume with the same value or another --work-dir"
