@@ -49,6 +49,7 @@ BATCH_TOKENS=${BATCH_TOKENS:-32768}
 LR=${LR:-2e-3}
 WARMUP=${WARMUP:-0.05}
 HEAD=${HEAD:-eagle}                   # eagle (EAGLE-1, the committed draft) or eagle3
+DRAFT_LAYERS=${DRAFT_LAYERS:-1}       # eagle: decoder layers in the head (the committed: 1)
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
 TTT_STEPS=${TTT_STEPS:-6}
 TTT_DECAY=${TTT_DECAY:-0.8}
@@ -112,7 +113,7 @@ RESUME_FLAG=()
 log "stage 1-3: train-eagle (generation budget $GEN_BUDGET s, training until $TRAIN_BUDGET s or $(date -d @$FINISH_BY +%H:%M:%S 2>/dev/null || echo $FINISH_BY))"
 # shellcheck disable=SC2086
 $PY -m specserve.cli train-eagle --target "$MODEL" --out "$DRAFT" --work-dir "$WORK" \
-  --device "$DEVICE" --seed 0 --head "$HEAD" --draft-vocab "$DRAFT_VOCAB" \
+  --device "$DEVICE" --seed 0 --head "$HEAD" --draft-layers "$DRAFT_LAYERS" --draft-vocab "$DRAFT_VOCAB" \
   --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" --generator "$GENERATOR" \
   --gen-batch-size "$GEN_BATCH" --sampled-passes "$SAMPLED_PASSES" --temperature $TEMPS \
   --gen-time-budget "$GEN_BUDGET" "${ENGINE_FLAGS[@]}" \
