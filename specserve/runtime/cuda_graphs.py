@@ -54,6 +54,15 @@ def capture_graph(fn, pool, device: torch.device):
     return graph, out
 
 
+def copy_from_host(dst: torch.Tensor, values: list[int]) -> None:
+    """Into a graph's static input, stream-ordered, without making the host wait (pinned
+    staging on CUDA)."""
+    src = torch.tensor(values, dtype=dst.dtype)
+    if dst.device.type == "cuda":
+        src = src.pin_memory()
+    dst.copy_(src, non_blocking=True)
+
+
 def batch_buckets(max_bs: int) -> list[int]:
     """1, 2, 4, then multiples of 8, and max_bs itself."""
     sizes = {b for b in (1, 2, 4) if b < max_bs} | set(range(8, max_bs, 8)) | {max_bs}
@@ -123,10 +132,7 @@ class DecodeGraphs:
 
     def _copy_inputs(self, cap: _Captured, rows: list[int], sampling: SamplingTensors) -> None:
         bs, n = cap.rows.shape[0], len(rows)
-        padded = torch.tensor(rows + [PAD_ROW] * (bs - n), dtype=torch.int64)
-        if cap.rows.device.type == "cuda":
-            padded = padded.pin_memory()
-        cap.rows.copy_(padded, non_blocking=True)
+        copy_from_host(cap.rows, rows + [PAD_ROW] * (bs - n))
         last = cap.last_inputs
         if last is not None and last[0] == n and last[1] is sampling:
             return  # same batch as last replay: sampling rows are already in place

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.model.llama import ModelOutput
-from specserve.runtime.cuda_graphs import MIN_WIDTH, capture_graph, pow2_bucket
+from specserve.runtime.cuda_graphs import MIN_WIDTH, capture_graph, copy_from_host, pow2_bucket
 from specserve.runtime.forward_batch import build_device_metadata
 from specserve.runtime.request_rows import PAD_ROW
 
@@ -86,8 +86,8 @@ class PrefillGraphs:
             cap = self._capture(*shape, capture_layers)
             self.graphs[shape] = cap
         tokens = shape[0]
-        _copy_from_host(cap.input_ids, token_ids + [0] * (tokens - n))
-        _copy_from_host(cap.span, [row, start, start + n])
+        copy_from_host(cap.input_ids, token_ids + [0] * (tokens - n))
+        copy_from_host(cap.span, [row, start, start + n])
         if cap.graph is not None:
             cap.graph.replay()
             out = cap.out
@@ -131,11 +131,3 @@ class PrefillGraphs:
         self.num_captures += 1
         log.info("captured prefill graph: %d tokens, width %d", tokens, width)
         return _Captured(graph, forward, input_ids, span, out)
-
-
-def _copy_from_host(dst: torch.Tensor, values: list[int]) -> None:
-    """Into a static input, stream-ordered, without making the host wait (pinned staging)."""
-    src = torch.tensor(values, dtype=dst.dtype)
-    if dst.device.type == "cuda":
-        src = src.pin_memory()
-    dst.copy_(src, non_blocking=True)

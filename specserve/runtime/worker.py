@@ -156,10 +156,7 @@ class Worker:
     @torch.inference_mode()
     def prefill(self, chunks: list[PrefillChunk]) -> dict[str, int]:
         """Run the chunks; return the first sampled token of each request whose prefill completes."""
-        tokens, positions = [], []
-        for c in chunks:
-            tokens.extend(c.req.all_ids[c.start : c.end])
-            positions.extend(range(c.start, c.end))
+        tokens = [t for c in chunks for t in c.req.all_ids[c.start : c.end]]
         dev = self.device
         capture = self.drafter.capture_layers if self.drafter is not None else ()
         out = None
@@ -171,6 +168,7 @@ class Worker:
             out = self.prefill_graphs.forward(self.rows.row(c.req.rid), c.start, tokens, capture)
         if out is None:
             input_ids = to_device(torch.tensor(tokens, dtype=torch.int64), dev)
+            positions = [p for c in chunks for p in range(c.start, c.end)]
             pos = to_device(torch.tensor(positions, dtype=torch.int64), dev)
             out = self.target.forward(input_ids, pos, self._prefill_metadata(chunks), capture)
 
