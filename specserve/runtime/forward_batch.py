@@ -8,7 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.ops import env_flag, triton_available
 from specserve.ops.attention import AttentionMetadata
+
+# Read once, at import: SPECSERVE_DISABLE_TRITON_METADATA=1 keeps decode metadata on the
+# torch path even on CUDA.
+_TRITON_METADATA = not env_flag("SPECSERVE_DISABLE_TRITON_METADATA")
 
 
 @dataclass
@@ -79,35 +84,68 @@ def build_device_metadata(
     owned_slots: [B, L] device slots of positions 0..L-1 (padding beyond what a request owns
     is never read). visible_lens: [B] device. visible_upper: host upper bounds of
     visible_lens: they size the index buffer and the kernels' launch plans, so the host needs
-    no device value (host_kv_indptr then holds bounds; host_kv_is_upper_bound says so)."""
-    device = owned_slots.device
-    bsz, width = owned_slots.shape
-    kv_indptr = torch.zeros(bsz + 1, dtype=torch.int64, device=device)
-    kv_indptr[1:] = torch.cumsum(visible_lens, dim=0)
+    no device value (host_kv_indptr then holds bounds; host_kv_is_upper_bound says so).
+
+    On CUDA with triton the device tensors come from one Triton launch
+    (`ops/triton_metadata.py`) instead of about fifteen torch kernels, unless
+    SPECSERVE_DISABLE_TRITON_METADATA was set when this module was imported."""
+    bsz = owned_slots.shape[0]
     total_upper = sum(visible_upper)
-    t = torch.arange(total_upper, device=device)
-    owner = torch.searchsorted(kv_indptr[1:], t, right=True).clamp(max=bsz - 1)
-    pos = (t - kv_indptr[owner]).clamp(0, width - 1)
-    kv_indices = torch.where(t < kv_indptr[-1], owned_slots[owner, pos], 0)
+    with_mask = custom_mask is not None
+    if owned_slots.device.type == "cuda" and _TRITON_METADATA and triton_available():
+        from specserve.ops.triton_metadata import device_metadata_tensors
+
+        tensors = device_metadata_tensors(
+            owned_slots, visible_lens, total_upper, q_len, extra_len, with_mask
+        )
+    else:
+        tensors = _device_metadata_tensors_reference(
+            owned_slots, visible_lens, total_upper, q_len, extra_len, with_mask
+        )
+    qo_indptr, kv_indptr, kv_indices, extra_lens, mask_indptr = tensors
     qo = [q_len * i for i in range(bsz + 1)]
     upper = [0]
     for u in visible_upper:
         upper.append(upper[-1] + u)
     mask_ptr = [q_len * extra_len * i for i in range(bsz + 1)]
-    # Uniform strides are computed on the device: no host->device copy, so the whole
-    # metadata can be built inside a CUDA graph capture.
-    batch_ids = torch.arange(bsz + 1, dtype=torch.int64, device=device)
     return AttentionMetadata(
-        qo_indptr=batch_ids * q_len,
+        qo_indptr=qo_indptr,
         kv_indptr=kv_indptr,
         kv_indices=kv_indices,
-        extra_lens=torch.full((bsz,), extra_len, dtype=torch.int64, device=device),
+        extra_lens=extra_lens,
         out_cache_loc=out_cache_loc,
         custom_mask=custom_mask,
-        mask_indptr=batch_ids * (q_len * extra_len) if custom_mask is not None else None,
+        mask_indptr=mask_indptr,
         host_qo_indptr=qo,
         host_kv_indptr=upper,
         host_extra_lens=[extra_len] * bsz,
-        host_mask_indptr=mask_ptr if custom_mask is not None else None,
+        host_mask_indptr=mask_ptr if with_mask else None,
         host_kv_is_upper_bound=True,
     )
+
+
+def _device_metadata_tensors_reference(
+    owned_slots: torch.Tensor,
+    visible_lens: torch.Tensor,
+    total_upper: int,
+    q_len: int,
+    extra_len: int,
+    with_mask: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(qo_indptr, kv_indptr, kv_indices, extra_lens, mask_indptr or None) in torch ops (the
+    CPU path and the reference of `ops/triton_metadata.py`, which does it in one launch)."""
+    device = owned_slots.device
+    bsz, width = owned_slots.shape
+    kv_indptr = torch.zeros(bsz + 1, dtype=torch.int64, device=device)
+    kv_indptr[1:] = torch.cumsum(visible_lens, dim=0)
+    t = torch.arange(total_upper, device=device)
+    owner = torch.searchsorted(kv_indptr[1:], t, right=True).clamp(max=bsz - 1)
+    pos = (t - kv_indptr[owner]).clamp(0, width - 1)
+    kv_indices = torch.where(t < kv_indptr[-1], owned_slots[owner, pos], 0)
+    # Uniform strides are computed on the device: no host->device copy, so the whole
+    # metadata can be built inside a CUDA graph capture.
+    batch_ids = torch.arange(bsz + 1, dtype=torch.int64, device=device)
+    qo_indptr = batch_ids * q_len
+    extra_lens = torch.full((bsz,), extra_len, dtype=torch.int64, device=device)
+    mask_indptr = batch_ids * (q_len * extra_len) if with_mask else None
+    return qo_indptr, kv_indptr, kv_indices, extra_lens, mask_indptr
