@@ -243,7 +243,7 @@ def test_tree_selection_keeps_the_stable_sort_order_under_ties():
     """The drafter picks the tree's nodes by one top-k over composite keys; it must choose
     what a stable descending sort would (ties to the lower candidate id, i.e. a parent before
     its children), or a chosen node could miss its parent."""
-    from specserve.spec.drafter import best_columns
+    from specserve.ops.triton_tree_select import best_columns
 
     g = torch.Generator().manual_seed(0)
     for _ in range(200):

@@ -22,7 +22,7 @@ from specserve.runtime.model_runner import ModelRunner
 from specserve.runtime.request import Request
 from specserve.runtime.request_rows import PAD_ROW, RequestRows
 from specserve.spec.kv_commit import commit_accepted_path
-from specserve.spec.tree import DraftTrees, accept, ancestor_mask
+from specserve.spec.tree import DraftTrees, accept
 
 
 @dataclass
@@ -268,7 +268,7 @@ class Worker:
         b, n = trees.tokens.shape
         positions = (batch.kv_lens_dev[:, None] + trees.depths).reshape(-1)
         out_slots = batch.window_slots[:, :n].reshape(-1)
-        anc = None if n == 1 else ancestor_mask(trees.parents, trees.max_depth)
+        anc = None if n == 1 else trees.ancestors()
         mask = None if anc is None else anc.reshape(-1)
         meta = batch.metadata(n, n, n, out_slots, mask)
         capture = self.drafter.capture_layers if self.drafter is not None else ()

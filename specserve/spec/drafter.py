@@ -30,6 +30,7 @@ import torch
 from specserve.kv.pool import KVCache
 from specserve.ops.attention import ForwardContext
 from specserve.ops.triton_draft_frontier import Candidates, Frontier, expand_frontier
+from specserve.ops.triton_tree_select import select_tree
 from specserve.runtime.forward_batch import Segment, build_metadata, to_device
 from specserve.spec.draft_heads import DraftHead
 from specserve.spec.tree import DraftTrees
@@ -39,19 +40,6 @@ from specserve.spec.tree import DraftTrees
 class _DraftConstants:
     frontier_pos: torch.Tensor  # [num_steps - 1, k] position offsets past kv_len per depth
     cand_depths: torch.Tensor  # [C] the depth of every candidate column
-
-
-def best_columns(keys: torch.Tensor, m: int) -> torch.Tensor:
-    """Columns of the m largest float32 keys per row, ties to the lower column (what a stable
-    descending sort gives), in no particular order; NaN ranks as -inf (a NaN score is never
-    preferred, and a NaN child never outranks its parent). One top-k over unique int64 keys:
-    the float's bits made order-preserving (-0.0 equal to +0.0), then the reversed column."""
-    keys = torch.nan_to_num(keys, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    bits = keys.view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
-    width = keys.shape[1]
-    reversed_col = torch.arange(width - 1, -1, -1, device=keys.device)
-    return (ordered * width + reversed_col).topk(m, dim=1, sorted=False).indices
 
 
 class TreeDrafter:
@@ -232,34 +220,17 @@ class TreeDrafter:
         return self._consts
 
     def _select_tree(self, roots, cands: Candidates) -> DraftTrees:
-        n = self.num_draft_tokens
-        tokens, keys, parents = cands.tokens, cands.keys, cands.parents  # [B, C]: id = column + 1
-        bsz, num_cand = tokens.shape
-        depths = self._constants().cand_depths.expand(bsz, num_cand)
-        order = best_columns(keys, n - 1)
-        chosen = torch.sort(order, dim=1).values  # candidate order = topological order
-        # old id -> new node index (root 0 -> 0)
-        new_index = torch.full((bsz, num_cand + 1), -1, dtype=torch.int64, device=tokens.device)
-        new_index[:, 0] = 0
-        new_index.scatter_(
-            1, chosen + 1, torch.arange(1, n, device=tokens.device).expand(bsz, n - 1)
+        tokens, parents, depths, scores, anc = select_tree(
+            roots,
+            cands.tokens,
+            cands.scores,
+            cands.keys,
+            cands.parents,
+            self._constants().cand_depths,
+            self.num_draft_tokens,
+            self.max_depth,
         )
-        tree_parents = torch.gather(new_index, 1, torch.gather(parents, 1, chosen))
-        return DraftTrees(
-            tokens=torch.cat([roots[:, None], torch.gather(tokens, 1, chosen)], dim=1),
-            parents=torch.cat([torch.full_like(roots[:, None], -1), tree_parents], dim=1),
-            depths=torch.cat(
-                [torch.zeros_like(roots[:, None]), torch.gather(depths, 1, chosen)], dim=1
-            ),
-            max_depth=self.max_depth,
-            scores=torch.cat(
-                [
-                    torch.zeros_like(roots[:, None], dtype=cands.scores.dtype),
-                    torch.gather(cands.scores, 1, chosen),
-                ],
-                dim=1,
-            ),
-        )
+        return DraftTrees(tokens, parents, depths, self.max_depth, scores, anc)
 
     # ---- after verification ---------------------------------------------------------------------
     @torch.inference_mode()

@@ -13,6 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.ops import env_flag, triton_available
+
+# verification's acceptance in one kernel on CUDA (ops/triton_accept.py); the speculative
+# step's kernels share one switch, read at import
+_ACCEPT_KERNEL = triton_available() and not env_flag("SPECSERVE_DISABLE_TRITON_DRAFT")
+
 
 @dataclass
 class DraftTrees:
@@ -21,6 +27,11 @@ class DraftTrees:
     depths: torch.Tensor  # [B, N] int64
     max_depth: int  # host constant: no node is deeper
     scores: torch.Tensor | None = None  # [B, N] draft path log-probability (root 0)
+    anc: torch.Tensor | None = None  # [B, N, N] `ancestor_mask`, when drafting built it
+
+    def ancestors(self) -> torch.Tensor:
+        """The ancestor-or-self mask: the one drafting built, else built now."""
+        return self.anc if self.anc is not None else ancestor_mask(self.parents, self.max_depth)
 
     @property
     def width(self) -> int:
@@ -64,12 +75,18 @@ def accept(
 
     anc: the trees' `ancestor_mask`, if already built (verification builds it): then a node
     is accepted iff no node on its root path disagrees, a handful of kernels instead of a
-    walk of max_depth steps.
+    walk of max_depth steps (one kernel on CUDA).
     """
     parents, tokens = trees.parents, trees.tokens
     b, n = tokens.shape
     safe_parent = parents.clamp(min=0)
     agrees = tokens == torch.gather(target_tokens, 1, safe_parent)
+    if anc is not None and _ACCEPT_KERNEL and tokens.is_cuda:
+        from specserve.ops.triton_accept import accept_triton
+
+        return Acceptance(
+            *accept_triton(tokens, parents, trees.depths, target_tokens, anc, trees.max_depth)
+        )
     if anc is not None:
         not_root = torch.arange(n, device=tokens.device) > 0
         # the root always "agrees"; a non-root node without a parent never does (as in the walk)

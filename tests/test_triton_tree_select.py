@@ -1,0 +1,116 @@
+"""Tree selection and its ancestor mask in one kernel, against the torch reference and
+`spec.tree.ancestor_mask`, on candidates made the way drafting makes them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+pytest.importorskip("triton", reason="the tree-selection kernel needs the triton package")
+
+from specserve.ops.triton_draft_frontier import (  # noqa: E402
+    Candidates,
+    Frontier,
+    expand_frontier_reference,
+)
+from specserve.ops.triton_tree_select import (  # noqa: E402
+    select_tree,
+    select_tree_reference,
+    select_tree_triton,
+)
+from specserve.spec.tree import ancestor_mask  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def drafted_candidates(bsz, k, num_steps, *, seed, ties=False, nans=False):
+    """Every depth's candidates from random top-k log-probabilities, expanded by the drafting
+    reference (so keys, greedy chain and parent ids are what drafting writes)."""
+    g = torch.Generator().manual_seed(seed)
+    scratch = max(1, (num_steps - 1) * k)
+    cands = Candidates.empty(bsz, k + (num_steps - 1) * k * k, "cpu")
+    fronts = Frontier.empty_pair(bsz, k, 4, scratch, torch.float32, "cpu")
+    front = None
+    for depth in range(num_steps):
+        f = 1 if depth == 0 else k
+        logp = -torch.rand(bsz * f, k, generator=g) * 4
+        if ties:  # few distinct values: many exactly equal keys
+            logp = (logp * 2).round() / 2
+        if nans and depth == num_steps - 1:  # NaN ranks as -inf (leaves only: trees stay closed)
+            logp[torch.rand(bsz * f, k, generator=g) < 0.3] = float("nan")
+        logp = logp.sort(dim=1, descending=True).values
+        tok = torch.randint(0, 1000, (bsz * f, k), generator=g)
+        out = fronts[depth % 2] if depth + 1 < num_steps else None
+        expand_frontier_reference(logp, tok, torch.randn(bsz * f, 4, generator=g), front, depth,
+                                  cands, out)  # fmt: skip
+        front = out
+    depths = torch.cat(
+        [torch.ones(k, dtype=torch.int64)]
+        + [torch.full((k * k,), d + 1, dtype=torch.int64) for d in range(1, num_steps)]
+    )
+    roots = torch.randint(0, 1000, (bsz,), generator=g)
+    return roots, cands, depths
+
+
+CASES = [  # (bsz, k, num_steps, n)
+    (1, 1, 5, 6),  # a chain
+    (1, 4, 5, 16),
+    (2, 8, 8, 48),  # the bundled draft's GPU tree
+    (3, 8, 5, 64),
+    (1, 8, 8, 457),  # every candidate
+    (2, 16, 3, 100),  # 528 candidates: sorted in a 1024-wide block
+    (1, 3, 4, 2),  # the smallest tree
+]
+
+
+# the interpreter is slow on the wide cases: their tie and NaN variants run with the slow set
+PARAMS = [
+    pytest.param(
+        *case, variant, marks=[pytest.mark.slow] if variant != "plain" and case[3] >= 64 else []
+    )
+    for case in CASES
+    for variant in ("plain", "ties", "nans")
+]
+
+
+@pytest.mark.parametrize("bsz,k,num_steps,n,variant", PARAMS)
+def test_kernel_matches_reference_and_mask(bsz, k, num_steps, n, variant):
+    roots, cands, depths = drafted_candidates(
+        bsz, k, num_steps, seed=bsz * 100 + n, ties=variant == "ties", nans=variant == "nans"
+    )
+    want = select_tree_reference(
+        roots, cands.tokens, cands.scores, cands.keys, cands.parents, depths, n
+    )
+    dev = [t.to(DEVICE) for t in (roots, cands.tokens, cands.scores, cands.keys, cands.parents)]
+    got = select_tree_triton(*dev, depths.to(DEVICE), n, num_steps)
+    for name, x, y in zip(("tokens", "parents", "depths", "scores"), got[:4], want):
+        assert x.dtype == y.dtype, name
+        torch.testing.assert_close(x.cpu(), y, rtol=0, atol=0, equal_nan=True, msg=name)
+    # a real tree: topological, depth = parent's + 1, within num_steps
+    tok, par, dep = want[0], want[1], want[2]
+    assert (par[:, 1:] < torch.arange(1, n)).all() and (par[:, 1:] >= 0).all()
+    assert torch.equal(dep[:, 1:], torch.gather(dep, 1, par[:, 1:]) + 1)
+    assert int(dep.max()) <= num_steps and torch.equal(tok[:, 0], roots)
+    assert torch.equal(got[4].cpu(), ancestor_mask(par, num_steps))
+
+
+def test_dispatch_builds_the_mask_only_with_the_kernel():
+    roots, cands, depths = drafted_candidates(2, 4, 4, seed=7)
+    args = (roots, cands.tokens, cands.scores, cands.keys, cands.parents, depths)
+    *_, anc = select_tree(*(t.to(DEVICE) for t in args), 12, 4)
+    if DEVICE.type == "cuda":
+        assert anc is not None and anc.shape == (2, 12, 12)
+    else:  # the CPU path leaves the mask to verification
+        assert anc is None
+
+
+def test_out_of_range_tree_is_refused():
+    roots, cands, depths = drafted_candidates(1, 2, 2, seed=3)
+    args = [t.to(DEVICE) for t in (roots, cands.tokens, cands.scores, cands.keys, cands.parents)]
+    with pytest.raises(ValueError, match="candidates"):
+        select_tree_triton(*args, depths.to(DEVICE), cands.tokens.shape[1] + 2, 2)
