@@ -32,4 +32,7 @@ prof plain "$@"
 prof chain5 $SPEC --speculative-num-steps 5 --speculative-eagle-topk 1 --speculative-num-draft-tokens 6 --simulate-acc-len 2 "$@"
 prof tree8x8x64 $SPEC --speculative-num-steps 8 --speculative-eagle-topk 8 --speculative-num-draft-tokens 64 --simulate-acc-len 3 "$@"
 prof tree8x8x48 $SPEC --speculative-num-steps 8 --speculative-eagle-topk 8 --speculative-num-draft-tokens 48 --simulate-acc-len 3 "$@"
+# the same tree with the real (greedy) acceptance path instead of the simulated one: random
+# weights accept little, but every step still drafts and verifies the whole tree
+prof tree8x8x48greedy --speculative-algorithm EAGLE --speculative-draft-model-path $DRAFT --speculative-num-steps 8 --speculative-eagle-topk 8 --speculative-num-draft-tokens 48 "$@"
 prof tree6x8x32 $SPEC --speculative-num-steps 6 --speculative-eagle-topk 8 --speculative-num-draft-tokens 32 --simulate-acc-len 3 "$@"

@@ -17,9 +17,9 @@ candidate ids, 0 for the root) and n = the tree width:
 The drafter keeps every chosen node's parent (a child's key never exceeds its parent's and
 ties go to the parent), so the re-indexing always finds it.
 
-`select_tree` dispatches: the kernel on CUDA when triton is importable and
-SPECSERVE_DISABLE_TRITON_DRAFT is unset (the drafting kernels' switch, read once at import),
-else `select_tree_reference` (the CPU path; the mask is then built by verification with
+`select_tree` dispatches: the kernel on CUDA when triton is importable and neither
+SPECSERVE_DISABLE_TRITON_TREE (this kernel and acceptance's, ops/triton_accept.py) nor
+SPECSERVE_DISABLE_TRITON_DRAFT (every drafting kernel) is set (read once, at import), else `select_tree_reference` (the CPU path; the mask is then built by verification with
 `spec.tree.ancestor_mask`).
 """
 
@@ -29,7 +29,11 @@ import torch
 
 from specserve.ops import env_flag, triton_available
 
-USE_TRITON = triton_available() and not env_flag("SPECSERVE_DISABLE_TRITON_DRAFT")
+USE_TRITON = (
+    triton_available()
+    and not env_flag("SPECSERVE_DISABLE_TRITON_DRAFT")
+    and not env_flag("SPECSERVE_DISABLE_TRITON_TREE")
+)
 MAX_CANDIDATES = 8192  # the kernel sorts a row's keys in one program (the config allows 3,856)
 
 

@@ -15,9 +15,13 @@ import torch
 
 from specserve.ops import env_flag, triton_available
 
-# verification's acceptance in one kernel on CUDA (ops/triton_accept.py); the speculative
-# step's kernels share one switch, read at import
-_ACCEPT_KERNEL = triton_available() and not env_flag("SPECSERVE_DISABLE_TRITON_DRAFT")
+# verification's acceptance in one kernel on CUDA (ops/triton_accept.py); off with the tree
+# selection kernel's switches (ops/triton_tree_select.py), read at import
+_ACCEPT_KERNEL = (
+    triton_available()
+    and not env_flag("SPECSERVE_DISABLE_TRITON_DRAFT")
+    and not env_flag("SPECSERVE_DISABLE_TRITON_TREE")
+)
 
 
 @dataclass
