@@ -99,7 +99,8 @@ def fused_mode(x: torch.Tensor) -> int:
     return 1 if FUSED.elementwise else 0
 
 
-def _elementwise(x: torch.Tensor) -> bool:
+def elementwise_on(x: torch.Tensor) -> bool:
+    """The fused elementwise / row kernels apply to x (CUDA half activations, no autograd)."""
     return FUSED.elementwise and _eligible(x)
 
 
@@ -126,7 +127,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _elementwise(x):
+        if elementwise_on(x):
             from specserve.ops.triton_norm import rmsnorm
 
             return rmsnorm(x, self.weight, self.eps)
@@ -136,7 +137,7 @@ class RMSNorm(nn.Module):
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    if _elementwise(gate_up):
+    if elementwise_on(gate_up):
         from specserve.ops.triton_norm import silu_and_mul
 
         return silu_and_mul(gate_up)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.model.config import ModelConfig
-from specserve.model.llama import MLP, Attention, DecoderLayer, RMSNorm
+from specserve.model.llama import MLP, Attention, DecoderLayer, RMSNorm, elementwise_on
 from specserve.ops.attention import ForwardContext
 from specserve.ops.sampling import topk_logprobs
 
@@ -70,9 +70,16 @@ class EagleHead(DraftHead):
         self._lm_head = [target_lm_head]
 
     def forward(self, input_ids, features, positions, ctx):
-        h = self.fc(
-            torch.cat([self._embed[0](input_ids), features.to(self.fc.weight.dtype)], dim=-1)
-        )
+        embed = self._embed[0].weight
+        features = features.to(self.fc.weight.dtype)
+        if elementwise_on(features) and embed.dtype == features.dtype:
+            # one launch for the gather and the concat (ops/triton_embed_concat.py)
+            from specserve.ops.triton_embed_concat import embed_concat
+
+            x = embed_concat(embed, input_ids.contiguous(), features.contiguous())
+        else:
+            x = torch.cat([self._embed[0](input_ids), features], dim=-1)
+        h = self.fc(x)
         for layer in self.layers:
             h = layer(h, positions, ctx)
         return h
