@@ -49,6 +49,20 @@ def test_kernel_matches_the_torch_acceptance(bsz, n, max_depth):
             assert torch.equal(x.cpu(), getattr(want, name)), (name, trial)
 
 
+def test_a_node_without_a_parent_is_never_accepted_as_in_the_reference():
+    g = torch.Generator().manual_seed(9)
+    trees = random_trees(2, 16, 4, g)
+    target = target_following_random_paths(trees, g)
+    parents = trees.parents.clone()
+    parents[:, 3] = -1  # an orphan (and so are its descendants' paths)
+    trees = DraftTrees(trees.tokens, parents, trees.depths, 4)
+    anc = ancestor_mask(parents, 4)
+    want = accept(trees, target, anc)
+    dev = [t.to(DEVICE) for t in (trees.tokens, parents, trees.depths, target, anc)]
+    for name, x in zip(("accept_len", "path", "bonus", "emitted"), accept_triton(*dev, 4)):
+        assert torch.equal(x.cpu(), getattr(want, name)), name
+
+
 def test_accept_takes_the_kernel_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("the dispatch to the kernel happens on CUDA only")

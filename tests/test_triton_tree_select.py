@@ -19,6 +19,7 @@ from specserve.ops.triton_draft_frontier import (  # noqa: E402
     expand_frontier_reference,
 )
 from specserve.ops.triton_tree_select import (  # noqa: E402
+    MAX_MASK_NODES,
     select_tree,
     select_tree_reference,
     select_tree_triton,
@@ -86,17 +87,56 @@ def test_kernel_matches_reference_and_mask(bsz, k, num_steps, n, variant):
     want = select_tree_reference(
         roots, cands.tokens, cands.scores, cands.keys, cands.parents, depths, n
     )
-    dev = [t.to(DEVICE) for t in (roots, cands.tokens, cands.scores, cands.keys, cands.parents)]
-    got = select_tree_triton(*dev, depths.to(DEVICE), n, num_steps)
-    for name, x, y in zip(("tokens", "parents", "depths", "scores"), got[:4], want):
-        assert x.dtype == y.dtype, name
-        torch.testing.assert_close(x.cpu(), y, rtol=0, atol=0, equal_nan=True, msg=name)
+    max_depth = min(num_steps, n - 1)  # what the drafter passes
+    got = run_kernel(roots, cands, depths, n, max_depth)
+    assert_same(got, want, max_depth)
     # a real tree: topological, depth = parent's + 1, within num_steps
     tok, par, dep = want[0], want[1], want[2]
     assert (par[:, 1:] < torch.arange(1, n)).all() and (par[:, 1:] >= 0).all()
     assert torch.equal(dep[:, 1:], torch.gather(dep, 1, par[:, 1:]) + 1)
     assert int(dep.max()) <= num_steps and torch.equal(tok[:, 0], roots)
-    assert torch.equal(got[4].cpu(), ancestor_mask(par, num_steps))
+    assert (got[4] is None) == (n > MAX_MASK_NODES)
+
+
+def run_kernel(roots, cands, depths, n, max_depth):
+    dev = [t.to(DEVICE) for t in (roots, cands.tokens, cands.scores, cands.keys, cands.parents)]
+    return select_tree_triton(*dev, depths.to(DEVICE), n, max_depth)
+
+
+def assert_same(got, want, max_depth):
+    for name, x, y in zip(("tokens", "parents", "depths", "scores"), got[:4], want):
+        assert x.dtype == y.dtype, name
+        torch.testing.assert_close(x.cpu(), y, rtol=0, atol=0, equal_nan=True, msg=name)
+    if got[4] is not None:
+        assert torch.equal(got[4].cpu(), ancestor_mask(want[1], max_depth))
+
+
+def test_garbage_rows_give_the_reference_tree():
+    # padded batch rows draft from whatever features they hold: NaN and inf at every depth
+    g = torch.Generator().manual_seed(11)
+    roots, cands, depths = drafted_candidates(3, 8, 5, seed=11)
+    for t in (cands.scores, cands.keys):
+        t[torch.rand(t.shape, generator=g) < 0.3] = float("nan")
+        t[torch.rand(t.shape, generator=g) < 0.1] = float("-inf")
+    cands.keys[1] = float("nan")  # a whole row of NaN keys
+    want = select_tree_reference(
+        roots, cands.tokens, cands.scores, cands.keys, cands.parents, depths, 48
+    )
+    assert_same(run_kernel(roots, cands, depths, 48, 5), want, 5)
+
+
+def test_a_chosen_node_without_its_parent_gets_parent_minus_one_as_in_the_reference():
+    # not what drafting produces (a child never outranks its parent), but defined: no
+    # uninitialised read
+    roots, cands, depths = drafted_candidates(1, 2, 3, seed=5)
+    cands.keys[0, 1] = float("nan")  # candidate id 2 (depth 1, not greedy) ranks last...
+    child = int((cands.parents[0] == 2).nonzero()[0])
+    cands.keys[0, child] = -0.01  # ...while its child outranks every non-greedy node
+    want = select_tree_reference(
+        roots, cands.tokens, cands.scores, cands.keys, cands.parents, depths, 5
+    )
+    assert (want[1][0, 1:] == -1).any()  # the case is real
+    assert_same(run_kernel(roots, cands, depths, 5, 3), want, 3)
 
 
 def test_dispatch_builds_the_mask_only_with_the_kernel():

@@ -24,9 +24,9 @@ node; else F = k nodes), given the head's top-k of every frontier node (c_logp, 
 
 Tie and NaN rules (kernel and reference alike): equal keys go to the lower column (what a
 stable descending sort gives), -0.0 equals +0.0, and NaN keys rank as -inf (a NaN score is
-never preferred), as `best_columns` in ops/triton_tree_select.py. The selection uses the int64 keys of
-the top-k kernels (float bits in the high word, 0x7FFFFFFF - column in the low word): one
-integer max is "largest key, lowest column". The next frontier is in that order.
+never preferred), as `best_columns` in ops/triton_tree_select.py. The selection uses the
+int64 keys of the top-k kernels (float bits in the high word, 0x7FFFFFFF - column in the low
+word): one integer max is "largest key, lowest column". The next frontier is in that order.
 
 `expand_frontier` dispatches: the kernel on CUDA when triton is importable and
 SPECSERVE_DISABLE_TRITON_DRAFT is unset (read once, at import), else

@@ -14,13 +14,18 @@ candidate ids, 0 for the root) and n = the tree width:
              than their children, so this order is topological); node 0 is the root;
   tokens, depths, scores at the chosen columns; parents re-indexed to node ids (-1 for the
   root); anc[i, j] = node j is node i or one of its ancestors.
-The drafter keeps every chosen node's parent (a child's key never exceeds its parent's and
-ties go to the parent), so the re-indexing always finds it.
+Closure: a child's key never exceeds its parent's (greedy-chain keys fall with depth, other
+keys are path log-probabilities, NaN ranks as -inf) and ties go to the parent's lower column,
+so every chosen node's parent is chosen. Should a set ever not be closed, the kernel writes
+parent -1 for the orphan, as the reference does.
 
 `select_tree` dispatches: the kernel on CUDA when triton is importable and neither
 SPECSERVE_DISABLE_TRITON_TREE (this kernel and acceptance's, ops/triton_accept.py) nor
-SPECSERVE_DISABLE_TRITON_DRAFT (every drafting kernel) is set (read once, at import), else `select_tree_reference` (the CPU path; the mask is then built by verification with
-`spec.tree.ancestor_mask`).
+SPECSERVE_DISABLE_TRITON_DRAFT (every drafting kernel) is set (read once, at import), else
+`select_tree_reference` (the CPU path). The mask comes with the kernel for trees of at most
+MAX_MASK_NODES nodes (its walk holds rows of the mask in registers; wider trees would walk
+a few rows at a time, one program per request); otherwise verification builds it with
+`spec.tree.ancestor_mask`.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ USE_TRITON = (
     and not env_flag("SPECSERVE_DISABLE_TRITON_TREE")
 )
 MAX_CANDIDATES = 8192  # the kernel sorts a row's keys in one program (the config allows 3,856)
+MAX_MASK_NODES = 256  # widest tree whose mask the kernel builds (see the module doc)
 
 
 def best_columns(keys: torch.Tensor, m: int) -> torch.Tensor:
@@ -94,6 +100,7 @@ if triton_available():
         OTok, OPar, ODepth, OScore, OAnc,
         n_cand, n_nodes,
         CP: tl.constexpr, NP: tl.constexpr, BLOCK_I: tl.constexpr, MAX_DEPTH: tl.constexpr,
+        WITH_MASK: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, CP)
@@ -108,7 +115,7 @@ if triton_available():
         chosen = valid & (enc >= threshold)
         node = tl.cumsum(chosen.to(tl.int32), 0).to(tl.int64)  # 1-based rank in column order
         row = b * CP
-        tl.store(NodeOf + row + offs, node, mask=chosen)
+        tl.store(NodeOf + row + offs, tl.where(chosen, node, -1), mask=valid)
         tl.debug_barrier()  # NodeOf is read back below at other threads' columns
         par = tl.load(CandPar + cand, mask=chosen, other=0)
         par_node = tl.load(NodeOf + row + par - 1, mask=chosen & (par > 0), other=0)
@@ -122,20 +129,21 @@ if triton_available():
         tl.store(OPar + root, -1)
         tl.store(ODepth + root, 0)
         tl.store(OScore + root, 0.0)
-        tl.debug_barrier()  # the walk below reads parents written by other threads
-        cols = tl.arange(0, NP)
-        for i0 in range(0, n_nodes, BLOCK_I):
-            rows = i0 + tl.arange(0, BLOCK_I)
-            live = rows < n_nodes
-            cur = tl.where(live, rows, -1).to(tl.int64)
-            bits = tl.zeros([BLOCK_I, NP], tl.int1)
-            # a node and its at most MAX_DEPTH ancestors; -1 past the root matches no column
-            for _ in tl.static_range(MAX_DEPTH + 1):
-                bits = bits | (cols[None, :] == cur[:, None])
-                up = cur > 0
-                cur = tl.where(up, tl.load(OPar + root + cur, mask=up, other=-1), -1)
-            dst = OAnc + (root + rows)[:, None] * n_nodes + cols[None, :]
-            tl.store(dst, bits.to(tl.uint8), mask=live[:, None] & (cols[None, :] < n_nodes))
+        if WITH_MASK:
+            tl.debug_barrier()  # the walk below reads parents written by other threads
+            cols = tl.arange(0, NP)
+            for i0 in range(0, n_nodes, BLOCK_I):
+                rows = i0 + tl.arange(0, BLOCK_I)
+                live = rows < n_nodes
+                cur = tl.where(live, rows, -1).to(tl.int64)
+                bits = tl.zeros([BLOCK_I, NP], tl.int1)
+                # a node and its at most MAX_DEPTH ancestors; -1 past the root matches no column
+                for _ in tl.static_range(MAX_DEPTH + 1):
+                    bits = bits | (cols[None, :] == cur[:, None])
+                    up = cur > 0
+                    cur = tl.where(up, tl.load(OPar + root + cur, mask=up, other=-1), -1)
+                dst = OAnc + (root + rows)[:, None] * n_nodes + cols[None, :]
+                tl.store(dst, bits.to(tl.uint8), mask=live[:, None] & (cols[None, :] < n_nodes))
 
     def select_tree_triton(
         roots: torch.Tensor,
@@ -146,9 +154,9 @@ if triton_available():
         cand_depths: torch.Tensor,
         n: int,
         max_depth: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The kernel: select_tree_reference's four tensors plus the ancestor mask [B, n, n]
-        (bool); max_depth bounds every node's depth."""
+        (bool; None above MAX_MASK_NODES nodes); max_depth bounds every node's depth."""
         bsz, num_cand = tokens.shape
         if not 2 <= n <= num_cand + 1 or num_cand > MAX_CANDIDATES:
             raise ValueError(f"tree of {n} nodes from {num_cand} candidates is out of range")
@@ -163,13 +171,15 @@ if triton_available():
         out_par = torch.empty(bsz, n, dtype=torch.int64, device=dev)
         out_depth = torch.empty(bsz, n, dtype=cand_depths.dtype, device=dev)
         out_score = torch.empty(bsz, n, dtype=torch.float32, device=dev)
-        anc = torch.empty(bsz, n, n, dtype=torch.bool, device=dev)
+        with_mask = n <= MAX_MASK_NODES
+        anc = torch.empty(bsz, n, n, dtype=torch.bool, device=dev) if with_mask else None
         node_of = torch.empty(bsz, cp, dtype=torch.int64, device=dev)  # column -> node id
         _select_tree_kernel[(bsz,)](
             roots, tokens, scores, keys, parents, cand_depths, node_of,
-            out_tok, out_par, out_depth, out_score, anc.view(torch.uint8),
+            out_tok, out_par, out_depth, out_score, anc.view(torch.uint8) if with_mask else out_tok,
             num_cand, n,
             CP=cp, NP=np_, BLOCK_I=max(1, min(np_, 4096 // np_)), MAX_DEPTH=max_depth,
+            WITH_MASK=with_mask,
             num_warps=4 if cp <= 1024 else 8,
         )  # fmt: skip
         return out_tok, out_par, out_depth, out_score, anc
@@ -186,7 +196,8 @@ def select_tree(
     max_depth: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(tokens, parents, depths, scores, ancestor mask or None) of the tree of n nodes: one
-    launch on CUDA, the torch reference (no mask) elsewhere."""
+    launch on CUDA (the mask up to MAX_MASK_NODES nodes), the torch reference (no mask)
+    elsewhere."""
     if USE_TRITON and tokens.is_cuda and tokens.shape[1] <= MAX_CANDIDATES:
         return select_tree_triton(roots, tokens, scores, keys, parents, cand_depths, n, max_depth)
     return (*select_tree_reference(roots, tokens, scores, keys, parents, cand_depths, n), None)

@@ -82,15 +82,15 @@ def accept(
     walk of max_depth steps (one kernel on CUDA).
     """
     parents, tokens = trees.parents, trees.tokens
-    b, n = tokens.shape
-    safe_parent = parents.clamp(min=0)
-    agrees = tokens == torch.gather(target_tokens, 1, safe_parent)
     if anc is not None and _ACCEPT_KERNEL and tokens.is_cuda:
         from specserve.ops.triton_accept import accept_triton
 
         return Acceptance(
             *accept_triton(tokens, parents, trees.depths, target_tokens, anc, trees.max_depth)
         )
+    b, n = tokens.shape
+    safe_parent = parents.clamp(min=0)
+    agrees = tokens == torch.gather(target_tokens, 1, safe_parent)
     if anc is not None:
         not_root = torch.arange(n, device=tokens.device) > 0
         # the root always "agrees"; a non-root node without a parent never does (as in the walk)
