@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8's speed check in one device call (~6 min on an H200): the GPU tests of the decode
+# Issue 8's speed check in one device call (~7-8 min on an H200): the GPU tests of the decode
 # step's kernels, a device profile of batch-1 decode steps (135M shape, random weights, a random
 # EAGLE head at simulated acceptance), and `bench e2e` on the real SmolLM2-135M-Instruct with
 # the bundled draft against HF transformers (static cache; prompt lookup), same prompts.
@@ -20,11 +20,13 @@ git rev-parse HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 
 echo "== GPU tests $(date +%T)"
 timeout ${TEST_TIMEOUT:-200} $PY -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py \
-  tests/test_triton_kv_commit.py tests/test_triton_topk.py tests/test_triton_draft_frontier.py} \
+  tests/test_triton_kv_commit.py tests/test_triton_topk.py tests/test_triton_draft_frontier.py \
+  tests/test_triton_tree_select.py tests/test_triton_accept.py tests/test_triton_metadata.py \
+  tests/test_triton_embed_concat.py tests/test_step_kernels_engine.py} \
   2>&1 | tail -4 | tee "$OUT/tests.log"
 
 echo "== profile $(date +%T)"
-OUT=$OUT/profile CASES=${PROFILE_CASES:-plain chain5 tree8x8x64 tree6x8x32} bash bench/profile_steps.sh 2>&1 \
+OUT=$OUT/profile CASES=${PROFILE_CASES:-plain chain5 tree8x8x48 tree8x8x48greedy} bash bench/profile_steps.sh 2>&1 \
   | grep "^== \|^decode steps" | tee "$OUT/profile.log"
 if [ -n "${PROFILE_TORCH_DRAFT:-}" ]; then  # the same cases with the drafter's torch bookkeeping
   SPECSERVE_DISABLE_TRITON_DRAFT=1 OUT=$OUT/profile_torch_draft CASES=$PROFILE_TORCH_DRAFT \
@@ -33,8 +35,8 @@ fi
 
 echo "== e2e $(date +%T)"
 timeout ${E2E_TIMEOUT:-330} $PY -m specserve.cli bench e2e --model-path "$MODEL" \
-  --draft specserve/data/drafts/smollm2-135m-eagle --num-prompts ${NUM_PROMPTS:-6} \
-  --max-new-tokens 160 --spec ${E2E_SPECS:-5,1,6 6,8,32 8,8,64 5,8,64} \
+  --draft specserve/data/drafts/smollm2-135m-eagle --num-prompts ${NUM_PROMPTS:-16} \
+  --max-new-tokens 160 --spec ${E2E_SPECS:-8,8,48 8,8,64 5,1,6} \
   --output-json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
 echo "e2e rc $?"
 grep -v "^  \|^\[\|^\]\|^{\|^}" "$OUT/e2e.log" | tail -14
