@@ -84,9 +84,7 @@ def test_kernel_matches_reference_and_mask(bsz, k, num_steps, n, variant):
     roots, cands, depths = drafted_candidates(
         bsz, k, num_steps, seed=bsz * 100 + n, ties=variant == "ties", nans=variant == "nans"
     )
-    want = select_tree_reference(
-        roots, cands.tokens, cands.scores, cands.keys, cands.parents, depths, n
-    )
+    want = select_tree_reference(roots, cands, depths, n)
     max_depth = min(num_steps, n - 1)  # what the drafter passes
     got = run_kernel(roots, cands, depths, n, max_depth)
     assert_same(got, want, max_depth)
@@ -99,8 +97,11 @@ def test_kernel_matches_reference_and_mask(bsz, k, num_steps, n, variant):
 
 
 def run_kernel(roots, cands, depths, n, max_depth):
-    dev = [t.to(DEVICE) for t in (roots, cands.tokens, cands.scores, cands.keys, cands.parents)]
-    return select_tree_triton(*dev, depths.to(DEVICE), n, max_depth)
+    return select_tree_triton(roots.to(DEVICE), on_device(cands), depths.to(DEVICE), n, max_depth)
+
+
+def on_device(cands: Candidates) -> Candidates:
+    return Candidates(*(t.to(DEVICE) for t in vars(cands).values()))
 
 
 def assert_same(got, want, max_depth):
@@ -119,9 +120,7 @@ def test_garbage_rows_give_the_reference_tree():
         t[torch.rand(t.shape, generator=g) < 0.3] = float("nan")
         t[torch.rand(t.shape, generator=g) < 0.1] = float("-inf")
     cands.keys[1] = float("nan")  # a whole row of NaN keys
-    want = select_tree_reference(
-        roots, cands.tokens, cands.scores, cands.keys, cands.parents, depths, 48
-    )
+    want = select_tree_reference(roots, cands, depths, 48)
     assert_same(run_kernel(roots, cands, depths, 48, 5), want, 5)
 
 
@@ -132,17 +131,14 @@ def test_a_chosen_node_without_its_parent_gets_parent_minus_one_as_in_the_refere
     cands.keys[0, 1] = float("nan")  # candidate id 2 (depth 1, not greedy) ranks last...
     child = int((cands.parents[0] == 2).nonzero()[0])
     cands.keys[0, child] = -0.01  # ...while its child outranks every non-greedy node
-    want = select_tree_reference(
-        roots, cands.tokens, cands.scores, cands.keys, cands.parents, depths, 5
-    )
+    want = select_tree_reference(roots, cands, depths, 5)
     assert (want[1][0, 1:] == -1).any()  # the case is real
     assert_same(run_kernel(roots, cands, depths, 5, 3), want, 3)
 
 
 def test_dispatch_builds_the_mask_only_with_the_kernel():
     roots, cands, depths = drafted_candidates(2, 4, 4, seed=7)
-    args = (roots, cands.tokens, cands.scores, cands.keys, cands.parents, depths)
-    *_, anc = select_tree(*(t.to(DEVICE) for t in args), 12, 4)
+    *_, anc = select_tree(roots.to(DEVICE), on_device(cands), depths.to(DEVICE), 12, 4)
     if DEVICE.type == "cuda":
         assert anc is not None and anc.shape == (2, 12, 12)
     else:  # the CPU path leaves the mask to verification
@@ -151,6 +147,5 @@ def test_dispatch_builds_the_mask_only_with_the_kernel():
 
 def test_out_of_range_tree_is_refused():
     roots, cands, depths = drafted_candidates(1, 2, 2, seed=3)
-    args = [t.to(DEVICE) for t in (roots, cands.tokens, cands.scores, cands.keys, cands.parents)]
     with pytest.raises(ValueError, match="candidates"):
-        select_tree_triton(*args, depths.to(DEVICE), cands.tokens.shape[1] + 2, 2)
+        run_kernel(roots, cands, depths, cands.tokens.shape[1] + 2, 2)

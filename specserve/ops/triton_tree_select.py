@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from specserve.ops import env_flag, triton_available
+from specserve.ops.triton_draft_frontier import Candidates
 
 USE_TRITON = (
     triton_available()
@@ -58,15 +59,13 @@ def best_columns(keys: torch.Tensor, m: int) -> torch.Tensor:
 
 def select_tree_reference(
     roots: torch.Tensor,
-    tokens: torch.Tensor,
-    scores: torch.Tensor,
-    keys: torch.Tensor,
-    parents: torch.Tensor,
+    cands: Candidates,
     cand_depths: torch.Tensor,
     n: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The module doc's selection in torch ops: (tokens, parents, depths, scores) [B, n].
-    roots [B]; tokens, scores, keys, parents [B, C]; cand_depths [C]."""
+    roots [B]; cands [B, C] (drafting's buffers); cand_depths [C]."""
+    tokens, scores, keys, parents = cands.tokens, cands.scores, cands.keys, cands.parents
     bsz, num_cand = tokens.shape
     dev = tokens.device
     order = best_columns(keys, n - 1)
@@ -147,16 +146,14 @@ if triton_available():
 
     def select_tree_triton(
         roots: torch.Tensor,
-        tokens: torch.Tensor,
-        scores: torch.Tensor,
-        keys: torch.Tensor,
-        parents: torch.Tensor,
+        cands: Candidates,
         cand_depths: torch.Tensor,
         n: int,
         max_depth: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The kernel: select_tree_reference's four tensors plus the ancestor mask [B, n, n]
         (bool; None above MAX_MASK_NODES nodes); max_depth bounds every node's depth."""
+        tokens, scores, keys, parents = cands.tokens, cands.scores, cands.keys, cands.parents
         bsz, num_cand = tokens.shape
         if not 2 <= n <= num_cand + 1 or num_cand > MAX_CANDIDATES:
             raise ValueError(f"tree of {n} nodes from {num_cand} candidates is out of range")
@@ -187,10 +184,7 @@ if triton_available():
 
 def select_tree(
     roots: torch.Tensor,
-    tokens: torch.Tensor,
-    scores: torch.Tensor,
-    keys: torch.Tensor,
-    parents: torch.Tensor,
+    cands: Candidates,
     cand_depths: torch.Tensor,
     n: int,
     max_depth: int,
@@ -198,6 +192,6 @@ def select_tree(
     """(tokens, parents, depths, scores, ancestor mask or None) of the tree of n nodes: one
     launch on CUDA (the mask up to MAX_MASK_NODES nodes), the torch reference (no mask)
     elsewhere."""
-    if USE_TRITON and tokens.is_cuda and tokens.shape[1] <= MAX_CANDIDATES:
-        return select_tree_triton(roots, tokens, scores, keys, parents, cand_depths, n, max_depth)
-    return (*select_tree_reference(roots, tokens, scores, keys, parents, cand_depths, n), None)
+    if USE_TRITON and roots.is_cuda and cands.tokens.shape[1] <= MAX_CANDIDATES:
+        return select_tree_triton(roots, cands, cand_depths, n, max_depth)
+    return (*select_tree_reference(roots, cands, cand_depths, n), None)

@@ -221,14 +221,7 @@ class TreeDrafter:
 
     def _select_tree(self, roots, cands: Candidates) -> DraftTrees:
         tokens, parents, depths, scores, anc = select_tree(
-            roots,
-            cands.tokens,
-            cands.scores,
-            cands.keys,
-            cands.parents,
-            self._constants().cand_depths,
-            self.num_draft_tokens,
-            self.max_depth,
+            roots, cands, self._constants().cand_depths, self.num_draft_tokens, self.max_depth
         )
         return DraftTrees(tokens, parents, depths, self.max_depth, scores, anc)
 
