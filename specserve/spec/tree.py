@@ -13,8 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-# acceptance's kernel (ops/triton_accept.py) is on and off with tree selection's
-from specserve.ops.triton_tree_select import USE_TRITON as _ACCEPT_KERNEL
+from specserve.ops import env_flag, triton_available
+
+# verification's acceptance in one kernel on CUDA (ops/triton_accept.py); off with the tree
+# selection kernel's switches (ops/triton_tree_select.py), read at import. (Not imported from
+# there: that module imports triton, which must not happen before tests pick the interpreter.)
+_ACCEPT_KERNEL = (
+    triton_available()
+    and not env_flag("SPECSERVE_DISABLE_TRITON_DRAFT")
+    and not env_flag("SPECSERVE_DISABLE_TRITON_TREE")
+)
 
 
 @dataclass
