@@ -36,6 +36,7 @@ ENGINE_HELP = {
     "speculative_num_steps": "Draft depth: forward passes of the draft per step.",
     "speculative_eagle_topk": "Children kept per expanded draft node (1 = chain).",
     "speculative_num_draft_tokens": "Tree size verified per step, root included (<= 1 + topk + (steps - 1) * topk^2).",
+    "speculative_token_map": "EAGLE: draft only among these token ids (JSON list or .pt; the most frequent tokens of the target's answers): a smaller draft lm_head and top-k, output unchanged.",
     "simulate_acc_len": "Benchmarking: force this mean accept length (bonus token included; 1 = all rejected).",
     "simulate_acc_method": "multinomial | match-expected | per-position (default multinomial).",
     "simulate_acc_token_mode": "real-draft-token (default; tokens and KV consistent) | fixed.",
@@ -192,8 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_parser(sub, add_engine_args, engine_kwargs)
     add_bench_parser(sub, add_engine_args, engine_kwargs)
     from specserve.train.cli import add_train_parser
+    from specserve.train.token_map_cli import add_token_map_parser
 
     add_train_parser(sub, add_engine_args, engine_kwargs)
+    add_token_map_parser(sub)
 
     args = parser.parse_args(argv)
     from specserve.errors import InvalidArgument

@@ -405,15 +405,24 @@ def test_train_eagle_command_end_to_end(tmp_path, capsys):
     assert main(argv) == 0
     meta = json.load(open(os.path.join(out, "training_args.json")))
     assert meta["data"]["num_sequences"] == 48 and meta["train"]["steps"] >= 1
-    with Engine(
-        model_path=target,
-        dtype="float32",
-        speculative_algorithm="EAGLE",
-        speculative_draft_model_path=out,
-        speculative_num_steps=2,
-    ) as e:
-        o = e.generate(prompt="hello", sampling_params={"max_new_tokens": 8})
-    assert o["meta_info"]["spec_verify_ct"] >= 1
+    # the reduced draft vocabulary beside the draft: the answers' tokens first
+    token_map = json.load(open(os.path.join(out, "token_map.json")))
+    answers = json.load(open(os.path.join(out + ".work", "data", "answers.json")))["answers"]
+    seen = {t for a in answers for t in a}
+    vocab = load_target(target, "float32", "cpu").config.vocab_size
+    assert token_map["size"] == len(token_map["token_ids"]) == min(8192, vocab)
+    assert set(token_map["token_ids"][: len(seen)]) == seen and token_map["coverage"] == 1.0
+    for extra in ({}, {"speculative_token_map": os.path.join(out, "token_map.json")}):
+        with Engine(
+            model_path=target,
+            dtype="float32",
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path=out,
+            speculative_num_steps=2,
+            **extra,
+        ) as e:
+            o = e.generate(prompt="hello", sampling_params={"max_new_tokens": 8})
+        assert o["meta_info"]["spec_verify_ct"] >= 1
 
 
 def test_generate_uses_the_bundled_draft_of_the_default_model(tmp_path, monkeypatch, capsys):
@@ -487,6 +496,13 @@ def test_default_draft_settings_per_device(tmp_path, monkeypatch):
     assert shape("cuda") == shape("cuda:1") == (8, 8, 64)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert shape("auto") == (3, 1, 4)
+    assert "speculative_token_map" not in defaults.default_draft_engine_kwargs("m", "cpu")
+    # a token map named in serving.json is a file of the folder, on every device
+    saved = json.loads((folder / "serving.json").read_text())
+    (folder / "serving.json").write_text(json.dumps({**saved, "speculative_token_map": "t.json"}))
+    for device in ("cpu", "cuda"):
+        kw = defaults.default_draft_engine_kwargs("m", device)
+        assert kw["speculative_token_map"] == str(folder / "t.json")
 
 
 def test_default_draft_names():

@@ -167,3 +167,17 @@ def test_plan():
     assert plan_chunks(8, 49152, 8) == (1024, 1024)
     assert plan_chunks(512, 128256, 8) == (16384, 256)  # 8 partials a row at large T
     assert plan_chunks(512, 128256, 1) == (16384, 512)
+
+
+@pytest.mark.parametrize("rows, vocab, k", [(1, 300, 8), (8, 2500, 8), (3, 40, 16)])
+def test_id_map_returns_the_mapped_ids_of_the_same_columns(rows, vocab, k):
+    """A reduced draft vocabulary: column c of the logits is target token id_map[c]."""
+    logits = random_logits(rows, vocab, torch.bfloat16, seed=vocab + k)
+    id_map = torch.randperm(10 * vocab, generator=torch.Generator().manual_seed(k))[:vocab]
+    id_map = id_map.to(DEVICE)
+    logp, ids = row_topk_logprobs(logits, k, id_map=id_map)
+    want_logp, want_cols = expected(logits, k)
+    assert torch.equal(ids, id_map[want_cols])
+    torch.testing.assert_close(logp, want_logp, **TOL)
+    ref_logp, _ = row_topk_logprobs_reference(logits.float(), k, id_map)
+    torch.testing.assert_close(logp, ref_logp, **TOL)

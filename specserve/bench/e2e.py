@@ -11,6 +11,7 @@ rows must reproduce the plain engine's tokens exactly (reported as `same_tokens`
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
@@ -34,7 +35,7 @@ def add_e2e_parser(bsub) -> argparse.ArgumentParser:
         "--spec",
         nargs="+",
         default=["5,1,6", "6,4,16"],
-        help="speculative configurations as steps,topk,num_draft_tokens",
+        help="speculative configurations as steps,topk,num_draft_tokens[:token_map_file]",
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -64,19 +65,20 @@ def _engine_rows(args, prompt_texts: list[str]) -> tuple[list[dict], list[list[i
     base = dict(model_path=args.model_path, device=args.device, dtype=args.dtype)
     configs: list[tuple[str, dict]] = [("specserve", {})]
     for spec in args.spec:
-        steps, topk, ndt = (int(x) for x in spec.split(","))
-        configs.append(
-            (
-                f"specserve-{args.algorithm.lower()} steps={steps} topk={topk} n={ndt}",
-                dict(
-                    speculative_algorithm=args.algorithm,
-                    speculative_draft_model_path=args.draft,
-                    speculative_num_steps=steps,
-                    speculative_eagle_topk=topk,
-                    speculative_num_draft_tokens=ndt,
-                ),
-            )
+        shape, _, token_map = spec.partition(":")
+        steps, topk, ndt = (int(x) for x in shape.split(","))
+        label = f"specserve-{args.algorithm.lower()} steps={steps} topk={topk} n={ndt}"
+        kw = dict(
+            speculative_algorithm=args.algorithm,
+            speculative_draft_model_path=args.draft,
+            speculative_num_steps=steps,
+            speculative_eagle_topk=topk,
+            speculative_num_draft_tokens=ndt,
         )
+        if token_map:
+            label += f" map={os.path.basename(token_map)}"
+            kw["speculative_token_map"] = token_map
+        configs.append((label, kw))
     rows, prompt_ids, reference = [], None, None
     for label, kw in configs:
         seconds, outs, accept, prompt_ids = _run_engine(

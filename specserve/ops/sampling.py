@@ -37,16 +37,19 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(
+    logits: torch.Tensor, k: int, id_map: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 [T, k] descending, int64 ids [T, k]): the k likeliest tokens of each row of
-    log_softmax(logits.float()); on CUDA equal values list the lower id first."""
+    log_softmax(logits.float()); on CUDA equal values list the lower column first.
+    `id_map` (int64 [V]): ids are id_map[column] (a reduced vocabulary's token ids)."""
     if _triton_rows(logits):
         from specserve.ops.triton_topk import MAX_K, row_topk_logprobs
 
         if 1 <= k <= min(MAX_K, logits.shape[-1]):
-            return row_topk_logprobs(logits, k)
+            return row_topk_logprobs(logits, k, id_map=id_map)
     values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    return values, ids
+    return values, (ids if id_map is None else id_map[ids])
 
 
 _MASK32 = 0xFFFFFFFF

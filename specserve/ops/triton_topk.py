@@ -43,8 +43,11 @@ _FULL = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # padding slots of a candidate list: n
 _NO_COL = tl.constexpr(0x7FFFFFFF)
 
 
-def row_topk_logprobs_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
+def row_topk_logprobs_reference(
+    logits: torch.Tensor, k: int, id_map: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    values, ids = torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
+    return values, (ids if id_map is None else id_map[ids])
 
 
 def row_argmax_reference(logits: torch.Tensor) -> torch.Tensor:
@@ -133,10 +136,10 @@ def _chunk_kernel(
 
 @triton.jit
 def _merge_kernel(
-    PartKeys, PartMax, PartSum, OutLogp, OutIds,
+    PartKeys, PartMax, PartSum, OutLogp, OutIds, IdMap,
     n_chunks, stride_lp, stride_id,
     K: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr,
-    WITH_LSE: tl.constexpr,
+    WITH_LSE: tl.constexpr, HAS_MAP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     n = n_chunks * K
@@ -149,6 +152,8 @@ def _merge_kernel(
         top = tl.where(offs_k == r, key, top)
         keys = tl.where(keys == key, _EMPTY, keys)
     values, ids = _decode(top)
+    if HAS_MAP:  # a reduced draft vocabulary: column -> target token id
+        ids = tl.load(IdMap + ids, mask=offs_k < K, other=0)
     tl.store(OutIds + row * stride_id + offs_k, ids, mask=offs_k < K)
     if WITH_LSE:
         offs_c = tl.arange(0, CP)
@@ -189,6 +194,7 @@ def _select(
     chunk: int | None,
     block: int | None,
     warps: tuple[int, int] | None = None,  # (kernel 1, kernel 2) num_warps: tuning only
+    id_map: torch.Tensor | None = None,
 ) -> None:
     rows, vocab = logits.shape
     plan_chunk, plan_block = plan_chunks(rows, vocab, k)
@@ -210,18 +216,25 @@ def _select(
     np_ = max(2, triton.next_power_of_2(n_chunks * k))
     lp = out_logp if out_logp is not None else part_max  # unused without the logsumexp
     _merge_kernel[(rows,)](
-        part_keys, part_max, part_sum, lp, out_ids,
+        part_keys, part_max, part_sum, lp, out_ids, id_map if id_map is not None else out_ids,
         n_chunks, lp.stride(0), out_ids.stride(0),
         K=k, KP=kp, NP=np_, CP=max(2, triton.next_power_of_2(n_chunks)), WITH_LSE=with_lse,
+        HAS_MAP=id_map is not None,
         num_warps=warps[1] if warps else max(1, min(8, np_ // 256)),
     )  # fmt: skip
 
 
 def row_topk_logprobs(
-    logits: torch.Tensor, k: int, *, chunk: int | None = None, block: int | None = None
+    logits: torch.Tensor,
+    k: int,
+    *,
+    id_map: torch.Tensor | None = None,
+    chunk: int | None = None,
+    block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries of each row of log_softmax(logits.float()) (float32 [T, k],
     descending) and their column ids (int64 [T, k]); equal values: lower column first.
+    `id_map` (int64 [V]): return id_map[column] instead (a reduced vocabulary's token ids).
     logits: [T, V] fp32/fp16/bf16, rows may be strided (a last dim that is not contiguous is
     copied first). 1 <= k <= min(16, V), else ValueError. A row entirely -inf: ids 0..k-1,
     log-probs NaN. `chunk`/`block` (powers of two) override plan_chunks: tests, tuning."""
@@ -232,7 +245,7 @@ def row_topk_logprobs(
     logp = torch.empty((rows, k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((rows, k), dtype=torch.int64, device=logits.device)
     if rows > 0:
-        _select(logits, k, True, logp, ids, chunk, block)
+        _select(logits, k, True, logp, ids, chunk, block, id_map=id_map)
     return logp, ids
 
 

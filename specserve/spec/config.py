@@ -16,6 +16,7 @@ SPEC_FIELDS = (
     "speculative_num_steps",
     "speculative_eagle_topk",
     "speculative_num_draft_tokens",
+    "speculative_token_map",
 )
 
 
@@ -96,6 +97,19 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         f"must be in [2, {max_tree}] (1 + topk + (num_steps - 1) * topk^2: the draft "
         f"candidates with num_steps={steps}, topk={topk}), got {ndt}",
     )
+    if c.speculative_token_map is not None:
+        # the file itself is read and checked against the vocabulary when the draft is built
+        require(
+            algo == "EAGLE",
+            "speculative_token_map",
+            f"applies to EAGLE drafts, which rank tokens with the target's lm_head; got {algo} "
+            "(an EAGLE3 draft has its own reduced vocabulary, a STANDALONE draft its own lm_head)",
+        )
+        require(
+            isinstance(c.speculative_token_map, str) and c.speculative_token_map != "",
+            "speculative_token_map",
+            f"must be a file path, got {c.speculative_token_map!r}",
+        )
     return c, decisions
 
 

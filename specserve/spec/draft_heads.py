@@ -23,6 +23,8 @@ class DraftHead(nn.Module):
     position_offset = 0
     target_feature: str = "final"  # 'final' (normed last hidden), 'aux' (captured layers), 'none'
     config: ModelConfig
+    # int64 [draft vocab]: the target token id of each logit column; None: the same id
+    id_map: torch.Tensor | None = None
 
     def forward(self, input_ids, features, positions, ctx: ForwardContext) -> torch.Tensor:
         raise NotImplementedError
@@ -30,15 +32,14 @@ class DraftHead(nn.Module):
     def topk(self, g: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probabilities [T, k] float32, target token ids [T, k]) of the k likeliest next
         tokens (log-softmax in float32 over the logits as the head computes them)."""
-        values, ids = topk_logprobs(self.logits(g), k)
-        return values, self.map_ids(ids)
+        return topk_logprobs(self.logits(g), k, self.id_map)
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """[T, draft vocab] in the head's dtype or float32."""
         raise NotImplementedError
 
-    def map_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids
+    def prepare_for_serving(self) -> None:
+        """Called once the head sits on its serving device (TreeDrafter)."""
 
 
 class _EagleLayer0(DecoderLayer):
@@ -87,6 +88,14 @@ class EagleHead(DraftHead):
     def logits(self, g):
         return F.linear(g, self._lm_head[0])
 
+    def restrict_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft only among `token_ids` (spec/token_map.py): the lm_head becomes those rows of
+        the target's (a copy; the target's own is untouched)."""
+        weight = self._lm_head[0]
+        token_ids = token_ids.to(device=weight.device, dtype=torch.int64)
+        self._lm_head = [weight[token_ids].contiguous()]
+        self.id_map = token_ids
+
 
 class _Eagle3Attention(Attention):
     def __init__(self, cfg: ModelConfig):
@@ -129,8 +138,9 @@ class Eagle3Head(DraftHead):
     def logits(self, g):
         return self.lm_head(self.norm(g))
 
-    def map_ids(self, ids):
-        return ids + self.d2t[ids]
+    def prepare_for_serving(self) -> None:
+        self.d2t = self.d2t.to(torch.int64)
+        self.id_map = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
 
 class StandaloneHead(DraftHead):

@@ -54,8 +54,7 @@ class TreeDrafter:
         dtype: torch.dtype,
     ):
         self.head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        if hasattr(self.head, "d2t"):
-            self.head.d2t = self.head.d2t.to(torch.int64)
+        self.head.prepare_for_serving()
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.max_depth = min(num_steps, num_draft_tokens - 1)
         self.delta = head.position_offset

@@ -9,6 +9,7 @@ from specserve.model.loader import load_model
 from specserve.spec.draft_heads import StandaloneHead
 from specserve.spec.drafter import TreeDrafter
 from specserve.spec.eagle_checkpoint import eagle3_capture_layers, load_eagle_head
+from specserve.spec.token_map import load_token_map
 
 
 def build_drafter(cfg, target, device: torch.device, dtype: torch.dtype) -> TreeDrafter:
@@ -33,6 +34,10 @@ def build_drafter(cfg, target, device: torch.device, dtype: torch.dtype) -> Tree
         except (FileNotFoundError, ValueError, KeyError) as e:
             raise InvalidArgument("speculative_draft_model_path", str(e)) from e
     vocab = target.config.vocab_size if algo != "EAGLE3" else head.lm_head.out_features
+    if cfg.speculative_token_map is not None:  # EAGLE only (resolve_speculative)
+        ids = load_token_map(cfg.speculative_token_map, vocab, cfg.speculative_eagle_topk)
+        head.restrict_vocab(ids)
+        vocab = ids.numel()
     if cfg.speculative_eagle_topk > vocab:
         raise InvalidArgument(
             "speculative_eagle_topk", f"must not exceed the draft vocabulary ({vocab})"

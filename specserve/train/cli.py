@@ -17,6 +17,10 @@ import time
 from dataclasses import asdict
 
 
+# the reduced draft vocabulary written beside a draft (spec/token_map.py; docs/TRAINING.md)
+TOKEN_MAP_SIZE = 8192
+
+
 def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
     """Register `train-eagle` (the engine-argument helpers of specserve.cli are accepted for a
     uniform call and unused: the engine generator takes its few knobs from this parser)."""
@@ -78,6 +82,13 @@ def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
     )
     g.add_argument("--eagle3-features", action="store_true", help="also record EAGLE3 features")
     g.add_argument("--data-dir", default=None, help="use this finished dataset folder")
+    g.add_argument(
+        "--token-map-size",
+        type=int,
+        default=TOKEN_MAP_SIZE,
+        help="also write <out>/token_map.json: the N most frequent answer tokens, for "
+        f"--speculative-token-map (0: none; default {TOKEN_MAP_SIZE})",
+    )
 
     g = p.add_argument_group("training")
     g.add_argument(
@@ -164,6 +175,26 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _write_token_map(data_dir: str, out: str, size: int, vocab_size: int) -> None:
+    from specserve.train.token_map_cli import write_token_maps
+
+    path = os.path.join(data_dir, "answers.json")
+    if not os.path.isfile(path):
+        _log(f"token map: {path} is missing (a dataset from elsewhere?): not written")
+        return
+    with open(path) as f:
+        saved = json.load(f)
+    source = {"answers": len(saved["answers"]), "data": data_dir}
+    write_token_maps(
+        os.path.join(out, "token_map.json"),
+        [size],
+        saved["answers"],
+        saved["prompt_ids"],
+        vocab_size,
+        source,
+    )
+
+
 def run_train(args) -> int:
     if args.draft_layers < 1 or (args.head == "eagle3" and args.draft_layers != 1):
         # before generating data: the head is built only when training starts
@@ -238,6 +269,8 @@ def run_train(args) -> int:
         curve_file=args.curve_file,
     )
     target = load_target(args.target, "float32", args.device, args.load_format)
+    if args.token_map_size > 0:
+        _write_token_map(data_dir, args.out, args.token_map_size, target.config.vocab_size)
     summary = train(
         target.model,
         data_dir,

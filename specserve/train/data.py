@@ -136,7 +136,7 @@ def build_dataset(args: DataArgs, prompt_ids: list[list[int]] | None = None) -> 
         gen_seconds = saved["seconds"]
         _log(f"generate: reusing {len(answers)} answers of {answers_path}")
     else:
-        answers, prompt_ids, _ = _generate(args, prompt_ids)
+        answers, prompt_ids, _ = generate_answer_set(args, prompt_ids)
         gen_seconds = time.perf_counter() - t0
         with open(answers_path + ".tmp", "w") as f:
             json.dump({"prompt_ids": prompt_ids, "answers": answers, "seconds": gen_seconds}, f)
@@ -177,7 +177,7 @@ def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _generate(args: DataArgs, prompt_ids):
+def generate_answer_set(args: DataArgs, prompt_ids):
     """(answers, prompt ids of each answer, None). Jobs: one greedy pass over the prompts,
     then `sampled_passes` sampled ones, all cut by `time_budget` if set."""
     from specserve.train.generate import GenConfig, generate_answers, make_jobs, parse_workers

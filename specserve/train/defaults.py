@@ -5,7 +5,8 @@ speculative flag is given (`--no-default-draft` turns that off). A draft folder 
 `serving.json` with the speculative settings to run it with (`speculative_num_steps`,
 `speculative_eagle_topk`, `speculative_num_draft_tokens`); otherwise DEFAULT_SETTINGS apply. A
 `"cuda"` section in it overrides them on a GPU: the best tree there (the device is bound by
-kernel launches, so a wide tree costs little more than a chain) is too costly on a CPU.
+kernel launches, so a wide tree costs little more than a chain) is too costly on a CPU. Its
+`speculative_token_map` names a file in the folder (spec/token_map.py), used on every device.
 """
 
 from __future__ import annotations
@@ -67,13 +68,15 @@ def default_draft_engine_kwargs(model_path: str | None, device: str = "auto") ->
     folder = default_draft_for(model_path)
     if folder is None:
         return None
-    settings = dict(DEFAULT_SETTINGS)
+    settings: dict = dict(DEFAULT_SETTINGS)
     path = os.path.join(folder, "serving.json")
     if os.path.isfile(path):
         with open(path) as f:
             saved = json.load(f)
         for section in (saved, saved.get("cuda", {}) if _on_cuda(device) else {}):
             settings.update({k: int(section[k]) for k in _SETTING_KEYS if k in section})
+        if saved.get("speculative_token_map"):
+            settings["speculative_token_map"] = os.path.join(folder, saved["speculative_token_map"])
     return {
         "speculative_algorithm": default_draft_algorithm(model_path),
         "speculative_draft_model_path": folder,

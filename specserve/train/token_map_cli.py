@@ -1,0 +1,99 @@
+"""`specserve token-map`: a reduced draft vocabulary (spec/token_map.py) from the target's own
+answers to the bundled training prompts, generated greedily by this engine.
+
+    specserve token-map --target smollm2-135m --out ./maps --sizes 4096 8192 --device cuda
+
+writes `token_map_<size>.json` per size into `--out` (most frequent first, with the share of
+answer tokens each covers); serve with `--speculative-token-map ./maps/token_map_8192.json`.
+`train-eagle` writes one beside every draft it trains (`--token-map-size`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def add_token_map_parser(sub) -> None:
+    from specserve.train.data import DataArgs
+
+    d = DataArgs()
+    p = sub.add_parser(
+        "token-map", help="a draft's reduced vocabulary: the target's most frequent answer tokens"
+    )
+    p.add_argument("--target", default="smollm2-135m", help="target model (default smollm2-135m)")
+    p.add_argument("--out", required=True, help="folder for token_map_<size>.json")
+    p.add_argument(
+        "--sizes", type=int, nargs="+", default=[8192], help="tokens kept (default 8192)"
+    )
+    p.add_argument("--prompts", default="train", help="'train' (bundled) or a JSONL file")
+    p.add_argument("--num-prompts", type=int, default=4000)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--generator", default="engine", help="'engine' or 'dense' (as train-eagle)")
+    p.add_argument("--gen-batch-size", type=int, default=d.batch_size)
+    p.add_argument("--gen-time-budget", type=float, default=0.0, help="seconds (0: no limit)")
+    p.add_argument(
+        "--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="as train-eagle"
+    )
+    p.set_defaults(func=run_token_map)
+
+
+def write_token_maps(
+    out: str, sizes: list[int], answers, prompts, vocab_size: int, source: dict
+) -> list[str]:
+    """`out` a folder: one `token_map_<size>.json` per size; `out` a .json path: that file
+    (one size). Returns the paths written."""
+    from specserve.spec.token_map import rank_tokens, save_token_map
+
+    paths = []
+    for size in sizes:
+        ids, coverage = rank_tokens(answers, vocab_size, size, prompts)
+        path = out if out.endswith(".json") else os.path.join(out, f"token_map_{size}.json")
+        save_token_map(path, ids, coverage=round(coverage, 5), source=source)
+        print(
+            f"token-map: {path}: {len(ids)} tokens cover {100 * coverage:.2f}% of "
+            f"{sum(map(len, answers))} answer tokens",
+            file=sys.stderr,
+        )
+        paths.append(path)
+    return paths
+
+
+def run_token_map(args) -> int:
+    from specserve.train.data import DataArgs, generate_answer_set, load_target
+    from specserve.train.generate import parse_engine_args
+
+    for size in args.sizes:
+        if size < 1:
+            raise SystemExit(f"--sizes must be >= 1, got {size}")
+    t0 = time.perf_counter()
+    data_args = DataArgs(
+        target=args.target,
+        out_dir=os.path.join(args.out, ".gen"),
+        prompts=args.prompts,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        generator=args.generator,
+        batch_size=args.gen_batch_size,
+        time_budget=args.gen_time_budget,
+        device=args.device,
+        load_format=args.load_format,
+        engine_kwargs=parse_engine_args(args.engine_arg),
+    )
+    os.makedirs(data_args.out_dir, exist_ok=True)
+    answers, prompt_ids, _ = generate_answer_set(data_args, None)
+    vocab = load_target(args.target, "float32", "cpu", args.load_format).config.vocab_size
+    source = {
+        "target": args.target,
+        "prompts": f"{args.prompts} (first {len(prompt_ids)} after the seed-0 shuffle)",
+        "answers": len(answers),
+        "answer_tokens": sum(map(len, answers)),
+        "max_new_tokens": args.max_new_tokens,
+        "decoding": "greedy",
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    write_token_maps(args.out, args.sizes, answers, prompt_ids, vocab, source)
+    return 0

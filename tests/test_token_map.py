@@ -1,0 +1,133 @@
+"""A reduced draft vocabulary (`speculative_token_map`): drafting stays inside it, outputs stay
+the target's, bad files and combinations are refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specserve import Engine, InvalidArgument
+from specserve.model.config import PRESETS
+from specserve.spec.drafter import TreeDrafter
+from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+from specserve.spec.token_map import load_token_map, rank_tokens, save_token_map
+from tests.engine_utils import TINY, mixed_prompts
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+VOCAB = PRESETS["tiny"].vocab_size
+
+
+@pytest.fixture(scope="module")
+def eagle_draft(tmp_path_factory):
+    return write_random_eagle_checkpoint(
+        str(tmp_path_factory.mktemp("draft") / "eagle"), PRESETS["tiny"], "EAGLE", seed=3
+    )
+
+
+def _map_file(folder, ids, name="map.json") -> str:
+    path = str(folder / name)
+    save_token_map(path, [int(i) for i in ids])
+    return path
+
+
+def _spec(draft, token_map, topk=4, steps=3, ndt=10, page_size=1):
+    return dict(
+        **TINY,
+        page_size=page_size,
+        debug_check_invariants=True,
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=draft,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=ndt,
+        speculative_token_map=token_map,
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_drafts_stay_inside_the_map_and_outputs_equal_plain(
+    eagle_draft, tmp_path, monkeypatch, page_size
+):
+    prompts = mixed_prompts(4, VOCAB, seed=11, min_len=2, max_len=24)
+    with Engine(**TINY, page_size=page_size) as e:
+        plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+    hot = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(page_size))[:40]
+    drafted: list[torch.Tensor] = []
+    real_draft = TreeDrafter.draft
+
+    def recording_draft(self, batch):
+        trees = real_draft(self, batch)
+        drafted.append(trees.tokens[:, 1:].clone())  # node 0 is the verified root
+        return trees
+
+    monkeypatch.setattr(TreeDrafter, "draft", recording_draft)
+    with Engine(**_spec(eagle_draft, _map_file(tmp_path, hot), page_size=page_size)) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == plain
+    assert drafted, "the drafter never ran"
+    tokens = torch.cat([t.reshape(-1) for t in drafted])
+    assert torch.isin(tokens, hot).all(), "a drafted token lies outside the token map"
+    assert torch.unique(tokens).numel() > 4  # the drafter ranks many of them, not a constant
+
+
+def test_restricted_head_ranks_the_map_columns_of_the_full_logits(eagle_draft):
+    with Engine(**_spec(eagle_draft, None)) as e:
+        head = e.core.worker.drafter.head
+    g = torch.randn(5, head.config.hidden_size)
+    full = head.logits(g).float()
+    hot = torch.tensor([7, 300, 2, 511, 64, 130, 9, 45])
+    head.restrict_vocab(hot)
+    logp, ids = head.topk(g, 3)
+    ref_logp, ref_cols = torch.log_softmax(full[:, hot], -1).topk(3, dim=-1)
+    assert torch.equal(ids, hot[ref_cols])
+    torch.testing.assert_close(logp, ref_logp)
+
+
+def test_rank_tokens_orders_by_answer_frequency_then_prompts_then_id():
+    answers = [[5, 5, 5, 2], [2, 9, 5]]
+    ids, coverage = rank_tokens(answers, vocab_size=12, size=4, prompts=[[7, 7, 3]])
+    assert ids == [5, 2, 9, 7]  # 5 (4x), 2 (2x), 9 (1x), then 7: twice in the prompts
+    assert coverage == 1.0
+    ids, coverage = rank_tokens(answers, vocab_size=12, size=1)
+    assert ids == [5] and coverage == pytest.approx(4 / 7)
+
+
+def test_token_map_file_formats(tmp_path):
+    (tmp_path / "list.json").write_text(json.dumps([4, 1, 3]))
+    assert load_token_map(str(tmp_path / "list.json"), VOCAB).tolist() == [4, 1, 3]
+    torch.save(torch.tensor([8, 6]), tmp_path / "map.pt")
+    assert load_token_map(str(tmp_path / "map.pt"), VOCAB).tolist() == [8, 6]
+    path = _map_file(tmp_path, [3, 2, 1])
+    assert json.load(open(path))["size"] == 3
+    assert load_token_map(path, VOCAB).tolist() == [3, 2, 1]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[1, 2, 2]", "distinct"),
+        (f"[1, {VOCAB}]", "in [0, 512)"),
+        ("[-1, 3]", "in [0, 512)"),
+        ("[]", "non-empty"),
+        ('{"ids": [1, 2]}', "token-id list"),
+        ("not json", "token-id list"),
+        ("[1, 2]", "needs at least 4"),
+    ],
+)
+def test_bad_token_map_files_are_refused(eagle_draft, tmp_path, content, message):
+    (tmp_path / "bad.json").write_text(content)
+    with pytest.raises(InvalidArgument, match="speculative_token_map") as info:
+        Engine(**_spec(eagle_draft, str(tmp_path / "bad.json"), topk=4))
+    assert message in str(info.value)
+
+
+def test_token_map_is_refused_where_it_cannot_apply(eagle_draft, tmp_path):
+    path = _map_file(tmp_path, range(32))
+    with pytest.raises(InvalidArgument, match="speculative_token_map.*speculative_algorithm"):
+        Engine(**TINY, speculative_token_map=path)
+    with pytest.raises(InvalidArgument, match="speculative_token_map.*EAGLE3"):
+        Engine(**{**_spec(eagle_draft, path), "speculative_algorithm": "EAGLE3"})
+    with pytest.raises(InvalidArgument, match="speculative_token_map.*not a file"):
+        Engine(**_spec(eagle_draft, str(tmp_path / "missing.json")))
