@@ -16,7 +16,6 @@ import sys
 import time
 from dataclasses import asdict
 
-
 # the reduced draft vocabulary written beside a draft (spec/token_map.py; docs/TRAINING.md)
 TOKEN_MAP_SIZE = 8192
 
