@@ -13,13 +13,13 @@ OUT=${OUT:-/tmp/specserve-token-map}
 MAPS=${MAPS:-/root/maps}
 SIZES=${SIZES:-2048 4096 8192 16384}
 DRAFT=specserve/data/drafts/smollm2-135m-eagle
-mkdir -p "$OUT" "$MAPS"
+mkdir -p "$OUT" "$MAPS" /tmp/tm  # $OUT: at most 8 files come back
 PY=${PY:-python3}
 if [ -d .whl ] && ! $PY -c "import gguf" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-git rev-parse HEAD 2>/dev/null | tee "$OUT/commit.txt"
+git rev-parse HEAD 2>/dev/null
 
 if [ "${PART:-maps}" = maps ]; then
   echo "== token maps $(date +%T)"
@@ -34,12 +34,12 @@ if [ "${PART:-maps}" = maps ]; then
 
   echo "== profiles $(date +%T)"
   MAP8K=$MAPS/token_map_8192.json
-  OUT=$OUT/profile CASES=tree8x8x48greedy bash bench/profile_steps.sh 2>&1 | grep "^decode steps"
+  OUT=/tmp/tm/profile CASES=tree8x8x48greedy bash bench/profile_steps.sh 2>&1 | grep "^decode steps"
   OUT=$OUT/profile_map CASES=tree8x8x48greedy bash bench/profile_steps.sh \
     --speculative-token-map "$MAP8K" 2>&1 | grep "^decode steps"
-  SPECSERVE_SKINNY_MAX_TOKENS=64 OUT=$OUT/profile_map_skinny CASES=tree8x8x48greedy \
+  SPECSERVE_SKINNY_MAX_TOKENS=64 OUT=/tmp/tm/profile_map_skinny CASES=tree8x8x48greedy \
     bash bench/profile_steps.sh --speculative-token-map "$MAP8K" 2>&1 | grep "^decode steps"
-  SPECSERVE_SKINNY_MAX_TOKENS=64 OUT=$OUT/profile_skinny CASES=plain \
+  SPECSERVE_SKINNY_MAX_TOKENS=64 OUT=/tmp/tm/profile_skinny CASES=plain \
     bash bench/profile_steps.sh 2>&1 | grep "^decode steps"
 
   echo "== acceptance $(date +%T)"
@@ -47,11 +47,11 @@ if [ "${PART:-maps}" = maps ]; then
     extra=""
     [ "$size" != none ] && extra="--engine-arg speculative_token_map=$MAPS/token_map_$size.json"
     timeout ${ACC_TIMEOUT:-120} $PY -m specserve.cli bench acceptance --target "$MODEL" --draft $DRAFT \
-      --configs 5,1,6 8,8,48 $extra --output "$OUT/acceptance_$size.json" > "$OUT/acceptance_$size.log" 2>&1 &
+      --configs 5,1,6 8,8,48 $extra --output "/tmp/tm/acceptance_$size.json" > "/tmp/tm/acceptance_$size.log" 2>&1 &
   done
   wait
   for size in none $SIZES; do
-    $PY - "$OUT/acceptance_$size.json" "$size" <<'PY'
+    $PY - "/tmp/tm/acceptance_$size.json" "$size" <<'PY'
 import json, sys
 try:
     rows = json.load(open(sys.argv[1]))["rows"]
