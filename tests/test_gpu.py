@@ -221,3 +221,52 @@ def test_self_draft_accepts_every_depth_for_every_tree_size(ndt):
         accept = e.stats()["spec_accept_length"]
     assert spec == plain
     assert accept > 0.9 * (steps + 1), accept
+
+
+@pytest.mark.parametrize("kind", ["EAGLE3", "EAGLE+token_map"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_reduced_draft_vocabularies_are_lossless_on_cuda(tmp_path, kind, page_size):
+    """EAGLE3's d2t and an EAGLE token map both reach the top-k kernel as its id map: outputs
+    equal plain decoding (graphs and eager), and drafted tokens are target ids of the map."""
+    from specserve.model.config import PRESETS
+    from specserve.spec.drafter import TreeDrafter
+    from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+    from specserve.spec.token_map import save_token_map
+
+    algo = kind.split("+")[0]
+    extra = {"draft_vocab_size": 100} if algo == "EAGLE3" else {}
+    draft = write_random_eagle_checkpoint(
+        str(tmp_path / "draft"), PRESETS["tiny"], algo, seed=5, **extra
+    )
+    spec = dict(speculative_algorithm=algo, speculative_draft_model_path=draft,
+                speculative_num_steps=3, speculative_eagle_topk=4,
+                speculative_num_draft_tokens=10, page_size=page_size)  # fmt: skip
+    hot = torch.randperm(512, generator=torch.Generator().manual_seed(page_size))[:48]
+    if kind.endswith("token_map"):
+        save_token_map(str(tmp_path / "map.json"), hot.tolist())
+        spec["speculative_token_map"] = str(tmp_path / "map.json")
+    prompts = mixed_prompts(5, 512, seed=12, min_len=3, max_len=30)
+    with Engine(**GPU, page_size=page_size) as e:
+        plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+    with Engine(**GPU, **spec) as e:
+        graphed = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+        allowed = e.core.worker.drafter.head.id_map.cpu()
+    drafted = []
+    real_draft = TreeDrafter.draft
+
+    def recording_draft(self, batch):
+        trees = real_draft(self, batch)
+        drafted.append(trees.tokens[:, 1:].cpu())
+        return trees
+
+    TreeDrafter.draft = recording_draft
+    try:
+        with Engine(**GPU, **spec, disable_cuda_graph=True) as e:
+            eager = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+    finally:
+        TreeDrafter.draft = real_draft
+    assert graphed == plain and eager == plain
+    if kind.endswith("token_map"):
+        assert torch.equal(allowed, hot)
+    tokens = torch.cat([t.reshape(-1) for t in drafted])
+    assert torch.isin(tokens, allowed).all() and torch.unique(tokens).numel() > 4

@@ -402,6 +402,7 @@ def test_train_eagle_command_end_to_end(tmp_path, capsys):
     argv += ["--max-new-tokens", "16", "--sampled-passes", "1", "--temperature", "0.7"]
     argv += ["--gen-dtype", "float32", "--feature-dtype", "float32", "--gen-batch-size", "24"]
     argv += ["--epochs", "1", "--batch-tokens", "2048", "--ttt-steps", "1"]
+    argv += ["--token-map-size", "8192"]
     assert main(argv) == 0
     meta = json.load(open(os.path.join(out, "training_args.json")))
     assert meta["data"]["num_sequences"] == 48 and meta["train"]["steps"] >= 1
