@@ -133,7 +133,13 @@ def with_default_draft(args: argparse.Namespace, kwargs: dict[str, Any]) -> dict
         f"specserve: {model} runs with its bundled {spec['speculative_algorithm']} draft "
         f"({spec['speculative_draft_model_path']}; {spec['speculative_num_steps']} steps, "
         f"topk {spec['speculative_eagle_topk']}, {spec['speculative_num_draft_tokens']} draft "
-        "tokens); --no-default-draft turns it off",
+        "tokens"
+        + (
+            f", token map {spec['speculative_token_map']}"
+            if "speculative_token_map" in spec
+            else ""
+        )
+        + "); --no-default-draft turns it off",
         file=sys.stderr,
     )
     return {**kwargs, **spec}

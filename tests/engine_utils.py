@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -137,3 +138,24 @@ def target_following_random_paths(trees: DraftTrees, g: torch.Generator) -> torc
                 pick = children[int(torch.randint(0, len(children), (1,), generator=g))]
                 target[b, i] = trees.tokens[b, pick]
     return target
+
+
+@contextlib.contextmanager
+def recorded_drafts():
+    """Yields a list that collects the drafted tokens ([B, N - 1], the root left out) of every
+    `TreeDrafter.draft` call made eagerly inside the block (graph replays do not call it)."""
+    from specserve.spec.drafter import TreeDrafter
+
+    drafted: list[torch.Tensor] = []
+    real_draft = TreeDrafter.draft
+
+    def recording_draft(self, batch):
+        trees = real_draft(self, batch)
+        drafted.append(trees.tokens[:, 1:].cpu())
+        return trees
+
+    TreeDrafter.draft = recording_draft
+    try:
+        yield drafted
+    finally:
+        TreeDrafter.draft = real_draft

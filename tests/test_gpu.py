@@ -7,7 +7,7 @@ import torch
 
 from specserve import Engine
 from specserve.ops.sampling import SamplingTensors, sample
-from tests.engine_utils import mixed_prompts
+from tests.engine_utils import mixed_prompts, recorded_drafts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -227,9 +227,11 @@ def test_self_draft_accepts_every_depth_for_every_tree_size(ndt):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_reduced_draft_vocabularies_are_lossless_on_cuda(tmp_path, kind, page_size):
     """EAGLE3's d2t and an EAGLE token map both reach the top-k kernel as its id map: outputs
-    equal plain decoding (graphs and eager), and drafted tokens are target ids of the map."""
+    equal plain decoding (graphs and eager), and drafted tokens are target ids of the reduced
+    vocabulary (read from the files, not from the engine)."""
+    from safetensors.torch import load_file
+
     from specserve.model.config import PRESETS
-    from specserve.spec.drafter import TreeDrafter
     from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
     from specserve.spec.token_map import save_token_map
 
@@ -241,32 +243,20 @@ def test_reduced_draft_vocabularies_are_lossless_on_cuda(tmp_path, kind, page_si
     spec = dict(speculative_algorithm=algo, speculative_draft_model_path=draft,
                 speculative_num_steps=3, speculative_eagle_topk=4,
                 speculative_num_draft_tokens=10, page_size=page_size)  # fmt: skip
-    hot = torch.randperm(512, generator=torch.Generator().manual_seed(page_size))[:48]
-    if kind.endswith("token_map"):
-        save_token_map(str(tmp_path / "map.json"), hot.tolist())
+    if algo == "EAGLE3":
+        d2t = load_file(str(tmp_path / "draft" / "model.safetensors"))["d2t"].long()
+        allowed = torch.arange(len(d2t)) + d2t
+    else:
+        allowed = torch.randperm(512, generator=torch.Generator().manual_seed(page_size))[:48]
+        save_token_map(str(tmp_path / "map.json"), allowed.tolist())
         spec["speculative_token_map"] = str(tmp_path / "map.json")
     prompts = mixed_prompts(5, 512, seed=12, min_len=3, max_len=30)
     with Engine(**GPU, page_size=page_size) as e:
         plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
     with Engine(**GPU, **spec) as e:
         graphed = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
-        allowed = e.core.worker.drafter.head.id_map.cpu()
-    drafted = []
-    real_draft = TreeDrafter.draft
-
-    def recording_draft(self, batch):
-        trees = real_draft(self, batch)
-        drafted.append(trees.tokens[:, 1:].cpu())
-        return trees
-
-    TreeDrafter.draft = recording_draft
-    try:
-        with Engine(**GPU, **spec, disable_cuda_graph=True) as e:
-            eager = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
-    finally:
-        TreeDrafter.draft = real_draft
+    with recorded_drafts() as drafted, Engine(**GPU, **spec, disable_cuda_graph=True) as e:
+        eager = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
     assert graphed == plain and eager == plain
-    if kind.endswith("token_map"):
-        assert torch.equal(allowed, hot)
     tokens = torch.cat([t.reshape(-1) for t in drafted])
     assert torch.isin(tokens, allowed).all() and torch.unique(tokens).numel() > 4

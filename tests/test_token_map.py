@@ -10,10 +10,9 @@ import torch
 
 from specserve import Engine, InvalidArgument
 from specserve.model.config import PRESETS
-from specserve.spec.drafter import TreeDrafter
 from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
 from specserve.spec.token_map import load_token_map, rank_tokens, save_token_map
-from tests.engine_utils import TINY, mixed_prompts
+from tests.engine_utils import TINY, mixed_prompts, recorded_drafts
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
 VOCAB = PRESETS["tiny"].vocab_size
@@ -46,30 +45,43 @@ def _spec(draft, token_map, topk=4, steps=3, ndt=10, page_size=1):
     )
 
 
+def _assert_drafts_inside(drafted, allowed):
+    assert drafted, "the drafter never ran"
+    tokens = torch.cat([t.reshape(-1) for t in drafted])
+    assert torch.isin(tokens, allowed).all(), "a drafted token lies outside the vocabulary"
+    assert torch.unique(tokens).numel() > 4  # the drafter ranks many of them, not a constant
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_drafts_stay_inside_the_map_and_outputs_equal_plain(
-    eagle_draft, tmp_path, monkeypatch, page_size
-):
+def test_drafts_stay_inside_the_map_and_outputs_equal_plain(eagle_draft, tmp_path, page_size):
     prompts = mixed_prompts(4, VOCAB, seed=11, min_len=2, max_len=24)
     with Engine(**TINY, page_size=page_size) as e:
         plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
     hot = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(page_size))[:40]
-    drafted: list[torch.Tensor] = []
-    real_draft = TreeDrafter.draft
-
-    def recording_draft(self, batch):
-        trees = real_draft(self, batch)
-        drafted.append(trees.tokens[:, 1:].clone())  # node 0 is the verified root
-        return trees
-
-    monkeypatch.setattr(TreeDrafter, "draft", recording_draft)
-    with Engine(**_spec(eagle_draft, _map_file(tmp_path, hot), page_size=page_size)) as e:
-        outs = e.generate(input_ids=prompts, sampling_params=GREEDY)
+    with recorded_drafts() as drafted:
+        with Engine(**_spec(eagle_draft, _map_file(tmp_path, hot), page_size=page_size)) as e:
+            outs = e.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == plain
-    assert drafted, "the drafter never ran"
-    tokens = torch.cat([t.reshape(-1) for t in drafted])
-    assert torch.isin(tokens, hot).all(), "a drafted token lies outside the token map"
-    assert torch.unique(tokens).numel() > 4  # the drafter ranks many of them, not a constant
+    _assert_drafts_inside(drafted, hot)
+
+
+def test_eagle3_drafts_are_target_ids_of_its_d2t(tmp_path):
+    """EAGLE3's reduced vocabulary takes the same id-map path: drafted tokens are
+    draft id + d2t[draft id], read here from the checkpoint file itself."""
+    from safetensors.torch import load_file
+
+    folder = write_random_eagle_checkpoint(
+        str(tmp_path / "e3"), PRESETS["tiny"], "EAGLE3", draft_vocab_size=60, seed=4
+    )
+    d2t = load_file(str(tmp_path / "e3" / "model.safetensors"))["d2t"].long()
+    allowed = torch.arange(len(d2t)) + d2t
+    assert not torch.equal(allowed, torch.arange(len(d2t)))  # a real remapping
+    prompts = mixed_prompts(3, VOCAB, seed=5, min_len=2, max_len=20)
+    with recorded_drafts() as drafted:
+        kw = {**_spec(folder, None), "speculative_algorithm": "EAGLE3"}
+        with Engine(**kw) as e:
+            e.generate(input_ids=prompts, sampling_params=GREEDY)
+    _assert_drafts_inside(drafted, allowed)
 
 
 def test_restricted_head_ranks_the_map_columns_of_the_full_logits(eagle_draft):
@@ -114,6 +126,8 @@ def test_token_map_file_formats(tmp_path):
         ('{"ids": [1, 2]}', "token-id list"),
         ("not json", "token-id list"),
         ("[1, 2]", "needs at least 4"),
+        ("[1.5, 2, 3, 4]", "integers"),
+        ("[true, false, 3, 4]", "integers"),
     ],
 )
 def test_bad_token_map_files_are_refused(eagle_draft, tmp_path, content, message):
@@ -121,6 +135,15 @@ def test_bad_token_map_files_are_refused(eagle_draft, tmp_path, content, message
     with pytest.raises(InvalidArgument, match="speculative_token_map") as info:
         Engine(**_spec(eagle_draft, str(tmp_path / "bad.json"), topk=4))
     assert message in str(info.value)
+
+
+def test_bad_torch_token_map_files_are_refused(eagle_draft, tmp_path):
+    (tmp_path / "map.bin").write_text("[1, 2, 3, 4]")  # not a torch file
+    torch.save(torch.tensor([1.5, 2.0, 3.0, 4.0]), tmp_path / "float.pt")
+    for name, message in (("map.bin", "token-id list"), ("float.pt", "integers")):
+        with pytest.raises(InvalidArgument, match="speculative_token_map") as info:
+            Engine(**_spec(eagle_draft, str(tmp_path / name)))
+        assert message in str(info.value)
 
 
 def test_token_map_is_refused_where_it_cannot_apply(eagle_draft, tmp_path):

@@ -242,6 +242,16 @@ def row_topk_logprobs(
     rows, vocab = logits.shape
     if not 1 <= k <= min(MAX_K, vocab):
         raise ValueError(f"k must be in [1, {min(MAX_K, vocab)}] (V={vocab}), got k={k}")
+    if id_map is not None and not (
+        id_map.shape == (vocab,)
+        and id_map.dtype == torch.int64
+        and id_map.device == logits.device
+        and id_map.is_contiguous()
+    ):
+        raise ValueError(
+            f"id_map must be contiguous int64 [{vocab}] on {logits.device}, got "
+            f"{id_map.dtype} {tuple(id_map.shape)} on {id_map.device}"
+        )
     logp = torch.empty((rows, k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((rows, k), dtype=torch.int64, device=logits.device)
     if rows > 0:

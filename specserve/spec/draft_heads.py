@@ -23,8 +23,6 @@ class DraftHead(nn.Module):
     position_offset = 0
     target_feature: str = "final"  # 'final' (normed last hidden), 'aux' (captured layers), 'none'
     config: ModelConfig
-    # int64 [draft vocab]: the target token id of each logit column; None: the same id
-    id_map: torch.Tensor | None = None
 
     def forward(self, input_ids, features, positions, ctx: ForwardContext) -> torch.Tensor:
         raise NotImplementedError
@@ -32,14 +30,20 @@ class DraftHead(nn.Module):
     def topk(self, g: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probabilities [T, k] float32, target token ids [T, k]) of the k likeliest next
         tokens (log-softmax in float32 over the logits as the head computes them)."""
-        return topk_logprobs(self.logits(g), k, self.id_map)
+        return topk_logprobs(self.logits(g), k, self.vocab_ids())
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """[T, draft vocab] in the head's dtype or float32."""
         raise NotImplementedError
 
+    def vocab_ids(self) -> torch.Tensor | None:
+        """int64 [draft vocab] on the logits' device: the target token id of each logit
+        column; None: column c is token c."""
+        return None
+
     def prepare_for_serving(self) -> None:
-        """Called once the head sits on its serving device (TreeDrafter)."""
+        """Called once the head sits on its serving device (TreeDrafter): cache what every
+        step would otherwise recompute."""
 
 
 class _EagleLayer0(DecoderLayer):
@@ -69,6 +73,7 @@ class EagleHead(DraftHead):
         )
         self._embed = [target_embed]  # shared, not a submodule (not saved, not moved twice)
         self._lm_head = [target_lm_head]
+        self._token_ids: torch.Tensor | None = None  # restrict_vocab's map
 
     def forward(self, input_ids, features, positions, ctx):
         embed = self._embed[0].weight
@@ -91,10 +96,15 @@ class EagleHead(DraftHead):
     def restrict_vocab(self, token_ids: torch.Tensor) -> None:
         """Draft only among `token_ids` (spec/token_map.py): the lm_head becomes those rows of
         the target's (a copy; the target's own is untouched)."""
+        if self._token_ids is not None:
+            raise ValueError("restrict_vocab: the vocabulary is already restricted")
         weight = self._lm_head[0]
-        token_ids = token_ids.to(device=weight.device, dtype=torch.int64)
+        token_ids = token_ids.to(device=weight.device, dtype=torch.int64).contiguous()
         self._lm_head = [weight[token_ids].contiguous()]
-        self.id_map = token_ids
+        self._token_ids = token_ids
+
+    def vocab_ids(self):
+        return self._token_ids
 
 
 class _Eagle3Attention(Attention):
@@ -124,6 +134,7 @@ class Eagle3Head(DraftHead):
         self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
         self._embed = [target_embed]
+        self._ids: torch.Tensor | None = None  # prepare_for_serving's cache of vocab_ids
 
     def forward(self, input_ids, features, positions, ctx):
         feats = features.to(self.fc.weight.dtype)
@@ -138,9 +149,14 @@ class Eagle3Head(DraftHead):
     def logits(self, g):
         return self.lm_head(self.norm(g))
 
+    def vocab_ids(self):
+        if self._ids is not None:
+            return self._ids
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t.long()
+
     def prepare_for_serving(self) -> None:
-        self.d2t = self.d2t.to(torch.int64)
-        self.id_map = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        self._ids = None
+        self._ids = self.vocab_ids()  # d2t is fixed from here on
 
 
 class StandaloneHead(DraftHead):

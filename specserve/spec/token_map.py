@@ -9,15 +9,18 @@ target's own answers cover nearly all of what it emits. Verification is unchange
 checks every drafted token against its own choice), so the output stays exactly the target's;
 a token outside the map can only never be drafted.
 
-File: JSON, either a list of token ids or {"token_ids": [...], ...} (other keys are notes:
-coverage, source), most frequent first; or a torch file (.pt/.pth) holding a 1-D tensor or list
-of ids (SGLang's format). Ids must be distinct and inside the target's vocabulary.
+File: `.json`, either a list of token ids or {"token_ids": [...], ...} (other keys are notes:
+coverage, source), most frequent first; any other name is a torch file holding a 1-D integer
+tensor or list of ids (SGLang's format). Ids must be distinct integers inside the target's
+vocabulary. Unlike SGLang, a path is a local file only (no model hub is fetched), and the
+option is refused rather than ignored for EAGLE3 drafts (they carry their own vocabulary).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 from collections import Counter
 from collections.abc import Iterable
 
@@ -31,17 +34,24 @@ FIELD = "speculative_token_map"
 def load_token_map(path: str, vocab_size: int, min_size: int = 1) -> torch.Tensor:
     """int64 [N] token ids from `path`, validated against the target's vocabulary."""
     if not os.path.isfile(path):
-        raise InvalidArgument(FIELD, f"{path!r} is not a file")
+        raise InvalidArgument(FIELD, f"{path!r} is not a file (a local path; hubs are not fetched)")
     try:
-        if path.endswith((".pt", ".pth")):
-            raw = torch.load(path, map_location="cpu", weights_only=True)
-        else:
+        if path.endswith(".json"):
             with open(path) as f:
                 raw = json.load(f)
             if isinstance(raw, dict):
                 raw = raw.get("token_ids")
-        ids = torch.as_tensor(raw, dtype=torch.int64)
-    except (OSError, ValueError, TypeError, RuntimeError) as e:
+            if not isinstance(raw, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in raw
+            ):
+                raise TypeError("expected a list of integers")
+            ids = torch.tensor(raw, dtype=torch.int64)
+        else:
+            ids = torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True))
+            if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+                raise TypeError(f"token ids must be integers, got {ids.dtype}")
+            ids = ids.to(torch.int64)
+    except (OSError, ValueError, TypeError, RuntimeError, pickle.UnpicklingError) as e:
         raise InvalidArgument(FIELD, f"{path!r} is not a token-id list ({e})") from e
     if ids.dim() != 1 or ids.numel() == 0:
         raise InvalidArgument(

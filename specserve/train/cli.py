@@ -189,13 +189,15 @@ def _write_token_map(data_dir: str, out: str, size: int, vocab_size: int) -> Non
         os.path.join(out, "token_map.json"),
         [size],
         saved["answers"],
-        saved["prompt_ids"],
+        saved.get("prompt_ids", []),
         vocab_size,
         source,
     )
 
 
 def run_train(args) -> int:
+    if args.token_map_size < 0:
+        raise SystemExit(f"--token-map-size must be >= 0 (0: none), got {args.token_map_size}")
     if args.draft_layers < 1 or (args.head == "eagle3" and args.draft_layers != 1):
         # before generating data: the head is built only when training starts
         raise SystemExit(

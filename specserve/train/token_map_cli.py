@@ -5,7 +5,9 @@ answers to the bundled training prompts, generated greedily by this engine.
 
 writes `token_map_<size>.json` per size into `--out` (most frequent first, with the share of
 answer tokens each covers); serve with `--speculative-token-map ./maps/token_map_8192.json`.
-`train-eagle` writes one beside every draft it trains (`--token-map-size`).
+`train-eagle --token-map-size N` writes one beside the draft it trains. Check the accept
+length with and without it (`bench acceptance --engine-arg speculative_token_map=...`): a map
+pays only where it covers what the target emits on the prompts served (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def write_token_maps(
 
 
 def run_token_map(args) -> int:
-    from specserve.train.data import DataArgs, generate_answer_set, load_target
+    from specserve.model.loader import locate, read_config
+    from specserve.train.data import DataArgs, generate_answer_set
     from specserve.train.generate import parse_engine_args
 
     for size in args.sizes:
@@ -85,7 +88,7 @@ def run_token_map(args) -> int:
     )
     os.makedirs(data_args.out_dir, exist_ok=True)
     answers, prompt_ids, _ = generate_answer_set(data_args, None)
-    vocab = load_target(args.target, "float32", "cpu", args.load_format).config.vocab_size
+    vocab = read_config(locate(args.target, args.load_format)).vocab_size
     source = {
         "target": args.target,
         "prompts": f"{args.prompts} (first {len(prompt_ids)} after the seed-0 shuffle)",

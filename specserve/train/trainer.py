@@ -707,7 +707,7 @@ def train(
                 )
         head.load_state_dict(state["head"])
         if eagle3:  # the checkpoint's vocabulary, whatever this data would choose
-            draft_ids = torch.arange(len(head.d2t), device=head.d2t.device) + head.d2t
+            draft_ids = head.vocab_ids()
             lookup = eval_lookup = vocab_lookup(draft_ids, vocab, device)
         opt.load_state_dict(state["optimizer"])
         step, history, elapsed0 = state["step"], state["history"], state["elapsed"]
