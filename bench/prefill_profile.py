@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from specserve.config import EngineConfig
 from specserve.runtime import worker as worker_module
 from specserve.runtime.engine_core import EngineCore
+from specserve.runtime.prefill_graphs import PrefillGraphs
 from specserve.runtime.request import Request
 from specserve.sampling_params import SamplingParams
 from specserve.spec import drafter as drafter_module
@@ -59,6 +60,7 @@ def main() -> None:
     label(worker_module, "sample", "sample")
     label(worker_module, "build_metadata", "build_metadata (target)")
     label(drafter_module.TreeDrafter, "extend_after_prefill", "draft extend_after_prefill")
+    label(PrefillGraphs, "draft", "draft prefill (graph)")
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 20000) for _ in range(a.prompt_len)] for _ in range(a.repeats)]
     sp = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
@@ -87,6 +89,7 @@ def main() -> None:
             "sample",
             "build_metadata (target)",
             "draft extend_after_prefill",
+            "draft prefill (graph)",
         ):
             print(f"  {e.key:30s} {e.cpu_time_total / 1e3 / a.repeats:8.2f} ms  {e.count} calls")
     print(ka.table(sort_by="self_cpu_time_total", row_limit=35))

@@ -11,9 +11,15 @@ context width (start + padded length, padded as decode graphs pad it). Its stati
 the token ids and (row, start, end): the request's KV slots are read on the device from its
 row of `RequestRows`, as a decode step reads them. Padding tokens sit after the chunk, so
 causal attention keeps them out of every real token's view; they read and write only the
-scratch slot 0 and their outputs are discarded. Only the forward is captured: the last token's
-logits, sampling and the draft's prefill run eagerly on the graph's outputs (views valid
-until the next replay of a graph in this pool).
+scratch slot 0 and their outputs are discarded. The last token's logits and sampling run
+eagerly on the graph's outputs (views valid until the next replay of a graph in this pool).
+
+With an EAGLE or EAGLE3 draft a second graph of the same shape replays the draft's prefill of
+the chunk (`draft`): token x_{j+1} with the target's feature h_j at position j, so it shares
+the target's positions, slots and metadata; the token after the chunk (the sampled one, or
+the prompt's next) is a static input. Eagerly this was ~25 launches and host-built metadata,
+as long as the target's whole prefill. A standalone draft (tokens at their own positions, one
+more row when the prompt completes) keeps the eager path.
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ class _Captured:
     input_ids: torch.Tensor  # [tokens] static input
     span: torch.Tensor  # [3] static input: row, start, end
     out: ModelOutput | None  # static outputs of the graph
+    next_token: torch.Tensor | None = None  # [1] static input of the draft graph
+    draft_graph: object | None = None
+    draft_forward: object | None = None  # the draft's prefill over the static inputs
+    draft_out: torch.Tensor | None = None  # [tokens, H] static output of the draft graph
+    last_out: ModelOutput | None = None  # eager (capture=False): the last forward's outputs
 
 
 class PrefillGraphs:
@@ -55,6 +66,7 @@ class PrefillGraphs:
         self.pool = None
         self._rows_version = worker.rows.version
         self.num_captures = 0
+        self._last: tuple[_Captured, int] | None = None  # the last forward's graph, tokens
 
     def bucket(self, start: int, num_tokens: int) -> tuple[int, int] | None:
         if num_tokens > self.max_tokens:
@@ -92,8 +104,54 @@ class PrefillGraphs:
             cap.graph.replay()
             out = cap.out
         else:
-            out = cap.forward()
+            out = cap.last_out = cap.forward()
+        self._last = (cap, n)
         return ModelOutput(hidden=out.hidden[:n], aux_hidden=[a[:n] for a in out.aux_hidden])
+
+    def takes_draft(self) -> bool:
+        """Whether `draft` can follow `forward` (an EAGLE/EAGLE3 draft: delta 0)."""
+        drafter = self.worker.drafter
+        return drafter is not None and drafter.delta == 0
+
+    def draft(self, next_token: torch.Tensor | int) -> torch.Tensor:
+        """The draft's prefill of the chunk of the last `forward` (which returned a graph's
+        outputs), replayed; `next_token`: the token after the chunk, a [1] device tensor (the
+        sampled one) or a host int (the prompt's). Returns the draft's state at the chunk's
+        last token, [1, H] (a view of the graph's output)."""
+        assert self._last is not None and self.takes_draft()
+        cap, n = self._last
+        if isinstance(next_token, int):
+            copy_from_host(cap.next_token, [next_token])
+        else:
+            cap.next_token.copy_(next_token.reshape(1))
+        if cap.draft_graph is not None:
+            cap.draft_graph.replay()
+            g = cap.draft_out
+        else:
+            g = cap.draft_forward()
+        return g[n - 1 : n]
+
+    def _metadata(self, span: torch.Tensor, tokens: int, width: int):
+        """(metadata, positions) of the padded chunk in `span`, on the device."""
+        dev = self.worker.device
+        row, start, end = span[0:1], span[1], span[2]
+        # Positions from `end` on are padding: they read and write only the scratch slot.
+        # (Masked keys still enter the attention sums at weight 0, and 0 * NaN is NaN: a stale
+        # slot past the request's KV must not even be read.)
+        cols = torch.arange(width, device=dev)
+        owned = torch.where(cols < end, self.worker.rows.slots(row, width), SCRATCH_SLOT)
+        pos = start + torch.arange(tokens, device=dev)
+        real = pos < end
+        slots = owned[0, pos.clamp(max=width - 1)]
+        meta = build_device_metadata(
+            owned,
+            (start + tokens).view(1),
+            [width],
+            q_len=tokens,
+            extra_len=tokens,
+            out_cache_loc=torch.where(real, slots, SCRATCH_SLOT),
+        )
+        return meta, torch.where(real, pos, start)
 
     def _capture(self, tokens: int, width: int, capture_layers: tuple[int, ...]) -> _Captured:
         worker, dev = self.worker, self.worker.device
@@ -103,31 +161,39 @@ class PrefillGraphs:
 
         def forward() -> ModelOutput:
             with torch.inference_mode():
-                row, start, end = span[0:1], span[1], span[2]
-                # Positions from `end` on are padding: they read and write only the scratch
-                # slot. (Masked keys still enter the attention sums at weight 0, and 0 * NaN is
-                # NaN: a stale slot past the request's KV must not even be read.)
-                cols = torch.arange(width, device=dev)
-                owned = torch.where(cols < end, worker.rows.slots(row, width), SCRATCH_SLOT)
-                pos = start + torch.arange(tokens, device=dev)
-                real = pos < end
-                slots = owned[0, pos.clamp(max=width - 1)]
-                meta = build_device_metadata(
-                    owned,
-                    (start + tokens).view(1),
-                    [width],
-                    q_len=tokens,
-                    extra_len=tokens,
-                    out_cache_loc=torch.where(real, slots, SCRATCH_SLOT),
-                )
-                positions = torch.where(real, pos, start)
+                meta, positions = self._metadata(span, tokens, width)
                 return worker.target.forward(input_ids, positions, meta, capture_layers)
 
+        cap = _Captured(None, forward, input_ids, span, None)
+        if self.takes_draft():
+            cap.next_token = torch.zeros(1, dtype=torch.int64, device=dev)
+            cap.draft_forward = self._draft_forward(cap, tokens, width)
         if not self.capture:
-            return _Captured(None, forward, input_ids, span, None)
+            return cap
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph, out = capture_graph(forward, self.pool, dev)
+        cap.graph, cap.out = capture_graph(forward, self.pool, dev)
+        cap.last_out = cap.out
         self.num_captures += 1
+        if cap.draft_forward is not None:  # reads the target graph's static outputs
+            cap.draft_graph, cap.draft_out = capture_graph(cap.draft_forward, self.pool, dev)
+            self.num_captures += 1
         log.info("captured prefill graph: %d tokens, width %d", tokens, width)
-        return _Captured(graph, forward, input_ids, span, out)
+        return cap
+
+    def _draft_forward(self, cap: _Captured, tokens: int, width: int):
+        drafter, dev = self.worker.drafter, self.worker.device
+        rows = torch.arange(tokens, device=dev)
+
+        def draft_forward() -> torch.Tensor:
+            with torch.inference_mode():
+                meta, positions = self._metadata(cap.span, tokens, width)
+                # row i: token x_{start+i+1}, the chunk's next token, and for the chunk's last
+                # row the token after it; padding rows' tokens do not matter
+                n = cap.span[2] - cap.span[1]
+                shifted = torch.roll(cap.input_ids, -1)
+                next_tokens = torch.where(rows == n - 1, cap.next_token, shifted)
+                features = drafter._features(cap.last_out, None)
+                return drafter._run(next_tokens, features, positions, meta)
+
+        return draft_forward

@@ -160,12 +160,14 @@ class Worker:
         dev = self.device
         capture = self.drafter.capture_layers if self.drafter is not None else ()
         out = None
+        graphed = False
         if self.prefill_graphs is not None and len(chunks) == 1:
             c = chunks[0]
             if self.table.capacity(c.req.rid) < c.end:  # (the eager path's slots() checks it)
                 raise KVInvariantError(f"{c.req.rid}: prefill to {c.end} exceeds its pages")
             self.rows.flush()  # the graph reads the request's pages on the device
             out = self.prefill_graphs.forward(self.rows.row(c.req.rid), c.start, tokens, capture)
+            graphed = out is not None
         if out is None:
             input_ids = to_device(torch.tensor(tokens, dtype=torch.int64), dev)
             positions = [p for c in chunks for p in range(c.start, c.end)]
@@ -184,7 +186,11 @@ class Worker:
             sample_pos = to_device(torch.tensor([chunks[i].end for i in done]), dev)
             sampled = sample(logits, sampling_tensors(reqs, dev), sample_pos)
         features = None
-        if self.drafter is not None:
+        if graphed and self.prefill_graphs.takes_draft():
+            c = chunks[0]  # the token after the chunk: sampled, or the prompt's own
+            g = self.prefill_graphs.draft(sampled if done else c.req.all_ids[c.end])
+            features = g if done else None
+        elif self.drafter is not None:
             features = self.drafter.extend_after_prefill(chunks, out, done, sampled)
         if sampled is None:
             return {}
