@@ -159,3 +159,45 @@ def recorded_drafts():
         yield drafted
     finally:
         TreeDrafter.draft = real_draft
+
+
+def draft_prefill_snapshots(prompt: list[int], engine_kwargs: dict, setup=None) -> list[tuple]:
+    """Prefill `prompt` (one request, 2 new tokens) in an EngineCore built from
+    `engine_kwargs` (`setup(core)` may change it first); after every prefill chunk record
+    (chunk end, the draft's KV of the request's slots, its root state or None)."""
+    from specserve.config import EngineConfig
+    from specserve.runtime.engine_core import EngineCore
+    from specserve.runtime.request import Request
+    from specserve.sampling_params import SamplingParams
+
+    core = EngineCore(EngineConfig.from_kwargs(**engine_kwargs).resolve())
+    if setup is not None:
+        setup(core)
+    worker, drafter = core.worker, core.worker.drafter
+    taken = []
+    real_prefill = worker.prefill
+
+    def prefill(chunks):
+        result = real_prefill(chunks)
+        c = chunks[0]
+        slots = core.table.slots(c.req.rid, 0, c.end).to(drafter.kv.buffer.device)
+        root = core.rows.features[core.rows.row(c.req.rid)].clone() if result else None
+        taken.append((c.end, drafter.kv.buffer[:, :, slots].clone(), root))
+        return result
+
+    worker.prefill = prefill
+    sp = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    core.add_request(Request("a", list(prompt), sp, seed=0))
+    while core.has_work():
+        core.step()
+    return taken
+
+
+def assert_same_draft_prefill(got: list[tuple], want: list[tuple], tol: float = 1e-5) -> None:
+    assert [end for end, _, _ in got] == [end for end, _, _ in want]
+    for (_, kv_got, root_got), (_, kv_want, root_want) in zip(got, want):
+        torch.testing.assert_close(kv_got, kv_want, rtol=tol, atol=tol)
+        assert (root_got is None) == (root_want is None)
+        if root_want is not None:
+            torch.testing.assert_close(root_got, root_want, rtol=tol, atol=tol)
+    assert want[-1][2] is not None  # the prompt's last chunk left a root state

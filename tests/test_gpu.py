@@ -7,7 +7,12 @@ import torch
 
 from specserve import Engine
 from specserve.ops.sampling import SamplingTensors, sample
-from tests.engine_utils import mixed_prompts, recorded_drafts
+from tests.engine_utils import (
+    assert_same_draft_prefill,
+    draft_prefill_snapshots,
+    mixed_prompts,
+    recorded_drafts,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -260,3 +265,26 @@ def test_reduced_draft_vocabularies_are_lossless_on_cuda(tmp_path, kind, page_si
     assert graphed == plain and eager == plain
     tokens = torch.cat([t.reshape(-1) for t in drafted])
     assert torch.isin(tokens, allowed).all() and torch.unique(tokens).numel() > 4
+
+
+@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_captured_draft_prefill_writes_the_eager_draft_kv_and_root(tmp_path, kind, chunk):
+    """The prefill graphs replay an EAGLE/EAGLE3 draft's prefill too: after every chunk the
+    draft's KV and root state equal those of an engine without graphs (float32)."""
+    from specserve.model.config import PRESETS
+    from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+
+    draft = write_random_eagle_checkpoint(str(tmp_path / "d"), PRESETS["tiny"], kind, seed=6)
+    prompt = mixed_prompts(1, 512, seed=47, min_len=40, max_len=40)[0]
+    kw = dict(GPU, page_size=4, chunked_prefill_size=chunk, speculative_algorithm=kind,
+              speculative_draft_model_path=draft, speculative_num_steps=3,
+              speculative_eagle_topk=2, speculative_num_draft_tokens=6)  # fmt: skip
+    eager = draft_prefill_snapshots(prompt, dict(kw, disable_cuda_graph=True))
+    captured = []
+    graphed = draft_prefill_snapshots(
+        prompt, kw, lambda core: captured.append(core.worker.prefill_graphs)
+    )
+    assert captured[0] is not None
+    assert_same_draft_prefill(graphed, eager, tol=1e-4)
+    assert captured[0].num_captures >= 2  # the target's graph and the draft's

@@ -15,7 +15,14 @@ import torch
 from specserve import Engine
 from specserve.errors import InvalidArgument
 from specserve.runtime.prefill_graphs import PrefillGraphs
-from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, mixed_prompts, spec_args
+from tests.engine_utils import (
+    TINY,
+    assert_kv_matches_plain_prefill,
+    assert_same_draft_prefill,
+    draft_prefill_snapshots,
+    mixed_prompts,
+    spec_args,
+)
 
 
 def generate(prompts, sps, padded: bool, max_tokens: int = 64, **kw):
@@ -169,47 +176,17 @@ def test_replayed_draft_prefill_writes_the_eager_draft_kv_and_root(eagle_drafts,
     """An EAGLE/EAGLE3 draft's prefill runs in graph shape after the target's (token x_{j+1}
     with h_j at position j; the token after the chunk is the sampled one, or for a chunk that
     does not complete the prompt, the prompt's own). After every prefill chunk the draft's KV
-    of the request and its root state equal the eager path's."""
-    from specserve.config import EngineConfig
-    from specserve.runtime.engine_core import EngineCore
-    from specserve.runtime.request import Request
-    from specserve.sampling_params import SamplingParams
-
+    of the request and its root state equal the eager path's (tests/test_gpu.py: captured)."""
     prompt = mixed_prompts(1, 512, seed=46, min_len=40, max_len=40)[0]
-    spec = {**spec_args(eagle_drafts[kind], 2, 3, 6), "speculative_algorithm": kind}
-    snapshots = {}
-    for padded in (False, True):
-        cfg = EngineConfig.from_kwargs(**TINY, page_size=4, chunked_prefill_size=chunk, **spec)
-        core = EngineCore(cfg.resolve())
-        worker, drafter = core.worker, core.worker.drafter
-        if padded:
-            worker.prefill_graphs = PrefillGraphs(
-                worker, 64, max_width=core.context_len, capture=False
-            )
-        taken = []
-        real_prefill = worker.prefill
+    kw = dict(**TINY, page_size=4, chunked_prefill_size=chunk)
+    kw.update(spec_args(eagle_drafts[kind], 2, 3, 6), speculative_algorithm=kind)
 
-        def prefill(chunks, real_prefill=real_prefill, taken=taken, core=core, drafter=drafter):
-            result = real_prefill(chunks)
-            c = chunks[0]
-            slots = core.table.slots(c.req.rid, 0, c.end)
-            root = core.rows.features[core.rows.row(c.req.rid)].clone() if result else None
-            taken.append((c.end, drafter.kv.buffer[:, :, slots].clone(), root))
-            return result
+    def padded(core):
+        core.worker.prefill_graphs = PrefillGraphs(
+            core.worker, 64, max_width=core.context_len, capture=False
+        )
 
-        worker.prefill = prefill
-        sp = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
-        core.add_request(Request("a", prompt, sp, seed=0))
-        while core.has_work():
-            core.step()
-        snapshots[padded] = taken
-        if padded:
-            assert worker.prefill_graphs.graphs  # the padded path ran
-    eager, padded = snapshots[False], snapshots[True]
-    assert [e for e, _, _ in eager] == [e for e, _, _ in padded] and len(eager) == -(-40 // chunk)
-    for (_, kv_e, root_e), (_, kv_p, root_p) in zip(eager, padded):
-        torch.testing.assert_close(kv_p, kv_e, rtol=1e-5, atol=1e-5)
-        assert (root_e is None) == (root_p is None)
-        if root_e is not None:
-            torch.testing.assert_close(root_p, root_e, rtol=1e-5, atol=1e-5)
-    assert eager[-1][2] is not None  # the prompt's last chunk left a root state
+    eager = draft_prefill_snapshots(prompt, kw)
+    graphed = draft_prefill_snapshots(prompt, kw, padded)
+    assert len(eager) == -(-40 // chunk)
+    assert_same_draft_prefill(graphed, eager)
