@@ -116,10 +116,13 @@ def sampling_dict(args: argparse.Namespace) -> dict[str, Any]:
 
 def with_default_draft(args: argparse.Namespace, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The default model with no speculative flag runs with its bundled EAGLE draft, when the
-    package has one (`--no-default-draft` turns this off); says so on stderr."""
+    package has one (`--no-default-draft` turns this off); says so on stderr. A
+    `--speculative-token-map` alone applies to that draft."""
     if getattr(args, "no_default_draft", False):
         return kwargs
-    if any(k.startswith("speculative_") or k.startswith("simulate_acc") for k in kwargs):
+    # a token map alone modifies the bundled draft rather than replacing it
+    own = {k for k in kwargs if k.startswith(("speculative_", "simulate_acc"))}
+    if own - {"speculative_token_map"}:
         return kwargs
     if kwargs.get("load_format", "auto") != "auto":  # e.g. random weights: a draft is no use
         return kwargs
@@ -129,20 +132,17 @@ def with_default_draft(args: argparse.Namespace, kwargs: dict[str, Any]) -> dict
     spec = default_draft_engine_kwargs(model, kwargs.get("device", EngineConfig.device))
     if spec is None:
         return kwargs
+    merged = {**spec, **kwargs}
+    token_map = merged.get("speculative_token_map")
     print(
         f"specserve: {model} runs with its bundled {spec['speculative_algorithm']} draft "
         f"({spec['speculative_draft_model_path']}; {spec['speculative_num_steps']} steps, "
         f"topk {spec['speculative_eagle_topk']}, {spec['speculative_num_draft_tokens']} draft "
-        "tokens"
-        + (
-            f", token map {spec['speculative_token_map']}"
-            if "speculative_token_map" in spec
-            else ""
-        )
-        + "); --no-default-draft turns it off",
+        f"tokens{f', token map {token_map}' if token_map else ''}); --no-default-draft "
+        "turns it off",
         file=sys.stderr,
     )
-    return {**kwargs, **spec}
+    return merged
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -460,6 +460,12 @@ def test_generate_uses_the_bundled_draft_of_the_default_model(tmp_path, monkeypa
     assert meta["spec_verify_ct"] >= 1
     meta, err = run("--no-default-draft")
     assert "spec_verify_ct" not in meta and "bundled" not in err
+    # a token map alone applies to the bundled draft
+    vocab = load_target(target, "float32", "cpu").config.vocab_size
+    (tmp_path / "map.json").write_text(json.dumps(list(range(0, vocab, 2))))
+    meta, err = run("--speculative-token-map", str(tmp_path / "map.json"))
+    assert "bundled EAGLE draft" in err and f"token map {tmp_path / 'map.json'}" in err
+    assert meta["spec_verify_ct"] >= 1
     meta, err = run(
         "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", target
     )
