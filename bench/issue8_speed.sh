@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 8's speed check in one device call (~7-8 min on an H200): the GPU tests of the decode
 # step's kernels, a device profile of batch-1 decode steps (135M shape, random weights, a random
-# EAGLE head at simulated acceptance), and `bench e2e` on the real SmolLM2-135M-Instruct with
+# EAGLE head; plain and the k8 n48 tree), and `bench e2e` on the real SmolLM2-135M-Instruct with
 # the bundled draft against HF transformers (static cache; prompt lookup), same prompts.
 # Usage (repo root, CUDA machine): OUT=/tmp/out bash bench/issue8_speed.sh /root/stage/smollm2.gguf
 # Narrower runs: TESTS="tests/..." PROFILE_CASES="tree8x8x64" PROFILE_TORCH_DRAFT="tree8x8x64"
