@@ -162,13 +162,13 @@ class _StubContext:
         return q
 
 
-def build_model():
+def build_model(preset: str = "llama3-8b"):
     from specserve.model.config import PRESETS
     from specserve.model.llama import LlamaForCausalLM
     from specserve.model.loader import random_init_
     from specserve.model.rope import rope_inv_freq
 
-    cfg = PRESETS["llama3-8b"]
+    cfg = PRESETS[preset]
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device="cuda").to(DTYPE)
