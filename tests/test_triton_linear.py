@@ -289,6 +289,43 @@ def test_model_fused_paths_match_plain_torch_on_cpu(
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("eagle_layer0", [False, True], ids=["norm", "identity_norm"])
+def test_decoder_layer_fused_path_matches_plain_and_keeps_its_input(
+    fused_settings, monkeypatch, eagle_layer0
+):
+    # A layer called on its own (a draft head's path, not the target's deferred residual):
+    # mode 1 writes the MLP's sum into add_rmsnorm's fresh residual (GEMM with beta = 1); the
+    # caller's h must be untouched and the output equal to plain torch's.
+    from specserve.kv.pool import KVCache
+    from specserve.ops.attention import ForwardContext, TorchAttentionBackend
+    from specserve.runtime.forward_batch import Segment, build_metadata
+
+    llama = fused_settings
+    model = _tiny_model(torch.float32, DEVICE, num_layers=1, attention_bias=False)
+    layer = model.model.layers[0]
+    if eagle_layer0:
+        layer.input_layernorm = torch.nn.Identity()
+    cfg, n = model.config, 6
+    slots = torch.arange(n)
+    meta = build_metadata([Segment(slots, n, n)], slots.to(DEVICE), DEVICE)
+
+    def run(mode):
+        llama.set_fused_ops(linear=False, elementwise=mode == 1)
+        cache = KVCache(1, n, cfg.num_kv_heads, cfg.head_dim, torch.float32, DEVICE)
+        ctx = ForwardContext(TorchAttentionBackend(), cache, meta)
+        h = rand((n, cfg.hidden_size), torch.float32, 50)
+        keep = h.clone()
+        with torch.inference_mode():
+            assert llama.fused_mode(h) == mode
+            out = layer(h, torch.arange(n, device=DEVICE), ctx)
+        torch.testing.assert_close(h, keep, atol=0, rtol=0)
+        return out
+
+    ref = run(0)
+    monkeypatch.setattr(llama, "_eligible", lambda x: not torch.is_grad_enabled())
+    torch.testing.assert_close(run(1), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_fused_mode_switches(fused_settings):
     llama = fused_settings
     x = torch.zeros(3, 8)

@@ -153,8 +153,10 @@ def _fused_linear(
     norm: RMSNorm | None = None,
     silu_mul: bool = False,
     residual: torch.Tensor | None = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
-    """[residual +] lin(f(x)), f = norm or SiLU-and-mul or identity; one kernel in mode 2."""
+    """[residual +] lin(f(x)), f = norm or SiLU-and-mul or identity; one kernel in mode 2.
+    accumulate: the sum may be written into `residual` (mode 1: GEMM with beta = 1)."""
     if mode == 2 and lin.weight.dtype == x.dtype:
         from specserve.ops.triton_linear import skinny_linear
 
@@ -171,6 +173,10 @@ def _fused_linear(
         x = norm(x)
     if silu_mul:
         x = _silu_mul(x)
+    if accumulate and residual is not None and lin.bias is None and x.dim() == 2:
+        # one GEMM with beta = 1 instead of a GEMM and an add kernel; residual is the
+        # caller's own fresh tensor (its value is not needed afterwards)
+        return residual.addmm_(x, lin.weight.t())
     y = F.linear(x, lin.weight, lin.bias)
     return y if residual is None else residual + y
 
@@ -241,11 +247,14 @@ class MLP(nn.Module):
         *,
         norm: RMSNorm | None = None,
         residual: torch.Tensor | None = None,
+        accumulate: bool = False,
     ) -> torch.Tensor:
-        """[residual +] down(silu(gate) * up) of norm(x)."""
+        """[residual +] down(silu(gate) * up) of norm(x); accumulate: into residual in place."""
         mode = fused_mode(x)
         gate_up = _fused_linear(x, self.gate_up_proj, mode, norm=norm)
-        return _fused_linear(gate_up, self.down_proj, mode, silu_mul=True, residual=residual)
+        return _fused_linear(
+            gate_up, self.down_proj, mode, silu_mul=True, residual=residual, accumulate=accumulate
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -270,7 +279,7 @@ class DecoderLayer(nn.Module):
             norm2 = self.post_attention_layernorm
             if o.dtype == h.dtype:  # (autocast could make them differ: torch promotes)
                 h, x = add_rmsnorm(o, h, norm2.weight, norm2.eps)
-                return self.mlp(x, residual=h)
+                return self.mlp(x, residual=h, accumulate=True)  # h is add_rmsnorm's new tensor
             h = h + o
             return self.mlp(h, norm=norm2, residual=h)
         h = self.self_attn(x, positions, ctx, norm=norm1, residual=h)
