@@ -37,6 +37,7 @@ ENGINE_HELP = {
     "speculative_eagle_topk": "Children kept per expanded draft node (1 = chain).",
     "speculative_num_draft_tokens": "Tree size verified per step, root included (<= 1 + topk + (steps - 1) * topk^2).",
     "speculative_token_map": "EAGLE: draft only among these token ids (JSON list or .pt; the most frequent tokens of the target's answers): a smaller draft lm_head and top-k, output unchanged.",
+    "speculative_token_map_growth": "With --speculative-token-map: room for this many more tokens; the prompt and output tokens of the requests being served that the map lacks join the draft vocabulary (default 0).",
     "simulate_acc_len": "Benchmarking: force this mean accept length (bonus token included; 1 = all rejected).",
     "simulate_acc_method": "multinomial | match-expected | per-position (default multinomial).",
     "simulate_acc_token_mode": "real-draft-token (default; tokens and KV consistent) | fixed.",
@@ -68,6 +69,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                 "speculative_num_steps",
                 "speculative_eagle_topk",
                 "speculative_num_draft_tokens",
+                "speculative_token_map_growth",
                 "simulate_acc_fixed_token",
                 "cuda_graph_max_bs",
                 "cuda_graph_max_prefill_tokens",
@@ -117,12 +119,12 @@ def sampling_dict(args: argparse.Namespace) -> dict[str, Any]:
 def with_default_draft(args: argparse.Namespace, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The default model with no speculative flag runs with its bundled EAGLE draft, when the
     package has one (`--no-default-draft` turns this off); says so on stderr. A
-    `--speculative-token-map` alone applies to that draft."""
+    `--speculative-token-map` (and its growth) alone applies to that draft."""
     if getattr(args, "no_default_draft", False):
         return kwargs
     # a token map alone modifies the bundled draft rather than replacing it
     own = {k for k in kwargs if k.startswith(("speculative_", "simulate_acc"))}
-    if own - {"speculative_token_map"}:
+    if own - {"speculative_token_map", "speculative_token_map_growth"}:
         return kwargs
     if kwargs.get("load_format", "auto") != "auto":  # e.g. random weights: a draft is no use
         return kwargs

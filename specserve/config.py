@@ -51,6 +51,7 @@ class EngineConfig:
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_token_map: str | None = None  # EAGLE: draft only among these tokens (a file)
+    speculative_token_map_growth: int | None = None  # + room for the requests' own tokens
     # simulated acceptance (benchmarking); unset fields fall back to SPECSERVE_SIMULATE_ACC_*
     simulate_acc_len: float | None = None
     simulate_acc_method: str | None = None  # multinomial | match-expected | per-position

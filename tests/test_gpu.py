@@ -228,12 +228,13 @@ def test_self_draft_accepts_every_depth_for_every_tree_size(ndt):
     assert accept > 0.9 * (steps + 1), accept
 
 
-@pytest.mark.parametrize("kind", ["EAGLE3", "EAGLE+token_map"])
+@pytest.mark.parametrize("kind", ["EAGLE3", "EAGLE+token_map", "EAGLE+token_map+growth"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_reduced_draft_vocabularies_are_lossless_on_cuda(tmp_path, kind, page_size):
     """EAGLE3's d2t and an EAGLE token map both reach the top-k kernel as its id map: outputs
     equal plain decoding (graphs and eager), and drafted tokens are target ids of the reduced
-    vocabulary (read from the files, not from the engine)."""
+    vocabulary (read from the files, not from the engine); a growing map also drafts the
+    requests' own tokens, written into the captured graphs' buffers between steps."""
     from safetensors.torch import load_file
 
     from specserve.model.config import PRESETS
@@ -255,6 +256,8 @@ def test_reduced_draft_vocabularies_are_lossless_on_cuda(tmp_path, kind, page_si
         allowed = torch.randperm(512, generator=torch.Generator().manual_seed(page_size))[:48]
         save_token_map(str(tmp_path / "map.json"), allowed.tolist())
         spec["speculative_token_map"] = str(tmp_path / "map.json")
+        if kind.endswith("+growth"):
+            spec["speculative_token_map_growth"] = 64
     prompts = mixed_prompts(5, 512, seed=12, min_len=3, max_len=30)
     with Engine(**GPU, page_size=page_size) as e:
         plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
@@ -264,6 +267,10 @@ def test_reduced_draft_vocabularies_are_lossless_on_cuda(tmp_path, kind, page_si
         eager = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
     assert graphed == plain and eager == plain
     tokens = torch.cat([t.reshape(-1) for t in drafted])
+    if kind.endswith("+growth"):
+        seen = torch.tensor([t for ids in prompts + plain for t in ids])
+        assert not torch.isin(tokens, allowed).all()  # the requests' own tokens were drafted
+        allowed = torch.cat([allowed, seen])
     assert torch.isin(tokens, allowed).all() and torch.unique(tokens).numel() > 4
 
 

@@ -10,6 +10,7 @@ import torch
 
 from specserve import Engine, InvalidArgument
 from specserve.model.config import PRESETS
+from specserve.spec.draft_vocab import DraftVocab
 from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
 from specserve.spec.token_map import load_token_map, rank_tokens, save_token_map
 from tests.engine_utils import TINY, mixed_prompts, recorded_drafts
@@ -95,6 +96,54 @@ def test_restricted_head_ranks_the_map_columns_of_the_full_logits(eagle_draft):
     ref_logp, ref_cols = torch.log_softmax(full[:, hot], -1).topk(3, dim=-1)
     assert torch.equal(ids, hot[ref_cols])
     torch.testing.assert_close(logp, ref_logp)
+
+
+def test_growing_vocabulary_adds_request_tokens_up_to_its_room_and_resets():
+    lm_head = torch.randn(50, 8)
+    vocab = DraftVocab(lm_head, torch.tensor([3, 9, 4]), growth=4)
+    g = torch.randn(2, 8)
+    assert vocab.add([9, 7, 7, 12, 3]) == 2  # map tokens and repeats are not added again
+    assert vocab.ids[:5].tolist() == [3, 9, 4, 7, 12] and vocab.size == 5
+    logits = torch.nn.functional.linear(g, vocab.weight, vocab.bias)
+    torch.testing.assert_close(logits[:, :5], g @ lm_head[[3, 9, 4, 7, 12]].T)
+    assert torch.isneginf(logits[:, 5:]).all()  # free room never ranks
+    assert vocab.add([20, 21, 22]) == 2 and 22 not in vocab  # full: the rest is dropped
+    assert vocab.size == vocab.capacity == 7
+    vocab.reset()
+    assert vocab.size == 3 and 7 not in vocab and 3 in vocab
+    assert torch.isneginf(torch.nn.functional.linear(g, vocab.weight, vocab.bias)[:, 3:]).all()
+    assert vocab.add([22]) == 1 and vocab.ids[3] == 22
+    assert DraftVocab(lm_head, torch.tensor([3]), growth=0).add([5]) == 0  # a fixed map
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_growing_map_drafts_the_requests_tokens_and_outputs_equal_plain(
+    eagle_draft, tmp_path, page_size
+):
+    prompts = mixed_prompts(4, VOCAB, seed=13, min_len=6, max_len=24)
+    with Engine(**TINY, page_size=page_size) as e:
+        plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+    seen = {t for ids in prompts + plain for t in ids}
+    hot = torch.tensor([t for t in range(VOCAB) if t not in seen][:40])
+    kw = dict(_spec(eagle_draft, _map_file(tmp_path, hot), page_size=page_size),
+              speculative_token_map_growth=len(seen))  # fmt: skip
+    with recorded_drafts() as drafted, Engine(**kw) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=GREEDY)
+        vocab = e.core.worker.drafter.head.vocab
+        assert vocab.size == vocab.base  # the engine is idle again: back to the map
+    assert [o["output_ids"] for o in outs] == plain
+    tokens = torch.cat([t.reshape(-1) for t in drafted])
+    assert not torch.isin(tokens, hot).all()  # tokens of the requests were drafted
+    _assert_drafts_inside(drafted, torch.cat([hot, torch.tensor(sorted(seen))]))
+
+
+def test_token_map_growth_is_refused_without_a_map_or_out_of_range(eagle_draft, tmp_path):
+    path = _map_file(tmp_path, range(32))
+    with pytest.raises(InvalidArgument, match="speculative_token_map_growth.*give speculative"):
+        Engine(**_spec(eagle_draft, None), speculative_token_map_growth=8)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InvalidArgument, match=r"speculative_token_map_growth.*\[0, "):
+            Engine(**_spec(eagle_draft, path), speculative_token_map_growth=bad)
 
 
 def test_rank_tokens_orders_by_answer_frequency_then_prompts_then_id():

@@ -510,6 +510,10 @@ def test_default_draft_settings_per_device(tmp_path, monkeypatch):
     for device in ("cpu", "cuda"):
         kw = defaults.default_draft_engine_kwargs("m", device)
         assert kw["speculative_token_map"] == str(folder / "t.json")
+        assert "speculative_token_map_growth" not in kw
+    grows = {**saved, "speculative_token_map": "t.json", "speculative_token_map_growth": 512}
+    (folder / "serving.json").write_text(json.dumps(grows))
+    assert defaults.default_draft_engine_kwargs("m", "cpu")["speculative_token_map_growth"] == 512
 
 
 def test_default_draft_names():

@@ -35,7 +35,7 @@ def add_e2e_parser(bsub) -> argparse.ArgumentParser:
         "--spec",
         nargs="+",
         default=["5,1,6", "6,4,16"],
-        help="speculative configurations as steps,topk,num_draft_tokens[:token_map_file]",
+        help="speculative configurations as steps,topk,num_draft_tokens[:token_map_file[+growth]]",
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -76,8 +76,14 @@ def _engine_rows(args, prompt_texts: list[str]) -> tuple[list[dict], list[list[i
             speculative_num_draft_tokens=ndt,
         )
         if token_map:
-            label += f" map={os.path.basename(token_map)}"
-            kw["speculative_token_map"] = token_map
+            path, plus, growth = token_map.rpartition("+")
+            if not plus:  # no "+growth" suffix
+                path, growth = token_map, ""
+            label += f" map={os.path.basename(path)}"
+            kw["speculative_token_map"] = path
+            if growth:
+                label += f"+{int(growth)}"
+                kw["speculative_token_map_growth"] = int(growth)
         configs.append((label, kw))
     rows, prompt_ids, reference = [], None, None
     for label, kw in configs:

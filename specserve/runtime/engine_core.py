@@ -305,6 +305,7 @@ class EngineCore:
                 continue
             self.scheduler.decode_done(req, n)
             self.stop_checker.append_tokens(req, tokens)
+            self.worker.observe_tokens(tokens)
             touched.append(req)
             if self.worker.drafter is not None:
                 req.spec_verify_ct += 1
@@ -337,6 +338,8 @@ class EngineCore:
             self.scheduler.remove(r)
             self.worker.forget(r.rid)
             del self.requests[r.rid]
+        if done and not self.requests:
+            self.worker.forget_observed_tokens()
         return done
 
     def check_invariants(self) -> None:

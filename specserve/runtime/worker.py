@@ -157,6 +157,7 @@ class Worker:
     def prefill(self, chunks: list[PrefillChunk]) -> dict[str, int]:
         """Run the chunks; return the first sampled token of each request whose prefill completes."""
         tokens = [t for c in chunks for t in c.req.all_ids[c.start : c.end]]
+        self.observe_tokens(tokens)
         dev = self.device
         capture = self.drafter.capture_layers if self.drafter is not None else ()
         out = None
@@ -197,7 +198,19 @@ class Worker:
         rows = self.rows.rows_of([chunks[i].req.rid for i in done])
         self.rows.set_state(to_device(torch.tensor(rows), dev), sample_pos, sampled, features)
         values = sampled.tolist()
+        self.observe_tokens(values)
         return {chunks[i].req.rid: values[j] for j, i in enumerate(done)}
+
+    # ---- the draft's view of the requests' tokens -------------------------------------------
+    def observe_tokens(self, tokens: list[int]) -> None:
+        """Prompt and output tokens of running requests (a growing draft vocabulary's input)."""
+        if self.drafter is not None:
+            self.drafter.head.observe_tokens(tokens)
+
+    def forget_observed_tokens(self) -> None:
+        """The engine has no request left."""
+        if self.drafter is not None:
+            self.drafter.head.forget_observed_tokens()
 
     def _prefill_metadata(self, chunks: list[PrefillChunk]):
         segments, out_slots = [], []

@@ -11,12 +11,14 @@ from specserve.errors import InvalidArgument, require
 ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
 MAX_TOPK = 16  # siblings per node
 MAX_STEPS = 16
+MAX_GROWTH = 1 << 20  # rows a growing draft vocabulary may add (spec/draft_vocab.py)
 SPEC_FIELDS = (
     "speculative_draft_model_path",
     "speculative_num_steps",
     "speculative_eagle_topk",
     "speculative_num_draft_tokens",
     "speculative_token_map",
+    "speculative_token_map_growth",
 )
 
 
@@ -109,6 +111,18 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
             isinstance(c.speculative_token_map, str) and c.speculative_token_map != "",
             "speculative_token_map",
             f"must be a file path, got {c.speculative_token_map!r}",
+        )
+    growth = c.speculative_token_map_growth
+    if growth is not None:
+        require(
+            isinstance(growth, int) and not isinstance(growth, bool) and 0 <= growth <= MAX_GROWTH,
+            "speculative_token_map_growth",
+            f"must be an integer in [0, {MAX_GROWTH}], got {growth!r}",
+        )
+        require(
+            growth == 0 or c.speculative_token_map is not None,
+            "speculative_token_map_growth",
+            "extends a reduced draft vocabulary: give speculative_token_map too",
         )
     return c, decisions
 

@@ -17,6 +17,7 @@ from specserve.model.config import ModelConfig
 from specserve.model.llama import MLP, Attention, DecoderLayer, RMSNorm, elementwise_on
 from specserve.ops.attention import ForwardContext
 from specserve.ops.sampling import topk_logprobs
+from specserve.spec.draft_vocab import DraftVocab
 
 
 class DraftHead(nn.Module):
@@ -44,6 +45,13 @@ class DraftHead(nn.Module):
     def prepare_for_serving(self) -> None:
         """Called once the head sits on its serving device (TreeDrafter): cache what every
         step would otherwise recompute."""
+
+    def observe_tokens(self, tokens: list[int]) -> None:
+        """Tokens of the requests being served (prompts, outputs): a growing draft vocabulary
+        (spec/draft_vocab.py) takes those it lacks."""
+
+    def forget_observed_tokens(self) -> None:
+        """No request is left: drop what `observe_tokens` added."""
 
 
 class _EagleLayer0(DecoderLayer):
@@ -73,7 +81,7 @@ class EagleHead(DraftHead):
         )
         self._embed = [target_embed]  # shared, not a submodule (not saved, not moved twice)
         self._lm_head = [target_lm_head]
-        self._token_ids: torch.Tensor | None = None  # restrict_vocab's map
+        self.vocab: DraftVocab | None = None  # restrict_vocab's reduced vocabulary
 
     def forward(self, input_ids, features, positions, ctx):
         embed = self._embed[0].weight
@@ -91,20 +99,28 @@ class EagleHead(DraftHead):
         return h
 
     def logits(self, g):
-        return F.linear(g, self._lm_head[0])
+        if self.vocab is None:
+            return F.linear(g, self._lm_head[0])
+        return F.linear(g, self.vocab.weight, self.vocab.bias)
 
-    def restrict_vocab(self, token_ids: torch.Tensor) -> None:
-        """Draft only among `token_ids` (spec/token_map.py): the lm_head becomes those rows of
-        the target's (a copy; the target's own is untouched)."""
-        if self._token_ids is not None:
+    def restrict_vocab(self, token_ids: torch.Tensor, growth: int = 0) -> None:
+        """Draft only among `token_ids` (spec/token_map.py), plus up to `growth` tokens of the
+        requests being served (spec/draft_vocab.py): the lm_head becomes those rows of the
+        target's (a copy; the target's own is untouched)."""
+        if self.vocab is not None:
             raise ValueError("restrict_vocab: the vocabulary is already restricted")
-        weight = self._lm_head[0]
-        token_ids = token_ids.to(device=weight.device, dtype=torch.int64).contiguous()
-        self._lm_head = [weight[token_ids].contiguous()]
-        self._token_ids = token_ids
+        self.vocab = DraftVocab(self._lm_head[0], token_ids, growth)
 
     def vocab_ids(self):
-        return self._token_ids
+        return None if self.vocab is None else self.vocab.ids
+
+    def observe_tokens(self, tokens):
+        if self.vocab is not None:
+            self.vocab.add(tokens)
+
+    def forget_observed_tokens(self):
+        if self.vocab is not None:
+            self.vocab.reset()
 
 
 class _Eagle3Attention(Attention):

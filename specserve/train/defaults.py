@@ -6,7 +6,8 @@ speculative flag is given (`--no-default-draft` turns that off). A draft folder 
 `speculative_eagle_topk`, `speculative_num_draft_tokens`); otherwise DEFAULT_SETTINGS apply. A
 `"cuda"` section in it overrides them on a GPU: the best tree there (the device is bound by
 kernel launches, so a wide tree costs little more than a chain) is too costly on a CPU. Its
-`speculative_token_map` names a file in the folder (spec/token_map.py), used on every device.
+`speculative_token_map` names a file in the folder (spec/token_map.py), used on every device,
+with `speculative_token_map_growth` if given (spec/draft_vocab.py).
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ def default_draft_engine_kwargs(model_path: str | None, device: str = "auto") ->
             settings.update({k: int(section[k]) for k in _SETTING_KEYS if k in section})
         if saved.get("speculative_token_map"):
             settings["speculative_token_map"] = os.path.join(folder, saved["speculative_token_map"])
+            if saved.get("speculative_token_map_growth"):
+                settings["speculative_token_map_growth"] = int(
+                    saved["speculative_token_map_growth"]
+                )
     return {
         "speculative_algorithm": default_draft_algorithm(model_path),
         "speculative_draft_model_path": folder,
