@@ -21,7 +21,6 @@ pytest.importorskip("triton", reason="TritonAttentionBackend needs the triton pa
 from specserve.kv.pool import KVCache  # noqa: E402
 from specserve.ops.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
 from specserve.ops.triton_attention import TritonAttentionBackend  # noqa: E402
-from specserve.ops.triton_kernels import common  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -207,30 +206,6 @@ def test_extend_split_prefix(splits, tree):
     backend = TritonAttentionBackend(num_kv_splits=splits)
     check(case, backend)
     assert backend._plan is not None and 1 < backend._plan.num_splits <= splits
-    # the tiles' last programs merged (no second kernel) and left every counter at zero
-    assert int(common._SPLIT_TICKETS[DEVICE].abs().sum()) == 0
-
-
-class _CountedLaunches:
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-
-@pytest.mark.parametrize("slots", [2, 1 << 14])
-def test_extend_split_merge_kernel_runs_only_past_the_ticket_buffer(monkeypatch, slots):
-    from specserve.ops.triton_kernels import extend
-
-    monkeypatch.setattr(common, "SPLIT_TICKET_SLOTS", slots)  # 2: fewer counters than tiles
-    merge = _CountedLaunches(extend.merge_splits_kernel)
-    monkeypatch.setattr(extend, "merge_splits_kernel", merge)
-    reqs = [Req(7, 200), Req(12, 0), Req(30, 90)]
-    case = make_case(reqs, heads=4, page_size=3, tree_mask=True, seed=137)
-    check(case, TritonAttentionBackend(num_kv_splits=3))
-    assert merge.launches == (1 if slots == 2 else 0)
 
 
 def test_tree_verify_batch_one_splits_automatically():

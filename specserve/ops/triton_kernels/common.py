@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -13,29 +12,6 @@ LOG2E = 1.4426950408889634
 # Measured on an H200 (bench/attention_kernels.py --tune): a 3-stage pipeline of 64-position
 # K/V blocks beats 2 stages by 1.5-2x for both kernels, the loop being latency-bound.
 NUM_STAGES = 3
-
-# Split-KV tiles whose last program merges the partials count arrivals here (one int32 per
-# tile, back to zero after each launch). Larger grids merge in a second kernel instead.
-SPLIT_TICKET_SLOTS = 1 << 14
-_SPLIT_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_tickets(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The zeroed ticket counters for `tiles` tiles, or None when there are too many. The
-    buffer is made on a device's first call, which must not be inside CUDA graph capture
-    (graph warm-up runs the same call eagerly first)."""
-    if tiles > SPLIT_TICKET_SLOTS:
-        return None
-    t = _SPLIT_TICKETS.get(device)
-    if t is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "split attention: first call inside CUDA graph capture; run it once eagerly "
-                "so that the ticket buffer exists before capture"
-            )
-        t = torch.zeros(SPLIT_TICKET_SLOTS, dtype=torch.int32, device=device)
-        _SPLIT_TICKETS[device] = t
-    return t
 
 
 def kv_block_size(head_dim_padded: int, element_size: int, budget: int = 96 * 1024) -> int:

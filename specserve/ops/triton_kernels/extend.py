@@ -12,10 +12,8 @@ fill the 16-row minimum of tl.dot when the group is large.
 Split prefix: a 64-node tree verify at batch 1 has only (64 * group / BLOCK_M) * kv_heads
 programs (32 for Llama-3-8B), far fewer than the GPU's SMs, each walking the whole context.
 With num_splits > 1 the prefix is cut into chunks handled by separate programs (the last one
-also does the extra part) that write partial results, as in split-KV decoding. The last of a
-tile's programs to finish (an atomic ticket per (row block, request, KV head), reset by that
-program) merges them, so no second launch is needed; past the ticket buffer's size the
-separate `merge_splits_kernel` does it.
+also does the extra part), and `merge_splits_kernel` combines their partial results, as in
+split-KV decoding.
 """
 
 from __future__ import annotations
@@ -24,13 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.ops.triton_kernels.common import (
-    LOG2E,
-    NUM_STAGES,
-    attend_kv_block,
-    kv_block_size,
-    split_tickets,
-)
+from specserve.ops.triton_kernels.common import LOG2E, NUM_STAGES, attend_kv_block, kv_block_size
 from specserve.ops.triton_kernels.decode import merge_splits_kernel
 
 EXTEND_BLOCK_M = 64  # rows ((query, head) pairs) per program
@@ -43,8 +35,6 @@ def _extend_kernel(
     V,
     Out,  # [T, H, D]; with SPLIT, the float32 partials [T, H, S, D]
     LSE_part,  # [T, H, S] float32 (SPLIT only)
-    Final,  # [T, H, D] (MERGE only): where the tile's last program writes the merged result
-    Tickets,  # int32, one counter per tile (MERGE only), zero between launches
     qo_indptr,
     kv_indptr,
     kv_indices,
@@ -63,8 +53,7 @@ def _extend_kernel(
     stride_ot,
     stride_oh,
     CUSTOM_MASK: tl.constexpr,
-    SPLIT: tl.constexpr,  # num_splits > 1: write partials
-    MERGE: tl.constexpr,  # SPLIT: the tile's last program merges them (else merge_splits_kernel)
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for merge_splits_kernel
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -165,46 +154,6 @@ def _extend_kernel(
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(LSE_part + part, lse, mask=row_mask)
         tl.store(Out + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
-        if MERGE:
-            tile = (kv_head * tl.num_programs(1) + b) * tl.num_programs(0) + m_block
-            tl.debug_barrier()  # every thread's partial is issued before the ticket is taken
-            ticket = tl.atomic_add(Tickets + tile, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:
-                _merge_tile(Out, LSE_part, Final, part - split, num_splits, q_start + qi, heads,
-                            offs_d, row_mask, out_mask, stride_ot, stride_oh, HEAD_DIM, BLOCK_M,
-                            BLOCK_D)  # fmt: skip
-                tl.atomic_xchg(Tickets + tile, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _merge_tile(
-    O_part, LSE_part, Final, base, num_splits, tokens, heads, offs_d, row_mask, out_mask,
-    stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Rows' outputs from their splits' partials (base: each row's split-0 index), the exact
-    softmax merge of merge_splits_kernel done online; .cg loads read what other programs
-    wrote (L2), not this SM's L1."""
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(num_splits):
-        lse = tl.load(LSE_part + base + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(
-            O_part + (base + s)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=out_mask,
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        m_new = tl.maximum(m, lse)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN
-        alpha = tl.exp2(m - m_ref)
-        w = tl.exp2(lse - m_ref)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        total = total * alpha + w
-        m = m_new
-    res = acc / tl.where(total > 0, total, 1.0)[:, None]
-    ptrs = Final + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(ptrs, res.to(Final.dtype.element_ty), mask=out_mask)
 
 
 def extend_attention(
@@ -251,21 +200,17 @@ def extend_attention(
     else:
         dst, lse = out, out  # lse unused
     grid = (triton.cdiv(max_q_len * group, cfg["block_m"]), batch_size, num_kv_heads * num_splits)
-    tiles = grid[0] * grid[1] * num_kv_heads
-    tickets = split_tickets(q.device, tiles) if num_splits > 1 else None
     _extend_kernel[grid](
-        q, k_cache, v_cache, dst, lse, out, out if tickets is None else tickets,
-        qo_indptr, kv_indptr, kv_indices, extra_lens,
+        q, k_cache, v_cache, dst, lse, qo_indptr, kv_indptr, kv_indices, extra_lens,
         mask_arg, mask_indptr if has_mask else qo_indptr,
         head_dim**-0.5 * LOG2E, num_splits, prefix_per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        CUSTOM_MASK=has_mask, SPLIT=num_splits > 1, MERGE=tickets is not None,
-        GROUP=group, HEAD_DIM=head_dim,
+        CUSTOM_MASK=has_mask, SPLIT=num_splits > 1, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=block_d,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    if num_splits > 1 and tickets is None:
+    if num_splits > 1:
         merge_splits_kernel[(num_tokens, num_heads)](
             dst, lse, out, out.stride(0), out.stride(1), num_splits,
             HEAD_DIM=head_dim,
