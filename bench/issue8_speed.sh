@@ -5,7 +5,8 @@
 # the bundled draft against HF transformers (static cache; prompt lookup), same prompts.
 # Usage (repo root, CUDA machine): OUT=/tmp/out bash bench/issue8_speed.sh /root/stage/smollm2.gguf
 # Narrower runs: TESTS="tests/..." PROFILE_CASES="tree8x8x64" PROFILE_TORCH_DRAFT="tree8x8x64"
-# (also profile those cases with SPECSERVE_DISABLE_TRITON_DRAFT=1) E2E_SPECS="8,8,64".
+# (also profile those cases with SPECSERVE_DISABLE_TRITON_DRAFT=1) E2E_SPECS="8,8,64"
+# E2E_ARGS="--prompt-lookup-tokens 0" (more `bench e2e` flags).
 set -uo pipefail
 MODEL=${1:?usage: OUT=dir bash bench/issue8_speed.sh MODEL.gguf}
 OUT=${OUT:-/tmp/specserve-issue8}
@@ -37,6 +38,6 @@ echo "== e2e $(date +%T)"
 timeout ${E2E_TIMEOUT:-330} $PY -m specserve.cli bench e2e --model-path "$MODEL" \
   --draft specserve/data/drafts/smollm2-135m-eagle --num-prompts ${NUM_PROMPTS:-16} \
   --max-new-tokens 160 --spec ${E2E_SPECS:-8,8,48 8,8,64 5,1,6} \
-  --output-json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
+  --output-json "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1
 echo "e2e rc $?"
 grep -v "^  \|^\[\|^\]\|^{\|^}" "$OUT/e2e.log" | tail -14
