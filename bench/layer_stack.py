@@ -121,7 +121,10 @@ def per_shape(args, sink, cfg, m: int) -> list[dict]:
                           error=repr(e)[:200]), sink)  # fmt: skip
                 continue
             results.append((t, c))
-        t_heur = results[0][0] if results and results[0][1] == heuristic else float("nan")
+        if not results:
+            emit(dict(kind="shape_failed", shape=name, M=m), sink)
+            continue
+        t_heur = results[0][0] if results[0][1] == heuristic else float("nan")
         results.sort(key=lambda r: r[0])
         t_best, best = results[0]
         rec = dict(

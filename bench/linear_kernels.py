@@ -200,7 +200,7 @@ def model_stack(args, sink, model, m: int) -> list[dict]:
                 return model.compute_logits(out.hidden)
 
             with torch.inference_mode():
-                x = torch.zeros(m, 4096, device="cuda", dtype=DTYPE)
+                x = torch.zeros(m, model.config.hidden_size, device="cuda", dtype=DTYPE)
                 got = llama.fused_mode(x)
                 step()
                 torch.cuda.synchronize()

@@ -234,7 +234,7 @@ def test_reduced_draft_vocabularies_are_lossless_on_cuda(tmp_path, kind, page_si
     """EAGLE3's d2t and an EAGLE token map both reach the top-k kernel as its id map: outputs
     equal plain decoding (graphs and eager), and drafted tokens are target ids of the reduced
     vocabulary (read from the files, not from the engine); a growing map also drafts the
-    requests' own tokens, written into the captured graphs' buffers between steps."""
+    requests' own tokens (eager run), written in place into the buffers the graphs read."""
     from safetensors.torch import load_file
 
     from specserve.model.config import PRESETS
@@ -262,7 +262,11 @@ def test_reduced_draft_vocabularies_are_lossless_on_cuda(tmp_path, kind, page_si
     with Engine(**GPU, page_size=page_size) as e:
         plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
     with Engine(**GPU, **spec) as e:
+        vocab = getattr(e.core.worker.drafter.head, "vocab", None)
+        buffers = None if vocab is None else (vocab.weight.data_ptr(), vocab.bias is None)
         graphed = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+        if vocab is not None:  # the captured graphs read these buffers: written in place only
+            assert (vocab.weight.data_ptr(), vocab.bias is None) == buffers
     with recorded_drafts() as drafted, Engine(**GPU, **spec, disable_cuda_graph=True) as e:
         eager = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
     assert graphed == plain and eager == plain

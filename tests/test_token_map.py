@@ -98,22 +98,28 @@ def test_restricted_head_ranks_the_map_columns_of_the_full_logits(eagle_draft):
     torch.testing.assert_close(logp, ref_logp)
 
 
-def test_growing_vocabulary_adds_request_tokens_up_to_its_room_and_resets():
+def test_growing_vocabulary_holds_request_tokens_while_their_requests_run():
     lm_head = torch.randn(50, 8)
     vocab = DraftVocab(lm_head, torch.tensor([3, 9, 4]), growth=4)
     g = torch.randn(2, 8)
-    assert vocab.add([9, 7, 7, 12, 3]) == 2  # map tokens and repeats are not added again
+
+    def logits():
+        return torch.nn.functional.linear(g, vocab.weight, vocab.bias)
+
+    # map tokens and repeats take no column; a token two requests bring takes one
+    assert vocab.add({"a": [9, 7, 7, 12, 3], "b": [12]}) == 2
     assert vocab.ids[:5].tolist() == [3, 9, 4, 7, 12] and vocab.size == 5
-    logits = torch.nn.functional.linear(g, vocab.weight, vocab.bias)
-    torch.testing.assert_close(logits[:, :5], g @ lm_head[[3, 9, 4, 7, 12]].T)
-    assert torch.isneginf(logits[:, 5:]).all()  # free room never ranks
-    assert vocab.add([20, 21, 22]) == 2 and 22 not in vocab  # full: the rest is dropped
-    assert vocab.size == vocab.capacity == 7
-    vocab.reset()
-    assert vocab.size == 3 and 7 not in vocab and 3 in vocab
-    assert torch.isneginf(torch.nn.functional.linear(g, vocab.weight, vocab.bias)[:, 3:]).all()
-    assert vocab.add([22]) == 1 and vocab.ids[3] == 22
-    assert DraftVocab(lm_head, torch.tensor([3]), growth=0).add([5]) == 0  # a fixed map
+    torch.testing.assert_close(logits()[:, :5], g @ lm_head[[3, 9, 4, 7, 12]].T)
+    assert torch.isneginf(logits()[:, 5:]).all()  # free room never ranks
+    assert vocab.add({"c": [20, 21, 22]}) == 2 and 22 not in vocab  # full: the rest waits
+    vocab.release(["a"])  # 7 leaves; 12 stays, b still holds it
+    assert 7 not in vocab and 12 in vocab and vocab.size == 6
+    assert torch.isneginf(logits()[:, 3]).all()  # 7's column is free again
+    assert vocab.add({"c": [22]}) == 1 and vocab.ids[3] == 22  # and taken by the next token
+    torch.testing.assert_close(logits()[:, 3], g @ lm_head[22])
+    vocab.release(["b", "c", "never-seen"])
+    assert vocab.size == 3 and torch.isneginf(logits()[:, 3:]).all()
+    assert DraftVocab(lm_head, torch.tensor([3]), growth=0).add({"a": [5]}) == 0  # fixed map
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -128,9 +134,12 @@ def test_growing_map_drafts_the_requests_tokens_and_outputs_equal_plain(
     kw = dict(_spec(eagle_draft, _map_file(tmp_path, hot), page_size=page_size),
               speculative_token_map_growth=len(seen))  # fmt: skip
     with recorded_drafts() as drafted, Engine(**kw) as e:
-        outs = e.generate(input_ids=prompts, sampling_params=GREEDY)
         vocab = e.core.worker.drafter.head.vocab
-        assert vocab.size == vocab.base  # the engine is idle again: back to the map
+        buffers = [t.data_ptr() for t in (vocab.weight, vocab.ids, vocab.bias)]
+        outs = e.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert vocab.size == vocab.base  # every request finished: their columns are free
+        # written in place, never reallocated: what captured CUDA graphs read
+        assert [t.data_ptr() for t in (vocab.weight, vocab.ids, vocab.bias)] == buffers
     assert [o["output_ids"] for o in outs] == plain
     tokens = torch.cat([t.reshape(-1) for t in drafted])
     assert not torch.isin(tokens, hot).all()  # tokens of the requests were drafted
@@ -144,6 +153,9 @@ def test_token_map_growth_is_refused_without_a_map_or_out_of_range(eagle_draft, 
     for bad in (-1, 1.5, True):
         with pytest.raises(InvalidArgument, match=r"speculative_token_map_growth.*\[0, "):
             Engine(**_spec(eagle_draft, path), speculative_token_map_growth=bad)
+    # more room than the tokens the map lacks
+    with pytest.raises(InvalidArgument, match=rf"growth.*\[0, {VOCAB - 32}\]"):
+        Engine(**_spec(eagle_draft, path), speculative_token_map_growth=VOCAB - 31)
 
 
 def test_rank_tokens_orders_by_answer_frequency_then_prompts_then_id():

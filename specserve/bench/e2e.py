@@ -82,7 +82,7 @@ def _engine_rows(args, prompt_texts: list[str]) -> tuple[list[dict], list[list[i
         )
         if token_map:
             path, plus, growth = token_map.rpartition("+")
-            if not plus:  # no "+growth" suffix
+            if not (plus and growth.isdigit()):  # no "+growth" suffix
                 path, growth = token_map, ""
             label += f" map={os.path.basename(path)}"
             kw["speculative_token_map"] = path

@@ -173,7 +173,13 @@ def _fused_linear(
         x = norm(x)
     if silu_mul:
         x = _silu_mul(x)
-    if accumulate and residual is not None and lin.bias is None and x.dim() == 2:
+    if (
+        accumulate
+        and residual is not None
+        and lin.bias is None
+        and x.dim() == 2
+        and residual.dtype == x.dtype == lin.weight.dtype  # addmm_ does not promote
+    ):
         # one GEMM with beta = 1 instead of a GEMM and an add kernel; residual is the
         # caller's own fresh tensor (its value is not needed afterwards)
         return residual.addmm_(x, lin.weight.t())

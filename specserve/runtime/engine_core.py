@@ -299,13 +299,14 @@ class EngineCore:
         or were aborted meanwhile: their outputs were already final)."""
         out = pending.result()
         touched = []
+        emitted = {}
         for req, tokens, n in zip(pending.reqs, out.emitted, out.accept_lens):
             req.inflight_steps -= 1
             if req.finished:
                 continue
             self.scheduler.decode_done(req, n)
             self.stop_checker.append_tokens(req, tokens)
-            self.worker.observe_tokens(tokens)
+            emitted[req.rid] = tokens
             touched.append(req)
             if self.worker.drafter is not None:
                 req.spec_verify_ct += 1
@@ -315,6 +316,7 @@ class EngineCore:
                 hist[n - 1] += 1
                 self.spec_totals["verify_ct"] += 1
                 self.spec_totals["accepted"] += n
+        self.worker.observe_tokens(emitted)
         if self.worker.drafter is not None and self.num_steps % 100 == 0:
             t = self.spec_totals
             log.info(
@@ -338,8 +340,6 @@ class EngineCore:
             self.scheduler.remove(r)
             self.worker.forget(r.rid)
             del self.requests[r.rid]
-        if done and not self.requests:
-            self.worker.forget_observed_tokens()
         return done
 
     def check_invariants(self) -> None:

@@ -136,6 +136,8 @@ class Worker:
     def forget(self, rid: str) -> None:
         if self._sampling_cache is not None and rid in self._sampling_cache[0]:
             self._sampling_cache = None
+        if self.drafter is not None:
+            self.drafter.head.release_tokens((rid,))
 
     @property
     def max_accept(self) -> int:
@@ -157,7 +159,7 @@ class Worker:
     def prefill(self, chunks: list[PrefillChunk]) -> dict[str, int]:
         """Run the chunks; return the first sampled token of each request whose prefill completes."""
         tokens = [t for c in chunks for t in c.req.all_ids[c.start : c.end]]
-        self.observe_tokens(tokens)
+        self.observe_tokens({c.req.rid: c.req.all_ids[c.start : c.end] for c in chunks})
         dev = self.device
         capture = self.drafter.capture_layers if self.drafter is not None else ()
         out = None
@@ -198,19 +200,14 @@ class Worker:
         rows = self.rows.rows_of([chunks[i].req.rid for i in done])
         self.rows.set_state(to_device(torch.tensor(rows), dev), sample_pos, sampled, features)
         values = sampled.tolist()
-        self.observe_tokens(values)
-        return {chunks[i].req.rid: values[j] for j, i in enumerate(done)}
+        first = {chunks[i].req.rid: values[j] for j, i in enumerate(done)}
+        self.observe_tokens({rid: (t,) for rid, t in first.items()})
+        return first
 
-    # ---- the draft's view of the requests' tokens -------------------------------------------
-    def observe_tokens(self, tokens: list[int]) -> None:
+    def observe_tokens(self, tokens_by_request: dict[str, list[int]]) -> None:
         """Prompt and output tokens of running requests (a growing draft vocabulary's input)."""
         if self.drafter is not None:
-            self.drafter.head.observe_tokens(tokens)
-
-    def forget_observed_tokens(self) -> None:
-        """The engine has no request left."""
-        if self.drafter is not None:
-            self.drafter.head.forget_observed_tokens()
+            self.drafter.head.observe_tokens(tokens_by_request)
 
     def _prefill_metadata(self, chunks: list[PrefillChunk]):
         segments, out_slots = [], []

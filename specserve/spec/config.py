@@ -122,7 +122,8 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         require(
             growth == 0 or c.speculative_token_map is not None,
             "speculative_token_map_growth",
-            "extends a reduced draft vocabulary: give speculative_token_map too",
+            "extends a reduced draft vocabulary (EAGLE drafts only): give "
+            "speculative_token_map too",
         )
     return c, decisions
 

@@ -9,6 +9,8 @@ x_j at j (delta 1).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,12 +48,12 @@ class DraftHead(nn.Module):
         """Called once the head sits on its serving device (TreeDrafter): cache what every
         step would otherwise recompute."""
 
-    def observe_tokens(self, tokens: list[int]) -> None:
-        """Tokens of the requests being served (prompts, outputs): a growing draft vocabulary
+    def observe_tokens(self, tokens_by_request: Mapping[str, Iterable[int]]) -> None:
+        """Prompt and output tokens of running requests: a growing draft vocabulary
         (spec/draft_vocab.py) takes those it lacks."""
 
-    def forget_observed_tokens(self) -> None:
-        """No request is left: drop what `observe_tokens` added."""
+    def release_tokens(self, request_ids: Iterable[str]) -> None:
+        """These requests are done: their tokens may leave a growing vocabulary."""
 
 
 class _EagleLayer0(DecoderLayer):
@@ -114,13 +116,13 @@ class EagleHead(DraftHead):
     def vocab_ids(self):
         return None if self.vocab is None else self.vocab.ids
 
-    def observe_tokens(self, tokens):
+    def observe_tokens(self, tokens_by_request):
         if self.vocab is not None:
-            self.vocab.add(tokens)
+            self.vocab.add(tokens_by_request)
 
-    def forget_observed_tokens(self):
+    def release_tokens(self, request_ids):
         if self.vocab is not None:
-            self.vocab.reset()
+            self.vocab.release(request_ids)
 
 
 class _Eagle3Attention(Attention):

@@ -5,20 +5,21 @@ A token map covers most of what the target writes, but not the words a request b
 names and rare nouns of its prompt, which the answer copies and the draft predicts well.
 Measured on SmolLM2-135M (32 held-out chats, 128 greedy tokens each): 4.2% of the answer
 tokens are outside a 16,384-token map, 2.5% outside the map plus the prompt, 1.4% outside the
-map, the prompt and the answer's earlier tokens. So with room for `growth` more tokens, every
-prompt token and every emitted token outside the map joins the vocabulary (first come, first
-kept, until the room is full), and the room empties when the engine has no request left.
+map, the prompt and the answer's earlier tokens. So with room for `growth` more columns, the
+prompt and output tokens of every running request that the map lacks get a column while a
+request that brought them runs (first come, first served while the room lasts); a column is
+freed when the last request holding its token finishes.
 
 Device layout, fixed at construction so CUDA graphs keep reading the same buffers: `weight`
-[map + growth, hidden] (the rows of the target's lm_head), `ids` [map + growth] (the target id
-of each column) and `bias` (0 for a column in use, -inf for free room, so that free columns
-never rank and take no probability mass). Additions are stream-ordered device copies issued
+[map + growth, hidden] (rows of the target's lm_head), `ids` [map + growth] (the target id of
+each column) and `bias` (0 for a column in use, -inf for a free one, so that free columns
+never rank and take no probability mass). Changes are stream-ordered device writes issued
 between steps: a step already launched drafts with the vocabulary it was launched with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -43,39 +44,59 @@ class DraftVocab:
             self.bias = torch.full((self.capacity,), float("-inf"), dtype=lm_head.dtype, device=dev)
             self.bias[: self.base] = 0
         self._map = frozenset(token_ids.tolist())
-        self._added: list[int] = []
-        self._present = set(self._map)
+        self._free = list(range(self.capacity - 1, self.base - 1, -1))  # pop() -> lowest column
+        self._column: dict[int, int] = {}  # added token -> its column
+        self._holders: dict[int, int] = {}  # added token -> how many owners hold it
+        self._owned: dict[str, set[int]] = {}  # owner (request id) -> tokens it holds
 
     @property
     def size(self) -> int:
-        """Columns in use (the map plus the tokens added since the last reset)."""
-        return self.base + len(self._added)
-
-    def add(self, tokens: Iterable[int]) -> int:
-        """Make room-permitting `tokens` draftable; returns how many were new."""
-        if self.bias is None:
-            return 0
-        room = self.capacity - self.size
-        new = [t for t in dict.fromkeys(tokens) if t not in self._present][:room]
-        if not new:
-            return 0
-        dev = self.weight.device
-        ids = torch.tensor(new, dtype=torch.int64).to(dev, non_blocking=True)
-        cols = torch.arange(self.size, self.size + len(new), device=dev)
-        self.weight.index_copy_(0, cols, self._full.index_select(0, ids))
-        self.ids.index_copy_(0, cols, ids)
-        self.bias.index_fill_(0, cols, 0)
-        self._added.extend(new)
-        self._present.update(new)
-        return len(new)
-
-    def reset(self) -> None:
-        """Back to the map alone (no request left that could use the added tokens)."""
-        if not self._added:
-            return
-        self.bias[self.base :] = float("-inf")
-        self._added.clear()
-        self._present = set(self._map)
+        """Columns in use: the map plus the added tokens."""
+        return self.base + len(self._column)
 
     def __contains__(self, token: int) -> bool:
-        return token in self._present
+        return token in self._map or token in self._column
+
+    def add(self, tokens_by_owner: Mapping[str, Iterable[int]]) -> int:
+        """Each owner's tokens join the vocabulary while room lasts (one device update for
+        all of them); returns how many columns were taken."""
+        if self.bias is None:
+            return 0
+        new: list[int] = []
+        for owner, tokens in tokens_by_owner.items():
+            held = self._owned.setdefault(owner, set())
+            for t in tokens:
+                if t in held or t in self._map:
+                    continue
+                if t in self._column:
+                    self._holders[t] += 1
+                elif self._free:
+                    self._column[t] = self._free.pop()
+                    self._holders[t] = 1
+                    new.append(t)
+                else:
+                    continue  # no room: the token stays undraftable
+                held.add(t)
+        if new:
+            dev = self.weight.device
+            ids = torch.tensor(new, dtype=torch.int64).to(dev, non_blocking=True)
+            cols = torch.tensor([self._column[t] for t in new]).to(dev, non_blocking=True)
+            self.weight.index_copy_(0, cols, self._full.index_select(0, ids))
+            self.ids.index_copy_(0, cols, ids)
+            self.bias.index_fill_(0, cols, 0)
+        return len(new)
+
+    def release(self, owners: Iterable[str]) -> None:
+        """These owners are done: free the columns of tokens nobody else holds."""
+        freed = []
+        for owner in owners:
+            for t in self._owned.pop(owner, ()):
+                self._holders[t] -= 1
+                if self._holders[t] == 0:
+                    del self._holders[t]
+                    col = self._column.pop(t)
+                    self._free.append(col)
+                    freed.append(col)
+        if freed:
+            cols = torch.tensor(freed).to(self.bias.device, non_blocking=True)
+            self.bias.index_fill_(0, cols, float("-inf"))

@@ -36,7 +36,14 @@ def build_drafter(cfg, target, device: torch.device, dtype: torch.dtype) -> Tree
     vocab = target.config.vocab_size if algo != "EAGLE3" else head.lm_head.out_features
     if cfg.speculative_token_map is not None:  # EAGLE only (resolve_speculative)
         ids = load_token_map(cfg.speculative_token_map, vocab, cfg.speculative_eagle_topk)
-        head.restrict_vocab(ids, cfg.speculative_token_map_growth or 0)
+        growth = cfg.speculative_token_map_growth or 0
+        if growth > vocab - ids.numel():
+            raise InvalidArgument(
+                "speculative_token_map_growth",
+                f"must be in [0, {vocab - ids.numel()}] (the target's {vocab} tokens minus the "
+                f"map's {ids.numel()}), got {growth}",
+            )
+        head.restrict_vocab(ids, growth)
         vocab = ids.numel()
     if cfg.speculative_eagle_topk > vocab:
         raise InvalidArgument(
