@@ -32,22 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from linear_kernels import DTYPE, _StubContext, build_model, emit, max_rel_err  # noqa: E402
 
+from specserve.bench.gpu_timing import captured  # noqa: E402
+
 
 def bench_us(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     import triton
 
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    fn()  # compile, allocator
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
 
 
 def dot_configs(m: int):
@@ -110,12 +101,12 @@ def per_shape(args, sink, cfg, m: int) -> list[dict]:
     rows = []
     for name, (n, k, torch_fn, skinny_fn) in shape_ops(cfg, m, args.copies).items():
         copies = 1 if name == "lm_head" else args.copies
-        t_torch = bench_us(graph_of(torch_fn).replay) / copies
+        t_torch = bench_us(captured(torch_fn)[0].replay) / copies
         heuristic = pick_config(m, n, k, sms)
         results = []
         for c in [heuristic] + dot_configs(m):
             try:
-                t = bench_us(graph_of(lambda c=c, f=skinny_fn: f(c)).replay) / copies
+                t = bench_us(captured(lambda c=c, f=skinny_fn: f(c))[0].replay) / copies
             except Exception as e:  # a config that does not compile or fit: say so, go on
                 emit(dict(kind="config_failed", shape=name, M=m, config=c.__dict__,
                           error=repr(e)[:200]), sink)  # fmt: skip
@@ -154,15 +145,13 @@ def model_stack(args, sink, model, m: int, best: dict) -> list[dict]:
             triton_linear.TUNED.clear()
             triton_linear.TUNED.update(tuned)
             triton_linear._PICKED.clear()
-            holder = {}
 
-            def step(holder=holder):
-                out = model(ids, pos, ctx)
-                holder["logits"] = model.compute_logits(out.hidden)
+            def step():
+                return model.compute_logits(model(ids, pos, ctx).hidden)
 
             with torch.inference_mode():
-                graph = graph_of(step)
-                logits = holder["logits"].float().clone()
+                graph, out = captured(step)
+                logits = out.float().clone()
             us = bench_us(graph.replay)
             if ref is None:
                 ref = logits

@@ -33,6 +33,8 @@ import torch
 # Runnable as a plain script from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specserve.bench.gpu_timing import captured  # noqa: E402
+
 SHAPES = [  # (name, N, K)
     ("8b.qkv", 6144, 4096),
     ("8b.o", 4096, 4096),
@@ -118,13 +120,7 @@ def matmul_stack(args, sink, weights, m: int) -> list[dict]:
             outs.append(lin(inputs[4096], weights["lm_head"]))
             return outs
 
-        step()  # warm-up: compile, allocator
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        torch.cuda.synchronize()
+        graph, _ = captured(step)
         ms = bench_ms(graph.replay, args)
         nbytes = sum(w.numel() * 2 for layer in weights["layers"] for w in layer)
         nbytes += weights["lm_head"].numel() * 2
@@ -202,13 +198,7 @@ def model_stack(args, sink, model, m: int) -> list[dict]:
             with torch.inference_mode():
                 x = torch.zeros(m, model.config.hidden_size, device="cuda", dtype=DTYPE)
                 got = llama.fused_mode(x)
-                step()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = step()
-                graph.replay()
-                torch.cuda.synchronize()
+                graph, out = captured(step)
                 logits[mode] = out.clone()
             ms = bench_ms(graph.replay, args)
             err = max_rel_err(logits[mode], logits[0]) if mode else 0.0

@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def graph_ms(fn) -> float:
-    """Median ms of replaying fn from a CUDA graph (no Python launch overhead)."""
-    from triton.testing import do_bench
-
+def captured(fn):
+    """(graph, fn's outputs as captured): fn warmed up on a side stream (compiles, allocator),
+    captured, replayed once and synchronised, so the outputs hold a replay's results."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -16,7 +15,17 @@ def graph_ms(fn) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def graph_ms(fn) -> float:
+    """Median ms of replaying fn from a CUDA graph (no Python launch overhead)."""
+    from triton.testing import do_bench
+
+    graph, _ = captured(fn)
     return do_bench(graph.replay, return_mode="median")
 
 
