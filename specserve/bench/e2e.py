@@ -35,7 +35,7 @@ def add_e2e_parser(bsub) -> argparse.ArgumentParser:
         "--spec",
         nargs="+",
         default=["5,1,6", "6,4,16"],
-        help="speculative configurations as steps,topk,num_draft_tokens[:token_map_file[+growth]]",
+        help=f"speculative configurations as {SPEC_SYNTAX}",
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -66,30 +66,39 @@ def _timed_passes(run_one, prompt_ids: list[list[int]]) -> tuple[float, list[lis
     return time.perf_counter() - t0, outs, extra
 
 
+SPEC_SYNTAX = "steps,topk,num_draft_tokens[:token_map_file[+growth]]"
+
+
+def parse_spec(spec: str, algorithm: str, draft: str | None) -> tuple[str, dict]:
+    """(row label, engine arguments) of one --spec value (SPEC_SYNTAX)."""
+    shape, _, token_map = spec.partition(":")
+    try:
+        steps, topk, ndt = (int(x) for x in shape.split(","))
+    except ValueError:
+        raise SystemExit(f"--spec {spec!r}: expected {SPEC_SYNTAX}, e.g. 8,8,48") from None
+    label = f"specserve-{algorithm.lower()} steps={steps} topk={topk} n={ndt}"
+    kw: dict = dict(
+        speculative_algorithm=algorithm,
+        speculative_draft_model_path=draft,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=ndt,
+    )
+    if token_map:
+        path, plus, growth = token_map.rpartition("+")
+        if not (plus and growth.isdigit()):  # no "+growth" suffix ('+' may be in a file name)
+            path, growth = token_map, ""
+        label += f" map={os.path.basename(path)}"
+        kw["speculative_token_map"] = path
+        if growth:
+            label += f"+{int(growth)}"
+            kw["speculative_token_map_growth"] = int(growth)
+    return label, kw
+
+
 def _engine_rows(args, prompt_texts: list[str]) -> tuple[list[dict], list[list[int]]]:
     base = dict(model_path=args.model_path, device=args.device, dtype=args.dtype)
-    configs: list[tuple[str, dict]] = [("specserve", {})]
-    for spec in args.spec:
-        shape, _, token_map = spec.partition(":")
-        steps, topk, ndt = (int(x) for x in shape.split(","))
-        label = f"specserve-{args.algorithm.lower()} steps={steps} topk={topk} n={ndt}"
-        kw = dict(
-            speculative_algorithm=args.algorithm,
-            speculative_draft_model_path=args.draft,
-            speculative_num_steps=steps,
-            speculative_eagle_topk=topk,
-            speculative_num_draft_tokens=ndt,
-        )
-        if token_map:
-            path, plus, growth = token_map.rpartition("+")
-            if not (plus and growth.isdigit()):  # no "+growth" suffix
-                path, growth = token_map, ""
-            label += f" map={os.path.basename(path)}"
-            kw["speculative_token_map"] = path
-            if growth:
-                label += f"+{int(growth)}"
-                kw["speculative_token_map_growth"] = int(growth)
-        configs.append((label, kw))
+    configs = [("specserve", {})] + [parse_spec(s, args.algorithm, args.draft) for s in args.spec]
     rows, prompt_ids, reference = [], None, None
     for label, kw in configs:
         seconds, outs, accept, prompt_ids = _run_engine(

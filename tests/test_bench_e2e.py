@@ -1,0 +1,52 @@
+"""`specserve bench e2e`: its --spec syntax, and a CPU run on the default model whose
+speculative rows (float32, greedy) reproduce the plain engine's tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.bench.e2e import parse_spec
+
+
+def test_spec_values_map_to_engine_arguments():
+    label, kw = parse_spec("8,8,48", "EAGLE", "/d")
+    assert label == "specserve-eagle steps=8 topk=8 n=48"
+    assert kw == dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/d",
+                      speculative_num_steps=8, speculative_eagle_topk=8,
+                      speculative_num_draft_tokens=48)  # fmt: skip
+    label, kw = parse_spec("5,4,16:/maps/m.json+1024", "EAGLE", None)
+    assert label.endswith("map=m.json+1024")
+    assert kw["speculative_token_map"] == "/maps/m.json"
+    assert kw["speculative_token_map_growth"] == 1024
+    _, kw = parse_spec("5,4,16:/maps/a+b.json", "EAGLE", None)  # '+' inside a file name
+    assert kw["speculative_token_map"] == "/maps/a+b.json"
+    assert "speculative_token_map_growth" not in kw
+    for bad in ("8,8", "8,x,48", ""):
+        with pytest.raises(SystemExit, match="--spec.*steps,topk,num_draft_tokens"):
+            parse_spec(bad, "EAGLE", None)
+
+
+@pytest.mark.slow
+def test_e2e_runs_every_row_and_speculation_keeps_the_tokens(tmp_path):
+    from specserve.cli import main
+    from specserve.spec.token_map import save_token_map
+
+    save_token_map(str(tmp_path / "map.json"), list(range(2000)))
+    out = tmp_path / "e2e.json"
+    rc = main(["bench", "e2e", "--device", "cpu", "--dtype", "float32", "--skip-hf",
+               "--num-prompts", "1", "--max-new-tokens", "6",
+               "--spec", "2,1,3", f"2,2,4:{tmp_path / 'map.json'}+64",
+               "--output-json", str(out)])  # fmt: skip
+    assert rc == 0
+    rows = json.loads(out.read_text())
+    assert [r["system"] for r in rows] == [
+        "specserve",
+        "specserve-eagle steps=2 topk=1 n=3",
+        "specserve-eagle steps=2 topk=2 n=4 map=map.json+64",
+    ]
+    for r in rows:
+        assert r["output_tokens"] > 0 and r["tok_s"] > 0
+        assert r["same_tokens"] == 1.0  # float32 on the CPU: lossless to the token
+    assert all(r["accept_length"] >= 1.0 for r in rows[1:])
