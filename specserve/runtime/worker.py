@@ -6,6 +6,7 @@ the root alone, so plain decoding and speculative decoding share one code path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -204,7 +205,7 @@ class Worker:
         self.observe_tokens({rid: (t,) for rid, t in first.items()})
         return first
 
-    def observe_tokens(self, tokens_by_request: dict[str, list[int]]) -> None:
+    def observe_tokens(self, tokens_by_request: dict[str, Sequence[int]]) -> None:
         """Prompt and output tokens of running requests (a growing draft vocabulary's input)."""
         if self.drafter is not None:
             self.drafter.head.observe_tokens(tokens_by_request)
