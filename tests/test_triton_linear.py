@@ -350,3 +350,22 @@ def test_gpu_model_fused_paths_bf16(fused_settings, n_tokens):
         llama.set_fused_ops(linear=linear_on, elementwise=True, max_tokens=16)
         out, _ = _logits(model, n_tokens, DEVICE)
         assert rel_err(out, ref) < 2e-2, (linear_on, rel_err(out, ref))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("n_tokens", [1, 7, 49])
+def test_gpu_logits_are_float32_not_rounded_to_bf16(fused_settings, n_tokens):
+    # One token takes the skinny GEMM, more take cuBLAS writing float32: either way no bf16
+    # rounding of the logits, whose ties would change argmaxes between batch sizes.
+    model = _tiny_model(
+        torch.bfloat16, DEVICE, hidden_size=512, intermediate_size=1376, num_heads=8,
+        num_kv_heads=2, head_dim=64, vocab_size=1000,
+    )  # fmt: skip
+    h = rand((n_tokens, 512), torch.bfloat16, 60)
+    with torch.inference_mode():
+        logits = model.compute_logits(h, upcast=False)
+    ref = h.float() @ model.lm_head_weight.float().T
+    assert logits.dtype == torch.float32
+    assert rel_err(logits, ref) < 1e-4  # bf16 output rounding alone is ~1e-3
+    assert not torch.equal(logits, logits.to(torch.bfloat16).float())
