@@ -306,7 +306,8 @@ class EngineCore:
                 continue
             self.scheduler.decode_done(req, n)
             self.stop_checker.append_tokens(req, tokens)
-            emitted[req.rid] = tokens
+            if self.worker.observes_tokens:
+                emitted[req.rid] = tokens
             touched.append(req)
             if self.worker.drafter is not None:
                 req.spec_verify_ct += 1
@@ -316,7 +317,8 @@ class EngineCore:
                 hist[n - 1] += 1
                 self.spec_totals["verify_ct"] += 1
                 self.spec_totals["accepted"] += n
-        self.worker.observe_tokens(emitted)
+        if emitted:
+            self.worker.observe_tokens(emitted)
         if self.worker.drafter is not None and self.num_steps % 100 == 0:
             t = self.spec_totals
             log.info(

@@ -128,6 +128,8 @@ class Worker:
         self.rows = rows  # per-request device state: page table, kv_len, root, draft feature
         self.device = device
         self.drafter = drafter
+        # whether the draft wants the requests' tokens (a growing vocabulary); else no work
+        self.observes_tokens = drafter is not None and drafter.head.takes_request_tokens
         self.simulator = simulator  # forces acceptance lengths (benchmarking)
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
         self.prefill_graphs = None  # PrefillGraphs, when CUDA graphs are on
@@ -137,7 +139,7 @@ class Worker:
     def forget(self, rid: str) -> None:
         if self._sampling_cache is not None and rid in self._sampling_cache[0]:
             self._sampling_cache = None
-        if self.drafter is not None:
+        if self.observes_tokens:
             self.drafter.head.release_tokens((rid,))
 
     @property
@@ -160,7 +162,8 @@ class Worker:
     def prefill(self, chunks: list[PrefillChunk]) -> dict[str, int]:
         """Run the chunks; return the first sampled token of each request whose prefill completes."""
         tokens = [t for c in chunks for t in c.req.all_ids[c.start : c.end]]
-        self.observe_tokens({c.req.rid: c.req.all_ids[c.start : c.end] for c in chunks})
+        if self.observes_tokens:
+            self.observe_tokens({c.req.rid: c.req.all_ids[c.start : c.end] for c in chunks})
         dev = self.device
         capture = self.drafter.capture_layers if self.drafter is not None else ()
         out = None
@@ -202,12 +205,13 @@ class Worker:
         self.rows.set_state(to_device(torch.tensor(rows), dev), sample_pos, sampled, features)
         values = sampled.tolist()
         first = {chunks[i].req.rid: values[j] for j, i in enumerate(done)}
-        self.observe_tokens({rid: (t,) for rid, t in first.items()})
+        if self.observes_tokens:
+            self.observe_tokens({rid: (t,) for rid, t in first.items()})
         return first
 
     def observe_tokens(self, tokens_by_request: dict[str, Sequence[int]]) -> None:
         """Prompt and output tokens of running requests (a growing draft vocabulary's input)."""
-        if self.drafter is not None:
+        if self.observes_tokens:
             self.drafter.head.observe_tokens(tokens_by_request)
 
     def _prefill_metadata(self, chunks: list[PrefillChunk]):

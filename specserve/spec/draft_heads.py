@@ -48,6 +48,8 @@ class DraftHead(nn.Module):
         """Called once the head sits on its serving device (TreeDrafter): cache what every
         step would otherwise recompute."""
 
+    takes_request_tokens = False  # observe_tokens does something (a growing vocabulary)
+
     def observe_tokens(self, tokens_by_request: Mapping[str, Iterable[int]]) -> None:
         """Prompt and output tokens of running requests: a growing draft vocabulary
         (spec/draft_vocab.py) takes those it lacks."""
@@ -112,6 +114,7 @@ class EagleHead(DraftHead):
         if self.vocab is not None:
             raise ValueError("restrict_vocab: the vocabulary is already restricted")
         self.vocab = DraftVocab(self._lm_head[0], token_ids, growth)
+        self.takes_request_tokens = self.vocab.grows
 
     def vocab_ids(self):
         return None if self.vocab is None else self.vocab.ids

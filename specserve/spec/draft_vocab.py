@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from specserve.runtime.forward_batch import to_device
+
 
 class DraftVocab:
     def __init__(self, lm_head: torch.Tensor, token_ids: torch.Tensor, growth: int = 0):
@@ -48,6 +50,10 @@ class DraftVocab:
         self._column: dict[int, int] = {}  # added token -> its column
         self._holders: dict[int, int] = {}  # added token -> how many owners hold it
         self._owned: dict[str, set[int]] = {}  # owner (request id) -> tokens it holds
+
+    @property
+    def grows(self) -> bool:
+        return self.bias is not None
 
     @property
     def size(self) -> int:
@@ -79,8 +85,9 @@ class DraftVocab:
                 held.add(t)
         if new:
             dev = self.weight.device
-            ids = torch.tensor(new, dtype=torch.int64).to(dev, non_blocking=True)
-            cols = torch.tensor([self._column[t] for t in new]).to(dev, non_blocking=True)
+            # pinned staging: a pageable copy could make the host wait for the step in flight
+            ids = to_device(torch.tensor(new, dtype=torch.int64), dev)
+            cols = to_device(torch.tensor([self._column[t] for t in new]), dev)
             self.weight.index_copy_(0, cols, self._full.index_select(0, ids))
             self.ids.index_copy_(0, cols, ids)
             self.bias.index_fill_(0, cols, 0)
@@ -98,5 +105,5 @@ class DraftVocab:
                     self._free.append(col)
                     freed.append(col)
         if freed:
-            cols = torch.tensor(freed).to(self.bias.device, non_blocking=True)
+            cols = to_device(torch.tensor(freed), self.bias.device)
             self.bias.index_fill_(0, cols, float("-inf"))
