@@ -526,21 +526,21 @@ def test_default_draft_names():
 
 @pytest.mark.slow
 def test_bundled_draft_runs_with_default_model():
-    from specserve.train.defaults import default_draft_for
+    """The bundled draft as served on a CPU (its serving.json: a 3-step chain over the bundled
+    token map, growing with the request's tokens) keeps the plain output and drafts well."""
+    from specserve.spec.token_map import load_token_map
+    from specserve.train.defaults import default_draft_engine_kwargs, default_draft_for
 
     draft = default_draft_for("smollm2-135m")
     if draft is None:
         pytest.skip("no bundled draft in this checkout (specserve/data/drafts/smollm2-135m-eagle)")
     size = os.path.getsize(os.path.join(draft, "model.safetensors"))
     assert size < 20 * 2**20
-    with Engine(
-        model_path="smollm2-135m",
-        speculative_algorithm="EAGLE",
-        speculative_draft_model_path=draft,
-        speculative_num_steps=5,
-        speculative_eagle_topk=1,
-        speculative_num_draft_tokens=6,
-    ) as e:
+    served = default_draft_engine_kwargs("smollm2-135m", "cpu")
+    assert served["speculative_token_map"] == os.path.join(draft, "token_map.json")
+    assert len(load_token_map(served["speculative_token_map"], 49152)) == 16384
+    assert served["speculative_token_map_growth"] > 0
+    with Engine(model_path="smollm2-135m", **served) as e:
         ids = e.tokenize_chat([{"role": "user", "content": "Explain how tides work."}])
         out = e.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 48})
     with Engine(model_path="smollm2-135m") as e:
