@@ -238,11 +238,13 @@ class Attention(nn.Module):
         *,
         norm: RMSNorm | None = None,
         residual: torch.Tensor | None = None,
+        qkv: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[residual +] attention(norm(x)); norm and residual fused into the matmuls when
-        `fused_mode` allows."""
+        `fused_mode` allows. qkv: the projection of x, already computed by the caller."""
         mode = fused_mode(x)
-        qkv = _fused_linear(x, self.qkv_proj, mode, norm=norm)
+        if qkv is None:
+            qkv = _fused_linear(x, self.qkv_proj, mode, norm=norm)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -297,23 +299,30 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        qkv: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # h = h + attn(norm1(h)); h + mlp(norm2(h)), with the norms and adds fused where the
-        # kernels allow (input_layernorm may be Identity: EAGLE's first draft layer)
+        # kernels allow (input_layernorm may be Identity: EAGLE's first draft layer, whose
+        # caller may pass qkv = qkv_proj(h), computed together with h)
         norm1 = self.input_layernorm if isinstance(self.input_layernorm, RMSNorm) else None
+        if qkv is not None and norm1 is not None:
+            raise ValueError("a precomputed qkv needs an identity input norm")
         x = h if norm1 is not None else self.input_layernorm(h)
         if fused_mode(h) == 1:  # F.linear path: h + o and norm2 in one kernel
             from specserve.ops.triton_norm import add_rmsnorm
 
-            o = self.self_attn(x, positions, ctx, norm=norm1)
+            o = self.self_attn(x, positions, ctx, norm=norm1, qkv=qkv)
             norm2 = self.post_attention_layernorm
             if o.dtype == h.dtype:  # (autocast could make them differ: torch promotes)
                 h, x = add_rmsnorm(o, h, norm2.weight, norm2.eps)
                 return self.mlp(x, residual=h, accumulate=True)  # h is add_rmsnorm's new tensor
             h = h + o
             return self.mlp(h, norm=norm2, residual=h)
-        h = self.self_attn(x, positions, ctx, norm=norm1, residual=h)
+        h = self.self_attn(x, positions, ctx, norm=norm1, residual=h, qkv=qkv)
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
     def forward_deferred(
