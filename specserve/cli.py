@@ -136,6 +136,8 @@ def with_default_draft(args: argparse.Namespace, kwargs: dict[str, Any]) -> dict
         return kwargs
     merged = {**spec, **kwargs}
     token_map = merged.get("speculative_token_map")
+    if token_map and merged.get("speculative_token_map_growth"):
+        token_map += f" + {merged['speculative_token_map_growth']} growth"
     print(
         f"specserve: {model} runs with its bundled {spec['speculative_algorithm']} draft "
         f"({spec['speculative_draft_model_path']}; {spec['speculative_num_steps']} steps, "
