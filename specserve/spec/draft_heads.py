@@ -9,7 +9,6 @@ x_j at j (delta 1).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 
 from specserve.model.config import ModelConfig
 from specserve.model.llama import MLP, Attention, DecoderLayer, RMSNorm, elementwise_on
+from specserve.ops import env_flag
 from specserve.ops.attention import ForwardContext
 from specserve.ops.sampling import topk_logprobs
 from specserve.spec.draft_vocab import DraftVocab
@@ -115,9 +115,7 @@ class EagleHead(DraftHead):
         # A GPU at batch 1 is bound by launches, a CPU by arithmetic (the fused GEMM does
         # ~45% more multiply-adds than fc and qkv for SmolLM2's draft).
         self._fc_qkv = None
-        if self.fc.weight.device.type == "cuda" and not os.environ.get(
-            "SPECSERVE_DISABLE_DRAFT_FC_QKV"
-        ):
+        if self.fc.weight.device.type == "cuda" and not env_flag("SPECSERVE_DISABLE_DRAFT_FC_QKV"):
             self.fuse_fc_and_qkv()
 
     def fuse_fc_and_qkv(self) -> None:
