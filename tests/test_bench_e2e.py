@@ -28,6 +28,34 @@ def test_spec_values_map_to_engine_arguments():
             parse_spec(bad, "EAGLE", None)
 
 
+def test_rounds_alternate_the_engines_and_report_each_rows_median(monkeypatch, capsys):
+    """--rounds 3: plain and speculative engines take turns (so drift over a process is shared),
+    each row's tok/s is the median of its rounds, and the table prints rows without them."""
+    import argparse
+
+    from specserve.bench import e2e
+
+    order, speeds = [], {"specserve": iter([100.0, 90.0, 80.0]), "spec": iter([250, 150, 200])}
+
+    def fake_run(kwargs, texts, prompt_ids, args):
+        key = "spec" if "speculative_num_steps" in kwargs else "specserve"
+        order.append(key)
+        outs = [[1] * 50, [2] * 50]  # 100 tokens
+        return 100 / next(speeds[key]), outs, 3.0 if key == "spec" else None, [[0]]
+
+    monkeypatch.setattr(e2e, "_run_engine", fake_run)
+    monkeypatch.setattr(e2e, "free_device_memory", lambda: None)
+    args = argparse.Namespace(model_path="m", device="cpu", dtype="float32", algorithm="EAGLE",
+                              draft="/d", spec=["2,1,3"], rounds=3)  # fmt: skip
+    rows, _, _ = e2e._engine_rows(args, ["a", "b"])
+    assert order == ["specserve", "spec"] * 3
+    assert [r["tok_s"] for r in rows] == pytest.approx([90.0, 200.0])
+    assert rows[1]["tok_s_rounds"] == [250.0, 150.0, 200.0]
+    assert rows[1]["same_tokens"] == 1.0 and rows[1]["accept_length"] == 3.0
+    e2e.dump(rows + [{"system": "hf", "tok_s": 30.0}])
+    assert "hf | 30 | None" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_e2e_runs_every_row_and_speculation_keeps_the_tokens(tmp_path):
     from specserve.cli import main

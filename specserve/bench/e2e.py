@@ -6,12 +6,17 @@ Each system answers every prompt once untimed (Triton compiles, CUDA graphs, tor
 specialisations), then once timed, one request at a time. Throughput is output tokens over
 wall time, prefill included, the same for every row. Greedy throughout, so the draft's
 rows must reproduce the plain engine's tokens exactly (reported as `same_tokens`).
+
+`--rounds N` runs the engine rows N times round-robin (plain, each spec, plain, ...) and
+reports each row's median: on a GPU, rows measured later in a process run a few percent
+slower, which one round charges to the speculative rows only (the plain row is first).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from typing import Any
 
@@ -36,6 +41,12 @@ def add_e2e_parser(bsub) -> argparse.ArgumentParser:
         nargs="+",
         default=["5,1,6", "6,4,16"],
         help=f"speculative configurations as {SPEC_SYNTAX}",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="engine rows run this many times round-robin; each row reports its median",
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -99,20 +110,29 @@ def parse_spec(spec: str, algorithm: str, draft: str | None) -> tuple[str, dict]
 def _engine_rows(args, prompt_texts: list[str]) -> tuple[list[dict], list[list[int]]]:
     base = dict(model_path=args.model_path, device=args.device, dtype=args.dtype)
     configs = [("specserve", {})] + [parse_spec(s, args.algorithm, args.draft) for s in args.spec]
-    rows, prompt_ids, reference = [], None, None
-    for label, kw in configs:
-        seconds, outs, accept, prompt_ids = _run_engine(
-            {**base, **kw}, prompt_texts, prompt_ids, args
-        )
-        free_device_memory()  # the engine's KV cache, before the next engine sizes its own
+    runs: list[list[tuple[float, list[list[int]], Any]]] = [[] for _ in configs]
+    prompt_ids = None
+    for _ in range(args.rounds):
+        for (_label, kw), config_runs in zip(configs, runs):
+            seconds, outs, accept, prompt_ids = _run_engine(
+                {**base, **kw}, prompt_texts, prompt_ids, args
+            )
+            free_device_memory()  # the engine's KV cache, before the next engine sizes its own
+            config_runs.append((seconds, outs, accept))
+    rows, reference = [], None
+    for (label, _), config_runs in zip(configs, runs):
+        tok_s = [sum(map(len, outs)) / seconds for seconds, outs, _ in config_runs]
+        _, outs, accept = config_runs[0]
         tokens = sum(len(o) for o in outs)
         row = {
             "system": label,
-            "tok_s": tokens / seconds,
+            "tok_s": statistics.median(tok_s),
             "output_tokens": tokens,
-            "seconds": seconds,
+            "seconds": tokens / statistics.median(tok_s),
             "accept_length": accept,
         }
+        if args.rounds > 1:
+            row["tok_s_rounds"] = [round(t, 1) for t in tok_s]
         if reference is None:
             reference = outs
         row["same_tokens"] = sum(a == b for a, b in zip(outs, reference)) / len(outs)
@@ -212,6 +232,8 @@ def run_e2e(args) -> list[dict[str, Any]]:
         from specserve.spec.eagle_checkpoint import draft_algorithm
 
         args.algorithm = draft_algorithm(args.draft)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     texts = load_prompts(args.prompts)[: args.num_prompts]
     rows, prompt_ids, reference = _engine_rows(args, texts)
     if not args.skip_hf:

@@ -63,8 +63,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     keys = list(rows[0])
     print(" | ".join(keys))
     print(" | ".join("---" for _ in keys))
-    for r in rows:
-        print(" | ".join(f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+    for r in rows:  # rows may lack a key of the first (e.g. HF rows: no per-round speeds)
+        cells = (r.get(k) for k in keys)
+        print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in cells))
 
 
 def dump(rows: list[dict[str, Any]], output_json: str | None = None) -> None:
