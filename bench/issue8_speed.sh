@@ -6,7 +6,7 @@
 # Usage (repo root, CUDA machine): OUT=/tmp/out bash bench/issue8_speed.sh /root/stage/smollm2.gguf
 # Narrower runs: TESTS="tests/..." PROFILE_CASES="tree8x8x64" PROFILE_TORCH_DRAFT="tree8x8x64"
 # (also profile those cases with SPECSERVE_DISABLE_TRITON_DRAFT=1) E2E_SPECS="8,8,64"
-# E2E_ARGS="--prompt-lookup-tokens 0" (more `bench e2e` flags).
+# E2E_ARGS="--prompt-lookup-tokens 0 --rounds 3" (more `bench e2e` flags).
 set -uo pipefail
 MODEL=${1:?usage: OUT=dir bash bench/issue8_speed.sh MODEL.gguf}
 OUT=${OUT:-/tmp/specserve-issue8}
