@@ -138,35 +138,34 @@ def model_stack(args, sink, model, m: int, best: dict) -> list[dict]:
     ways = [("plain torch", 0, {}), ("mode 1: F.linear + fused elementwise", 1, {}),
             ("mode 2: skinny GEMM, heuristic", 2, {}), ("mode 2: skinny GEMM, tuned", 2, best)]  # fmt: skip
     rows, ref = [], None
-    prev = llama.set_fused_ops()
-    try:
-        for label, mode, tuned in ways:
-            llama.set_fused_ops(linear=mode == 2, elementwise=mode >= 1, max_tokens=max(m, 1))
+    with llama.fused_ops_kept():
+        try:
+            for label, mode, tuned in ways:
+                llama.set_fused_ops(linear=mode == 2, elementwise=mode >= 1, max_tokens=max(m, 1))
+                triton_linear.TUNED.clear()
+                triton_linear.TUNED.update(tuned)
+                triton_linear._PICKED.clear()
+
+                def step():
+                    return model.compute_logits(model(ids, pos, ctx).hidden)
+
+                with torch.inference_mode():
+                    graph, out = captured(step)
+                    logits = out.float().clone()
+                us = bench_us(graph.replay)
+                if ref is None:
+                    ref = logits
+                rec = dict(
+                    kind="model", way=label, M=m, us=round(us, 1),
+                    max_rel_err_vs_torch=round(max_rel_err(logits, ref), 5),
+                    same_argmax=round(float((logits.argmax(-1) == ref.argmax(-1)).float().mean()), 3),
+                )  # fmt: skip
+                emit(rec, sink)
+                rows.append(rec)
+                del graph
+        finally:
             triton_linear.TUNED.clear()
-            triton_linear.TUNED.update(tuned)
             triton_linear._PICKED.clear()
-
-            def step():
-                return model.compute_logits(model(ids, pos, ctx).hidden)
-
-            with torch.inference_mode():
-                graph, out = captured(step)
-                logits = out.float().clone()
-            us = bench_us(graph.replay)
-            if ref is None:
-                ref = logits
-            rec = dict(
-                kind="model", way=label, M=m, us=round(us, 1),
-                max_rel_err_vs_torch=round(max_rel_err(logits, ref), 5),
-                same_argmax=round(float((logits.argmax(-1) == ref.argmax(-1)).float().mean()), 3),
-            )  # fmt: skip
-            emit(rec, sink)
-            rows.append(rec)
-            del graph
-    finally:
-        llama.set_fused_ops(prev.linear, prev.elementwise, prev.max_tokens)
-        triton_linear.TUNED.clear()
-        triton_linear._PICKED.clear()
     return rows
 
 

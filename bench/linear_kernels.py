@@ -186,8 +186,7 @@ def model_stack(args, sink, model, m: int) -> list[dict]:
     pos = torch.arange(100, 100 + m, device="cuda")
     ctx = _StubContext(model.config, m)
     rows, logits = [], {}
-    prev = llama.set_fused_ops()
-    try:
+    with llama.fused_ops_kept():
         for mode in (0, 1, 2):
             llama.set_fused_ops(linear=mode == 2, elementwise=mode >= 1)
 
@@ -210,8 +209,6 @@ def model_stack(args, sink, model, m: int) -> list[dict]:
             emit(rec, sink)
             rows.append(rec)
             del graph
-    finally:
-        llama.set_fused_ops(prev.linear, prev.elementwise, prev.max_tokens)
     return rows
 
 

@@ -258,9 +258,8 @@ def _logits(model, n_tokens, device, seed=1):
 def fused_settings():
     from specserve.model import llama
 
-    prev = llama.set_fused_ops()
-    yield llama
-    llama.set_fused_ops(prev.linear, prev.elementwise, prev.max_tokens)
+    with llama.fused_ops_kept():
+        yield llama
 
 
 @pytest.mark.parametrize("mode", [1, 2])

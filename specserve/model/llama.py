@@ -19,8 +19,9 @@ weights loaded after construction are used as they are.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +75,16 @@ def set_fused_ops(
     if max_hidden is not None:
         FUSED.max_hidden = max_hidden
     return prev
+
+
+@contextmanager
+def fused_ops_kept() -> Iterator[None]:
+    """Every `set_fused_ops` change made inside is undone on exit (benchmarks, tests)."""
+    prev = set_fused_ops()
+    try:
+        yield
+    finally:
+        set_fused_ops(**asdict(prev))
 
 
 def _eligible(x: torch.Tensor) -> bool:
