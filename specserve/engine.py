@@ -337,5 +337,9 @@ class Engine:
             if not r.finish_reported:
                 r.finish_reported = True
                 failed.append(r)
-        self.core._reap_finished()
+        try:
+            self.core._reap_finished()
+        except Exception:  # the failed requests still go out; a raise here would kill the
+            # loop thread and leave every caller waiting
+            log.exception("releasing the failed requests' state failed")
         return failed

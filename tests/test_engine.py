@@ -195,3 +195,37 @@ def test_a_failing_step_hook_fails_requests_and_loses_none():
         again = e.generate(input_ids=prompts[0], sampling_params=sp)  # still serving
     assert len(results[0]) == 3 and all(o["finished"] for o in results[0])
     assert again["finished"]
+
+
+def test_a_failing_step_whose_cleanup_also_fails_still_answers_every_caller(monkeypatch):
+    """A step that raises fails its requests; should releasing their worker state raise too,
+    the callers still get their answers and the engine keeps serving."""
+    prompts = mixed_prompts(3, 512, seed=47)
+    results = []
+    with Engine(**TINY, disable_overlap_schedule=True) as e:
+        core = e.core
+        real_step, real_forget = core.step, core.worker.forget
+
+        def failing_step():
+            monkeypatch.setattr(core.worker, "forget", failing_forget)
+            raise RuntimeError("device fault")
+
+        def failing_forget(rid):
+            raise RuntimeError("cleanup fault")
+
+        monkeypatch.setattr(core, "step", failing_step)
+        t = threading.Thread(
+            target=lambda: results.append(e.generate(input_ids=prompts, sampling_params=GREEDY))
+        )
+        t.start()
+        t.join(timeout=60)
+        assert not t.is_alive(), "generate hung after the failed step's cleanup raised"
+        monkeypatch.setattr(core, "step", real_step)
+        monkeypatch.setattr(core.worker, "forget", real_forget)
+        assert not core.requests  # nothing half-removed is left behind
+        again = e.generate(input_ids=prompts[0], sampling_params=GREEDY)
+    assert len(results[0]) == 3
+    for out in results[0]:
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "device fault" in out["meta_info"]["finish_reason"]["message"]
+    assert again["finished"] and len(again["output_ids"]) == GREEDY["max_new_tokens"]

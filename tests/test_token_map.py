@@ -4,6 +4,7 @@ the target's, bad files and combinations are refused naming the field."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -144,6 +145,30 @@ def test_growing_map_drafts_the_requests_tokens_and_outputs_equal_plain(
     tokens = torch.cat([t.reshape(-1) for t in drafted])
     assert not torch.isin(tokens, hot).all()  # tokens of the requests were drafted
     _assert_drafts_inside(drafted, torch.cat([hot, torch.tensor(sorted(seen))]))
+
+
+def test_growing_map_serves_an_engine_built_inside_inference_mode(eagle_draft, tmp_path):
+    """Built under torch.inference_mode(), the vocabulary's buffers are inference tensors;
+    the loop thread (outside that mode) must still grow and shrink them in place."""
+    prompts = mixed_prompts(3, VOCAB, seed=17, min_len=4, max_len=12)
+    with Engine(**TINY) as e:
+        plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+    kw = dict(_spec(eagle_draft, _map_file(tmp_path, range(3, 43))),
+              speculative_token_map_growth=64)  # fmt: skip
+    with torch.inference_mode():
+        e = Engine(**kw)
+    with e:
+        vocab = e.core.worker.drafter.head.vocab
+        assert vocab.bias.is_inference()
+        outs = []
+        t = threading.Thread(
+            target=lambda: outs.extend(e.generate(input_ids=prompts, sampling_params=GREEDY))
+        )
+        t.start()
+        t.join(timeout=120)
+        assert not t.is_alive(), "generate hung"
+        assert vocab.size == vocab.base
+    assert [o["output_ids"] for o in outs] == plain
 
 
 def test_token_map_growth_is_refused_without_a_map_or_out_of_range(eagle_draft, tmp_path):

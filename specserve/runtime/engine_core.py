@@ -340,8 +340,11 @@ class EngineCore:
         done = [r for r in self.requests.values() if r.finished and r.inflight_steps == 0]
         for r in done:
             self.scheduler.remove(r)
-            self.worker.forget(r.rid)
             del self.requests[r.rid]
+        # after the tables: should freeing a request's worker state fail, no request is left
+        # half-removed for the loop's error path to trip over again
+        for r in done:
+            self.worker.forget(r.rid)
         return done
 
     def check_invariants(self) -> None:

@@ -63,6 +63,9 @@ class DraftVocab:
     def __contains__(self, token: int) -> bool:
         return token in self._map or token in self._column
 
+    # The mutators run in inference mode: an Engine built inside torch.inference_mode() holds
+    # these buffers as inference tensors, which the loop thread could not write in place.
+    @torch.inference_mode()
     def add(self, tokens_by_owner: Mapping[str, Iterable[int]]) -> int:
         """Each owner's tokens join the vocabulary while room lasts (one device update for
         all of them); returns how many columns were taken."""
@@ -93,6 +96,7 @@ class DraftVocab:
             self.bias.index_fill_(0, cols, 0)
         return len(new)
 
+    @torch.inference_mode()
     def release(self, owners: Iterable[str]) -> None:
         """These owners are done: free the columns of tokens nobody else holds."""
         freed = []
