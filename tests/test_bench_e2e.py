@@ -30,18 +30,23 @@ def test_spec_values_map_to_engine_arguments():
 
 def test_rounds_alternate_the_engines_and_report_each_rows_median(monkeypatch, capsys):
     """--rounds 3: plain and speculative engines take turns (so drift over a process is shared),
-    each row's tok/s is the median of its rounds, and the table prints rows without them."""
+    each row's tok/s is the median of its rounds, its accept length their mean, its
+    same_tokens counts every round's outputs, and the table prints rows without them."""
     import argparse
 
     from specserve.bench import e2e
 
     order, speeds = [], {"specserve": iter([100.0, 90.0, 80.0]), "spec": iter([250, 150, 200])}
+    spec_accepts = iter([3.0, 4.0, 5.0])
 
     def fake_run(kwargs, texts, prompt_ids, args):
         key = "spec" if "speculative_num_steps" in kwargs else "specserve"
         order.append(key)
         outs = [[1] * 50, [2] * 50]  # 100 tokens
-        return 100 / next(speeds[key]), outs, 3.0 if key == "spec" else None, [[0]]
+        if key == "spec" and order.count("spec") == 2:
+            outs = [[1] * 50, [2] * 49 + [3]]  # the second round decodes one answer differently
+        accept = next(spec_accepts) if key == "spec" else None
+        return 100 / next(speeds[key]), outs, accept, [[0]]
 
     monkeypatch.setattr(e2e, "_run_engine", fake_run)
     monkeypatch.setattr(e2e, "free_device_memory", lambda: None)
@@ -51,7 +56,8 @@ def test_rounds_alternate_the_engines_and_report_each_rows_median(monkeypatch, c
     assert order == ["specserve", "spec"] * 3
     assert [r["tok_s"] for r in rows] == pytest.approx([90.0, 200.0])
     assert rows[1]["tok_s_rounds"] == [250.0, 150.0, 200.0]
-    assert rows[1]["same_tokens"] == 1.0 and rows[1]["accept_length"] == 3.0
+    assert rows[0]["same_tokens"] == 1.0 and rows[0]["accept_length"] is None
+    assert rows[1]["same_tokens"] == pytest.approx(5 / 6) and rows[1]["accept_length"] == 4.0
     e2e.dump(rows + [{"system": "hf", "tok_s": 30.0}])
     assert "hf | 30 | None" in capsys.readouterr().out
 

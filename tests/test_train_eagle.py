@@ -426,6 +426,28 @@ def test_train_eagle_command_end_to_end(tmp_path, capsys):
         assert o["meta_info"]["spec_verify_ct"] >= 1
 
 
+def test_token_map_command_writes_a_folder_of_maps_or_one_file(tmp_path, capsys):
+    """`specserve token-map`: the target's greedy answers' tokens rank first, one file per
+    size in a folder, or exactly the named file; several sizes into one file are refused
+    before any generation."""
+    from specserve.cli import main
+
+    target = _write_target(tmp_path / "target", with_tokenizer=True)
+    base = ["token-map", "--target", target, "--num-prompts", "6", "--max-new-tokens", "8"]
+    folder = tmp_path / "maps"
+    assert main(base + ["--out", str(folder), "--sizes", "16", "64"]) == 0
+    small, large = (json.load(open(folder / f"token_map_{n}.json")) for n in (16, 64))
+    assert (small["size"], large["size"]) == (16, 64)
+    assert large["token_ids"][:16] == small["token_ids"]  # one ranking, cut at each size
+    assert len(set(large["token_ids"])) == 64 and large["source"]["answers"] == 6
+    one = tmp_path / "one" / "map.json"
+    assert main(base + ["--out", str(one), "--sizes", "32"]) == 0
+    assert json.load(open(one))["token_ids"] == large["token_ids"][:32]
+    with pytest.raises(SystemExit, match="--sizes takes one value"):
+        main(base + ["--out", str(tmp_path / "x.json"), "--sizes", "16", "32"])
+    assert not (tmp_path / "x.json").exists() and not (tmp_path / "x.gen").exists()
+
+
 def test_generate_uses_the_bundled_draft_of_the_default_model(tmp_path, monkeypatch, capsys):
     """With no speculative flag the default model runs with its bundled draft (said on
     stderr); --no-default-draft, any speculative flag, or no bundled draft turn that off."""

@@ -107,7 +107,7 @@ def parse_spec(spec: str, algorithm: str, draft: str | None) -> tuple[str, dict]
     return label, kw
 
 
-def _engine_rows(args, prompt_texts: list[str]) -> tuple[list[dict], list[list[int]]]:
+def _engine_rows(args, prompt_texts: list[str]) -> tuple[list[dict], Any, list[list[int]]]:
     base = dict(model_path=args.model_path, device=args.device, dtype=args.dtype)
     configs = [("specserve", {})] + [parse_spec(s, args.algorithm, args.draft) for s in args.spec]
     runs: list[list[tuple[float, list[list[int]], Any]]] = [[] for _ in configs]
@@ -119,23 +119,24 @@ def _engine_rows(args, prompt_texts: list[str]) -> tuple[list[dict], list[list[i
             )
             free_device_memory()  # the engine's KV cache, before the next engine sizes its own
             config_runs.append((seconds, outs, accept))
-    rows, reference = [], None
+    rows = []
+    reference = runs[0][0][1]  # plain decoding's first round
     for (label, _), config_runs in zip(configs, runs):
         tok_s = [sum(map(len, outs)) / seconds for seconds, outs, _ in config_runs]
-        _, outs, accept = config_runs[0]
-        tokens = sum(len(o) for o in outs)
+        tokens = sum(len(o) for o in config_runs[0][1])
+        accepts = [a for _, _, a in config_runs if a is not None]
+        # every round's outputs count, so a round that decodes differently shows
+        same = [a == b for _, outs, _ in config_runs for a, b in zip(outs, reference)]
         row = {
             "system": label,
             "tok_s": statistics.median(tok_s),
             "output_tokens": tokens,
             "seconds": tokens / statistics.median(tok_s),
-            "accept_length": accept,
+            "accept_length": statistics.mean(accepts) if accepts else None,
         }
         if args.rounds > 1:
             row["tok_s_rounds"] = [round(t, 1) for t in tok_s]
-        if reference is None:
-            reference = outs
-        row["same_tokens"] = sum(a == b for a, b in zip(outs, reference)) / len(outs)
+        row["same_tokens"] = sum(same) / len(same)
         rows.append(row)
     return rows, prompt_ids, reference
 

@@ -72,10 +72,19 @@ def run_token_map(args) -> int:
     for size in args.sizes:
         if size < 1:
             raise SystemExit(f"--sizes must be >= 1, got {size}")
+    one_file = args.out.endswith(".json")
+    if one_file and len(args.sizes) > 1:
+        raise SystemExit(
+            f"--out {args.out} is one file, so --sizes takes one value (got {args.sizes}); "
+            "give a folder for several maps"
+        )
     t0 = time.perf_counter()
     data_args = DataArgs(
         target=args.target,
-        out_dir=os.path.join(args.out, ".gen"),
+        # the answers' work folder sits beside a one-file output, inside an output folder
+        out_dir=os.path.splitext(args.out)[0] + ".gen"
+        if one_file
+        else os.path.join(args.out, ".gen"),
         prompts=args.prompts,
         num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens,
