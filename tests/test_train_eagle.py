@@ -427,9 +427,9 @@ def test_train_eagle_command_end_to_end(tmp_path, capsys):
 
 
 def test_token_map_command_writes_a_folder_of_maps_or_one_file(tmp_path, capsys):
-    """`specserve token-map`: the target's greedy answers' tokens rank first, one file per
-    size in a folder, or exactly the named file; several sizes into one file are refused
-    before any generation."""
+    """`specserve token-map`: one ranking of the target's answer tokens, cut at each size,
+    one file per size in a folder or exactly the named file; several sizes into one file
+    are refused before any generation."""
     from specserve.cli import main
 
     target = _write_target(tmp_path / "target", with_tokenizer=True)
