@@ -17,7 +17,7 @@ bench() {  # name, then specserve bench one-batch flags
 }
 $PY - <<'PY'
 from specserve.model.config import PRESETS
-from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 write_random_eagle_checkpoint("/tmp/eagle3-8b", PRESETS["llama3-8b"], "EAGLE3", draft_vocab_size=32000)
 PY
 bench "8B plain" --model-path llama3-8b --load-format dummy --batch-size 1 16

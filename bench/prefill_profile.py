@@ -21,7 +21,7 @@ from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.prefill_graphs import PrefillGraphs
 from specserve.runtime.request import Request
 from specserve.sampling_params import SamplingParams
-from specserve.spec import drafter as drafter_module
+from specserve.speculative import drafter as drafter_module
 
 
 def label(owner, name: str, tag: str) -> None:
@@ -44,7 +44,7 @@ def main() -> None:
     kw = dict(model_path=a.model, load_format="dummy", skip_tokenizer_init=True)
     if a.spec:
         from specserve.model.config import PRESETS
-        from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+        from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 
         folder = write_random_eagle_checkpoint(tempfile.mkdtemp(), PRESETS[a.model], "EAGLE")
         s, k, n = (int(x) for x in a.spec.split(","))

@@ -15,7 +15,7 @@ if [ ! -e "$DRAFT/config.json" ]; then
   $PY - "$DRAFT" "$MODEL" <<'PY'
 import sys
 from specserve.model.config import PRESETS
-from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 write_random_eagle_checkpoint(sys.argv[1], PRESETS[sys.argv[2]], "EAGLE")
 PY
 fi

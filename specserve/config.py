@@ -140,11 +140,11 @@ class EngineConfig:
             decide("max_running_requests", 256 if on_gpu else 64, "default for the device")
         if c.chunked_prefill_size is None:
             decide("chunked_prefill_size", 8192 if on_gpu else 2048, "default for the device")
-        from specserve.spec.config import resolve_speculative
+        from specserve.speculative.config import resolve_speculative
 
         c, spec_decisions = resolve_speculative(c)
         decided.extend(spec_decisions)
-        from specserve.spec.config import resolve_simulation
+        from specserve.speculative.config import resolve_simulation
 
         c, sim_decisions = resolve_simulation(c)
         decided.extend(sim_decisions)

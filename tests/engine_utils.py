@@ -12,7 +12,7 @@ from specserve.kv.pool import KVCache
 from specserve.ops.attention import TorchAttentionBackend
 from specserve.runtime.forward_batch import Segment, build_metadata
 from specserve.runtime.model_runner import ModelRunner
-from specserve.spec.tree import DraftTrees
+from specserve.speculative.tree import DraftTrees
 
 TINY = dict(
     model_path="tiny", load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu"
@@ -144,7 +144,7 @@ def target_following_random_paths(trees: DraftTrees, g: torch.Generator) -> torc
 def recorded_drafts():
     """Yields a list that collects the drafted tokens ([B, N - 1], the root left out) of every
     `TreeDrafter.draft` call made eagerly inside the block (graph replays do not call it)."""
-    from specserve.spec.drafter import TreeDrafter
+    from specserve.speculative.drafter import TreeDrafter
 
     drafted: list[torch.Tensor] = []
     real_draft = TreeDrafter.draft

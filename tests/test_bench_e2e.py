@@ -65,7 +65,7 @@ def test_rounds_alternate_the_engines_and_report_each_rows_median(monkeypatch, c
 @pytest.mark.slow
 def test_e2e_runs_every_row_and_speculation_keeps_the_tokens(tmp_path):
     from specserve.cli import main
-    from specserve.spec.token_map import save_token_map
+    from specserve.speculative.token_map import save_token_map
 
     save_token_map(str(tmp_path / "map.json"), list(range(2000)))
     out = tmp_path / "e2e.json"

@@ -8,7 +8,7 @@ import json
 from specserve.bench.profile_step import _busy_time, kernel_class
 from specserve.cli import main
 from specserve.model.config import PRESETS
-from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 
 
 def test_busy_time_is_the_union_of_kernel_intervals():

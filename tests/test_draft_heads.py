@@ -11,7 +11,7 @@ from specserve.kv.pool import KVCache
 from specserve.model.config import PRESETS
 from specserve.ops.attention import ForwardContext, TorchAttentionBackend
 from specserve.runtime.forward_batch import Segment, build_metadata
-from specserve.spec.draft_heads import EagleHead
+from specserve.speculative.draft_heads import EagleHead
 
 
 @pytest.mark.parametrize("fc_bias, qkv_bias", [(True, False), (False, True), (False, False)])

@@ -238,8 +238,8 @@ def test_reduced_draft_vocabularies_are_lossless_on_cuda(tmp_path, kind, page_si
     from safetensors.torch import load_file
 
     from specserve.model.config import PRESETS
-    from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
-    from specserve.spec.token_map import save_token_map
+    from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+    from specserve.speculative.token_map import save_token_map
 
     algo = kind.split("+")[0]
     extra = {"draft_vocab_size": 100} if algo == "EAGLE3" else {}
@@ -284,7 +284,7 @@ def test_captured_draft_prefill_writes_the_eager_draft_kv_and_root(tmp_path, kin
     """The prefill graphs replay an EAGLE/EAGLE3 draft's prefill too: after every chunk the
     draft's KV and root state equal those of an engine without graphs (float32)."""
     from specserve.model.config import PRESETS
-    from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+    from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 
     draft = write_random_eagle_checkpoint(str(tmp_path / "d"), PRESETS["tiny"], kind, seed=6)
     prompt = mixed_prompts(1, 512, seed=47, min_len=40, max_len=40)[0]

@@ -10,8 +10,8 @@ import torch
 from specserve import Engine
 from specserve.model.config import PRESETS
 from specserve.model.rope import rope_inv_freq
-from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
-from specserve.spec.simulate import SimulatedAcceptance
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+from specserve.speculative.simulate import SimulatedAcceptance
 from tests.engine_utils import TINY, spec_args
 
 

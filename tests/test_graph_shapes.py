@@ -13,7 +13,7 @@ import pytest
 from specserve import Engine
 from specserve.model.config import PRESETS
 from specserve.runtime.cuda_graphs import DecodeGraphs, batch_buckets
-from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, mixed_prompts, spec_args
 
 

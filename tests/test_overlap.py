@@ -12,7 +12,7 @@ import pytest
 
 from specserve import Engine
 from specserve.model.config import PRESETS
-from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 from tests.engine_utils import TINY, mixed_prompts, spec_args
 
 SP = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}

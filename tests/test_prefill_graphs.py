@@ -68,7 +68,7 @@ def test_chunked_prefills_padded_equal_eager(page_size):
 @pytest.fixture(scope="module")
 def eagle_drafts(tmp_path_factory):
     from specserve.model.config import PRESETS
-    from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+    from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 
     root = tmp_path_factory.mktemp("drafts")
     return {

@@ -11,7 +11,7 @@ import pytest
 
 from specserve import Engine
 from specserve.model.config import ModelConfig
-from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 from tests.engine_utils import mixed_prompts, write_dummy_config
 
 

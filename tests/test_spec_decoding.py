@@ -9,8 +9,8 @@ import torch
 
 from specserve import Engine, InvalidArgument
 from specserve.model.config import PRESETS
-from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
-from specserve.spec.tree import DraftTrees, accept, ancestor_mask
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+from specserve.speculative.tree import DraftTrees, accept, ancestor_mask
 from tests.engine_utils import (
     TINY,
     assert_kv_matches_plain_prefill,

@@ -13,7 +13,7 @@ import torch
 
 from specserve import Engine
 from specserve.model.config import ModelConfig
-from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 from tests.engine_utils import reference_logits, write_dummy_config
 
 PROMPT = [5, 9, 3, 17]

@@ -18,8 +18,8 @@ pytest.importorskip("triton", reason="the step kernels need the triton package")
 
 from specserve import Engine  # noqa: E402
 from specserve.runtime import forward_batch, worker  # noqa: E402
-from specserve.spec import drafter  # noqa: E402
-from specserve.spec.tree import Acceptance  # noqa: E402
+from specserve.speculative import drafter  # noqa: E402
+from specserve.speculative.tree import Acceptance  # noqa: E402
 from tests.engine_utils import TINY, mixed_prompts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

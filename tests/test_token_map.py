@@ -11,9 +11,9 @@ import torch
 
 from specserve import Engine, InvalidArgument
 from specserve.model.config import PRESETS
-from specserve.spec.draft_vocab import DraftVocab
-from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
-from specserve.spec.token_map import load_token_map, rank_tokens, save_token_map
+from specserve.speculative.draft_vocab import DraftVocab
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+from specserve.speculative.token_map import load_token_map, rank_tokens, save_token_map
 from tests.engine_utils import TINY, mixed_prompts, recorded_drafts
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}

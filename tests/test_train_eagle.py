@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specserve import Engine
-from specserve.spec.eagle_checkpoint import eagle3_capture_layers, load_eagle_head
+from specserve.speculative.eagle_checkpoint import eagle3_capture_layers, load_eagle_head
 from specserve.train.data import DataArgs, build_dataset, load_shards, load_target
 from specserve.train.features import forward_padded, generate_dense
 from specserve.train.generate import GenConfig, generate_answers, make_jobs, parse_workers
@@ -550,7 +550,7 @@ def test_default_draft_names():
 def test_bundled_draft_runs_with_default_model():
     """The bundled draft as served on a CPU (its serving.json: a 3-step chain over the bundled
     token map, growing with the request's tokens) keeps the plain output and drafts well."""
-    from specserve.spec.token_map import load_token_map
+    from specserve.speculative.token_map import load_token_map
     from specserve.train.defaults import default_draft_engine_kwargs, default_draft_for
 
     draft = default_draft_for("smollm2-135m")
@@ -726,7 +726,7 @@ def test_draft_config_keeps_the_targets_rope_scaling(factors):
     """A head trained with its target's llama3 rotary scaling (parameters, or GGUF's explicit
     frequency factors) is served with the same scaling: config.json round-trips it."""
     from specserve.model.config import ModelConfig, RopeScaling
-    from specserve.spec.eagle_checkpoint import hf_style_config
+    from specserve.speculative.eagle_checkpoint import hf_style_config
 
     scaling = RopeScaling(factor=32.0, original_max_position_embeddings=4096, freq_factors=factors)
     cfg = ModelConfig(
@@ -748,7 +748,7 @@ def test_draft_algorithm_is_read_from_the_checkpoint(tmp_path):
     itself: EAGLE-1 heads published under a plain Llama architecture, EAGLE3 heads, whole
     models (STANDALONE)."""
     from specserve.model.config import PRESETS
-    from specserve.spec.eagle_checkpoint import draft_algorithm, write_random_eagle_checkpoint
+    from specserve.speculative.eagle_checkpoint import draft_algorithm, write_random_eagle_checkpoint
 
     e1 = write_random_eagle_checkpoint(str(tmp_path / "e1"), PRESETS["tiny"], "EAGLE")
     cfg_path = os.path.join(e1, "config.json")

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="the acceptance kernel needs the triton package")
 
 from specserve.ops.triton_accept import accept_triton  # noqa: E402
-from specserve.spec.tree import DraftTrees, accept, ancestor_mask  # noqa: E402
+from specserve.speculative.tree import DraftTrees, accept, ancestor_mask  # noqa: E402
 from tests.engine_utils import random_trees, target_following_random_paths  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

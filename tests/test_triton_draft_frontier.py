@@ -233,8 +233,8 @@ def test_drafter_with_the_kernel_drafts_the_reference_trees(monkeypatch, tmp_pat
         expand_frontier_reference,
         expand_frontier_triton,
     )
-    from specserve.spec import drafter as drafter_module
-    from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+    from specserve.speculative import drafter as drafter_module
+    from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
     from tests.engine_utils import TINY, mixed_prompts
 
     draft = write_random_eagle_checkpoint(str(tmp_path / "eagle"), PRESETS["tiny"], "EAGLE")

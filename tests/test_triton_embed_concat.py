@@ -45,7 +45,7 @@ class _FcInput(Exception):
 def test_eagle_head_builds_the_same_fc_input_with_the_kernel():
     from specserve.model.config import PRESETS
     from specserve.model.llama import elementwise_on
-    from specserve.spec.draft_heads import EagleHead
+    from specserve.speculative.draft_heads import EagleHead
 
     cfg = PRESETS["tiny"].with_changes(num_layers=1)
     torch.manual_seed(0)

@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="the compaction kernel needs the triton package")
 
 from specserve.ops.triton_kv_commit import commit_path  # noqa: E402
-from specserve.spec.kv_commit import commit_path_reference  # noqa: E402
-from specserve.spec.tree import accept  # noqa: E402
+from specserve.speculative.kv_commit import commit_path_reference  # noqa: E402
+from specserve.speculative.tree import accept  # noqa: E402
 from tests.engine_utils import random_trees, target_following_random_paths  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

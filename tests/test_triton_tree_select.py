@@ -24,7 +24,7 @@ from specserve.ops.triton_tree_select import (  # noqa: E402
     select_tree_reference,
     select_tree_triton,
 )
-from specserve.spec.tree import ancestor_mask  # noqa: E402
+from specserve.speculative.tree import ancestor_mask  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

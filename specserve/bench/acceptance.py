@@ -189,7 +189,7 @@ def add_acceptance_parser(bsub) -> None:
                 print(f"error: no bundled draft for {args.target}; pass --draft", file=sys.stderr)
                 return 2
         if args.algorithm is None:
-            from specserve.spec.eagle_checkpoint import draft_algorithm
+            from specserve.speculative.eagle_checkpoint import draft_algorithm
 
             args.algorithm = draft_algorithm(draft)
         configs = [parse_config(c) for c in args.configs] if args.configs else None

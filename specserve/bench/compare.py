@@ -143,7 +143,7 @@ def run_compare(args) -> list[dict[str, Any]]:
     draft = args.draft
     if draft is None:
         from specserve.model.loader import locate, read_config
-        from specserve.spec.eagle_checkpoint import write_random_eagle_checkpoint
+        from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 
         target_cfg = read_config(locate(args.model_path, args.load_format))
         draft = os.path.join(tempfile.mkdtemp(prefix="specserve-eagle3-"), "draft")

@@ -230,7 +230,7 @@ def run_e2e(args) -> list[dict[str, Any]]:
         if args.draft is None:
             raise SystemExit(f"no bundled draft for {args.model_path}: pass --draft")
     if args.algorithm is None:
-        from specserve.spec.eagle_checkpoint import draft_algorithm
+        from specserve.speculative.eagle_checkpoint import draft_algorithm
 
         args.algorithm = draft_algorithm(args.draft)
     if args.rounds < 1:

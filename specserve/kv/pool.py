@@ -17,7 +17,7 @@ class KVCache:
     ):
         self.num_slots = num_slots
         # One buffer for all layers' K and V, so moving slots (accepted-path compaction,
-        # spec/kv_commit.py) touches one tensor rather than two per layer; k[i] / v[i] are views.
+        # speculative/kv_commit.py) touches one tensor rather than two per layer; k[i] / v[i] are views.
         self.buffer = torch.zeros(
             (2, num_layers, num_slots, num_kv_heads, head_dim), dtype=dtype, device=device
         )

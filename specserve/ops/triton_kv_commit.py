@@ -1,5 +1,5 @@
 """Accepted-path KV compaction in one kernel (the torch reference,
-`spec/kv_commit.py: commit_path_reference`, is two indexing ops and runs without triton).
+`speculative/kv_commit.py: commit_path_reference`, is two indexing ops and runs without triton).
 
 `buffer` is KVCache's [2, layers, slots, kv_heads, head_dim] tensor. For request b the path
 node at depth d (node id path[b, d], whose KV sits at slot window_slots[b, path[b, d]]) moves

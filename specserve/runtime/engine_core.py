@@ -58,7 +58,7 @@ class EngineCore:
         )
         mc = loaded.config
 
-        from specserve.spec.factory import build_drafter
+        from specserve.speculative.factory import build_drafter
 
         draft = (
             build_drafter(cfg, loaded, self.device, self.dtype)
@@ -137,8 +137,8 @@ class EngineCore:
     def _build_simulator(self, cfg: EngineConfig):
         if cfg.simulate_acc_len is None:
             return None
-        from specserve.spec.config import parse_rates
-        from specserve.spec.simulate import SimulatedAcceptance
+        from specserve.speculative.config import parse_rates
+        from specserve.speculative.simulate import SimulatedAcceptance
 
         fixed = cfg.simulate_acc_fixed_token
         if cfg.simulate_acc_token_mode == "fixed":

@@ -22,8 +22,8 @@ from specserve.runtime.forward_batch import (
 from specserve.runtime.model_runner import ModelRunner
 from specserve.runtime.request import Request
 from specserve.runtime.request_rows import PAD_ROW, RequestRows
-from specserve.spec.kv_commit import commit_accepted_path
-from specserve.spec.tree import DraftTrees, accept
+from specserve.speculative.kv_commit import commit_accepted_path
+from specserve.speculative.tree import DraftTrees, accept
 
 
 @dataclass

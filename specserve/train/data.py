@@ -147,7 +147,7 @@ def build_dataset(args: DataArgs, prompt_ids: list[list[int]] | None = None) -> 
     seqs = [p + a for p, a in zip(prompt_ids, answers)]
     capture: tuple[int, ...] = ()
     if args.eagle3:
-        from specserve.spec.eagle_checkpoint import eagle3_capture_layers
+        from specserve.speculative.eagle_checkpoint import eagle3_capture_layers
 
         capture = tuple(eagle3_capture_layers({}, loaded.config.num_layers))
     _log(f"features: {len(seqs)} sequences, {sum(map(len, seqs))} tokens")

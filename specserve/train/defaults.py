@@ -6,8 +6,8 @@ speculative flag is given (`--no-default-draft` turns that off). A draft folder 
 `speculative_eagle_topk`, `speculative_num_draft_tokens`); otherwise DEFAULT_SETTINGS apply. A
 `"cuda"` section in it overrides them on a GPU: the best tree there (the device is bound by
 kernel launches, so a wide tree costs little more than a chain) is too costly on a CPU. Its
-`speculative_token_map` names a file in the folder (spec/token_map.py), used on every device,
-with `speculative_token_map_growth` if given (spec/draft_vocab.py).
+`speculative_token_map` names a file in the folder (speculative/token_map.py), used on every device,
+with `speculative_token_map_growth` if given (speculative/draft_vocab.py).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def default_draft_for(model_path: str | None) -> str | None:
 
 def default_draft_algorithm(model_path: str | None) -> str | None:
     """'EAGLE' or 'EAGLE3' for a target with a bundled draft, else None."""
-    from specserve.spec.eagle_checkpoint import draft_algorithm
+    from specserve.speculative.eagle_checkpoint import draft_algorithm
 
     folder = default_draft_for(model_path)
     return draft_algorithm(folder) if folder else None

@@ -1,4 +1,4 @@
-"""`specserve token-map`: a reduced draft vocabulary (spec/token_map.py) from the target's own
+"""`specserve token-map`: a reduced draft vocabulary (speculative/token_map.py) from the target's own
 answers to the bundled training prompts, generated greedily by this engine.
 
     specserve token-map --target smollm2-135m --out ./maps --sizes 4096 8192 --device cuda
@@ -48,7 +48,7 @@ def write_token_maps(
 ) -> list[str]:
     """`out` a folder: one `token_map_<size>.json` per size; `out` a .json path: that file
     (one size). Returns the paths written."""
-    from specserve.spec.token_map import rank_tokens, save_token_map
+    from specserve.speculative.token_map import rank_tokens, save_token_map
 
     paths = []
     for size in sizes:

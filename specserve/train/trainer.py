@@ -2,7 +2,7 @@
 
 The head (`EagleHead`: fc over [embedding(x_{p+1}); feature h_p], one decoder layer, the
 target's frozen embedding and lm_head) is trained exactly as it is used by
-`spec/drafter.py` (position offset 0: token x_{p+1} sits at position p with feature h_p):
+`speculative/drafter.py` (position offset 0: token x_{p+1} sits at position p with feature h_p):
 
 - step 0: the features are the target's own (`h_p`); the output g_p should be h_{p+1}
   (smooth L1, weight `feature_weight`) and lm_head(g_p) should rank the target's next
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specserve.spec.draft_heads import Eagle3Head, EagleHead
-from specserve.spec.eagle_checkpoint import hf_style_config, save_eagle_checkpoint
+from specserve.speculative.draft_heads import Eagle3Head, EagleHead
+from specserve.speculative.eagle_checkpoint import hf_style_config, save_eagle_checkpoint
 from specserve.train.features import _attend, _split_heads
 
 ARCHITECTURE = "LlamaForCausalLMEagle"

@@ -6,10 +6,10 @@ import torch
 
 from specserve.errors import InvalidArgument
 from specserve.model.loader import load_model
-from specserve.spec.draft_heads import StandaloneHead
-from specserve.spec.drafter import TreeDrafter
-from specserve.spec.eagle_checkpoint import eagle3_capture_layers, load_eagle_head
-from specserve.spec.token_map import load_token_map
+from specserve.speculative.draft_heads import StandaloneHead
+from specserve.speculative.drafter import TreeDrafter
+from specserve.speculative.eagle_checkpoint import eagle3_capture_layers, load_eagle_head
+from specserve.speculative.token_map import load_token_map
 
 
 def build_drafter(cfg, target, device: torch.device, dtype: torch.dtype) -> TreeDrafter:

@@ -20,7 +20,7 @@ from specserve.model.llama import MLP, Attention, DecoderLayer, RMSNorm, element
 from specserve.ops import env_flag
 from specserve.ops.attention import ForwardContext
 from specserve.ops.sampling import topk_logprobs
-from specserve.spec.draft_vocab import DraftVocab
+from specserve.speculative.draft_vocab import DraftVocab
 
 
 class DraftHead(nn.Module):
@@ -53,7 +53,7 @@ class DraftHead(nn.Module):
 
     def observe_tokens(self, tokens_by_request: Mapping[str, Iterable[int]]) -> None:
         """Prompt and output tokens of running requests: a growing draft vocabulary
-        (spec/draft_vocab.py) takes those it lacks."""
+        (speculative/draft_vocab.py) takes those it lacks."""
 
     def release_tokens(self, request_ids: Iterable[str]) -> None:
         """These requests are done: their tokens may leave a growing vocabulary."""
@@ -142,8 +142,8 @@ class EagleHead(DraftHead):
         return F.linear(g, self.vocab.weight, self.vocab.bias)
 
     def restrict_vocab(self, token_ids: torch.Tensor, growth: int = 0) -> None:
-        """Draft only among `token_ids` (spec/token_map.py), plus up to `growth` tokens of the
-        requests being served (spec/draft_vocab.py): the lm_head becomes those rows of the
+        """Draft only among `token_ids` (speculative/token_map.py), plus up to `growth` tokens of the
+        requests being served (speculative/draft_vocab.py): the lm_head becomes those rows of the
         target's (a copy; the target's own is untouched)."""
         if self.vocab is not None:
             raise ValueError("restrict_vocab: the vocabulary is already restricted")

@@ -23,7 +23,7 @@ import math
 import torch
 
 from specserve.ops.sampling import uniform_noise
-from specserve.spec.tree import Acceptance, DraftTrees, acceptance_of_path
+from specserve.speculative.tree import Acceptance, DraftTrees, acceptance_of_path
 
 METHODS = ("multinomial", "match-expected", "per-position")
 TOKEN_MODES = ("real-draft-token", "fixed")

@@ -11,7 +11,7 @@ from specserve.errors import InvalidArgument, require
 ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
 MAX_TOPK = 16  # siblings per node
 MAX_STEPS = 16
-MAX_GROWTH = 1 << 20  # rows a growing draft vocabulary may add (spec/draft_vocab.py)
+MAX_GROWTH = 1 << 20  # rows a growing draft vocabulary may add (speculative/draft_vocab.py)
 SPEC_FIELDS = (
     "speculative_draft_model_path",
     "speculative_num_steps",
@@ -141,7 +141,7 @@ def resolve_simulation(c) -> tuple[Any, list[tuple[str, Any, str]]]:
     """Simulated acceptance: read SPECSERVE_SIMULATE_ACC_* for unset fields, validate, clip."""
     import os
 
-    from specserve.spec.simulate import METHODS, TOKEN_MODES
+    from specserve.speculative.simulate import METHODS, TOKEN_MODES
 
     decisions: list[tuple[str, Any, str]] = []
 

@@ -32,8 +32,8 @@ from specserve.ops.attention import ForwardContext
 from specserve.ops.triton_draft_frontier import Candidates, Frontier, expand_frontier
 from specserve.ops.triton_tree_select import select_tree
 from specserve.runtime.forward_batch import Segment, build_metadata, to_device
-from specserve.spec.draft_heads import DraftHead
-from specserve.spec.tree import DraftTrees
+from specserve.speculative.draft_heads import DraftHead
+from specserve.speculative.tree import DraftTrees
 
 
 @dataclass
