@@ -748,7 +748,10 @@ def test_draft_algorithm_is_read_from_the_checkpoint(tmp_path):
     itself: EAGLE-1 heads published under a plain Llama architecture, EAGLE3 heads, whole
     models (STANDALONE)."""
     from specserve.model.config import PRESETS
-    from specserve.speculative.eagle_checkpoint import draft_algorithm, write_random_eagle_checkpoint
+    from specserve.speculative.eagle_checkpoint import (
+        draft_algorithm,
+        write_random_eagle_checkpoint,
+    )
 
     e1 = write_random_eagle_checkpoint(str(tmp_path / "e1"), PRESETS["tiny"], "EAGLE")
     cfg_path = os.path.join(e1, "config.json")
