@@ -17,8 +17,8 @@ from collections import defaultdict
 
 from specserve.bench.one_batch import free_device_memory
 from specserve.engine import Engine
+from specserve.model.registry import bundled_draft_folder
 from specserve.runtime import engine_core, scheduler, stop, worker
-from specserve.train.defaults import default_draft_for
 from specserve.train.prompts import load_prompts
 
 TOTALS: dict[str, float] = defaultdict(float)
@@ -56,7 +56,7 @@ def run(model: str, spec: str | None, prompts: list[str], max_new: int) -> dict:
         s, k, n = (int(x) for x in spec.split(","))
         kw.update(
             speculative_algorithm="EAGLE",
-            speculative_draft_model_path=default_draft_for("smollm2-135m"),
+            speculative_draft_model_path=bundled_draft_folder("smollm2-135m"),
             speculative_num_steps=s,
             speculative_eagle_topk=k,
             speculative_num_draft_tokens=n,

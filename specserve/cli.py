@@ -30,6 +30,8 @@ ENGINE_HELP = {
     "disable_overlap_schedule": "Apply each decode step before launching the next (overlap is on by default).",
     "disable_cuda_graph": "Run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only).",
     "cuda_graph_max_bs": "Largest batch replayed from a CUDA graph; larger batches run eagerly (default: max_running_requests, at most 256).",
+    "disable_fused_kernels": "Run the plain torch reference of every fused kernel (debugging numerics).",
+    "no_default_draft": "Do not run a packaged model (smollm2-135m) with its bundled draft, which it uses unless another draft is given.",
     "cuda_graph_max_prefill_tokens": "A prefill of one request's chunk up to this many tokens replays a captured forward; 0: always eager (default 512 on CUDA).",
     "speculative_algorithm": "EAGLE | EAGLE3 | STANDALONE (off when not given).",
     "speculative_draft_model_path": "Draft checkpoint folder (EAGLE/EAGLE3) or draft model (STANDALONE).",
@@ -47,10 +49,13 @@ ENGINE_HELP = {
 }
 
 
+_NOT_FLAGS = ("decisions", "kernels")  # filled by resolve(); `kernels` is a Python object
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     for f in fields(EngineConfig):
-        if f.name == "decisions":
+        if f.name in _NOT_FLAGS:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
@@ -83,7 +88,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     out = {}
     for f in fields(EngineConfig):
-        if f.name == "decisions":
+        if f.name in _NOT_FLAGS:
             continue
         v = getattr(args, f.name, None)
         if v is not None and v is not False:
@@ -116,43 +121,25 @@ def sampling_dict(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def with_default_draft(args: argparse.Namespace, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The default model with no speculative flag runs with its bundled EAGLE draft, when the
-    package has one (`--no-default-draft` turns this off); says so on stderr. A
-    `--speculative-token-map` (and its growth) alone applies to that draft."""
-    if getattr(args, "no_default_draft", False):
-        return kwargs
-    # a token map alone modifies the bundled draft rather than replacing it
-    own = {k for k in kwargs if k.startswith(("speculative_", "simulate_acc"))}
-    if own - {"speculative_token_map", "speculative_token_map_growth"}:
-        return kwargs
-    if kwargs.get("load_format", "auto") != "auto":  # e.g. random weights: a draft is no use
-        return kwargs
-    from specserve.train.defaults import default_draft_engine_kwargs
-
-    model = kwargs.get("model_path", EngineConfig.model_path)
-    spec = default_draft_engine_kwargs(model, kwargs.get("device", EngineConfig.device))
-    if spec is None:
-        return kwargs
-    merged = {**spec, **kwargs}
-    token_map = merged.get("speculative_token_map")
-    if token_map and merged.get("speculative_token_map_growth"):
-        token_map += f" + {merged['speculative_token_map_growth']} growth"
-    print(
-        f"specserve: {model} runs with its bundled {spec['speculative_algorithm']} draft "
-        f"({spec['speculative_draft_model_path']}; {spec['speculative_num_steps']} steps, "
-        f"topk {spec['speculative_eagle_topk']}, {spec['speculative_num_draft_tokens']} draft "
-        f"tokens{f', token map {token_map}' if token_map else ''}); --no-default-draft "
-        "turns it off",
-        file=sys.stderr,
-    )
-    return merged
+def announce_draft(engine) -> None:
+    """Say on stderr which draft runs and why (a packaged model's bundled draft, or none)."""
+    for name, value, reason in engine.config.decisions:
+        if name == "speculative_draft_model_path":
+            c = engine.config
+            what = (
+                f"{c.speculative_algorithm} draft {value} ({c.speculative_num_steps} steps, "
+                f"topk {c.speculative_eagle_topk}, {c.speculative_num_draft_tokens} draft tokens)"
+                if value
+                else "no draft"
+            )
+            print(f"specserve: {what}: {reason}", file=sys.stderr)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from specserve.engine import Engine
 
-    with Engine(**with_default_draft(args, engine_kwargs(args))) as engine:
+    with Engine(**engine_kwargs(args)) as engine:
+        announce_draft(engine)
         sp = sampling_dict(args)
         if args.chat:
             ids = engine.tokenize_chat([{"role": "user", "content": args.prompt}])
@@ -188,12 +175,6 @@ def main(argv: list[str] | None = None) -> int:
         "--json", action="store_true", help="print the full output as JSON instead of streaming"
     )
     add_engine_args(gen)
-    gen.add_argument(
-        "--no-default-draft",
-        action="store_true",
-        help="do not use the bundled draft of the default model (used when no speculative "
-        "flag is given)",
-    )
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 

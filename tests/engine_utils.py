@@ -9,9 +9,9 @@ import os
 import torch
 
 from specserve.kv.pool import KVCache
+from specserve.model.runner import ModelRunner
 from specserve.ops.attention import TorchAttentionBackend
-from specserve.runtime.forward_batch import Segment, build_metadata
-from specserve.runtime.model_runner import ModelRunner
+from specserve.ops.attention_metadata import Segment, build_metadata
 from specserve.speculative.tree import DraftTrees
 
 TINY = dict(

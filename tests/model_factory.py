@@ -550,8 +550,8 @@ class SequenceRunner:
 
     def __init__(self, loaded, num_slots: int = 512, seed: int = 0):
         from specserve.kv.pool import KVCache
+        from specserve.model.runner import ModelRunner
         from specserve.ops.attention import TorchAttentionBackend
-        from specserve.runtime.model_runner import ModelRunner
 
         cfg = loaded.config
         self.model = loaded.model
@@ -565,7 +565,7 @@ class SequenceRunner:
     def extend(
         self, batch: dict[str, list[int]], capture_layers: frozenset[int] = frozenset()
     ) -> dict[str, Any]:
-        from specserve.runtime.forward_batch import Segment, build_metadata
+        from specserve.ops.attention_metadata import Segment, build_metadata
 
         ids, pos, segs, out_loc = [], [], [], []
         for name, toks in batch.items():

@@ -10,7 +10,7 @@ import torch
 from specserve.kv.pool import KVCache
 from specserve.model.config import PRESETS
 from specserve.ops.attention import ForwardContext, TorchAttentionBackend
-from specserve.runtime.forward_batch import Segment, build_metadata
+from specserve.ops.attention_metadata import Segment, build_metadata
 from specserve.speculative.draft_heads import EagleHead
 
 

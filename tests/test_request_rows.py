@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specserve.kv.allocator import PageAllocator
+from specserve.kv.request_rows import PAD_ROW, RequestRows
 from specserve.kv.table import KVTable
-from specserve.runtime.request_rows import PAD_ROW, RequestRows
 
 
 def check(table: KVTable, rows: RequestRows) -> int:

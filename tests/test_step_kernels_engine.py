@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="the step kernels need the triton package")
 
 from specserve import Engine  # noqa: E402
-from specserve.runtime import forward_batch, worker  # noqa: E402
+from specserve.ops import attention_metadata as forward_batch
+from specserve.runtime import worker  # noqa: E402
 from specserve.speculative import drafter  # noqa: E402
 from specserve.speculative.tree import Acceptance  # noqa: E402
 from tests.engine_utils import TINY, mixed_prompts  # noqa: E402

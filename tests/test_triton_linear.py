@@ -235,9 +235,9 @@ def _tiny_model(dtype, device, seed=0, **overrides):
 
 def _logits(model, n_tokens, device, seed=1):
     from specserve.kv.pool import KVCache
+    from specserve.model.runner import ModelRunner
     from specserve.ops.attention import TorchAttentionBackend
-    from specserve.runtime.forward_batch import Segment, build_metadata
-    from specserve.runtime.model_runner import ModelRunner
+    from specserve.ops.attention_metadata import Segment, build_metadata
 
     cfg = model.config
     dtype = next(model.parameters()).dtype
@@ -297,7 +297,7 @@ def test_decoder_layer_fused_path_matches_plain_and_keeps_its_input(
     # caller's h must be untouched and the output equal to plain torch's.
     from specserve.kv.pool import KVCache
     from specserve.ops.attention import ForwardContext, TorchAttentionBackend
-    from specserve.runtime.forward_batch import Segment, build_metadata
+    from specserve.ops.attention_metadata import Segment, build_metadata
 
     llama = fused_settings
     model = _tiny_model(torch.float32, DEVICE, num_layers=1, attention_bias=False)

@@ -12,13 +12,13 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="the metadata kernel needs the triton package")
 
+from specserve.ops import attention_metadata as forward_batch  # noqa: E402
 from specserve.ops import triton_metadata  # noqa: E402
-from specserve.ops.triton_metadata import MAX_BLOCK_B, device_metadata_tensors  # noqa: E402
-from specserve.runtime import forward_batch  # noqa: E402
-from specserve.runtime.forward_batch import (  # noqa: E402
+from specserve.ops.attention_metadata import (  # noqa: E402
     _device_metadata_tensors_reference,
     build_device_metadata,
 )
+from specserve.ops.triton_metadata import MAX_BLOCK_B, device_metadata_tensors  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NAMES = ("qo_indptr", "kv_indptr", "kv_indices", "extra_lens", "mask_indptr")

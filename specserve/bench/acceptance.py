@@ -182,9 +182,9 @@ def add_acceptance_parser(bsub) -> None:
 
         draft = args.draft
         if draft is None:
-            from specserve.train.defaults import default_draft_for
+            from specserve.model.registry import bundled_draft_folder
 
-            draft = default_draft_for(args.target)
+            draft = bundled_draft_folder(args.target)
             if draft is None:
                 print(f"error: no bundled draft for {args.target}; pass --draft", file=sys.stderr)
                 return 2

@@ -139,7 +139,7 @@ def hf_static_cache_row(args) -> dict[str, Any]:
 
 
 def run_compare(args) -> list[dict[str, Any]]:
-    rows = [_engine_row("specserve", ov, None, args) for ov in (True, False)]
+    rows = [_engine_row("specserve", ov, None, args, no_default_draft=True) for ov in (True, False)]
     draft = args.draft
     if draft is None:
         from specserve.model.loader import locate, read_config

@@ -109,7 +109,8 @@ def parse_spec(spec: str, algorithm: str, draft: str | None) -> tuple[str, dict]
 
 def _engine_rows(args, prompt_texts: list[str]) -> tuple[list[dict], Any, list[list[int]]]:
     base = dict(model_path=args.model_path, device=args.device, dtype=args.dtype)
-    configs = [("specserve", {})] + [parse_spec(s, args.algorithm, args.draft) for s in args.spec]
+    plain = ("specserve", {"no_default_draft": True})
+    configs = [plain] + [parse_spec(s, args.algorithm, args.draft) for s in args.spec]
     runs: list[list[tuple[float, list[list[int]], Any]]] = [[] for _ in configs]
     prompt_ids = None
     for _ in range(args.rounds):
@@ -222,11 +223,11 @@ def _hf_rows(args, prompt_ids: list[list[int]], reference: list[list[int]]) -> l
 
 
 def run_e2e(args) -> list[dict[str, Any]]:
-    from specserve.train.defaults import default_draft_for
+    from specserve.model.registry import bundled_draft_folder
     from specserve.train.prompts import load_prompts
 
     if args.draft is None:
-        args.draft = default_draft_for(args.model_path)
+        args.draft = bundled_draft_folder(args.model_path)
         if args.draft is None:
             raise SystemExit(f"no bundled draft for {args.model_path}: pass --draft")
     if args.algorithm is None:

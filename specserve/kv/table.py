@@ -78,10 +78,6 @@ class KVTable:
         page_ids = torch.tensor(pages, dtype=torch.int64)
         return page_ids[pos // self.page_size] * self.page_size + pos % self.page_size
 
-    def slots_at(self, rid: str, positions: torch.Tensor) -> torch.Tensor:
-        page_ids = torch.tensor(self._pages[rid], dtype=torch.int64)
-        return page_ids[positions // self.page_size] * self.page_size + positions % self.page_size
-
     def check_invariants(self, live_rids: set[str] | None = None) -> None:
         """Every page is free or owned by exactly one live request; nothing leaks."""
         counts = Counter(self.allocator.free_pages())

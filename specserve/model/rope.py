@@ -7,6 +7,7 @@ import math
 import torch
 
 from specserve.model.config import RopeScaling
+from specserve.ops.rotary import apply_rotary
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -58,23 +59,3 @@ class RotaryEmbedding(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
         return apply_rotary(positions, self.inv_freq, q, k)
-
-
-def apply_rotary(
-    positions: torch.Tensor, inv_freq: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k ("rotate half" convention) in float32; outputs keep the input dtype."""
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)[:, None, :]
-    sin = torch.cat([freqs.sin(), freqs.sin()], dim=-1)[:, None, :]
-    return _apply(q, cos, sin), _apply(k, cos, sin)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.config.kernels import REFERENCE, Kernels
 from specserve.kv.pool import KVCache
 
 
@@ -77,6 +78,7 @@ class ForwardContext:
     kv_cache: KVCache
     meta: AttentionMetadata
     capture_layers: tuple[int, ...] = ()  # target layers whose input EAGLE3 reads (may repeat)
+    kernels: Kernels = REFERENCE  # which implementation each layer op runs
 
     def attention(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None

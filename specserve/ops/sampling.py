@@ -17,20 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.ops import env_flag, triton_available
-
-# Split-row Triton reductions for argmax and top-k log-probs on CUDA (ops/triton_topk.py);
-# SPECSERVE_DISABLE_TRITON_SAMPLING=1 keeps torch's own kernels.
-TRITON_REDUCTIONS = triton_available() and not env_flag("SPECSERVE_DISABLE_TRITON_SAMPLING")
+from specserve.config.kernels import REFERENCE, Kernels
 
 
-def _triton_rows(logits: torch.Tensor) -> bool:
-    return TRITON_REDUCTIONS and logits.is_cuda and logits.dim() == 2
+def _triton_rows(logits: torch.Tensor, kernels: Kernels) -> bool:
+    """The split-row Triton reductions (ops/triton_topk.py) apply."""
+    return kernels.sampling_reductions and logits.is_cuda and logits.dim() == 2
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, kernels: Kernels = REFERENCE) -> torch.Tensor:
     """logits.argmax(-1), the first maximum on ties (as torch documents), any float dtype."""
-    if _triton_rows(logits) and logits.shape[-1] > 0:
+    if _triton_rows(logits, kernels) and logits.shape[-1] > 0:
         from specserve.ops.triton_topk import row_argmax
 
         return row_argmax(logits)
@@ -38,12 +35,15 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def topk_logprobs(
-    logits: torch.Tensor, k: int, id_map: torch.Tensor | None = None
+    logits: torch.Tensor,
+    k: int,
+    id_map: torch.Tensor | None = None,
+    kernels: Kernels = REFERENCE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 [T, k] descending, int64 ids [T, k]): the k likeliest tokens of each row of
     log_softmax(logits.float()); on CUDA equal values list the lower column first.
     `id_map` (int64 [V]): ids are id_map[column] (a reduced vocabulary's token ids)."""
-    if _triton_rows(logits):
+    if _triton_rows(logits, kernels):
         from specserve.ops.triton_topk import MAX_K, row_topk_logprobs
 
         if 1 <= k <= min(MAX_K, logits.shape[-1]):
@@ -132,10 +132,15 @@ def target_distribution_logits(logits: torch.Tensor, st: SamplingTensors) -> tor
     return filter_logits(scaled, st) if st.needs_filter else scaled
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    positions: torch.Tensor,
+    kernels: Kernels = REFERENCE,
+) -> torch.Tensor:
     """One token per row. logits [R, V] (float32; bf16/fp16 logits are fine for all-greedy
     rows: argmax needs no upcast); positions [R]: where the sampled token goes."""
-    greedy = argmax_rows(logits)
+    greedy = argmax_rows(logits, kernels)
     if st.all_greedy:
         return greedy
     scaled = target_distribution_logits(logits, st)

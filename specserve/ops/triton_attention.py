@@ -15,7 +15,6 @@ No host-device synchronisation: launch sizes come from the host lists of the met
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +33,7 @@ _DECODE_PROGRAMS_PER_SM = 4
 _EXTEND_PROGRAMS_PER_SM = 2
 # Shortest cached-prefix chunk of a split extend (tree verify and tree drafting at small batch
 # have a handful of programs, each walking the whole prefix one KV block at a time).
-EXTEND_MIN_PREFIX_PER_SPLIT = max(1, int(os.environ.get("SPECSERVE_EXTEND_MIN_PREFIX_SPLIT", 64)))
+EXTEND_MIN_PREFIX_PER_SPLIT = 64
 
 
 @dataclass(frozen=True)

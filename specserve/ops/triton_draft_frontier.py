@@ -28,67 +28,23 @@ never preferred), as `best_columns` in ops/triton_tree_select.py. The selection 
 int64 keys of the top-k kernels (float bits in the high word, 0x7FFFFFFF - column in the low
 word): one integer max is "largest key, lowest column". The next frontier is in that order.
 
-`expand_frontier` dispatches: the kernel on CUDA when triton is importable and
-SPECSERVE_DISABLE_TRITON_DRAFT is unset (read once, at import), else
-`expand_frontier_reference` (the CPU path).
+`expand_frontier` dispatches: the kernel when the caller's kernels say so (`use_kernel`) and
+the tensors are on CUDA, else `expand_frontier_reference`. The frontier and candidate
+buffers are speculative/frontier.py's `Frontier` and `Candidates` (read here by field).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
-from specserve.ops import env_flag, triton_available
+from specserve.ops import triton_available
+
+_FIELDS = ("ids", "tokens", "scores", "greedy", "feat", "anc")  # a Frontier's tensors
 
 GREEDY_KEY = 1.0e6  # above any log-probability (<= 0); minus depth keeps parents first
 MAX_K = 16  # the kernel's selection holds k * k <= 256 columns per request
-
-USE_TRITON = triton_available() and not env_flag("SPECSERVE_DISABLE_TRITON_DRAFT")
-
-
-@dataclass
-class Frontier:
-    """The k nodes of one depth that the draft runs next (all contiguous)."""
-
-    ids: torch.Tensor  # [B, k] int64 candidate ids
-    tokens: torch.Tensor  # [B, k] int64
-    scores: torch.Tensor  # [B, k] float32 path log-probabilities
-    greedy: torch.Tensor  # [B, k] bool: on the draft's own greedy chain
-    feat: torch.Tensor  # [B, k, H] the parent's draft output (the model dtype)
-    anc: torch.Tensor  # [B, k, S] bool: scratch columns the node attends to (self included)
-
-    @staticmethod
-    def empty_pair(bsz, k, hidden, scratch, dtype, device) -> tuple[Frontier, Frontier]:
-        """Two frontiers in six allocations: a depth reads one and writes the other (the
-        next frontier's ancestor rows are gathered from the current ones: not in place)."""
-        i64, f32, b8 = torch.int64, torch.float32, torch.bool
-        parts = [
-            torch.empty(2, bsz, k, dtype=i64, device=device),
-            torch.empty(2, bsz, k, dtype=i64, device=device),
-            torch.empty(2, bsz, k, dtype=f32, device=device),
-            torch.empty(2, bsz, k, dtype=b8, device=device),
-            torch.empty(2, bsz, k, hidden, dtype=dtype, device=device),
-            torch.empty(2, bsz, k, scratch, dtype=b8, device=device),
-        ]
-        return Frontier(*(p[0] for p in parts)), Frontier(*(p[1] for p in parts))
-
-
-@dataclass
-class Candidates:
-    """Every depth's children, column c = candidate id c + 1: [B, C] each."""
-
-    tokens: torch.Tensor  # int64
-    scores: torch.Tensor  # float32 path log-probabilities
-    keys: torch.Tensor  # float32 selection keys (the greedy chain above everything)
-    parents: torch.Tensor  # int64 candidate id of the parent (0: the root)
-
-    @staticmethod
-    def empty(bsz: int, num_cand: int, device) -> Candidates:
-        def e(dtype):
-            return torch.empty(bsz, num_cand, dtype=dtype, device=device)
-
-        return Candidates(e(torch.int64), e(torch.float32), e(torch.float32), e(torch.int64))
 
 
 def _as_u8(t: torch.Tensor) -> torch.Tensor:
@@ -112,10 +68,10 @@ def expand_frontier_reference(
     c_logp: torch.Tensor,
     c_tok: torch.Tensor,
     g: torch.Tensor,
-    frontier: Frontier | None,
+    frontier,
     depth: int,
-    cands: Candidates,
-    out: Frontier | None,
+    cands,
+    out,
 ) -> None:
     """The module doc's computation in torch ops; frontier None = the root (depth 0)."""
     bsz, k = cands.tokens.shape[0], c_logp.shape[1]
@@ -249,10 +205,10 @@ if triton_available():
         c_logp: torch.Tensor,
         c_tok: torch.Tensor,
         g: torch.Tensor,
-        frontier: Frontier | None,
+        frontier,
         depth: int,
-        cands: Candidates,
-        out: Frontier | None,
+        cands,
+        out,
     ) -> None:
         """The kernel: same arguments and results as expand_frontier_reference."""
         bsz, num_cand = cands.tokens.shape
@@ -268,8 +224,8 @@ if triton_available():
         # The root has no frontier tensors and the last depth no next frontier: constexpr
         # branches skip them, so any tensor serves as the (never dereferenced) pointer.
         unused = cands.tokens
-        fr = frontier if frontier is not None else Frontier(*[unused] * 6)
-        o = out if out is not None else Frontier(*[unused] * 6)
+        fr = frontier if frontier is not None else SimpleNamespace(**dict.fromkeys(_FIELDS, unused))
+        o = out if out is not None else SimpleNamespace(**dict.fromkeys(_FIELDS, unused))
         scratch = out.anc.shape[-1] if out is not None else 1
         kp = max(2, triton.next_power_of_2(k))
         block_h = min(triton.next_power_of_2(hidden), max(64, 4096 // kp))
@@ -291,16 +247,17 @@ def expand_frontier(
     c_logp: torch.Tensor,
     c_tok: torch.Tensor,
     g: torch.Tensor,
-    frontier: Frontier | None,
+    frontier,
     depth: int,
-    cands: Candidates,
-    out: Frontier | None,
+    cands,
+    out,
+    use_kernel: bool = False,
 ) -> None:
     """Expand depth `depth`'s frontier (None: the root, depth 0): write its children into
     `cands` at their columns and, unless `out` is None (the last depth), the next frontier
     into `out` (not `frontier`'s storage). c_logp, c_tok: the head's top-k [B*F, k] of the
     frontier's outputs g [B*F, H]. One launch on CUDA, the torch reference elsewhere."""
-    if USE_TRITON and c_logp.is_cuda and c_logp.shape[1] <= MAX_K:  # (config caps k at 16)
+    if use_kernel and c_logp.is_cuda and c_logp.shape[1] <= MAX_K:  # (config caps k at 16)
         expand_frontier_triton(c_logp, c_tok, g, frontier, depth, cands, out)
     else:
         expand_frontier_reference(c_logp, c_tok, g, frontier, depth, cands, out)

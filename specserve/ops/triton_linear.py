@@ -28,15 +28,14 @@ a device: make that call (engine warm-up does) before capturing a CUDA graph.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # ---------------------------------------------------------------------------------------------
 # references
@@ -285,27 +284,9 @@ class LinearConfig:
 
 
 # Measured overrides, keyed (m_bucket, N, K) with m_bucket = next power of two of M (at least
-# 1): `bench/linear_kernels.py --tune` prints entries in this form. Anything not listed uses
-# the heuristic in `pick_config`. Fill it before the first call of a shape (choices are
-# memoised per shape in _PICKED).
-TUNED: dict[tuple[int, int, int], LinearConfig] = {}
-
-
-def _load_tuned_file() -> None:
-    """SPECSERVE_LINEAR_CONFIGS=path.json (a list of {"m","n","k", LinearConfig fields})."""
-    path = os.environ.get("SPECSERVE_LINEAR_CONFIGS")
-    if not path:
-        return
-    import json
-
-    with open(path) as f:
-        for e in json.load(f):
-            e = dict(e)
-            key = (int(e.pop("m")), int(e.pop("n")), int(e.pop("k")))
-            TUNED[key] = LinearConfig(**e)
-
-
-_load_tuned_file()
+# 1): `bench/linear_kernels.py --tune` prints entries in this form, to be pasted here. Anything
+# not listed uses the heuristic in `pick_config`.
+TUNED: Mapping[tuple[int, int, int], LinearConfig] = MappingProxyType({})
 
 
 def m_bucket(m: int) -> int:
@@ -487,7 +468,8 @@ def skinny_linear(
     if cfg.kind == "fma":
         _skinny_fma_kernel[(tiles, split)](*args, PREFETCH=cfg.prefetch, **flags)
     else:
-        upcast = _INTERPRET and x.dtype == torch.bfloat16
+        # (CPU tensors: the Triton interpreter, whose dot has no bf16)
+        upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16
         precision = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
         _skinny_dot_kernel[(tiles, split)](
             *args, BLOCK_M=cfg.block_m, DOT_PRECISION=precision, DOT_UPCAST=upcast, **flags

@@ -1,5 +1,5 @@
 """A decode step's device-side attention metadata in one kernel (the torch reference,
-`runtime/forward_batch.py: _device_metadata_tensors_reference`, runs without triton).
+`ops/attention_metadata.py: _device_metadata_tensors_reference`, runs without triton).
 
 `build_device_metadata` turns each request's device KV length and its owned slots into the
 flattened `kv_indptr` / `kv_indices` (plus the uniform `qo_indptr`, `extra_lens` and

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.model.rope import apply_rotary
+from specserve.ops.rotary import apply_rotary
 
 
 def rope_and_write_reference(

@@ -19,27 +19,19 @@ keys are path log-probabilities, NaN ranks as -inf) and ties go to the parent's 
 so every chosen node's parent is chosen. Should a set ever not be closed, the kernel writes
 parent -1 for the orphan, as the reference does.
 
-`select_tree` dispatches: the kernel on CUDA when triton is importable and neither
-SPECSERVE_DISABLE_TRITON_TREE (this kernel and acceptance's, ops/triton_accept.py) nor
-SPECSERVE_DISABLE_TRITON_DRAFT (every drafting kernel) is set (read once, at import), else
-`select_tree_reference` (the CPU path). The mask comes with the kernel for trees of at most
+`select_tree` dispatches: the kernel when the caller's kernels say so (`use_kernel`) and the
+candidates are on CUDA, else `select_tree_reference` (the CPU path). The mask comes with the kernel for trees of at most
 MAX_MASK_NODES nodes (its walk holds rows of the mask in registers; wider trees would walk
 a few rows at a time, one program per request); otherwise verification builds it with
-`spec.tree.ancestor_mask`.
+`speculative/tree.py: ancestor_mask`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specserve.ops import env_flag, triton_available
-from specserve.ops.triton_draft_frontier import Candidates
+from specserve.ops import triton_available
 
-USE_TRITON = (
-    triton_available()
-    and not env_flag("SPECSERVE_DISABLE_TRITON_DRAFT")
-    and not env_flag("SPECSERVE_DISABLE_TRITON_TREE")
-)
 MAX_CANDIDATES = 8192  # the kernel sorts a row's keys in one program (the config allows 3,856)
 MAX_MASK_NODES = 256  # widest tree whose mask the kernel builds (see the module doc)
 
@@ -59,7 +51,7 @@ def best_columns(keys: torch.Tensor, m: int) -> torch.Tensor:
 
 def select_tree_reference(
     roots: torch.Tensor,
-    cands: Candidates,
+    cands,
     cand_depths: torch.Tensor,
     n: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,7 +138,7 @@ if triton_available():
 
     def select_tree_triton(
         roots: torch.Tensor,
-        cands: Candidates,
+        cands,
         cand_depths: torch.Tensor,
         n: int,
         max_depth: int,
@@ -184,14 +176,15 @@ if triton_available():
 
 def select_tree(
     roots: torch.Tensor,
-    cands: Candidates,
+    cands,
     cand_depths: torch.Tensor,
     n: int,
     max_depth: int,
+    use_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(tokens, parents, depths, scores, ancestor mask or None) of the tree of n nodes: one
     launch on CUDA (the mask up to MAX_MASK_NODES nodes), the torch reference (no mask)
     elsewhere."""
-    if USE_TRITON and roots.is_cuda and cands.tokens.shape[1] <= MAX_CANDIDATES:
+    if use_kernel and roots.is_cuda and cands.tokens.shape[1] <= MAX_CANDIDATES:
         return select_tree_triton(roots, cands, cand_depths, n, max_depth)
     return (*select_tree_reference(roots, cands, cand_depths, n), None)

@@ -9,7 +9,7 @@ A step's shapes depend on three host values, which key the graphs:
 - the sampling mode (all greedy; filters on or off), which selects host-side code paths.
 Graphs are captured lazily, the first time a key is needed, from padding-only inputs (so
 capture writes nothing but scratch), and share one memory pool. Anything outside the
-buckets runs eagerly through the same `Worker.decode_step`.
+buckets runs eagerly through the same `DecodeStep.run`.
 
 Inputs are copied into each graph's static tensors before a replay; those copies and the
 replay are ordered on the stream after the previous step, so under overlap scheduling the
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.kv.request_rows import PAD_ROW
 from specserve.ops.sampling import SamplingTensors
-from specserve.runtime.request_rows import PAD_ROW
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class DecodeGraphs:
 
         def step():
             with torch.inference_mode():
-                return worker.decode_step(rows, sampling, width, kv_upper)
+                return worker.step.run(rows, sampling, width, kv_upper)
 
         if not self.capture:
             return _Captured(None, step, rows, sampling, None, None)

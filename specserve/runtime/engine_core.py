@@ -11,15 +11,16 @@ from specserve.config import EngineConfig
 from specserve.errors import InvalidArgument
 from specserve.kv.allocator import PageAllocator
 from specserve.kv.pool import KVCache
+from specserve.kv.request_rows import RequestRows
 from specserve.kv.table import KVTable
 from specserve.model.loader import load_model
+from specserve.model.runner import ModelRunner
 from specserve.ops.attention import TorchAttentionBackend
-from specserve.runtime.model_runner import ModelRunner
 from specserve.runtime.request import ReqState, Request
-from specserve.runtime.request_rows import RequestRows
 from specserve.runtime.scheduler import Scheduler, SchedulerLimits
 from specserve.runtime.stop import StopChecker
 from specserve.runtime.worker import Worker
+from specserve.speculative.factory import build_drafter
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +59,9 @@ class EngineCore:
         )
         mc = loaded.config
 
-        from specserve.speculative.factory import build_drafter
-
-        draft = (
-            build_drafter(cfg, loaded, self.device, self.dtype)
-            if cfg.speculative_algorithm
-            else None
-        )
-
+        draft = build_drafter(cfg, loaded, self.device, self.dtype)
         per_slot = KVCache.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
-        if draft is not None:
-            per_slot += draft.kv_bytes_per_slot
+        per_slot += draft.kv_bytes_per_slot
         max_tokens = cfg.max_total_tokens or self._auto_kv_tokens(per_slot)
         num_pages = 1 + -(-max_tokens // cfg.page_size)  # + the scratch page
         num_slots = num_pages * cfg.page_size
@@ -77,7 +70,7 @@ class EngineCore:
             mc.num_layers, num_slots, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
         self.table = KVTable(PageAllocator(num_pages, cfg.page_size))
-        window = draft.window + draft.lookahead if draft is not None else 1
+        window = draft.window + draft.lookahead
         self.rows = RequestRows(
             self.device,
             cfg.page_size,
@@ -86,11 +79,10 @@ class EngineCore:
         )
         self.table.mirror = self.rows
         backend = make_attention_backend(cfg.attention_backend)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, backend)
-        if draft is not None:
-            draft.attach(self.table, num_slots, backend, self.rows)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, backend, cfg.kernels)
+        draft.attach(self.table, num_slots, backend, self.rows)
         self.worker = Worker(
-            self.runner, self.table, self.rows, self.device, draft, self._build_simulator(cfg)
+            self.runner, self.table, self.rows, draft, cfg.kernels, self._build_simulator(cfg)
         )
         if not cfg.disable_cuda_graph:
             from specserve.runtime.cuda_graphs import DecodeGraphs
@@ -137,7 +129,7 @@ class EngineCore:
     def _build_simulator(self, cfg: EngineConfig):
         if cfg.simulate_acc_len is None:
             return None
-        from specserve.speculative.config import parse_rates
+        from specserve.config.speculative import parse_rates
         from specserve.speculative.simulate import SimulatedAcceptance
 
         fixed = cfg.simulate_acc_fixed_token
@@ -306,10 +298,10 @@ class EngineCore:
                 continue
             self.scheduler.decode_done(req, n)
             self.stop_checker.append_tokens(req, tokens)
-            if self.worker.observes_tokens:
+            if self.worker.drafter.observes_tokens:
                 emitted[req.rid] = tokens
             touched.append(req)
-            if self.worker.drafter is not None:
+            if self.worker.drafter.speculative:
                 req.spec_verify_ct += 1
                 hist = req.spec_accept_histogram
                 while len(hist) < n:
@@ -319,7 +311,7 @@ class EngineCore:
                 self.spec_totals["accepted"] += n
         if emitted:
             self.worker.observe_tokens(emitted)
-        if self.worker.drafter is not None and self.num_steps % 100 == 0:
+        if self.worker.drafter.speculative and self.num_steps % 100 == 0:
             t = self.spec_totals
             log.info(
                 "speculative: %d verifies, mean accept length %.3f",

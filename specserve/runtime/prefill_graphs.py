@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.kv.request_rows import PAD_ROW
 from specserve.model.llama import ModelOutput
+from specserve.ops.attention_metadata import build_device_metadata
 from specserve.runtime.cuda_graphs import MIN_WIDTH, capture_graph, copy_from_host, pow2_bucket
-from specserve.runtime.forward_batch import build_device_metadata
-from specserve.runtime.request_rows import PAD_ROW
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +108,12 @@ class PrefillGraphs:
         self._last = (cap, n)
         return ModelOutput(hidden=out.hidden[:n], aux_hidden=[a[:n] for a in out.aux_hidden])
 
-    def takes_draft(self) -> bool:
-        """Whether `draft` can follow `forward` (an EAGLE/EAGLE3 draft: delta 0)."""
-        drafter = self.worker.drafter
-        return drafter is not None and drafter.delta == 0
-
     def draft(self, next_token: torch.Tensor | int) -> torch.Tensor:
         """The draft's prefill of the chunk of the last `forward` (which returned a graph's
         outputs), replayed; `next_token`: the token after the chunk, a [1] device tensor (the
         sampled one) or a host int (the prompt's). Returns the draft's state at the chunk's
         last token, [1, H] (a view of the graph's output)."""
-        assert self._last is not None and self.takes_draft()
+        assert self._last is not None and self.worker.drafter.graphs_prefill
         cap, n = self._last
         if isinstance(next_token, int):
             copy_from_host(cap.next_token, [next_token])
@@ -150,6 +145,7 @@ class PrefillGraphs:
             q_len=tokens,
             extra_len=tokens,
             out_cache_loc=torch.where(real, slots, SCRATCH_SLOT),
+            use_kernel=self.worker.kernels.decode_metadata,
         )
         return meta, torch.where(real, pos, start)
 
@@ -165,7 +161,7 @@ class PrefillGraphs:
                 return worker.target.forward(input_ids, positions, meta, capture_layers)
 
         cap = _Captured(None, forward, input_ids, span, None)
-        if self.takes_draft():
+        if worker.drafter.graphs_prefill:
             cap.next_token = torch.zeros(1, dtype=torch.int64, device=dev)
             cap.draft_forward = self._draft_forward(cap, tokens, width)
         if not self.capture:
@@ -193,7 +189,7 @@ class PrefillGraphs:
                 n = cap.span[2] - cap.span[1]
                 shifted = torch.roll(cap.input_ids, -1)
                 next_tokens = torch.where(rows == n - 1, cap.next_token, shifted)
-                features = drafter._features(cap.last_out, None)
-                return drafter._run(next_tokens, features, positions, meta)
+                features = drafter.features_of(cap.last_out, None)
+                return drafter.forward(next_tokens, features, positions, meta)
 
         return draft_forward

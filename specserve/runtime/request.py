@@ -88,3 +88,16 @@ class Request:
         self.set_state(ReqState.FINISHED)
         self.finish_reason = {"type": reason, **details}
         self.finish_time = time.perf_counter()
+
+
+@dataclass
+class PrefillChunk:
+    """Positions [start, end) of a request's tokens, prefilled in one batch."""
+
+    req: Request
+    start: int
+    end: int
+
+    @property
+    def completes(self) -> bool:
+        return self.end == self.req.fill_len

@@ -15,8 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from specserve.kv.table import KVTable
-from specserve.runtime.request import ReqState, Request
-from specserve.runtime.worker import PrefillChunk
+from specserve.runtime.request import PrefillChunk, ReqState, Request
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +56,6 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self.table.release(req.rid)
-
-    def live_requests(self) -> list[Request]:
-        return list(self.waiting) + self.running
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

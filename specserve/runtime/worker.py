@@ -1,7 +1,8 @@
-"""Executes scheduled batches on the device: prefill chunks and decode steps.
+"""Runs scheduled batches on the device: prefill chunks, and launching and awaiting decode
+steps (speculative/step.py); reads and writes the requests' device rows.
 
-A decode step is always "draft, verify, commit": without speculation the draft tree is
-the root alone, so plain decoding and speculative decoding share one code path.
+A decode step is launched without waiting for anything on the device; `PendingDecode` is
+where the host later learns what it produced.
 """
 
 from __future__ import annotations
@@ -11,30 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.config.kernels import Kernels
+from specserve.device import to_device
+from specserve.kv.request_rows import RequestRows
 from specserve.kv.table import KVInvariantError, KVTable
+from specserve.model.runner import ModelRunner
+from specserve.ops.attention_metadata import Segment, build_metadata
 from specserve.ops.sampling import SamplingTensors, sample
-from specserve.runtime.forward_batch import (
-    Segment,
-    build_device_metadata,
-    build_metadata,
-    to_device,
-)
-from specserve.runtime.model_runner import ModelRunner
-from specserve.runtime.request import Request
-from specserve.runtime.request_rows import PAD_ROW, RequestRows
-from specserve.speculative.kv_commit import commit_accepted_path
-from specserve.speculative.tree import DraftTrees, accept
-
-
-@dataclass
-class PrefillChunk:
-    req: Request
-    start: int
-    end: int
-
-    @property
-    def completes(self) -> bool:
-        return self.end == self.req.fill_len
+from specserve.runtime.request import PrefillChunk, Request
+from specserve.speculative.step import DecodeStep, sampling_tensors
 
 
 @dataclass
@@ -67,50 +53,8 @@ class PendingDecode:
         return DecodeOutput([e[:n] for e, n in zip(self._emitted.tolist(), lens)], lens)
 
 
-@dataclass
-class DecodeBatch:
-    """What the drafter and verifier share about one decode step. KV lengths and roots are
-    read on the device from the requests' rows, so a step can be launched before the host
-    has seen the previous one's results; the host only knows upper bounds."""
-
-    batch_size: int
-    kv_upper: list[int]  # host upper bounds of each request's kv_len
-    kv_lens_dev: torch.Tensor  # [B] exact, device
-    roots: torch.Tensor  # [B] last token of each request, device
-    window: int  # W: logical positions reserved past kv_len this step
-    owned_slots: torch.Tensor  # [B, L] device slots of positions [0, L), L >= kv_len + W
-    window_slots: torch.Tensor  # [B, W] device slots of positions [kv_len, kv_len + W)
-    sampling: SamplingTensors
-    root_g: torch.Tensor | None = None  # [B, H] the draft's state at the root (EAGLE)
-
-    def metadata(self, visible_past_kv: int, q_len: int, extra_len: int, out_cache_loc, mask=None):
-        """Requests see positions [0, kv_len + visible_past_kv); the last extra_len are masked."""
-        return build_device_metadata(
-            self.owned_slots,
-            self.kv_lens_dev + visible_past_kv,
-            [u + visible_past_kv for u in self.kv_upper],
-            q_len,
-            extra_len,
-            out_cache_loc,
-            mask,
-        )
-
-
-def sampling_tensors(reqs: list[Request], device: torch.device) -> SamplingTensors:
-    ps = [r.params for r in reqs]
-
-    def dev(values, dtype) -> torch.Tensor:
-        return to_device(torch.tensor(values, dtype=dtype), device)
-
-    return SamplingTensors(
-        temperatures=dev([p.temperature for p in ps], torch.float32),
-        top_ks=dev([p.top_k for p in ps], torch.int64),
-        top_ps=dev([p.top_p for p in ps], torch.float32),
-        min_ps=dev([p.min_p for p in ps], torch.float32),
-        seeds=dev([r.seed for r in reqs], torch.int64),
-        all_greedy=all(p.greedy for p in ps),
-        needs_filter=any(p.needs_filter and not p.greedy for p in ps),
-    )
+def request_sampling(reqs: list[Request], device: torch.device) -> SamplingTensors:
+    return sampling_tensors([r.params for r in reqs], [r.seed for r in reqs], device)
 
 
 class Worker:
@@ -119,62 +63,65 @@ class Worker:
         target: ModelRunner,
         table: KVTable,
         rows: RequestRows,
-        device: torch.device,
-        drafter=None,
+        drafter,
+        kernels: Kernels,
         simulator=None,
     ):
+        """drafter: a TreeDrafter, or the RootOnlyDrafter of plain decoding."""
         self.target = target
         self.table = table
         self.rows = rows  # per-request device state: page table, kv_len, root, draft feature
-        self.device = device
+        self.device = rows.device
         self.drafter = drafter
-        # whether the draft wants the requests' tokens (a growing vocabulary); else no work
-        self.observes_tokens = drafter is not None and drafter.head.takes_request_tokens
-        self.simulator = simulator  # forces acceptance lengths (benchmarking)
+        self.kernels = kernels
+        self.step = DecodeStep(target, drafter, rows, kernels, simulator)
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
         self.prefill_graphs = None  # PrefillGraphs, when CUDA graphs are on
         self._sampling_cache: tuple[tuple[str, ...], SamplingTensors] | None = None
 
     # ---- sizes the scheduler must reserve ------------------------------------------------
-    def forget(self, rid: str) -> None:
-        if self._sampling_cache is not None and rid in self._sampling_cache[0]:
-            self._sampling_cache = None
-        if self.observes_tokens:
-            self.drafter.head.release_tokens((rid,))
-
     @property
     def max_accept(self) -> int:
         """Most tokens one decode step can add to a request."""
-        return self.drafter.max_depth + 1 if self.drafter is not None else 1
+        return self.step.max_accept
 
     @property
     def decode_window(self) -> int:
         """Logical positions past kv_len a decode step writes (target tree + draft scratch)."""
-        return self.drafter.window if self.drafter is not None else 1
+        return self.step.window
 
     @property
     def kv_lookahead(self) -> int:
         """Positions past kv_len that stay owned between steps (a standalone draft's root)."""
-        return self.drafter.lookahead if self.drafter is not None else 0
+        return self.drafter.lookahead
+
+    def forget(self, rid: str) -> None:
+        if self._sampling_cache is not None and rid in self._sampling_cache[0]:
+            self._sampling_cache = None
+        if self.drafter.observes_tokens:
+            self.drafter.release_tokens((rid,))
+
+    def observe_tokens(self, tokens_by_request: dict[str, Sequence[int]]) -> None:
+        """Prompt and output tokens of running requests (a growing draft vocabulary's input)."""
+        if self.drafter.observes_tokens:
+            self.drafter.observe_tokens(tokens_by_request)
 
     # ---- prefill --------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, chunks: list[PrefillChunk]) -> dict[str, int]:
         """Run the chunks; return the first sampled token of each request whose prefill completes."""
         tokens = [t for c in chunks for t in c.req.all_ids[c.start : c.end]]
-        if self.observes_tokens:
-            self.observe_tokens({c.req.rid: c.req.all_ids[c.start : c.end] for c in chunks})
+        self.observe_tokens({c.req.rid: c.req.all_ids[c.start : c.end] for c in chunks})
         dev = self.device
-        capture = self.drafter.capture_layers if self.drafter is not None else ()
+        capture = self.drafter.capture_layers
         out = None
-        graphed = False
         if self.prefill_graphs is not None and len(chunks) == 1:
             c = chunks[0]
             if self.table.capacity(c.req.rid) < c.end:  # (the eager path's slots() checks it)
                 raise KVInvariantError(f"{c.req.rid}: prefill to {c.end} exceeds its pages")
             self.rows.flush()  # the graph reads the request's pages on the device
             out = self.prefill_graphs.forward(self.rows.row(c.req.rid), c.start, tokens, capture)
-            graphed = out is not None
+        graphed = out is not None
         if out is None:
             input_ids = to_device(torch.tensor(tokens, dtype=torch.int64), dev)
             positions = [p for c in chunks for p in range(c.start, c.end)]
@@ -188,16 +135,15 @@ class Worker:
             for c in chunks:
                 ends.append(ends[-1] + c.end - c.start)
             last_rows = to_device(torch.tensor([ends[i + 1] - 1 for i in done]), dev)
-            logits = self.target.model.compute_logits(out.hidden[last_rows])
+            logits = self.target.model.compute_logits(out.hidden[last_rows], self.kernels)
             reqs = [chunks[i].req for i in done]
             sample_pos = to_device(torch.tensor([chunks[i].end for i in done]), dev)
-            sampled = sample(logits, sampling_tensors(reqs, dev), sample_pos)
-        features = None
-        if graphed and self.prefill_graphs.takes_draft():
+            sampled = sample(logits, request_sampling(reqs, dev), sample_pos, self.kernels)
+        if graphed and self.drafter.graphs_prefill:
             c = chunks[0]  # the token after the chunk: sampled, or the prompt's own
             g = self.prefill_graphs.draft(sampled if done else c.req.all_ids[c.end])
             features = g if done else None
-        elif self.drafter is not None:
+        else:
             features = self.drafter.extend_after_prefill(chunks, out, done, sampled)
         if sampled is None:
             return {}
@@ -205,14 +151,8 @@ class Worker:
         self.rows.set_state(to_device(torch.tensor(rows), dev), sample_pos, sampled, features)
         values = sampled.tolist()
         first = {chunks[i].req.rid: values[j] for j, i in enumerate(done)}
-        if self.observes_tokens:
-            self.observe_tokens({rid: (t,) for rid, t in first.items()})
+        self.observe_tokens({rid: (t,) for rid, t in first.items()})
         return first
-
-    def observe_tokens(self, tokens_by_request: dict[str, Sequence[int]]) -> None:
-        """Prompt and output tokens of running requests (a growing draft vocabulary's input)."""
-        if self.observes_tokens:
-            self.drafter.head.observe_tokens(tokens_by_request)
 
     def _prefill_metadata(self, chunks: list[PrefillChunk]):
         segments, out_slots = [], []
@@ -227,12 +167,13 @@ class Worker:
         """Sampling tensors of a batch, reused while the batch's membership is unchanged."""
         key = tuple(r.rid for r in reqs)
         if self._sampling_cache is None or self._sampling_cache[0] != key:
-            self._sampling_cache = (key, sampling_tensors(reqs, self.device))
+            self._sampling_cache = (key, request_sampling(reqs, self.device))
         return self._sampling_cache[1]
 
     @torch.inference_mode()
     def launch_decode(self, reqs: list[Request], kv_upper: list[int]) -> PendingDecode:
-        """Draft, verify, commit and draft-extend on the device; nothing waits for the device."""
+        """One decode step (speculative/step.py) of `reqs`, replayed from a CUDA graph when
+        one fits; nothing waits for the device. kv_upper: host bounds of each kv_len."""
         self.rows.flush()
         rows = self.rows.rows_of([r.rid for r in reqs])
         sampling = self._sampling_for(reqs)
@@ -240,70 +181,5 @@ class Worker:
         out = self.graphs.run(rows, sampling, width) if self.graphs is not None else None
         if out is None:
             rows_dev = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
-            out = self.decode_step(rows_dev, sampling, width, kv_upper)
+            out = self.step.run(rows_dev, sampling, width, kv_upper)
         return PendingDecode(reqs, *out)
-
-    def decode(self, reqs: list[Request]) -> DecodeOutput:
-        """A synchronous step (the host's kv_len is exact)."""
-        return self.launch_decode(reqs, [r.kv_len for r in reqs]).result()
-
-    def decode_step(
-        self, rows: torch.Tensor, sampling: SamplingTensors, width: int, kv_upper: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of the requests in `rows`, entirely on the device: read their state,
-        draft, verify, compact the accepted KV, draft-extend, write their state back.
-        Returns (accept_len [B], emitted [B, max_accept]). Shapes depend only on host values
-        (B, width, kv_upper), so the same call can be captured in a CUDA graph; rows equal to
-        PAD_ROW are padding and touch only scratch."""
-        dev, window, st = self.device, self.decode_window, self.rows
-        pad = rows == PAD_ROW
-        kv_lens = torch.where(pad, 0, st.kv_lens[rows])
-        roots = torch.where(pad, 0, st.roots[rows])
-        owned = st.slots(rows, width)
-        cols = kv_lens[:, None] + torch.arange(window, device=dev)[None, :]
-        batch = DecodeBatch(
-            batch_size=rows.shape[0],
-            kv_upper=kv_upper,
-            kv_lens_dev=kv_lens,
-            roots=roots,
-            window=window,
-            owned_slots=owned,
-            window_slots=torch.gather(owned, 1, cols),
-            sampling=sampling,
-            root_g=st.features[rows] if self.drafter is not None else None,
-        )
-        trees = (
-            self.drafter.draft(batch)
-            if self.drafter is not None
-            else DraftTrees.root_only(batch.roots)
-        )
-        acc, hidden = self.verify(batch, trees)
-        features = None
-        if self.drafter is not None:
-            features = self.drafter.extend_after_verify(batch, trees, acc, hidden)
-        st.set_state(rows, kv_lens + acc.accept_len, acc.bonus, features)
-        return acc.accept_len, acc.emitted
-
-    def verify(self, batch: DecodeBatch, trees: DraftTrees):
-        """One target forward over every tree of the batch; accept; compact the KV."""
-        b, n = trees.tokens.shape
-        positions = (batch.kv_lens_dev[:, None] + trees.depths).reshape(-1)
-        out_slots = batch.window_slots[:, :n].reshape(-1)
-        anc = None if n == 1 else trees.ancestors()
-        mask = None if anc is None else anc.reshape(-1)
-        meta = batch.metadata(n, n, n, out_slots, mask)
-        capture = self.drafter.capture_layers if self.drafter is not None else ()
-        out = self.target.forward(trees.tokens.reshape(-1), positions, meta, capture)
-        st = batch.sampling
-        logits = self.target.model.compute_logits(out.hidden, upcast=not st.all_greedy)
-        # Each node's draw is for the position after it: kv_len + depth + 1.
-        if n > 1 and not st.all_greedy:  # greedy rows need no per-node sampling parameters
-            st = st.expand(n)
-        target_tokens = sample(logits, st, positions + 1).view(b, n)
-        if self.simulator is not None and anc is not None:
-            acc = self.simulator.accept(trees, target_tokens, anc)
-        else:
-            acc = accept(trees, target_tokens, anc)
-        if n > 1:  # a one-node tree's KV is already where it belongs
-            commit_accepted_path([self.target.kv_cache], batch.window_slots, acc.path)
-        return acc, out

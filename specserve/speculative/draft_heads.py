@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.config.kernels import REFERENCE, Kernels
 from specserve.model.config import ModelConfig
-from specserve.model.llama import MLP, Attention, DecoderLayer, RMSNorm, elementwise_on
-from specserve.ops import env_flag
+from specserve.model.layers import MLP, Attention, DecoderLayer, RMSNorm
 from specserve.ops.attention import ForwardContext
 from specserve.ops.sampling import topk_logprobs
 from specserve.speculative.draft_vocab import DraftVocab
@@ -31,12 +31,14 @@ class DraftHead(nn.Module):
     def forward(self, input_ids, features, positions, ctx: ForwardContext) -> torch.Tensor:
         raise NotImplementedError
 
-    def topk(self, g: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def topk(
+        self, g: torch.Tensor, k: int, kernels: Kernels = REFERENCE
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probabilities [T, k] float32, target token ids [T, k]) of the k likeliest next
         tokens (log-softmax in float32 over the logits as the head computes them)."""
-        return topk_logprobs(self.logits(g), k, self.vocab_ids())
+        return topk_logprobs(self.logits(g, kernels), k, self.vocab_ids(), kernels)
 
-    def logits(self, g: torch.Tensor) -> torch.Tensor:
+    def logits(self, g: torch.Tensor, kernels: Kernels = REFERENCE) -> torch.Tensor:
         """[T, draft vocab] in the head's dtype or float32."""
         raise NotImplementedError
 
@@ -45,7 +47,7 @@ class DraftHead(nn.Module):
         column; None: column c is token c."""
         return None
 
-    def prepare_for_serving(self) -> None:
+    def prepare_for_serving(self, kernels: Kernels) -> None:
         """Called once the head sits on its serving device (TreeDrafter): cache what every
         step would otherwise recompute."""
 
@@ -92,7 +94,7 @@ class EagleHead(DraftHead):
     def forward(self, input_ids, features, positions, ctx):
         embed = self._embed[0].weight
         features = features.to(self.fc.weight.dtype)
-        if elementwise_on(features) and embed.dtype == features.dtype:
+        if ctx.kernels.fused_norms and embed.dtype == features.dtype:
             # one launch for the gather and the concat (ops/triton_embed_concat.py)
             from specserve.ops.triton_embed_concat import embed_concat
 
@@ -100,7 +102,7 @@ class EagleHead(DraftHead):
         else:
             x = torch.cat([self._embed[0](input_ids), features], dim=-1)
         layers = iter(self.layers)
-        if self._fc_qkv is not None and not torch.is_grad_enabled():
+        if self._fc_qkv is not None and ctx.kernels.draft_fc_qkv:
             weight, bias = self._fc_qkv
             hidden = self.fc.out_features
             h, qkv = F.linear(x, weight, bias).split([hidden, weight.shape[0] - hidden], dim=-1)
@@ -111,11 +113,11 @@ class EagleHead(DraftHead):
             h = layer(h, positions, ctx)
         return h
 
-    def prepare_for_serving(self) -> None:
+    def prepare_for_serving(self, kernels: Kernels) -> None:
         # A GPU at batch 1 is bound by launches, a CPU by arithmetic (the fused GEMM does
-        # ~45% more multiply-adds than fc and qkv for SmolLM2's draft).
+        # ~45% more multiply-adds than fc and qkv for SmolLM2's draft): the kernels decide.
         self._fc_qkv = None
-        if self.fc.weight.device.type == "cuda" and not env_flag("SPECSERVE_DISABLE_DRAFT_FC_QKV"):
+        if kernels.draft_fc_qkv:
             self.fuse_fc_and_qkv()
 
     def fuse_fc_and_qkv(self) -> None:
@@ -136,7 +138,7 @@ class EagleHead(DraftHead):
             bias = torch.cat([b_fc, b_qkv]).to(self.fc.weight.dtype)
         self._fc_qkv = (weight.contiguous(), bias)
 
-    def logits(self, g):
+    def logits(self, g, kernels=REFERENCE):
         if self.vocab is None:
             return F.linear(g, self._lm_head[0])
         return F.linear(g, self.vocab.weight, self.vocab.bias)
@@ -195,21 +197,21 @@ class Eagle3Head(DraftHead):
         feats = features.to(self.fc.weight.dtype)
         if feats.shape[-1] != self.config.hidden_size:
             feats = self.fc(feats)
-        x = torch.cat(
-            [self.input_layernorm(self._embed[0](input_ids)), self.hidden_norm(feats)], dim=-1
-        )
+        kernels = ctx.kernels
+        embed = self.input_layernorm(self._embed[0](input_ids), kernels)
+        x = torch.cat([embed, self.hidden_norm(feats, kernels)], dim=-1)
         h = feats + self.self_attn(x, positions, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h, kernels), kernels)
 
-    def logits(self, g):
-        return self.lm_head(self.norm(g))
+    def logits(self, g, kernels=REFERENCE):
+        return self.lm_head(self.norm(g, kernels))
 
     def vocab_ids(self):
         if self._ids is not None:
             return self._ids
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t.long()
 
-    def prepare_for_serving(self) -> None:
+    def prepare_for_serving(self, kernels: Kernels) -> None:
         self._ids = None
         self._ids = self.vocab_ids()  # d2t is fixed from here on
 
@@ -228,5 +230,5 @@ class StandaloneHead(DraftHead):
     def forward(self, input_ids, features, positions, ctx):
         return self.model(input_ids, positions, ctx).hidden
 
-    def logits(self, g):
-        return self.model.compute_logits(g)
+    def logits(self, g, kernels=REFERENCE):
+        return self.model.compute_logits(g, kernels)

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from specserve.runtime.forward_batch import to_device
+from specserve.device import to_device
 
 
 class DraftVocab:

@@ -23,16 +23,20 @@ draft ("draft extend") so its KV for them is exactly what a plain pass would com
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from specserve.config.kernels import Kernels
+from specserve.device import to_device
 from specserve.kv.pool import KVCache
 from specserve.ops.attention import ForwardContext
-from specserve.ops.triton_draft_frontier import Candidates, Frontier, expand_frontier
+from specserve.ops.attention_metadata import Segment, build_metadata
+from specserve.ops.triton_draft_frontier import expand_frontier
 from specserve.ops.triton_tree_select import select_tree
-from specserve.runtime.forward_batch import Segment, build_metadata, to_device
 from specserve.speculative.draft_heads import DraftHead
+from specserve.speculative.frontier import Candidates, Frontier
 from specserve.speculative.tree import DraftTrees
 
 
@@ -43,6 +47,8 @@ class _DraftConstants:
 
 
 class TreeDrafter:
+    speculative = True
+
     def __init__(
         self,
         head: DraftHead,
@@ -52,9 +58,11 @@ class TreeDrafter:
         capture_layers: tuple[int, ...],
         device: torch.device,
         dtype: torch.dtype,
+        kernels: Kernels,
     ):
         self.head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        self.head.prepare_for_serving()
+        self.kernels = kernels
+        self.head.prepare_for_serving(kernels)
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.max_depth = min(num_steps, num_draft_tokens - 1)
         self.delta = head.position_offset
@@ -65,6 +73,9 @@ class TreeDrafter:
             num_draft_tokens, self.delta + (num_steps - 1) * topk, self.delta + self.max_depth + 1
         )
         self.capture_layers = capture_layers
+        # an EAGLE head's prefill of a chunk shares the target's positions and slots, so
+        # PrefillGraphs can replay it after the target's (a standalone draft's cannot)
+        self.graphs_prefill = self.delta == 0
         self.device, self.dtype = device, dtype
         self._consts: _DraftConstants | None = None
         c = head.config
@@ -83,8 +94,22 @@ class TreeDrafter:
         )
         rows.add_features(c.hidden_size, self.dtype)
 
-    # ---- helpers ----------------------------------------------------------------------------
-    def _features(self, target_out, rows: torch.Tensor | None) -> torch.Tensor | None:
+    # ---- a growing draft vocabulary's input ----------------------------------------------------
+    @property
+    def observes_tokens(self) -> bool:
+        """Whether the head wants the requests' tokens (else callers skip building them)."""
+        return self.head.takes_request_tokens
+
+    def observe_tokens(self, tokens_by_request: Mapping[str, Iterable[int]]) -> None:
+        self.head.observe_tokens(tokens_by_request)
+
+    def release_tokens(self, request_ids: Iterable[str]) -> None:
+        self.head.release_tokens(request_ids)
+
+    # ---- the draft forward ------------------------------------------------------------------
+    def features_of(self, target_out, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """The target's outputs the head reads (its final hidden state, or the captured
+        layers' inputs), at `rows` (None: all)."""
         kind = self.head.target_feature
         if kind == "none":
             return None
@@ -94,8 +119,9 @@ class TreeDrafter:
             h = torch.cat(target_out.aux_hidden, dim=-1)
         return h if rows is None else h[rows]
 
-    def _run(self, tokens, features, positions, meta) -> torch.Tensor:
-        ctx = ForwardContext(self.backend, self.kv, meta)
+    def forward(self, tokens, features, positions, meta) -> torch.Tensor:
+        """The head over tokens at positions, writing its KV per `meta`; returns its state g."""
+        ctx = ForwardContext(self.backend, self.kv, meta, kernels=self.kernels)
         if features is None:
             features = torch.zeros(tokens.shape[0], 1, device=self.device, dtype=self.dtype)
         with torch.inference_mode():
@@ -139,10 +165,12 @@ class TreeDrafter:
             src = torch.tensor([b for _, b in sampled_at]).to(self.device)
             tokens[idx] = sampled[src]
         feats = (
-            self._features(target_out, torch.tensor(feat_rows).to(self.device)) if d == 0 else None
+            self.features_of(target_out, torch.tensor(feat_rows).to(self.device))
+            if d == 0
+            else None
         )
         pos = torch.tensor(token_pos, dtype=torch.int64).to(self.device)
-        g = self._run(tokens, feats, pos, build_metadata(seg, torch.cat(out), self.device))
+        g = self.forward(tokens, feats, pos, build_metadata(seg, torch.cat(out), self.device))
         if not done:
             return None
         rows = [last_rows[chunks[i].req.rid] for i in done]
@@ -168,10 +196,11 @@ class TreeDrafter:
         fronts = (None, None)
         if self.num_steps > 1:
             fronts = Frontier.empty_pair(bsz, k, g_root.shape[-1], scratch, self.dtype, dev)
-        logp, tok = self.head.topk(g_root, k)
+        use_kernel = self.kernels.draft_tree
+        logp, tok = self.head.topk(g_root, k, self.kernels)
         # depth 1: the root is a frontier of one node; its children come out in rank order
         front = fronts[0]
-        expand_frontier(logp, tok, g_root, None, 0, cands, front)
+        expand_frontier(logp, tok, g_root, None, 0, cands, front, use_kernel)
         if self.num_steps > 1:
             # Every depth sees the draft prefix [0, kv_len + delta) and the whole scratch;
             # scratch not yet written this step is masked out (its ancestor bits are False),
@@ -192,15 +221,15 @@ class TreeDrafter:
                 out_cache_loc=slots[depth - 1].reshape(-1),
                 custom_mask=front.anc.reshape(-1),
             )
-            g = self._run(
+            g = self.forward(
                 front.tokens.reshape(-1),
                 front.feat.reshape(bsz * k, -1),
                 all_pos[depth - 1].reshape(-1),
                 meta,
             )
-            c_logp, c_tok = self.head.topk(g, k)
+            c_logp, c_tok = self.head.topk(g, k, self.kernels)
             nxt = fronts[depth % 2] if depth + 1 < self.num_steps else None  # last: none needed
-            expand_frontier(c_logp, c_tok, g, front, depth, cands, nxt)
+            expand_frontier(c_logp, c_tok, g, front, depth, cands, nxt, use_kernel)
             front = nxt
         return self._select_tree(batch.roots, cands)
 
@@ -220,7 +249,12 @@ class TreeDrafter:
 
     def _select_tree(self, roots, cands: Candidates) -> DraftTrees:
         tokens, parents, depths, scores, anc = select_tree(
-            roots, cands, self._constants().cand_depths, self.num_draft_tokens, self.max_depth
+            roots,
+            cands,
+            self._constants().cand_depths,
+            self.num_draft_tokens,
+            self.max_depth,
+            use_kernel=self.kernels.draft_tree,
         )
         return DraftTrees(tokens, parents, depths, self.max_depth, scores, anc)
 
@@ -234,13 +268,13 @@ class TreeDrafter:
         bsz, n = trees.tokens.shape
         tokens = acc.emitted.reshape(-1)
         rows = (torch.arange(bsz, device=self.device)[:, None] * n + acc.path).reshape(-1)
-        feats = self._features(target_out, rows)
+        feats = self.features_of(target_out, rows)
         positions = (
             batch.kv_lens_dev[:, None] + d + torch.arange(w, device=self.device)[None, :]
         ).reshape(-1)
         out_slots = batch.window_slots[:, d : d + w].reshape(-1)
         meta = batch.metadata(d + w, w, w, out_slots)
-        g = self._run(tokens, feats, positions, meta).view(bsz, w, -1)
+        g = self.forward(tokens, feats, positions, meta).view(bsz, w, -1)
         last = torch.gather(
             g, 1, (acc.accept_len - 1)[:, None, None].expand(bsz, 1, g.shape[-1])
         ).squeeze(1)

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specserve.model.config import ModelConfig
-from specserve.model.llama import load_hf_named_weights
+from specserve.model.weights import load_hf_named_weights
 from specserve.speculative.draft_heads import Eagle3Head, EagleHead
 
 _IGNORED = ("embed_tokens.weight", "t2d", "layers.0.input_layernorm.weight")

@@ -1,4 +1,4 @@
-"""Builds the drafter named by the configuration."""
+"""Builds the drafter named by the configuration (plain decoding: the root-only drafter)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,16 @@ from specserve.model.loader import load_model
 from specserve.speculative.draft_heads import StandaloneHead
 from specserve.speculative.drafter import TreeDrafter
 from specserve.speculative.eagle_checkpoint import eagle3_capture_layers, load_eagle_head
+from specserve.speculative.root_only import RootOnlyDrafter
 from specserve.speculative.token_map import load_token_map
 
 
-def build_drafter(cfg, target, device: torch.device, dtype: torch.dtype) -> TreeDrafter:
+def build_drafter(
+    cfg, target, device: torch.device, dtype: torch.dtype
+) -> TreeDrafter | RootOnlyDrafter:
     algo = cfg.speculative_algorithm
+    if algo is None:
+        return RootOnlyDrafter()
     path = cfg.speculative_draft_model_path
     capture: tuple[int, ...] = ()
     if algo == "STANDALONE":
@@ -57,4 +62,5 @@ def build_drafter(cfg, target, device: torch.device, dtype: torch.dtype) -> Tree
         capture,
         device,
         dtype,
+        cfg.kernels,
     )

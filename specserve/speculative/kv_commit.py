@@ -12,17 +12,16 @@ from __future__ import annotations
 import torch
 
 from specserve.kv.pool import KVCache
-from specserve.ops import triton_available
 
 
 def commit_accepted_path(
-    caches: list[KVCache], window_slots: torch.Tensor, path: torch.Tensor
+    caches: list[KVCache], window_slots: torch.Tensor, path: torch.Tensor, use_kernel: bool
 ) -> None:
     """window_slots: [B, W] slots of logical positions kv_len .. kv_len+W-1 per request;
     path: [B, D+1] accepted node ids by depth (padded by repeating the last one, whose
     copies land in positions past the accepted length, which are scratch)."""
     for cache in caches:
-        if triton_available() and cache.buffer.device.type == "cuda":
+        if use_kernel and cache.buffer.is_cuda:
             from specserve.ops.triton_kv_commit import commit_path
 
             commit_path(cache.buffer, window_slots, path)

@@ -25,9 +25,6 @@ import torch
 from specserve.ops.sampling import uniform_noise
 from specserve.speculative.tree import Acceptance, DraftTrees, acceptance_of_path
 
-METHODS = ("multinomial", "match-expected", "per-position")
-TOKEN_MODES = ("real-draft-token", "fixed")
-
 
 class SimulatedAcceptance:
     def __init__(

@@ -13,17 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.ops import env_flag, triton_available
-
-# verification's acceptance in one kernel on CUDA (ops/triton_accept.py); off with the tree
-# selection kernel's switches (ops/triton_tree_select.py), read at import. (Not imported from
-# there: that module imports triton, which must not happen before tests pick the interpreter.)
-_ACCEPT_KERNEL = (
-    triton_available()
-    and not env_flag("SPECSERVE_DISABLE_TRITON_DRAFT")
-    and not env_flag("SPECSERVE_DISABLE_TRITON_TREE")
-)
-
 
 @dataclass
 class DraftTrees:
@@ -69,7 +58,10 @@ class Acceptance:
 
 
 def accept(
-    trees: DraftTrees, target_tokens: torch.Tensor, anc: torch.Tensor | None = None
+    trees: DraftTrees,
+    target_tokens: torch.Tensor,
+    anc: torch.Tensor | None = None,
+    use_kernel: bool = False,
 ) -> Acceptance:
     """Walk each tree from the root, following the child equal to the target's own token.
 
@@ -80,10 +72,10 @@ def accept(
 
     anc: the trees' `ancestor_mask`, if already built (verification builds it): then a node
     is accepted iff no node on its root path disagrees, a handful of kernels instead of a
-    walk of max_depth steps (one kernel on CUDA).
+    walk of max_depth steps (one kernel on CUDA with use_kernel, ops/triton_accept.py).
     """
     parents, tokens = trees.parents, trees.tokens
-    if anc is not None and _ACCEPT_KERNEL and tokens.is_cuda:
+    if anc is not None and use_kernel and tokens.is_cuda:
         from specserve.ops.triton_accept import accept_triton
 
         return Acceptance(

@@ -135,6 +135,7 @@ def _engine_worker(cfg: GenConfig, prompt_ids, source, f, deadline: float | None
         load_format=cfg.load_format,
         device=cfg.device,
         skip_tokenizer_init=True,
+        no_default_draft=True,  # the target's own answers, decoded plainly
         max_running_requests=cfg.max_running_requests,
         # sized for the work, not from free memory: several workers share one GPU
         max_total_tokens=cfg.max_running_requests * (max_prompt + cfg.max_new_tokens + 64),

@@ -1,4 +1,5 @@
-"""Resolution of the speculative-decoding arguments (called from EngineConfig.resolve)."""
+"""Resolution of the speculative-decoding arguments (called from EngineConfig.resolve): the
+bundled draft of a packaged model, the tree shape, simulated acceptance."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+from specserve.config.environment import simulate_acc_aliases
 from specserve.errors import InvalidArgument, require
+from specserve.model.registry import bundled_draft, bundled_draft_folder, draft_serving_settings
 
 ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
 MAX_TOPK = 16  # siblings per node
 MAX_STEPS = 16
 MAX_GROWTH = 1 << 20  # rows a growing draft vocabulary may add (speculative/draft_vocab.py)
+SIMULATE_METHODS = ("multinomial", "match-expected", "per-position")
+SIMULATE_TOKEN_MODES = ("real-draft-token", "fixed")
 SPEC_FIELDS = (
     "speculative_draft_model_path",
     "speculative_num_steps",
@@ -20,6 +25,73 @@ SPEC_FIELDS = (
     "speculative_token_map",
     "speculative_token_map_growth",
 )
+
+
+def resolve_bundled_draft(c, on_gpu: bool) -> tuple[Any, list[tuple[str, Any, str]]]:
+    """A packaged model runs with its bundled draft unless told otherwise: the draft's own
+    serving settings fill every speculative argument the user left unset (one by one), so
+    `speculative_num_steps=5` alone runs the bundled draft 5 steps deep."""
+    decisions: list[tuple[str, Any, str]] = []
+    draft = bundled_draft(c.model_path)
+    if draft is None:
+        return c, decisions
+    why_not = None
+    if c.no_default_draft:
+        why_not = "no_default_draft: plain decoding"
+    elif c.load_format == "dummy":
+        why_not = "load_format=dummy: random target weights, a trained draft is no use"
+    elif c.speculative_draft_model_path is not None:
+        why_not = "the user's own draft"
+    elif c.speculative_algorithm not in (None, draft.algorithm):
+        why_not = f"{c.speculative_algorithm} asked for; the bundled draft is {draft.algorithm}"
+    folder = None if why_not else bundled_draft_folder(c.model_path)
+    if why_not is None and folder is None:
+        why_not = "its files are missing from this installation"
+    if why_not is not None:
+        decisions.append(
+            (
+                "speculative_draft_model_path",
+                c.speculative_draft_model_path,
+                f"bundled {draft.algorithm} draft of {c.model_path} not used: {why_not}",
+            )
+        )
+        return c, decisions
+    settings = {
+        "speculative_algorithm": draft.algorithm,
+        "speculative_draft_model_path": folder,
+        **draft_serving_settings(folder, on_gpu),
+    }
+    device = "GPU" if on_gpu else "CPU"
+    for name, value in settings.items():
+        if getattr(c, name) is None:
+            c = replace(c, **{name: value})
+            decisions.append(
+                (
+                    name,
+                    value,
+                    f"the bundled draft of {c.model_path}, as served on a {device} "
+                    "(no_default_draft turns it off)",
+                )
+            )
+    # A user's steps / topk may leave the bundled tree size impossible: fit it to the tree.
+    steps, topk = c.speculative_num_steps, c.speculative_eagle_topk
+    ndt = c.speculative_num_draft_tokens
+    if _is_int(steps) and _is_int(topk) and _is_int(ndt) and steps >= 1 and topk >= 1:
+        max_tree = 1 + topk + (steps - 1) * topk * topk
+        if ndt > max_tree:
+            c = replace(c, speculative_num_draft_tokens=max_tree)
+            decisions.append(
+                (
+                    "speculative_num_draft_tokens",
+                    max_tree,
+                    f"the bundled {ndt} exceeds the largest tree of {steps} steps, topk {topk}",
+                )
+            )
+    return c, decisions
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
@@ -138,11 +210,8 @@ SIM_FIELDS = (
 
 
 def resolve_simulation(c) -> tuple[Any, list[tuple[str, Any, str]]]:
-    """Simulated acceptance: read SPECSERVE_SIMULATE_ACC_* for unset fields, validate, clip."""
-    import os
-
-    from specserve.speculative.simulate import METHODS, TOKEN_MODES
-
+    """Simulated acceptance: unset fields from their environment aliases
+    (SPECSERVE_SIMULATE_ACC_*, as SGLang's SGLANG_SIMULATE_ACC_*), validate, clip."""
     decisions: list[tuple[str, Any, str]] = []
 
     def decide(name: str, value: Any, reason: str) -> None:
@@ -150,8 +219,9 @@ def resolve_simulation(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         c = replace(c, **{name: value})
         decisions.append((name, value, reason))
 
+    aliases = simulate_acc_aliases()
     for name in SIM_FIELDS:
-        env = os.environ.get(name.upper().replace("SIMULATE", "SPECSERVE_SIMULATE", 1))
+        env = aliases.get(name)
         if getattr(c, name) is None and env not in (None, ""):
             try:
                 value = (
@@ -180,18 +250,18 @@ def resolve_simulation(c) -> tuple[Any, list[tuple[str, Any, str]]]:
     if c.simulate_acc_method is None:
         decide("simulate_acc_method", "multinomial", "default method")
     require(
-        c.simulate_acc_method in METHODS,
+        c.simulate_acc_method in SIMULATE_METHODS,
         "simulate_acc_method",
-        f"{c.simulate_acc_method!r} is not one of {', '.join(METHODS)}",
+        f"{c.simulate_acc_method!r} is not one of {', '.join(SIMULATE_METHODS)}",
     )
     if c.simulate_acc_token_mode is None:
         decide(
             "simulate_acc_token_mode", "real-draft-token", "keeps tokens and KV cache consistent"
         )
     require(
-        c.simulate_acc_token_mode in TOKEN_MODES,
+        c.simulate_acc_token_mode in SIMULATE_TOKEN_MODES,
         "simulate_acc_token_mode",
-        f"{c.simulate_acc_token_mode!r} is not one of {', '.join(TOKEN_MODES)}",
+        f"{c.simulate_acc_token_mode!r} is not one of {', '.join(SIMULATE_TOKEN_MODES)}",
     )
     max_len = c.speculative_num_steps + 1
     if length > max_len:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.runtime.forward_batch import to_device
+from specserve.device import to_device
 
 PAD_ROW = 0
 

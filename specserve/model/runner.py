@@ -1,18 +1,26 @@
-"""Runs one model (target or draft) over prepared inputs; owns its KV tensors and backend."""
+"""Runs one model over prepared inputs with its KV tensors, attention backend and kernels."""
 
 from __future__ import annotations
 
 import torch
 
+from specserve.config.kernels import REFERENCE, Kernels
 from specserve.kv.pool import KVCache
 from specserve.ops.attention import AttentionBackend, AttentionMetadata, ForwardContext
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+        kernels: Kernels = REFERENCE,
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
+        self.kernels = kernels
 
     @torch.inference_mode()
     def forward(
@@ -21,7 +29,6 @@ class ModelRunner:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         capture_layers: tuple[int, ...] = (),
-        **model_kwargs,
     ):
-        ctx = ForwardContext(self.backend, self.kv_cache, meta, capture_layers)
-        return self.model(input_ids, positions, ctx, **model_kwargs)
+        ctx = ForwardContext(self.backend, self.kv_cache, meta, capture_layers, self.kernels)
+        return self.model(input_ids, positions, ctx)

@@ -8,12 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.ops import env_flag, triton_available
+from specserve.device import to_device
 from specserve.ops.attention import AttentionMetadata
-
-# Read once, at import: SPECSERVE_DISABLE_TRITON_METADATA=1 keeps decode metadata on the
-# torch path even on CUDA.
-_TRITON_METADATA = not env_flag("SPECSERVE_DISABLE_TRITON_METADATA")
 
 
 @dataclass
@@ -62,13 +58,6 @@ def build_metadata(
     )
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device without making the host wait for queued device work (pinned staging)."""
-    if device.type != "cuda" or t.device.type == "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def build_device_metadata(
     owned_slots: torch.Tensor,
     visible_lens: torch.Tensor,
@@ -77,6 +66,7 @@ def build_device_metadata(
     extra_len: int,
     out_cache_loc: torch.Tensor,
     custom_mask: torch.Tensor | None = None,
+    use_kernel: bool = False,
 ) -> AttentionMetadata:
     """Metadata for requests that each see the logical prefix [0, visible_lens[b]) of their
     slots, with the last `extra_len` of those under the (causal or custom) mask.
@@ -86,13 +76,12 @@ def build_device_metadata(
     visible_lens: they size the index buffer and the kernels' launch plans, so the host needs
     no device value (host_kv_indptr then holds bounds; host_kv_is_upper_bound says so).
 
-    On CUDA with triton the device tensors come from one Triton launch
-    (`ops/triton_metadata.py`) instead of about fifteen torch kernels, unless
-    SPECSERVE_DISABLE_TRITON_METADATA was set when this module was imported."""
+    use_kernel (CUDA): the device tensors come from one Triton launch
+    (`ops/triton_metadata.py`) instead of about fifteen torch kernels."""
     bsz = owned_slots.shape[0]
     total_upper = sum(visible_upper)
     with_mask = custom_mask is not None
-    if owned_slots.device.type == "cuda" and _TRITON_METADATA and triton_available():
+    if use_kernel and owned_slots.is_cuda:
         from specserve.ops.triton_metadata import device_metadata_tensors
 
         tensors = device_metadata_tensors(

@@ -9,10 +9,15 @@ naming the field and the allowed values. Nothing is mutated after resolution.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from specserve.config.kernels import Kernels, resolve_kernels
+from specserve.config.speculative import (
+    resolve_bundled_draft,
+    resolve_simulation,
+    resolve_speculative,
+)
 from specserve.errors import InvalidArgument, require
 
 log = logging.getLogger(__name__)
@@ -44,7 +49,10 @@ class EngineConfig:
     disable_cuda_graph: bool = False  # CUDA: replay decode steps from captured graphs
     cuda_graph_max_bs: int | None = None  # largest captured batch size (eager above it)
     cuda_graph_max_prefill_tokens: int | None = None  # one-chunk prefills replayed up to this
+    disable_fused_kernels: bool = False  # the torch reference ops everywhere (debugging)
+    kernels: Kernels | None = None  # decided by resolve(); tests and benches may pass their own
     # speculative decoding (SGLang's names)
+    no_default_draft: bool = False  # a packaged model's bundled draft stays off
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None
@@ -78,6 +86,8 @@ class EngineConfig:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if self.kernels is not None:
+            d["kernels"] = self.kernels.as_dict()
         d["decisions"] = [{"field": f, "value": v, "reason": r} for f, v, r in self.decisions]
         return d
 
@@ -140,14 +150,26 @@ class EngineConfig:
             decide("max_running_requests", 256 if on_gpu else 64, "default for the device")
         if c.chunked_prefill_size is None:
             decide("chunked_prefill_size", 8192 if on_gpu else 2048, "default for the device")
-        from specserve.speculative.config import resolve_speculative
-
-        c, spec_decisions = resolve_speculative(c)
-        decided.extend(spec_decisions)
-        from specserve.speculative.config import resolve_simulation
-
-        c, sim_decisions = resolve_simulation(c)
-        decided.extend(sim_decisions)
+        for resolve_part in (
+            lambda c: resolve_bundled_draft(c, on_gpu),
+            resolve_speculative,
+            resolve_simulation,
+        ):
+            c, part_decisions = resolve_part(c)
+            decided.extend(part_decisions)
+        if c.kernels is None:
+            kernels, kernel_decisions = resolve_kernels(
+                on_gpu,
+                c.dtype in ("float16", "bfloat16"),
+                _triton_available(),
+                c.disable_fused_kernels,
+                _torch_version(),
+            )
+            c = replace(c, kernels=kernels)
+            decided.extend(kernel_decisions)
+        else:
+            require(isinstance(c.kernels, Kernels), "kernels", "must be a Kernels object")
+            decided.append(("kernels", "given", "passed by the caller"))
         _resolve_cuda_graph(c, on_gpu, decide)  # decide() updates c
         if c.disable_overlap_schedule:
             decided.append(
@@ -232,6 +254,8 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
     )
 
 
-def env_default(name: str, default: Any) -> Any:
-    """SPECSERVE_<NAME> from the environment, if set."""
-    return os.environ.get(f"SPECSERVE_{name.upper()}", default)
+def _torch_version() -> tuple[int, int]:
+    import torch
+
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)

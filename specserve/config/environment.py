@@ -1,0 +1,28 @@
+"""The one module of the package that reads the environment.
+
+Only aliases of engine arguments live here: `SPECSERVE_SIMULATE_ACC_*` for the simulated-
+acceptance fields (as SGLang's `SGLANG_SIMULATE_ACC_*`), so a benchmark harness can force
+acceptance lengths without changing its command line. An explicit argument always wins.
+"""
+
+from __future__ import annotations
+
+import os
+
+_SIMULATE_FIELDS = (
+    "simulate_acc_len",
+    "simulate_acc_method",
+    "simulate_acc_token_mode",
+    "simulate_acc_fixed_token",
+    "simulate_acc_rates",
+)
+
+
+def simulate_acc_aliases() -> dict[str, str]:
+    """{field: value} of the simulated-acceptance aliases that are set."""
+    out = {}
+    for name in _SIMULATE_FIELDS:
+        value = os.environ.get("SPECSERVE_" + name.upper())
+        if value is not None:
+            out[name] = value
+    return out

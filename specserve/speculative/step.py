@@ -1,0 +1,157 @@
+"""One decode step of a batch, on the device: draft -> verify -> accept -> commit -> extend.
+
+Plain decoding is the same step with a root-only drafter (speculative/root_only.py): its tree
+is the last token alone, verification is then an ordinary one-token forward, and nothing is
+committed or extended. Everything a step reads and writes per request lives in its row of
+`RequestRows` (kv/request_rows.py), so the host passes only the rows and upper bounds of the
+KV lengths: a step can be launched before the previous one has been seen by the host, and
+its shapes depend only on host values, so `DecodeGraphs` captures `DecodeStep.run` whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config.kernels import Kernels
+from specserve.device import to_device
+from specserve.kv.request_rows import PAD_ROW, RequestRows
+from specserve.ops.attention_metadata import build_device_metadata
+from specserve.ops.sampling import SamplingTensors, sample
+from specserve.sampling_params import SamplingParams
+from specserve.speculative.kv_commit import commit_accepted_path
+from specserve.speculative.tree import Acceptance, DraftTrees, accept
+
+
+@dataclass
+class DecodeBatch:
+    """What drafting and verification share about one decode step. KV lengths and roots are
+    read on the device from the requests' rows; the host only knows upper bounds."""
+
+    batch_size: int
+    kv_upper: list[int]  # host upper bounds of each request's kv_len
+    kv_lens_dev: torch.Tensor  # [B] exact, device
+    roots: torch.Tensor  # [B] last token of each request, device
+    window: int  # W: logical positions reserved past kv_len this step
+    owned_slots: torch.Tensor  # [B, L] device slots of positions [0, L), L >= kv_len + W
+    window_slots: torch.Tensor  # [B, W] device slots of positions [kv_len, kv_len + W)
+    sampling: SamplingTensors
+    kernels: Kernels
+    root_g: torch.Tensor | None = None  # [B, H] the draft's state at the root (EAGLE)
+
+    def metadata(self, visible_past_kv: int, q_len: int, extra_len: int, out_cache_loc, mask=None):
+        """Requests see positions [0, kv_len + visible_past_kv); the last extra_len are masked."""
+        return build_device_metadata(
+            self.owned_slots,
+            self.kv_lens_dev + visible_past_kv,
+            [u + visible_past_kv for u in self.kv_upper],
+            q_len,
+            extra_len,
+            out_cache_loc,
+            mask,
+            use_kernel=self.kernels.decode_metadata,
+        )
+
+
+def sampling_tensors(
+    params: list[SamplingParams], seeds: list[int], device: torch.device
+) -> SamplingTensors:
+    """The batch's sampling parameters as device tensors, one row per request."""
+
+    def dev(values, dtype) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=dtype), device)
+
+    return SamplingTensors(
+        temperatures=dev([p.temperature for p in params], torch.float32),
+        top_ks=dev([p.top_k for p in params], torch.int64),
+        top_ps=dev([p.top_p for p in params], torch.float32),
+        min_ps=dev([p.min_p for p in params], torch.float32),
+        seeds=dev(seeds, torch.int64),
+        all_greedy=all(p.greedy for p in params),
+        needs_filter=any(p.needs_filter and not p.greedy for p in params),
+    )
+
+
+class DecodeStep:
+    def __init__(self, target, drafter, rows: RequestRows, kernels: Kernels, simulator=None):
+        """target: the model runner; drafter: a TreeDrafter or a RootOnlyDrafter; simulator:
+        forces acceptance lengths (benchmarking)."""
+        self.target = target
+        self.drafter = drafter
+        self.rows = rows
+        self.kernels = kernels
+        self.simulator = simulator
+        self.device = rows.device
+
+    @property
+    def window(self) -> int:
+        """Logical positions past kv_len a step writes (target tree + draft scratch)."""
+        return self.drafter.window
+
+    @property
+    def max_accept(self) -> int:
+        """Most tokens one step can add to a request."""
+        return self.drafter.max_depth + 1
+
+    def run(
+        self, rows: torch.Tensor, sampling: SamplingTensors, width: int, kv_upper: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of the requests in `rows` (PAD_ROW: padding, touching only scratch).
+        Returns (accept_len [B], emitted [B, max_accept]); `width` bounds every kv_len + W."""
+        batch = self._read(rows, sampling, width, kv_upper)
+        trees = self.drafter.draft(batch)
+        acc, target_out = self.verify(batch, trees)
+        features = self.drafter.extend_after_verify(batch, trees, acc, target_out)
+        self.rows.set_state(rows, batch.kv_lens_dev + acc.accept_len, acc.bonus, features)
+        return acc.accept_len, acc.emitted
+
+    def _read(self, rows, sampling, width, kv_upper) -> DecodeBatch:
+        """The batch's state, read by row on the device."""
+        st, window = self.rows, self.window
+        pad = rows == PAD_ROW
+        kv_lens = torch.where(pad, 0, st.kv_lens[rows])
+        owned = st.slots(rows, width)
+        cols = kv_lens[:, None] + torch.arange(window, device=self.device)[None, :]
+        return DecodeBatch(
+            batch_size=rows.shape[0],
+            kv_upper=kv_upper,
+            kv_lens_dev=kv_lens,
+            roots=torch.where(pad, 0, st.roots[rows]),
+            window=window,
+            owned_slots=owned,
+            window_slots=torch.gather(owned, 1, cols),
+            sampling=sampling,
+            kernels=self.kernels,
+            root_g=st.features[rows] if st.features is not None else None,
+        )
+
+    def verify(self, batch: DecodeBatch, trees: DraftTrees) -> tuple[Acceptance, object]:
+        """One target forward over every tree of the batch (node i at position kv_len +
+        depth[i], its KV written at kv_len + i, seeing its ancestors); the target draws a token
+        per node; acceptance follows the draft where it agrees; the accepted path's KV moves to
+        [kv_len, kv_len + accept_len). Returns (acceptance, the target's outputs)."""
+        b, n = trees.tokens.shape
+        kernels = self.kernels
+        positions = (batch.kv_lens_dev[:, None] + trees.depths).reshape(-1)
+        anc = None if n == 1 else trees.ancestors()
+        mask = None if anc is None else anc.reshape(-1)
+        meta = batch.metadata(n, n, n, batch.window_slots[:, :n].reshape(-1), mask)
+        out = self.target.forward(
+            trees.tokens.reshape(-1), positions, meta, self.drafter.capture_layers
+        )
+        st = batch.sampling
+        logits = self.target.model.compute_logits(out.hidden, kernels, upcast=not st.all_greedy)
+        if n > 1 and not st.all_greedy:  # greedy rows need no per-node sampling parameters
+            st = st.expand(n)
+        # each node's draw is for the position after it: kv_len + depth + 1
+        target_tokens = sample(logits, st, positions + 1, kernels).view(b, n)
+        if self.simulator is not None and anc is not None:
+            acc = self.simulator.accept(trees, target_tokens, anc)
+        else:
+            acc = accept(trees, target_tokens, anc, use_kernel=kernels.tree_accept)
+        if n > 1:  # a one-node tree's KV is already where it belongs
+            commit_accepted_path(
+                [self.target.kv_cache], batch.window_slots, acc.path, kernels.kv_commit
+            )
+        return acc, out
