@@ -121,25 +121,11 @@ def sampling_dict(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def announce_draft(engine) -> None:
-    """Say on stderr which draft runs and why (a packaged model's bundled draft, or none)."""
-    for name, value, reason in engine.config.decisions:
-        if name == "speculative_draft_model_path":
-            c = engine.config
-            what = (
-                f"{c.speculative_algorithm} draft {value} ({c.speculative_num_steps} steps, "
-                f"topk {c.speculative_eagle_topk}, {c.speculative_num_draft_tokens} draft tokens)"
-                if value
-                else "no draft"
-            )
-            print(f"specserve: {what}: {reason}", file=sys.stderr)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from specserve.engine import Engine
 
     with Engine(**engine_kwargs(args)) as engine:
-        announce_draft(engine)
+        print(f"specserve: {engine.config.draft_summary()}", file=sys.stderr)
         sp = sampling_dict(args)
         if args.chat:
             ids = engine.tokenize_chat([{"role": "user", "content": args.prompt}])

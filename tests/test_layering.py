@@ -112,10 +112,6 @@ def test_the_checker_sees_a_wrong_arrow(tmp_path):
     """The import walker itself: a lazy import inside a function is found."""
     src = "def f():\n    from specserve.runtime.worker import Worker\n"
     path = PACKAGE / "ops" / "attention.py"
-    names = [
-        n.module
-        for n in ast.walk(ast.parse(src))
-        if isinstance(n, ast.ImportFrom)
-    ]
+    names = [n.module for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)]
     assert names == ["specserve.runtime.worker"]
     assert "specserve.kv.pool" in _imports(path)

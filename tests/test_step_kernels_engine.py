@@ -1,7 +1,8 @@
-"""The speculative step with its Triton bookkeeping kernels wired in (attention metadata,
-tree selection + ancestor mask, acceptance), end to end. The engine takes them on CUDA only:
-on a CPU they are patched in and run in Triton's interpreter, so the wiring (the mask that
-drafting hands to verification, the metadata the attention reads) is checked in CI too."""
+"""The speculative step with its Triton bookkeeping kernels chosen (attention metadata, tree
+selection + ancestor mask, acceptance, KV commit, sampling reductions), end to end. An engine
+resolves them on for CUDA; here they are passed in, and on a CPU run in Triton's interpreter,
+so the wiring (the mask drafting hands to verification, the metadata attention reads) is
+checked in CI too."""
 
 from __future__ import annotations
 
@@ -17,47 +18,35 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="the step kernels need the triton package")
 
 from specserve import Engine  # noqa: E402
-from specserve.ops import attention_metadata as forward_batch
-from specserve.runtime import worker  # noqa: E402
-from specserve.speculative import drafter  # noqa: E402
-from specserve.speculative.tree import Acceptance  # noqa: E402
+from specserve.config import Kernels  # noqa: E402
 from tests.engine_utils import TINY, mixed_prompts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SP = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+STEP_KERNELS = Kernels(
+    decode_metadata=True, sampling_reductions=True, draft_tree=True, tree_accept=True,
+    kv_commit=True,
+)  # fmt: skip
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> Counter:
-    """On a CPU, route the three dispatch points to the kernels and count the calls."""
+    """Counts the calls of the kernels (observed, not replaced)."""
+    from specserve.ops import triton_accept, triton_metadata, triton_tree_select
+
     calls: Counter = Counter()
-    if DEVICE == "cuda":  # the engine's own dispatch takes them
-        return calls
-    from specserve.ops.triton_accept import accept_triton
-    from specserve.ops.triton_metadata import device_metadata_tensors
-    from specserve.ops.triton_tree_select import select_tree_triton
+    for module, name in (
+        (triton_metadata, "device_metadata_tensors"),
+        (triton_tree_select, "select_tree_triton"),
+        (triton_accept, "accept_triton"),
+    ):
+        real = getattr(module, name)
 
-    def metadata(*args):
-        calls["metadata"] += 1
-        return device_metadata_tensors(*args)
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
 
-    def select(*args):
-        calls["select"] += 1
-        return select_tree_triton(*args)
-
-    real_accept = worker.accept
-
-    def accept(trees, target_tokens, anc=None):
-        if anc is None:
-            return real_accept(trees, target_tokens, anc)
-        calls["accept"] += 1
-        assert anc is trees.anc  # verification used the mask drafting built
-        return Acceptance(*accept_triton(trees.tokens, trees.parents, trees.depths,
-                                         target_tokens, anc, trees.max_depth))  # fmt: skip
-
-    monkeypatch.setattr(forward_batch, "_device_metadata_tensors_reference", metadata)
-    monkeypatch.setattr(drafter, "select_tree", select)
-    monkeypatch.setattr(worker, "accept", accept)
+        monkeypatch.setattr(module, name, counted)
     return calls
 
 
@@ -81,8 +70,8 @@ def test_trees_with_the_kernels_decode_as_plain_decoding(kernel_calls, page_size
         speculative_eagle_topk=topk,
         speculative_num_draft_tokens=ndt,
         debug_check_invariants=True,
+        kernels=STEP_KERNELS,
     )
     assert spec == plain
     assert accept_len > 3.0  # the paths really were accepted through the kernels
-    if DEVICE == "cpu":
-        assert min(kernel_calls[k] for k in ("metadata", "select", "accept")) > 0, kernel_calls
+    assert len(kernel_calls) == 3 and min(kernel_calls.values()) > 0, kernel_calls

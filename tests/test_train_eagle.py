@@ -448,162 +448,6 @@ def test_token_map_command_writes_a_folder_of_maps_or_one_file(tmp_path, capsys)
     assert not (tmp_path / "x.json").exists() and not (tmp_path / "x.gen").exists()
 
 
-def test_generate_uses_the_bundled_draft_of_the_default_model(tmp_path, monkeypatch, capsys):
-    """With no speculative flag the default model runs with its bundled draft (said on
-    stderr); --no-default-draft, any speculative flag, or no bundled draft turn that off."""
-    from specserve import cli
-    from specserve.train import defaults
-
-    target = _write_target(tmp_path / "target", with_tokenizer=True)
-    drafts = tmp_path / "drafts"
-    head = make_head(load_target(target, "float32", "cpu").model, seed=0)
-    save_draft(str(drafts / "tiny-eagle"), head)
-    (drafts / "tiny-eagle" / "serving.json").write_text(
-        json.dumps(
-            {
-                "speculative_num_steps": 2,
-                "speculative_eagle_topk": 2,
-                "speculative_num_draft_tokens": 4,
-            }
-        )
-    )
-    monkeypatch.setattr(defaults, "_drafts_root", lambda: str(drafts))
-    monkeypatch.setitem(defaults._BUNDLED, target.lower(), "tiny-eagle")
-    base = ["generate", "hello", "--model-path", target, "--max-new-tokens", "6", "--json"]
-
-    def run(*extra):
-        assert cli.main(base + list(extra)) == 0
-        out = capsys.readouterr()
-        return json.loads(out.out)["meta_info"], out.err
-
-    meta, err = run()
-    assert "bundled EAGLE draft" in err and "--no-default-draft" in err
-    assert "2 steps, topk 2, 4 draft tokens" in err  # serving.json over DEFAULT_SETTINGS
-    assert meta["spec_verify_ct"] >= 1
-    meta, err = run("--no-default-draft")
-    assert "spec_verify_ct" not in meta and "bundled" not in err
-    # a token map alone applies to the bundled draft
-    vocab = load_target(target, "float32", "cpu").config.vocab_size
-    (tmp_path / "map.json").write_text(json.dumps(list(range(0, vocab, 2))))
-    meta, err = run("--speculative-token-map", str(tmp_path / "map.json"))
-    assert "bundled EAGLE draft" in err and f"token map {tmp_path / 'map.json'}" in err
-    assert meta["spec_verify_ct"] >= 1
-    meta, err = run(
-        "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", target
-    )
-    assert "bundled" not in err and meta["spec_verify_ct"] >= 1
-    monkeypatch.setitem(defaults._BUNDLED, target.lower(), "missing")
-    meta, err = run()
-    assert "spec_verify_ct" not in meta and "bundled" not in err
-
-
-def test_default_draft_settings_per_device(tmp_path, monkeypatch):
-    """serving.json's "cuda" section applies on a GPU only; the top level elsewhere."""
-    from specserve.train import defaults
-
-    folder = tmp_path / "drafts" / "d"
-    folder.mkdir(parents=True)
-    (folder / "model.safetensors").write_bytes(b"")
-    chain = {"speculative_num_steps": 3, "speculative_eagle_topk": 1}
-    tree = {
-        "speculative_num_steps": 8,
-        "speculative_eagle_topk": 8,
-        "speculative_num_draft_tokens": 64,
-    }
-    (folder / "serving.json").write_text(
-        json.dumps({**chain, "speculative_num_draft_tokens": 4, "cuda": tree})
-    )
-    monkeypatch.setattr(defaults, "_drafts_root", lambda: str(tmp_path / "drafts"))
-    monkeypatch.setitem(defaults._BUNDLED, "m", "d")
-    monkeypatch.setattr(defaults, "default_draft_algorithm", lambda model: "EAGLE")
-
-    def shape(device):
-        kw = defaults.default_draft_engine_kwargs("m", device)
-        return tuple(kw[k] for k in defaults._SETTING_KEYS)
-
-    assert shape("cpu") == (3, 1, 4)
-    assert shape("cuda") == shape("cuda:1") == (8, 8, 64)
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    assert shape("auto") == (3, 1, 4)
-    assert "speculative_token_map" not in defaults.default_draft_engine_kwargs("m", "cpu")
-    # a token map named in serving.json is a file of the folder, on every device
-    saved = json.loads((folder / "serving.json").read_text())
-    (folder / "serving.json").write_text(json.dumps({**saved, "speculative_token_map": "t.json"}))
-    for device in ("cpu", "cuda"):
-        kw = defaults.default_draft_engine_kwargs("m", device)
-        assert kw["speculative_token_map"] == str(folder / "t.json")
-        assert "speculative_token_map_growth" not in kw
-    grows = {**saved, "speculative_token_map": "t.json", "speculative_token_map_growth": 512}
-    (folder / "serving.json").write_text(json.dumps(grows))
-    assert defaults.default_draft_engine_kwargs("m", "cpu")["speculative_token_map_growth"] == 512
-
-
-def test_default_draft_names():
-    from specserve.train.defaults import default_draft_algorithm, default_draft_engine_kwargs
-
-    assert default_draft_algorithm("smollm2-135m") == "EAGLE"
-    assert default_draft_algorithm("llama3-8b") is None
-    assert default_draft_engine_kwargs("llama3-8b") is None
-
-
-@pytest.mark.slow
-def test_bundled_draft_runs_with_default_model():
-    """The bundled draft as served on a CPU (its serving.json: a 3-step chain over the bundled
-    token map, growing with the request's tokens) keeps the plain output and drafts well."""
-    from specserve.speculative.token_map import load_token_map
-    from specserve.train.defaults import default_draft_engine_kwargs, default_draft_for
-
-    draft = default_draft_for("smollm2-135m")
-    if draft is None:
-        pytest.skip("no bundled draft in this checkout (specserve/data/drafts/smollm2-135m-eagle)")
-    size = os.path.getsize(os.path.join(draft, "model.safetensors"))
-    assert size < 20 * 2**20
-    served = default_draft_engine_kwargs("smollm2-135m", "cpu")
-    assert served["speculative_token_map"] == os.path.join(draft, "token_map.json")
-    assert len(load_token_map(served["speculative_token_map"], 49152)) == 16384
-    assert served["speculative_token_map_growth"] > 0
-    with Engine(model_path="smollm2-135m", **served) as e:
-        ids = e.tokenize_chat([{"role": "user", "content": "Explain how tides work."}])
-        out = e.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 48})
-    with Engine(model_path="smollm2-135m") as e:
-        plain = e.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 48})
-    assert out["output_ids"] == plain["output_ids"]
-    assert out["meta_info"]["spec_accept_length"] > 1.5
-
-
-# ---- the soft cross-entropy and EAGLE3 ------------------------------------------------------------
-@pytest.mark.parametrize("train_weight", [False, True])
-def test_linear_soft_ce_matches_autograd_reference(train_weight):
-    """The chunked cross-entropy (gradients formed in its forward) equals plain autograd: loss,
-    top-1 hits, and the gradients of the input and, when it trains, of the weight."""
-    from specserve.train.trainer import linear_soft_ce, soft_ce_reference
-
-    seed = int(time.time()) % 10000  # fresh inputs each run; the seed is in the failure
-    print(f"seed {seed}")
-    g = torch.Generator().manual_seed(seed)
-    rows, hidden, vocab, k = 37, 16, 50, 4
-    x = torch.randn(rows, hidden, generator=g, requires_grad=True)
-    w = torch.randn(vocab, hidden, generator=g, requires_grad=train_weight)
-    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(rows)])
-    ids[:5, 0] = (x[:5].detach() @ w.detach().t()).argmax(-1)  # some certain hits
-    probs = torch.rand(rows, k, generator=g)
-    probs = probs / probs.sum(-1, keepdim=True)
-    row_w = torch.rand(rows, generator=g)
-    row_w[3] = 0.0
-    loss, hits = linear_soft_ce(x, w, ids, probs, row_w, chunk=8)
-    x2, w2 = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
-    ref_loss, ref_hits = soft_ce_reference(x2, w2, ids, probs, row_w)
-    (3.0 * loss).backward()
-    (3.0 * ref_loss).backward()
-    torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-4)
-    assert torch.equal(hits, ref_hits) and hits[:5].all()
-    torch.testing.assert_close(x.grad, x2.grad, atol=1e-5, rtol=1e-4)
-    if train_weight:
-        torch.testing.assert_close(w.grad, w2.grad, atol=1e-5, rtol=1e-4)
-    else:
-        assert w.grad is None
-
-
 def test_eagle3_capture_layers_fit_any_depth():
     assert eagle3_capture_layers({}, 32) == [2, 16, 29]
     for n in range(1, 12):
@@ -719,6 +563,38 @@ def test_eagle3_resume_keeps_vocabulary_and_rejects_other_heads(tmp_path):
         key = next(iter(change))
         with pytest.raises(ValueError, match=key):
             train(target, data_dir, out, bad, resume=True, work_dir=work, log=quiet)
+
+
+@pytest.mark.parametrize("train_weight", [False, True])
+def test_linear_soft_ce_matches_autograd_reference(train_weight):
+    """The chunked cross-entropy (gradients formed in its forward) equals plain autograd: loss,
+    top-1 hits, and the gradients of the input and, when it trains, of the weight."""
+    from specserve.train.trainer import linear_soft_ce, soft_ce_reference
+
+    seed = int(time.time()) % 10000  # fresh inputs each run; the seed is in the failure
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    rows, hidden, vocab, k = 37, 16, 50, 4
+    x = torch.randn(rows, hidden, generator=g, requires_grad=True)
+    w = torch.randn(vocab, hidden, generator=g, requires_grad=train_weight)
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(rows)])
+    ids[:5, 0] = (x[:5].detach() @ w.detach().t()).argmax(-1)  # some certain hits
+    probs = torch.rand(rows, k, generator=g)
+    probs = probs / probs.sum(-1, keepdim=True)
+    row_w = torch.rand(rows, generator=g)
+    row_w[3] = 0.0
+    loss, hits = linear_soft_ce(x, w, ids, probs, row_w, chunk=8)
+    x2, w2 = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    ref_loss, ref_hits = soft_ce_reference(x2, w2, ids, probs, row_w)
+    (3.0 * loss).backward()
+    (3.0 * ref_loss).backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-4)
+    assert torch.equal(hits, ref_hits) and hits[:5].all()
+    torch.testing.assert_close(x.grad, x2.grad, atol=1e-5, rtol=1e-4)
+    if train_weight:
+        torch.testing.assert_close(w.grad, w2.grad, atol=1e-5, rtol=1e-4)
+    else:
+        assert w.grad is None
 
 
 @pytest.mark.parametrize("factors", [None, (1.0, 2.0, 8.0, 8.0)])

@@ -13,11 +13,10 @@ if not torch.cuda.is_available():
 
 from specserve.ops.triton_draft_frontier import (  # noqa: E402
     GREEDY_KEY,
-    Candidates,
-    Frontier,
     expand_frontier_reference,
     first_column,
 )
+from specserve.speculative.frontier import Candidates, Frontier  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -228,11 +227,8 @@ def test_drafter_with_the_kernel_drafts_the_reference_trees(monkeypatch, tmp_pat
     arguments and double-buffered frontiers are wired as the reference's."""
     pytest.importorskip("triton", reason="the frontier kernel needs the triton package")
     from specserve import Engine
+    from specserve.config import Kernels
     from specserve.model.config import PRESETS
-    from specserve.ops.triton_draft_frontier import (
-        expand_frontier_reference,
-        expand_frontier_triton,
-    )
     from specserve.speculative import drafter as drafter_module
     from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
     from tests.engine_utils import TINY, mixed_prompts
@@ -250,9 +246,8 @@ def test_drafter_with_the_kernel_drafts_the_reference_trees(monkeypatch, tmp_pat
 
     monkeypatch.setattr(drafter_module.TreeDrafter, "draft", recording_draft)
     runs = []
-    for impl in (expand_frontier_reference, expand_frontier_triton):
-        # pinned both ways: on CUDA the drafter's default is already the kernel
-        monkeypatch.setattr(drafter_module, "expand_frontier", impl)
+    # only the drafting-depth kernel differs between the runs (tree selection stays torch)
+    for kernels in (Kernels(), Kernels(draft_tree=True)):
         trees.clear()
         with Engine(
             **{**TINY, "device": DEVICE.type},
@@ -263,6 +258,7 @@ def test_drafter_with_the_kernel_drafts_the_reference_trees(monkeypatch, tmp_pat
             speculative_num_draft_tokens=12,
             max_total_tokens=4096,  # the previous engine may not be collected yet (CUDA)
             disable_cuda_graph=True,  # graphs call draft() only while capturing: record every step
+            kernels=kernels,
         ) as e:
             outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
         runs.append((outs, list(trees)))

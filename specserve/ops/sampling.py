@@ -22,7 +22,7 @@ from specserve.config.kernels import REFERENCE, Kernels
 
 def _triton_rows(logits: torch.Tensor, kernels: Kernels) -> bool:
     """The split-row Triton reductions (ops/triton_topk.py) apply."""
-    return kernels.sampling_reductions and logits.is_cuda and logits.dim() == 2
+    return kernels.sampling_reductions and logits.dim() == 2
 
 
 def argmax_rows(logits: torch.Tensor, kernels: Kernels = REFERENCE) -> torch.Tensor:

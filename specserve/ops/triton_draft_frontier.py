@@ -28,8 +28,8 @@ never preferred), as `best_columns` in ops/triton_tree_select.py. The selection 
 int64 keys of the top-k kernels (float bits in the high word, 0x7FFFFFFF - column in the low
 word): one integer max is "largest key, lowest column". The next frontier is in that order.
 
-`expand_frontier` dispatches: the kernel when the caller's kernels say so (`use_kernel`) and
-the tensors are on CUDA, else `expand_frontier_reference`. The frontier and candidate
+`expand_frontier` dispatches: the kernel when the caller's kernels say so (`use_kernel`; on
+CPU tensors that is the Triton interpreter), else `expand_frontier_reference`. The frontier and candidate
 buffers are speculative/frontier.py's `Frontier` and `Candidates` (read here by field).
 """
 
@@ -257,7 +257,7 @@ def expand_frontier(
     `cands` at their columns and, unless `out` is None (the last depth), the next frontier
     into `out` (not `frontier`'s storage). c_logp, c_tok: the head's top-k [B*F, k] of the
     frontier's outputs g [B*F, H]. One launch on CUDA, the torch reference elsewhere."""
-    if use_kernel and c_logp.is_cuda and c_logp.shape[1] <= MAX_K:  # (config caps k at 16)
+    if use_kernel and c_logp.shape[1] <= MAX_K:  # (config caps k at 16)
         expand_frontier_triton(c_logp, c_tok, g, frontier, depth, cands, out)
     else:
         expand_frontier_reference(c_logp, c_tok, g, frontier, depth, cands, out)

@@ -19,8 +19,7 @@ keys are path log-probabilities, NaN ranks as -inf) and ties go to the parent's 
 so every chosen node's parent is chosen. Should a set ever not be closed, the kernel writes
 parent -1 for the orphan, as the reference does.
 
-`select_tree` dispatches: the kernel when the caller's kernels say so (`use_kernel`) and the
-candidates are on CUDA, else `select_tree_reference` (the CPU path). The mask comes with the kernel for trees of at most
+`select_tree` dispatches: the kernel when the caller's kernels say so (`use_kernel`), else `select_tree_reference` (the CPU path). The mask comes with the kernel for trees of at most
 MAX_MASK_NODES nodes (its walk holds rows of the mask in registers; wider trees would walk
 a few rows at a time, one program per request); otherwise verification builds it with
 `speculative/tree.py: ancestor_mask`.
@@ -185,6 +184,6 @@ def select_tree(
     """(tokens, parents, depths, scores, ancestor mask or None) of the tree of n nodes: one
     launch on CUDA (the mask up to MAX_MASK_NODES nodes), the torch reference (no mask)
     elsewhere."""
-    if use_kernel and roots.is_cuda and cands.tokens.shape[1] <= MAX_CANDIDATES:
+    if use_kernel and cands.tokens.shape[1] <= MAX_CANDIDATES:
         return select_tree_triton(roots, cands, cand_depths, n, max_depth)
     return (*select_tree_reference(roots, cands, cand_depths, n), None)

@@ -279,8 +279,9 @@ def run_server(engine_kwargs: dict, args) -> int:
         )
         server = _make_server(config, state, cfg.graceful_shutdown_timeout)
         print(
-            f"specserve: model {state.model_name!r} loaded (context {state.context_len}); "
-            f"starting the HTTP server on http://{cfg.host}:{cfg.port}",
+            f"specserve: model {state.model_name!r} loaded (context {state.context_len}; "
+            f"{engine.config.draft_summary()}); starting the HTTP server on "
+            f"http://{cfg.host}:{cfg.port}",
             file=sys.stderr,
             flush=True,
         )

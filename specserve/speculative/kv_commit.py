@@ -21,7 +21,7 @@ def commit_accepted_path(
     path: [B, D+1] accepted node ids by depth (padded by repeating the last one, whose
     copies land in positions past the accepted length, which are scratch)."""
     for cache in caches:
-        if use_kernel and cache.buffer.is_cuda:
+        if use_kernel:
             from specserve.ops.triton_kv_commit import commit_path
 
             commit_path(cache.buffer, window_slots, path)

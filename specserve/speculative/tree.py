@@ -75,7 +75,7 @@ def accept(
     walk of max_depth steps (one kernel on CUDA with use_kernel, ops/triton_accept.py).
     """
     parents, tokens = trees.parents, trees.tokens
-    if anc is not None and use_kernel and tokens.is_cuda:
+    if anc is not None and use_kernel:
         from specserve.ops.triton_accept import accept_triton
 
         return Acceptance(
