@@ -11,9 +11,10 @@ graphs with L2 flushed before each replay, so weights come from HBM as in a real
    weights (like the layers of a step); µs per op for the torch way (the elementwise kernel
    and F.linear, as fused mode 1 runs them) and for each config of the skinny GEMM.
 2. the model (random weights, attention replaced by 'return q'; rotary + KV write as in the
-   engine) in one graph: mode 1, mode 2 with the built-in heuristic, and mode 2 with the best
-   config of part 1 per shape; max relative error of the logits against plain torch.
-`--out DIR` writes the per-shape winners as linear_tuned.json (SPECSERVE_LINEAR_CONFIGS).
+   engine) in one graph: plain torch, mode 1 and mode 2 (the skinny GEMM's heuristic
+   configs); max relative error of the logits against plain torch.
+`--out DIR` writes the per-shape winners as linear_tuned.json (entries to paste into
+`TUNED` in specserve/ops/triton_linear.py).
 JSON lines as it goes; tables last.
 """
 
@@ -30,7 +31,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from linear_kernels import DTYPE, _StubContext, build_model, emit, max_rel_err  # noqa: E402
+from linear_kernels import (  # noqa: E402
+    DTYPE,
+    _StubContext,
+    build_model,
+    emit,
+    max_rel_err,
+    mode_kernels,
+)
 
 from specserve.bench.gpu_timing import captured  # noqa: E402
 
@@ -128,44 +136,33 @@ def per_shape(args, sink, cfg, m: int) -> list[dict]:
     return rows
 
 
-def model_stack(args, sink, model, m: int, best: dict) -> list[dict]:
-    from specserve.model import llama
-    from specserve.ops import triton_linear
-
+def model_stack(args, sink, model, m: int) -> list[dict]:
     ids = torch.randint(0, model.config.vocab_size, (m,), device="cuda")
     pos = torch.arange(100, 100 + m, device="cuda")
     ctx = _StubContext(model.config, m)
-    ways = [("plain torch", 0, {}), ("mode 1: F.linear + fused elementwise", 1, {}),
-            ("mode 2: skinny GEMM, heuristic", 2, {}), ("mode 2: skinny GEMM, tuned", 2, best)]  # fmt: skip
+    ways = [("plain torch", 0), ("mode 1: F.linear + fused elementwise", 1),
+            ("mode 2: skinny GEMM", 2)]  # fmt: skip
     rows, ref = [], None
-    with llama.fused_ops_kept():
-        try:
-            for label, mode, tuned in ways:
-                llama.set_fused_ops(linear=mode == 2, elementwise=mode >= 1, max_tokens=max(m, 1))
-                triton_linear.TUNED.clear()
-                triton_linear.TUNED.update(tuned)
-                triton_linear._PICKED.clear()
+    for label, mode in ways:
+        ctx.kernels = kernels = mode_kernels(mode, max_tokens=max(m, 1))
 
-                def step():
-                    return model.compute_logits(model(ids, pos, ctx).hidden)
+        def step(kernels=kernels):
+            return model.compute_logits(model(ids, pos, ctx).hidden, kernels)
 
-                with torch.inference_mode():
-                    graph, out = captured(step)
-                    logits = out.float().clone()
-                us = bench_us(graph.replay)
-                if ref is None:
-                    ref = logits
-                rec = dict(
-                    kind="model", way=label, M=m, us=round(us, 1),
-                    max_rel_err_vs_torch=round(max_rel_err(logits, ref), 5),
-                    same_argmax=round(float((logits.argmax(-1) == ref.argmax(-1)).float().mean()), 3),
-                )  # fmt: skip
-                emit(rec, sink)
-                rows.append(rec)
-                del graph
-        finally:
-            triton_linear.TUNED.clear()
-            triton_linear._PICKED.clear()
+        with torch.inference_mode():
+            graph, out = captured(step)
+            logits = out.float().clone()
+        us = bench_us(graph.replay)
+        if ref is None:
+            ref = logits
+        rec = dict(
+            kind="model", way=label, M=m, us=round(us, 1),
+            max_rel_err_vs_torch=round(max_rel_err(logits, ref), 5),
+            same_argmax=round(float((logits.argmax(-1) == ref.argmax(-1)).float().mean()), 3),
+        )  # fmt: skip
+        emit(rec, sink)
+        rows.append(rec)
+        del graph
     return rows
 
 
@@ -193,12 +190,10 @@ def main() -> int:
         for m in ms:
             rows = per_shape(args, sink, model.config, m)
             shape_rows += rows
-            best = {}
             for r in rows:
                 c = LinearConfig(**r["best"])
-                best[(m_bucket(m), r["N"], r["K"])] = c
                 tuned_json.append(dict(m=m_bucket(m), n=r["N"], k=r["K"], **c.__dict__))
-            model_rows += model_stack(args, sink, model, m, best)
+            model_rows += model_stack(args, sink, model, m)
             print(f"# M={m} done at {time.time() - t0:.0f} s", flush=True)
     finally:
         if sink is not None:

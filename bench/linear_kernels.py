@@ -139,6 +139,7 @@ class _StubContext:
     (the fused kernel when Triton is there), attention itself is replaced by 'return q'."""
 
     capture_layers = frozenset()
+    kernels = None  # set per measured mode
 
     def __init__(self, cfg, m: int):
         from types import SimpleNamespace
@@ -179,36 +180,47 @@ def build_model(preset: str = "llama3-8b"):
     return model.eval().requires_grad_(False)
 
 
+def mode_kernels(mode: int, max_tokens: int = 1):
+    """0: torch ops; 1: F.linear + fused elementwise; 2: the skinny GEMM up to max_tokens."""
+    from specserve.config import Kernels
+
+    return Kernels(
+        skinny_gemm=mode == 2,
+        skinny_gemm_max_tokens=max_tokens,
+        fused_norms=mode >= 1,
+        fp32_logits=True,
+    )
+
+
 def model_stack(args, sink, model, m: int) -> list[dict]:
-    from specserve.model import llama
+    from specserve.model.layers import fused_mode
 
     ids = torch.randint(0, model.config.vocab_size, (m,), device="cuda")
     pos = torch.arange(100, 100 + m, device="cuda")
     ctx = _StubContext(model.config, m)
     rows, logits = [], {}
-    with llama.fused_ops_kept():
-        for mode in (0, 1, 2):
-            llama.set_fused_ops(linear=mode == 2, elementwise=mode >= 1)
+    for mode in (0, 1, 2):
+        ctx.kernels = kernels = mode_kernels(mode)
 
-            def step():
-                out = model(ids, pos, ctx)
-                return model.compute_logits(out.hidden)
+        def step(kernels=kernels):
+            out = model(ids, pos, ctx)
+            return model.compute_logits(out.hidden, kernels)
 
-            with torch.inference_mode():
-                x = torch.zeros(m, model.config.hidden_size, device="cuda", dtype=DTYPE)
-                got = llama.fused_mode(x)
-                graph, out = captured(step)
-                logits[mode] = out.clone()
-            ms = bench_ms(graph.replay, args)
-            err = max_rel_err(logits[mode], logits[0]) if mode else 0.0
-            rec = dict(
+        with torch.inference_mode():
+            x = torch.zeros(m, model.config.hidden_size, device="cuda", dtype=DTYPE)
+            got = fused_mode(x, kernels)
+            graph, out = captured(step)
+            logits[mode] = out.clone()
+        ms = bench_ms(graph.replay, args)
+        err = max_rel_err(logits[mode], logits[0]) if mode else 0.0
+        rec = dict(
                 kind="model_stack", mode=mode, active_mode=got, M=m, ms=round(ms, 4),
                 tok_s=round(m * 1e3 / ms, 1), max_rel_err_vs_mode0=round(err, 5),
                 same_argmax=float((logits[mode].argmax(-1) == logits[0].argmax(-1)).float().mean()),
             )  # fmt: skip
-            emit(rec, sink)
-            rows.append(rec)
-            del graph
+        emit(rec, sink)
+        rows.append(rec)
+        del graph
     return rows
 
 
