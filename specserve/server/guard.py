@@ -54,7 +54,8 @@ class RequestGuard:
         headers = Headers(scope=scope)
         err = self._check_headers(scope, headers)
         if err is not None:
-            await self._reply(scope, receive, send, err)
+            # after a 413 the rest of the body is not read: close rather than drain it
+            await self._reply(scope, receive, send, err, close=err.status == 413)
             return
         if scope["method"] in _BODY_METHODS:
             try:
