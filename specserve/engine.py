@@ -56,6 +56,10 @@ def request_output(req: Request, incremental: bool = False) -> dict[str, Any]:
     return {"text": text, "output_ids": ids, "meta_info": meta, "finished": req.finished}
 
 
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
 class Engine:
     """Arguments follow SGLang's names; see `EngineConfig` (and `specserve generate --help`)."""
 
@@ -73,6 +77,9 @@ class Engine:
         self._seed_rng = random.Random(self.config.random_seed)
         self._lock = threading.Lock()
         self.step_hooks: list[Callable[[EngineCore], None]] = []
+        # Why the device step failed, once it has: every request in flight was failed, and
+        # the server reports the engine unhealthy.
+        self.failure: str | None = None
         self._thread = threading.Thread(target=self._loop, name="specserve-loop", daemon=True)
         self._thread.start()
 
@@ -108,6 +115,8 @@ class Engine:
     ) -> dict | list[dict] | Iterator[dict]:
         """One request (str / list[int]) returns a dict; a batch returns a list of dicts.
         stream=True (one request only) returns an iterator of incremental outputs."""
+        if not isinstance(stream, bool):
+            raise InvalidArgument("stream", f"must be true or false, got {stream!r}")
         single, prompts = self._normalize_inputs(prompt, input_ids)
         params = self._normalize_params(sampling_params, len(prompts))
         rids = self._normalize_rids(rid, len(prompts))
@@ -193,9 +202,9 @@ class Engine:
             raise InvalidArgument(
                 "input_ids", "must be a non-empty list of token ids or of lists of token ids"
             )
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+        if all(_is_token(t) for t in input_ids):
             return True, [(list(input_ids), "input_ids")]
-        if all(isinstance(x, list) for x in input_ids):
+        if all(isinstance(x, list) and all(_is_token(t) for t in x) for x in input_ids):
             return False, [(list(x), "input_ids") for x in input_ids]
         raise InvalidArgument("input_ids", "must be a list of ints or a list of lists of ints")
 
@@ -219,6 +228,8 @@ class Engine:
             if n != 1:
                 raise InvalidArgument("rid", "give one id per prompt")
             return [rid]
+        if not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
+            raise InvalidArgument("rid", "must be a string or a list of strings")
         if len(rid) != n:
             raise InvalidArgument("rid", f"has {len(rid)} ids for {n} prompts")
         return list(rid)
@@ -283,8 +294,10 @@ class Engine:
                 continue
             try:
                 touched = core.step()
-            except Exception as e:  # keep serving: fail the live requests with the reason
-                log.exception("step failed")
+            except Exception as e:  # the device step itself is broken (a request's own host
+                # work fails that request alone, in EngineCore): fail the live requests
+                self.failure = f"the engine step failed: {type(e).__name__}: {e}"
+                log.exception("engine step failed; failing every request in flight")
                 touched = self._fail_all(f"internal error: {type(e).__name__}: {e}")
             try:
                 for hook in self.step_hooks:
@@ -305,8 +318,9 @@ class Engine:
             return
         try:
             req.on_output(req)
-        except Exception:  # a consumer's bug must not stop the loop serving everyone else
+        except Exception as e:  # fails this request alone; the next step reaps and reports it
             log.exception("output callback of %s failed", req.rid)
+            req.finish("abort", message=f"output callback failed: {type(e).__name__}: {e}")
 
     def _drain_inbox(self) -> None:
         while True:

@@ -1,16 +1,32 @@
-"""Per-request sampling parameters (SGLang's names), validated once on submission."""
+"""Per-request sampling parameters (SGLang's names), validated once on submission.
+
+`check_field` is the one validation of a sampling parameter: the offline API
+(`SamplingParams.from_any`) and the HTTP server's request models both call it, so a value is
+accepted or rejected the same way everywhere. Types are strict: a boolean is not a number,
+a float is not an integer, a string or null is not a boolean.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from specserve.errors import InvalidArgument, require
+from specserve.errors import InvalidArgument
+
+# Below this a temperature samples greedily (as vLLM): logits / T would overflow float32.
+GREEDY_BELOW = 1e-5
+MAX_TEMPERATURE = 100.0  # the engine and /generate; the OpenAI routes allow 2, as OpenAI
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024  # each generated token is looked up in this list
+INT64_MAX = 2**63 - 1  # integers the engine packs into int64 tensors must fit
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: no limit
     min_p: float = 0.0
@@ -22,94 +38,157 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     @staticmethod
-    def from_any(value: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    def from_any(
+        value: SamplingParams | dict[str, Any] | None, max_temperature: float = MAX_TEMPERATURE
+    ) -> SamplingParams:
         if value is None:
             return SamplingParams()
         if isinstance(value, SamplingParams):
-            value.validate()
+            value.validate(max_temperature)
             return value
         if not isinstance(value, dict):
-            raise InvalidArgument("sampling_params", "must be a dict or SamplingParams")
-        known = {f.name for f in fields(SamplingParams)}
-        unknown = sorted(set(value) - known)
-        if unknown:
             raise InvalidArgument(
-                unknown[0], f"unknown sampling parameter; allowed: {', '.join(sorted(known))}"
+                "sampling_params", f"must be a dict or SamplingParams, got {type(value).__name__}"
             )
-        kwargs = dict(value)
-        if isinstance(kwargs.get("stop"), str):
-            kwargs["stop"] = [kwargs["stop"]]
-        if kwargs.get("stop") is None:
-            kwargs["stop"] = []
-        if kwargs.get("stop_token_ids") is None:
-            kwargs["stop_token_ids"] = []
-        params = SamplingParams(**kwargs)
-        params.validate()
-        return params
+        kwargs = {name: check_field(name, v, max_temperature) for name, v in value.items()}
+        return SamplingParams(**kwargs)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_filter(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
-    def validate(self) -> None:
-        def number(name: str, v: Any) -> None:
-            require(
-                isinstance(v, (int, float)) and not isinstance(v, bool),
-                name,
-                f"must be a number, got {v!r}",
-            )
+    def validate(self, max_temperature: float = MAX_TEMPERATURE) -> None:
+        """Check every field (and normalize: a tiny temperature becomes 0, i.e. greedy)."""
+        for f in fields(self):
+            setattr(self, f.name, check_field(f.name, getattr(self, f.name), max_temperature))
 
-        number("temperature", self.temperature)
-        require(
-            self.temperature >= 0.0,
-            "temperature",
-            f"must be >= 0 (0 = greedy), got {self.temperature}",
+
+# ---- the checks ---------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(name: str, v: Any) -> float:
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool)):
+        raise InvalidArgument(name, f"must be a number, got {_short(v)}")
+    if not math.isfinite(v):
+        raise InvalidArgument(name, f"must be a finite number, got {v}")
+    return float(v)
+
+
+def _integer(name: str, v: Any, low: int, allowed: str) -> int:
+    if not _is_int(v):
+        raise InvalidArgument(name, f"must be an integer, got {_short(v)}")
+    if not low <= v <= INT64_MAX:
+        raise InvalidArgument(name, f"must be {allowed}, got {v}")
+    return v
+
+
+def _boolean(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise InvalidArgument(name, f"must be true or false, got {_short(v)}")
+    return v
+
+
+def _temperature(v: Any, max_temperature: float) -> float:
+    t = _number("temperature", v)
+    if not 0.0 <= t <= max_temperature:
+        raise InvalidArgument(
+            "temperature", f"must be in [0, {max_temperature:g}] (0 = greedy), got {t:g}"
         )
-        number("top_p", self.top_p)
-        require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        require(
-            isinstance(self.top_k, int) and not isinstance(self.top_k, bool),
-            "top_k",
-            f"must be an integer, got {self.top_k!r}",
+    return 0.0 if t < GREEDY_BELOW else t
+
+
+def _top_p(v: Any) -> float:
+    p = _number("top_p", v)
+    if not 0.0 < p <= 1.0:
+        raise InvalidArgument("top_p", f"must be in (0, 1], got {p:g}")
+    return p
+
+
+def _min_p(v: Any) -> float:
+    p = _number("min_p", v)
+    if not 0.0 <= p <= 1.0:
+        raise InvalidArgument("min_p", f"must be in [0, 1], got {p:g}")
+    return p
+
+
+def _top_k(v: Any) -> int:
+    return _integer("top_k", v, -1, "-1 or 0 (no limit) or a positive integer below 2**63")
+
+
+def _max_new_tokens(v: Any) -> int:
+    return _integer("max_new_tokens", v, 0, "an integer in [0, 2**63)")
+
+
+def _seed(v: Any) -> int | None:
+    return None if v is None else _integer("seed", v, 0, "an integer in [0, 2**63) or null")
+
+
+def _stop(v: Any) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise InvalidArgument("stop", "must be a string or a list of strings")
+    if len(v) > MAX_STOP_STRINGS:
+        raise InvalidArgument(
+            "stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(v)}"
         )
-        require(
-            self.top_k == -1 or self.top_k >= 0,
-            "top_k",
-            f"must be -1 (off) or >= 0, got {self.top_k}",
-        )
-        number("min_p", self.min_p)
-        require(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        require(
-            isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool),
-            "max_new_tokens",
-            f"must be an integer, got {self.max_new_tokens!r}",
-        )
-        require(
-            self.max_new_tokens >= 0, "max_new_tokens", f"must be >= 0, got {self.max_new_tokens}"
-        )
-        require(
-            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-            "stop",
-            "must be a non-empty string or a list of non-empty strings",
-        )
-        require(
-            isinstance(self.stop_token_ids, list)
-            and all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                for t in self.stop_token_ids
-            ),
-            "stop_token_ids",
-            "must be a list of non-negative integers",
-        )
-        if self.seed is not None:
-            require(
-                isinstance(self.seed, int)
-                and not isinstance(self.seed, bool)
-                and 0 <= self.seed < 2**63,
-                "seed",
-                f"must be an integer in [0, 2**63), got {self.seed!r}",
+    for s in v:
+        if not s:
+            raise InvalidArgument("stop", "stop strings must not be empty")
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidArgument(
+                "stop", f"a stop string has at most {MAX_STOP_CHARS} characters, got {len(s)}"
             )
+    return list(v)
+
+
+def _stop_token_ids(v: Any) -> list[int]:
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in v):
+        raise InvalidArgument("stop_token_ids", "must be a list of non-negative integer token ids")
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(
+            "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids are allowed, got {len(v)}"
+        )
+    return list(v)
+
+
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "top_p": _top_p,
+    "top_k": _top_k,
+    "min_p": _min_p,
+    "max_new_tokens": _max_new_tokens,
+    "stop": _stop,
+    "stop_token_ids": _stop_token_ids,
+    "ignore_eos": lambda v: _boolean("ignore_eos", v),
+    "seed": _seed,
+    "skip_special_tokens": lambda v: _boolean("skip_special_tokens", v),
+}
+FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+def check_field(name: Any, value: Any, max_temperature: float = MAX_TEMPERATURE) -> Any:
+    """The validated (normalized) value of one sampling parameter; InvalidArgument naming
+    the field otherwise."""
+    if name == "temperature":
+        return _temperature(value, max_temperature)
+    check = _CHECKS.get(name) if isinstance(name, str) else None
+    if check is None:
+        raise InvalidArgument(
+            str(name), f"unknown sampling parameter; allowed: {', '.join(sorted(FIELDS))}"
+        )
+    return check(value)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."

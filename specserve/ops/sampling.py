@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config.kernels import REFERENCE, Kernels
+from specserve.sampling_params import GREEDY_BELOW
 
 
 def _triton_rows(logits: torch.Tensor, kernels: Kernels) -> bool:
@@ -127,7 +128,11 @@ def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 def target_distribution_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """logits / T with filters applied: softmax of this is the distribution we sample from."""
-    temps = torch.where(st.temperatures > 0, st.temperatures, torch.ones_like(st.temperatures))
+    # Rows below GREEDY_BELOW take the greedy token (see `sample`); clamping keeps logits / T
+    # finite for them (a denormal T overflows float32 and argmax of NaNs is token 0).
+    temps = torch.where(
+        st.temperatures >= GREEDY_BELOW, st.temperatures, torch.ones_like(st.temperatures)
+    )
     scaled = logits.float() / temps[:, None]
     return filter_logits(scaled, st) if st.needs_filter else scaled
 
@@ -146,4 +151,4 @@ def sample(
     scaled = target_distribution_logits(logits, st)
     gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, positions, logits.shape[-1])))
     sampled = (scaled + gumbel).argmax(dim=-1)
-    return torch.where(st.temperatures > 0, sampled, greedy)
+    return torch.where(st.temperatures >= GREEDY_BELOW, sampled, greedy)

@@ -274,9 +274,19 @@ class EngineCore:
                 req = c.req
                 if req.first_token_time is None:
                     req.first_token_time = time.perf_counter()
-                self.stop_checker.append_tokens(req, [sampled[req.rid]])
+                self._append_tokens(req, [sampled[req.rid]])
                 touched.append(req)
         return touched
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> None:
+        """The host-side work on one request's new tokens (detokenizing, stop checks). A
+        failure there fails that request alone; finishing it is enough, since its pages are
+        reaped only once no launched step can still write them."""
+        try:
+            self.stop_checker.append_tokens(req, tokens)
+        except Exception as e:
+            log.exception("request %s: processing its new tokens failed", req.rid)
+            req.finish("abort", message=f"internal error: {type(e).__name__}: {e}")
 
     def _launch_decode(self, reqs: list[Request]):
         kv_upper = [r.kv_len + r.inflight_steps * self.worker.max_accept for r in reqs]
@@ -297,7 +307,7 @@ class EngineCore:
             if req.finished:
                 continue
             self.scheduler.decode_done(req, n)
-            self.stop_checker.append_tokens(req, tokens)
+            self._append_tokens(req, tokens)
             if self.worker.drafter.observes_tokens:
                 emitted[req.rid] = tokens
             touched.append(req)

@@ -7,11 +7,7 @@ API), /health, /metrics. See docs/SERVER.md.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
-import sys
-import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,12 +18,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.server import openai_api
+from specserve.server import schemas as s
+from specserve.server.guard import RequestGuard
 from specserve.server.metrics import CONTENT_TYPE
 from specserve.server.protocol import (
     APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
     GenerateRequest,
-    check_native_sampling_params,
-    parse,
 )
 from specserve.server.state import ServerConfig, ServerState
 
@@ -46,18 +44,32 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
         # uvicorn calls this after its graceful shutdown (in-flight requests finished, or
         # cancelled and aborted once graceful_shutdown_timeout passed).
         state.shutting_down = True
+        state.pool.shutdown(wait=False, cancel_futures=True)
         if owns_engine:
             await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="specserve", lifespan=lifespan)
+    app = FastAPI(title="specserve", lifespan=lifespan, responses=s.ERROR_RESPONSES)
     app.state.server = state
+    app.add_middleware(
+        RequestGuard,
+        max_request_bytes=cfg.max_request_bytes,
+        request_body_timeout=cfg.request_body_timeout,
+        api_key=cfg.api_key,
+        on_reject=state.count_rejected,
+    )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        if exc.status == 400:
-            state.metrics.rejected.labels("400").inc()
+        if exc.rejected:
+            state.count_rejected(exc.status)
         headers = {"Retry-After": "1"} if exc.status == 503 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        err = APIError(f"internal error: {type(exc).__name__}", 500, type="server_error")
+        return JSONResponse(err.body(), status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -74,11 +86,23 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
     # ---- OpenAI API -------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    # Handlers parse their bodies themselves (strict, off the event loop when large, errors
+    # naming the field); `body=` only publishes the request model in /openapi.json.
+    @app.post(
+        "/v1/completions",
+        response_model=s.Completion,
+        openapi_extra=s.body(CompletionRequest),
+        responses=s.STREAMED,
+    )
     async def v1_completions(request: Request):
         return await openai_api.completions(request, state)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        response_model=s.ChatCompletion,
+        openapi_extra=s.body(ChatCompletionRequest),
+        responses=s.STREAMED,
+    )
     async def v1_chat_completions(request: Request):
         return await openai_api.chat_completions(request, state)
 
@@ -94,11 +118,11 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
 
     started = int(time.time())
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=s.ModelList)
     async def v1_models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", response_model=s.ModelCard)
     async def v1_model(model: str):
         if not state.accepts_model(model):
             raise APIError(
@@ -110,11 +134,16 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
         return model_card()
 
     # ---- SGLang native ----------------------------------------------------------------------
-    @app.post("/generate")
+    @app.post(
+        "/generate",
+        response_model=s.GenerateOutput | list[s.GenerateOutput],
+        openapi_extra=s.body(GenerateRequest),
+        responses=s.STREAMED,
+    )
     async def generate(request: Request):
         return await _generate(request, state)
 
-    @app.get("/get_model_info")
+    @app.get("/get_model_info", response_model=s.ModelInfo)
     async def get_model_info():
         return {
             "model_path": str(engine.config.model_path),
@@ -126,27 +155,35 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
         }
 
     # ---- operations -------------------------------------------------------------------------
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_model=s.Health,
+        responses={503: {"model": s.Health, "description": "shutting down or failed"}},
+    )
     async def health():
-        if state.shutting_down:
-            return JSONResponse({"status": "shutting down"}, status_code=503)
+        reason = state.unhealthy()
+        if reason:
+            status = "shutting down" if state.shutting_down else "failed"
+            body = {"status": status, "reason": reason}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=s.METRICS)
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    s.install_openapi(app, [CompletionRequest, ChatCompletionRequest, GenerateRequest])
     return app
 
 
 async def _generate(request: Request, state: ServerState):
-    req = parse(GenerateRequest, await request.body())
+    req = await openai_api.parse_body(request, state, GenerateRequest)
     if (req.text is None) == (req.input_ids is None):
         raise APIError("text: give exactly one of text or input_ids", param="text")
     if req.text is not None:
         single = isinstance(req.text, str)
         texts = [req.text] if single else req.text
-        prompts = [state.encode(t, "text") for t in texts]
+        prompts = [await state.encode(t, "text") for t in texts]
         prompt_param = "text"
     else:
         single = isinstance(req.input_ids[0], int)
@@ -161,8 +198,7 @@ async def _generate(request: Request, state: ServerState):
                 f"length is {state.context_len} (the prompt must be shorter)",
                 param=prompt_param,
             )
-    sp = dict(req.sampling_params or {})
-    check_native_sampling_params(sp)
+    sp = req.sampling_params.engine_params() if req.sampling_params else {}
     run = state.start(
         prompts,
         [sp] * len(prompts),
@@ -198,97 +234,3 @@ async def _generate_chunks(run):
             {"text": "".join(text), "output_ids": list(ids), "meta_info": meta, "index": 0}
         )
     yield openai_api.SSE_DONE
-
-
-def server_config_from_args(args) -> ServerConfig:
-    default_max = getattr(args, "default_max_tokens", 128)
-    return ServerConfig(
-        host=getattr(args, "host", "127.0.0.1"),
-        port=getattr(args, "port", 30000),
-        served_model_name=getattr(args, "served_model_name", None),
-        max_queued_requests=getattr(args, "max_queued_requests", None),
-        default_max_tokens=None if default_max in (None, 0, -1) else default_max,
-        graceful_shutdown_timeout=getattr(args, "graceful_shutdown_timeout", 30.0),
-    )
-
-
-def _make_server(config, state: ServerState, grace: float):
-    """A uvicorn server whose SIGINT/SIGTERM handling is: stop accepting, let in-flight
-    requests finish for `grace` seconds, then abort the rest (their streams end with an
-    error event and [DONE]), shut the engine down, and return normally (exit status 0)."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        _abort_timer: threading.Timer | None = None
-
-        def handle_exit(self, sig, frame) -> None:
-            if self._abort_timer is None:
-                print(
-                    f"specserve: shutting down (signal {sig}); letting in-flight requests "
-                    f"finish for up to {grace:g}s",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                state.shutting_down = True
-                self._abort_timer = threading.Timer(grace, state.abort_all)
-                self._abort_timer.daemon = True
-                self._abort_timer.start()
-            super().handle_exit(sig, frame)
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            # Like uvicorn's, without re-raising the signal afterwards (which would kill the
-            # process before the engine is shut down).
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            sigs = (signal.SIGINT, signal.SIGTERM)
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
-                if self._abort_timer is not None:
-                    self._abort_timer.cancel()
-
-    return Server(config)
-
-
-def run_server(engine_kwargs: dict, args) -> int:
-    """`specserve serve`: load the engine, serve until SIGINT/SIGTERM, shut down cleanly."""
-    import uvicorn
-
-    from specserve.engine import Engine
-
-    cfg = server_config_from_args(args)
-    cfg.validate()  # before the (slow) engine load
-    engine = Engine(**engine_kwargs)
-    try:
-        app = create_app(engine, cfg, owns_engine=True)
-        state: ServerState = app.state.server
-        log_level = str(engine.config.log_level).lower()
-        config = uvicorn.Config(
-            app,
-            host=cfg.host,
-            port=cfg.port,
-            log_level=log_level,
-            access_log=log_level in ("debug", "info"),
-            # Backstop only: aborted requests normally end within a step of the abort.
-            timeout_graceful_shutdown=cfg.graceful_shutdown_timeout + 10,
-        )
-        server = _make_server(config, state, cfg.graceful_shutdown_timeout)
-        print(
-            f"specserve: model {state.model_name!r} loaded (context {state.context_len}; "
-            f"{engine.config.draft_summary()}); starting the HTTP server on "
-            f"http://{cfg.host}:{cfg.port}",
-            file=sys.stderr,
-            flush=True,
-        )
-        server.run()
-        if not server.started:
-            return 1
-    finally:
-        engine.shutdown()  # idempotent; the app's lifespan normally did it already
-    print("specserve: server stopped", file=sys.stderr, flush=True)
-    return 0

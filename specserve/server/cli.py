@@ -36,12 +36,30 @@ def add_serve_parser(sub, add_engine_args, engine_kwargs) -> None:
         type=float,
         default=30.0,
         help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting "
-        "them (default: 30)",
+        "them; a second signal exits at once (default: 30)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on every route but /health (default: none)",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="largest request body accepted; larger ones get HTTP 413 (default: 8 MiB)",
+    )
+    g.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a whole request body; slower ones get HTTP 408 "
+        "(default: 30)",
     )
     add_engine_args(p)
 
     def run(args):
-        from specserve.server.app import run_server
+        from specserve.server.serve import run_server
 
         return run_server(engine_kwargs(args), args)
 

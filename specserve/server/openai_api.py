@@ -19,6 +19,9 @@ from specserve.server.protocol import (
 )
 from specserve.server.state import Run, ServerState, watch_disconnect
 
+# Bodies larger than this are parsed on the server's thread pool, not on the event loop.
+PARSE_OFF_LOOP_BYTES = 64 * 1024
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -63,6 +66,13 @@ def _rename(req, prompt_param: str) -> dict[str, str]:
     return {"input_ids": prompt_param, "prompt": prompt_param, "max_new_tokens": max_param}
 
 
+async def parse_body(request: Request, state: ServerState, model):
+    body = await request.body()
+    if len(body) > PARSE_OFF_LOOP_BYTES:
+        return await state.off_loop(parse, model, body)
+    return parse(model, body)
+
+
 async def _collect_or_abort(request: Request, run: Run) -> list[dict[str, Any]]:
     """Wait for the run's final outputs; abort it if the client disconnects meanwhile."""
     watcher = asyncio.create_task(watch_disconnect(request, run.abort))
@@ -98,9 +108,11 @@ async def _streamed(request: Request, run: Run, chunks: AsyncIterator[str]) -> A
 
 # ---- /v1/completions --------------------------------------------------------------------------
 async def completions(request: Request, state: ServerState):
-    req = parse(CompletionRequest, await request.body())
+    req = await parse_body(request, state, CompletionRequest)
     _check_common(state, req)
-    prompts = [state.encode(p, "prompt") if isinstance(p, str) else list(p) for p in req.prompts()]
+    prompts = [
+        await state.encode(p, "prompt") if isinstance(p, str) else list(p) for p in req.prompts()
+    ]
     max_new = _max_new_tokens(state, req, prompts, "prompt")
     params = [req.sampling_params(m) for m in max_new]
     run = state.start(prompts, params, _rename(req, "prompt"))
@@ -205,9 +217,9 @@ async def _completion_chunks(
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------
 async def chat_completions(request: Request, state: ServerState):
-    req = parse(ChatCompletionRequest, await request.body())
+    req = await parse_body(request, state, ChatCompletionRequest)
     _check_common(state, req)
-    ids = state.encode_chat(req.chat_messages())
+    ids = await state.encode_chat(req.chat_messages())
     max_new = _max_new_tokens(state, req, [ids], "messages")
     run = state.start([ids], [req.sampling_params(max_new[0])], _rename(req, "messages"))
     created = int(time.time())

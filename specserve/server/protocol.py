@@ -2,9 +2,12 @@
 into OpenAI-style 400 answers that name the offending field.
 
 Bodies are parsed with `model_validate_json` in strict mode: a string is not a number, a float
-is not an integer, a number is not a boolean. Fields of the OpenAI API that this server does
-not implement are accepted only at their neutral value (e.g. `logprobs: false`), so a client
-never silently gets something other than what it asked for. Unknown fields are ignored.
+is not an integer, a number is not a boolean. Sampling parameters are checked by the engine's
+own `check_field` (one validation for the server and the offline API); the OpenAI routes cap
+temperature at 2, as OpenAI does. Fields of the OpenAI API that this server does not implement
+are accepted only at their neutral value (e.g. `logprobs: false`), so a client never silently
+gets something other than what it asked for. Unknown fields are ignored, except inside
+`/generate`'s `sampling_params`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
+
+from specserve.errors import InvalidArgument
+from specserve.sampling_params import MAX_TEMPERATURE, check_field
+
+OPENAI_MAX_TEMPERATURE = 2.0
 
 
 class APIError(Exception):
@@ -32,6 +40,7 @@ class APIError(Exception):
         self.param = param
         self.type = type
         self.code = code
+        self.rejected = True  # answered before the engine saw the request (for /metrics)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -52,18 +61,30 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_stop(v: Any) -> list[str] | None:
-    if v is None:
-        return None
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise _bad("stop", "must be a string or a list of strings")
-    if any(not s for s in v):
-        raise _bad("stop", "stop strings must not be empty")
-    if len(v) > 16:
-        raise _bad("stop", f"at most 16 stop strings are supported, got {len(v)}")
-    return v
+def _core_check(name: str, value: Any, max_temperature: float, core_name: str | None = None):
+    """The engine's check of one sampling parameter, as a pydantic error on this field."""
+    try:
+        return check_field(core_name or name, value, max_temperature)
+    except InvalidArgument as e:
+        msg = str(e)
+        if msg.startswith(e.field + ": "):
+            msg = msg[len(e.field) + 2 :]
+        raise _bad(name, msg) from None
+
+
+# Sampling fields of the OpenAI routes checked by the engine's check_field; null = default.
+_OPENAI_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+)
+_NULLABLE = {"temperature", "top_p", "top_k", "min_p", "stop", "seed", "stop_token_ids"}
 
 
 def _token_ids(v: Any) -> bool:
@@ -100,13 +121,13 @@ class _CommonRequest(_Strict):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=2**63 - 1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    stop: Any = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    max_tokens: int | None = Field(None, json_schema_extra={"minimum": 0})
+    temperature: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 2})
+    top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    top_k: int | None = Field(None, json_schema_extra={"minimum": -1})
+    min_p: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 1})
+    stop: str | list[str] | None = Field(None, json_schema_extra={"maxItems": 16})
+    seed: int | None = Field(None, json_schema_extra={"minimum": 0})
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -122,10 +143,17 @@ class _CommonRequest(_Strict):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
-    @field_validator("stop")
+    @field_validator(*_OPENAI_SAMPLING, mode="before")
     @classmethod
-    def _stop(cls, v):
-        return _check_stop(v)
+    def _sampling(cls, v, info: ValidationInfo):
+        if v is None and info.field_name in _NULLABLE:
+            return None
+        return _core_check(info.field_name, v, OPENAI_MAX_TEMPERATURE)
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _max_tokens_check(cls, v, info: ValidationInfo):
+        return None if v is None else _core_check("max_tokens", v, 0, "max_new_tokens")
 
     @field_validator(*_NEUTRAL, check_fields=False)
     @classmethod
@@ -133,13 +161,6 @@ class _CommonRequest(_Strict):
         is_neutral, message = _NEUTRAL[info.field_name]
         if v is not None and not is_neutral(v):
             raise _bad(info.field_name, f"{message}, got {_short(v)}")
-        return v
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_ids(cls, v):
-        if v is not None and any(t < 0 for t in v):
-            raise _bad("stop_token_ids", "token ids must be >= 0")
         return v
 
     def include_usage(self) -> bool:
@@ -173,13 +194,13 @@ class _CommonRequest(_Strict):
 
 
 class CompletionRequest(_CommonRequest):
-    prompt: Any = Field(...)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, v):
         if isinstance(v, str) or _token_ids(v):
@@ -206,10 +227,10 @@ ROLES = ("system", "developer", "user", "assistant")
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Any = Field(...)
+    content: str | list[dict[str, Any]] = Field(...)
     name: str | None = None
 
-    @field_validator("content")
+    @field_validator("content", mode="before")
     @classmethod
     def _content(cls, v):
         if isinstance(v, str):
@@ -230,19 +251,24 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("max_tokens")
+    @field_validator("max_tokens", "max_completion_tokens")
     @classmethod
-    def _max_tokens(cls, v):
+    def _at_least_one(cls, v, info: ValidationInfo):
         if v is not None and v < 1:
-            raise _bad("max_tokens", "must be >= 1")
+            raise _bad(info.field_name, f"must be >= 1, got {v}")
         return v
+
+    @field_validator("max_completion_tokens", mode="before")
+    @classmethod
+    def _max_completion_tokens(cls, v):
+        return None if v is None else _core_check("max_completion_tokens", v, 0, "max_new_tokens")
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -258,17 +284,48 @@ class ChatCompletionRequest(_CommonRequest):
         return out
 
 
+def _schema(**kw: Any) -> dict[str, Any]:
+    return {"json_schema_extra": kw}
+
+
+class NativeSamplingParams(_Strict):
+    """/generate's sampling_params: the engine's `SamplingParams`, checked by its own
+    check_field (temperature up to 100); unknown names are an error."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    temperature: float = Field(1.0, **_schema(minimum=0, maximum=MAX_TEMPERATURE))
+    top_p: float = Field(1.0, **_schema(exclusiveMinimum=0, maximum=1))
+    top_k: int = Field(-1, **_schema(minimum=-1))
+    min_p: float = Field(0.0, **_schema(minimum=0, maximum=1))
+    max_new_tokens: int = Field(128, **_schema(minimum=0))
+    stop: str | list[str] | None = Field(None, **_schema(maxItems=16))
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = Field(None, **_schema(minimum=0))
+    skip_special_tokens: bool = True
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _check(cls, v, info: ValidationInfo):
+        return _core_check(info.field_name, v, MAX_TEMPERATURE)
+
+    def engine_params(self) -> dict[str, Any]:
+        """The fields the client set, for `SamplingParams.from_any`."""
+        return self.model_dump(exclude_unset=True)
+
+
 class GenerateRequest(_Strict):
     """SGLang's native /generate body."""
 
-    text: Any = None
-    input_ids: Any = None
-    sampling_params: dict[str, Any] | None = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams | None = None
     stream: bool = False
     rid: str | None = None
     return_logprob: bool = False
 
-    @field_validator("text")
+    @field_validator("text", mode="before")
     @classmethod
     def _text(cls, v):
         if v is None or isinstance(v, str):
@@ -277,7 +334,7 @@ class GenerateRequest(_Strict):
             return v
         raise _bad("text", "must be a string or a non-empty list of strings")
 
-    @field_validator("input_ids")
+    @field_validator("input_ids", mode="before")
     @classmethod
     def _input_ids(cls, v):
         if v is None or _token_ids(v):
@@ -297,18 +354,6 @@ class GenerateRequest(_Strict):
         return v
 
 
-INT64_MAX = 2**63 - 1
-
-
-def check_native_sampling_params(sp: dict[str, Any]) -> None:
-    """Integers the engine packs into int64 tensors must fit (SamplingParams checks the rest)."""
-    for key in ("top_k", "seed", "max_new_tokens"):
-        v = sp.get(key)
-        if _is_int(v) and not -INT64_MAX <= v <= INT64_MAX:
-            param = f"sampling_params.{key}"
-            raise APIError(f"{param}: {v} does not fit in 64 bits", param=param)
-
-
 # ---- validation errors -> APIError ---------------------------------------------------------
 def _loc_to_param(loc: tuple) -> str | None:
     out = ""
@@ -318,6 +363,13 @@ def _loc_to_param(loc: tuple) -> str | None:
         else:
             out += ("." if out else "") + str(part)
     return out or None
+
+
+def _allowed(loc: tuple) -> str:
+    if len(loc) == 2 and loc[0] == "sampling_params":
+        names = ", ".join(NativeSamplingParams.model_fields)
+        return f"sampling_params allows: {names}"
+    return "see the API reference"
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -330,6 +382,9 @@ def validation_error_to_api_error(err: ValidationError) -> APIError:
     kind, loc, msg = first["type"], tuple(first["loc"]), first["msg"]
     if kind == "json_invalid":
         return APIError(f"request body is not valid JSON: {msg}")
+    if kind == "extra_forbidden":
+        param = _loc_to_param(loc)
+        return APIError(f"{param}: unknown field; {_allowed(loc)}", param=param)
     if not loc and kind in ("model_type", "model_attributes_type", "dict_type"):
         return APIError(
             f"request body must be a JSON object, got {type(first.get('input')).__name__}"

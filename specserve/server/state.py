@@ -4,7 +4,11 @@
 finished), the metrics, and the mapping of engine argument errors onto request fields.
 `Run` is one HTTP request's worth of engine requests (several for a batched /v1/completions):
 the engine's callback posts each incremental output onto the run's asyncio queue through
-`loop.call_soon_threadsafe`.
+`loop.call_soon_threadsafe`. Text held back because it could begin a stop string is the
+engine's business (`request_output`): what arrives here can be sent as is.
+
+Tokenization runs on a small thread pool, never on the event loop: one large prompt must not
+stall other clients or /health.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from specserve.errors import InvalidArgument
 from specserve.server.metrics import ServerMetrics
@@ -32,6 +38,9 @@ class ServerConfig:
     max_queued_requests: int | None = None  # None: no limit
     default_max_tokens: int | None = 128  # None: the rest of the context
     graceful_shutdown_timeout: float = 30.0
+    api_key: str | None = None  # required as "Authorization: Bearer <key>" (not on /health)
+    max_request_bytes: int = 8 * 1024 * 1024
+    request_body_timeout: float = 30.0  # seconds to receive a whole request body
 
     def validate(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -46,6 +55,16 @@ class ServerConfig:
             )
         if self.graceful_shutdown_timeout < 0:
             raise InvalidArgument("graceful_shutdown_timeout", "must be >= 0")
+        if self.max_request_bytes < 1:
+            raise InvalidArgument(
+                "max_request_bytes", f"must be >= 1, got {self.max_request_bytes}"
+            )
+        if not self.request_body_timeout > 0:
+            raise InvalidArgument(
+                "request_body_timeout", f"must be > 0 seconds, got {self.request_body_timeout}"
+            )
+        if self.api_key is not None and not self.api_key.strip():
+            raise InvalidArgument("api_key", "must not be empty")
 
 
 def engine_error(e: InvalidArgument, rename: dict[str, str], prefix: str = "") -> APIError:
@@ -53,8 +72,14 @@ def engine_error(e: InvalidArgument, rename: dict[str, str], prefix: str = "") -
     msg = str(e)
     if msg.startswith(e.field + ": "):
         msg = msg[len(e.field) + 2 :]
-    param = rename.get(e.field, prefix + e.field)
+    param = {"rid": "rid", **rename}.get(e.field, prefix + e.field)
     return APIError(f"{param}: {msg}", param=param)
+
+
+T = TypeVar("T")
+# Tokenizing more characters than this per context token cannot fit the context: a token
+# covers at most the longest vocabulary entry; x4 leaves room for normalizers that shrink text.
+_CHARS_SLACK = 4
 
 
 class ServerState:
@@ -68,21 +93,37 @@ class ServerState:
         self._lock = threading.Lock()
         self.inflight = 0
         self.active_rids: set[str] = set()
+        self.runs: weakref.WeakSet[Run] = weakref.WeakSet()
         self.metrics = ServerMetrics(engine, self._server_state)
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specserve-tokenize")
+        self._max_prompt_chars: int | None = None
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the server's thread pool (tokenizing, parsing large bodies)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def unhealthy(self) -> str | None:
+        """Why the server cannot serve (shutting down, or the engine's step failed)."""
+        if self.engine.failure:
+            return self.engine.failure
+        if self.shutting_down:
+            return "the server is shutting down"
+        return None
 
     def _server_state(self) -> dict[str, Any]:
         return {"inflight": self.inflight, "max_queued_requests": self.cfg.max_queued_requests}
+
+    def count_rejected(self, status: int) -> None:
+        self.metrics.rejected.labels(str(status)).inc()
 
     def accepts_model(self, name: str | None) -> bool:
         return not name or name in (self.model_name, str(self.engine.config.model_path))
 
     # ---- admission ----------------------------------------------------------------------------
     def reserve(self, n: int) -> None:
-        if self.shutting_down:
-            self.metrics.rejected.labels("503").inc()
-            raise APIError(
-                "the server is shutting down", status=503, type="service_unavailable_error"
-            )
+        reason = self.unhealthy()
+        if reason:
+            raise APIError(reason, status=503, type="service_unavailable_error")
         limit = self.cfg.max_queued_requests
         with self._lock:
             if limit is not None and self.inflight + n > limit:
@@ -90,7 +131,6 @@ class ServerState:
             else:
                 self.inflight += n
                 return
-        self.metrics.rejected.labels("503").inc()
         raise APIError(
             f"the server is at capacity ({busy} requests in flight, max_queued_requests="
             f"{limit}); retry later",
@@ -112,18 +152,39 @@ class ServerState:
             log.exception("metrics update failed")
 
     # ---- tokenization -------------------------------------------------------------------------
-    def encode(self, text: str, param: str) -> list[int]:
+    def max_prompt_chars(self) -> int:
+        """Characters beyond which a text cannot fit the context, whatever it says."""
+        if self._max_prompt_chars is None:
+            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+            self._max_prompt_chars = self.context_len * max(longest, 1) * _CHARS_SLACK
+        return self._max_prompt_chars
+
+    def _check_text_length(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars():
+            raise APIError(
+                f"{param}: the prompt has {chars} characters, more than a context of "
+                f"{self.context_len} tokens can hold (the prompt must be shorter)",
+                param=param,
+            )
+
+    async def encode(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError(
                 f"{param}: text needs a tokenizer, and this server runs without one "
                 "(skip_tokenizer_init); send token ids",
                 param=param,
             )
+        self._check_text_length(len(text), param)
+        return await self.off_loop(self._encode, text)
+
+    def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is not None:
+            self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
         try:
-            return self.engine.tokenize_chat(messages)
+            return await self.off_loop(self.engine.tokenize_chat, messages)
         except Exception as e:  # no tokenizer/template, or the template rejected the messages
             raise APIError(f"messages: {e}", param="messages") from None
 
@@ -157,17 +218,28 @@ class ServerState:
         for rid in rids:
             self.engine.abort(rid)
 
+    def end_all_now(self, message: str) -> None:
+        """Finish every open run at once with an abort (a second shutdown signal): streams
+        send their error event and [DONE] without waiting for the engine."""
+        self.shutting_down = True
+        for run in list(self.runs):
+            run.end_now(message)
+        self.abort_all()
+
     def abort_error(self, meta: dict[str, Any]) -> APIError:
         """The error for a request the engine aborted (shutdown or an internal failure)."""
         reason = meta.get("finish_reason") or {}
         message = str(reason.get("message") or "request aborted")
         if self.shutting_down or "shut down" in message:
-            return APIError(
+            err = APIError(
                 "request aborted: the server is shutting down",
                 status=503,
                 type="service_unavailable_error",
             )
-        return APIError(f"request aborted: {message}", status=500, type="server_error")
+        else:
+            err = APIError(f"request aborted: {message}", status=500, type="server_error")
+        err.rejected = False  # it reached the engine
+        return err
 
     # ---- runs ---------------------------------------------------------------------------------
     def start(
@@ -181,6 +253,7 @@ class ServerState:
         """Admit and submit one engine request per prompt. Raises APIError (400/503)."""
         self.reserve(len(prompts))
         run = Run(self, asyncio.get_running_loop())
+        self.runs.add(run)
         submitted = 0
         try:
             for i, (ids, sp) in enumerate(zip(prompts, params)):
@@ -189,51 +262,16 @@ class ServerState:
         except InvalidArgument as e:
             run.abort()
             self.release(len(prompts) - submitted)
-            self.metrics.rejected.labels("400").inc()
             raise engine_error(e, rename, prefix) from None
+        except RuntimeError as e:  # the engine has been shut down
+            run.abort()
+            self.release(len(prompts) - submitted)
+            raise APIError(str(e), status=503, type="service_unavailable_error") from None
         except BaseException:
             run.abort()
             self.release(len(prompts) - submitted)
             raise
         return run
-
-
-class StopTextGuard:
-    """Streams text so that no part of a stop string ever reaches the client.
-
-    The engine trims a matched stop string from the request's text, but part of it may have
-    been streamed in an earlier step already (a stop string spanning tokens), and the
-    incremental outputs cannot take text back. So: hold back the last len(longest stop) - 1
-    characters until more text arrives (a stop string cannot start before that), and on a
-    stop-string finish cut the full decoded output at the match."""
-
-    def __init__(self, tokenizer, stops: list[str], skip_special_tokens: bool):
-        self.tokenizer = tokenizer
-        self.skip = skip_special_tokens
-        self.hold = max(len(s) for s in stops) - 1
-        self.text = ""  # as received from the engine
-        self.ids: list[int] = []
-        self.sent = 0
-
-    def filter(self, out: dict[str, Any]) -> dict[str, Any]:
-        self.text += out["text"]
-        self.ids.extend(out["output_ids"])
-        if not out.get("finished"):
-            end = max(self.sent, len(self.text) - self.hold)
-        else:
-            final = self._final_text(out["meta_info"].get("finish_reason") or {})
-            self.text, end = final, max(self.sent, len(final))
-        chunk = self.text[self.sent : end]
-        self.sent = end
-        return {**out, "text": chunk}
-
-    def _final_text(self, reason: dict[str, Any]) -> str:
-        matched = reason.get("matched")
-        if reason.get("type") != "stop" or not isinstance(matched, str):
-            return self.text
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
-        cut = full.find(matched)
-        return full[:cut] if cut >= 0 else self.text
 
 
 class Run:
@@ -243,7 +281,6 @@ class Run:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.rids: list[str] = []
         self.unfinished: set[int] = set()
-        self.guards: dict[int, StopTextGuard] = {}
 
     @property
     def id(self) -> str:
@@ -275,26 +312,32 @@ class Run:
             raise
         self.rids.append(rid)
         self.unfinished.add(index)
-        stops = sp.get("stop") if isinstance(sp, dict) else None
-        if isinstance(stops, str):
-            stops = [stops]
-        if stops and state.tokenizer is not None:
-            self.guards[index] = StopTextGuard(
-                state.tokenizer, list(stops), bool(sp.get("skip_special_tokens", True))
-            )
 
     def abort(self) -> None:
         """Abort what has not finished (client gone, error, shutdown); frees its KV."""
         for i in list(self.unfinished):
             self.state.engine.abort(self.rids[i])
 
+    def end_now(self, message: str) -> None:
+        """Queue a final abort for each unfinished request (thread-safe)."""
+        for i in list(self.unfinished):
+            out = {
+                "text": "",
+                "output_ids": [],
+                "meta_info": {
+                    "id": self.rids[i],
+                    "finish_reason": {"type": "abort", "message": message},
+                },
+                "finished": True,
+            }
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
+
     async def events(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """Incremental outputs (index, delta) until every request of the run has finished."""
         while self.unfinished:
             index, out = await self.queue.get()
-            guard = self.guards.get(index)
-            if guard is not None:
-                out = guard.filter(out)
+            if index not in self.unfinished:
+                continue  # already ended (end_now), the engine's own final output came later
             if out.get("finished"):
                 self.unfinished.discard(index)
             yield index, out

@@ -1,0 +1,167 @@
+"""The offline API: one bad request (bad parameters, a raising detokenizer or callback) fails
+alone while the requests around it finish correctly; a broken device step fails everything
+and says so; streams never show part of a stop string."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from specserve import Engine, InvalidArgument
+from tests.engine_utils import TINY
+
+N = 24  # tokens per good request: long enough to overlap the bad ones
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(11 * i + 5 * j) % 400 + 3 for j in range(6 + i % 4)] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(**TINY) as e:
+        yield e
+
+
+def greedy(engine, ids, n=N):
+    sp = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+    return engine.generate(input_ids=ids, sampling_params=sp)["output_ids"]
+
+
+def run_in_background(engine, ps):
+    """Generate greedily for each prompt on its own thread; returns (threads, results)."""
+    results: dict[int, list[int]] = {}
+
+    def one(i, ids):
+        results[i] = greedy(engine, ids)
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(ps)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def test_malformed_sampling_params_raise_naming_the_field_while_others_finish(engine):
+    ps = prompts(4)
+    refs = [greedy(engine, p) for p in ps]
+    threads, results = run_in_background(engine, ps)
+    bad = [
+        ("skip_special_tokens", "no"),
+        ("skip_special_tokens", 1),
+        ("skip_special_tokens", None),
+        ("skip_special_tokens", "false"),
+        ("ignore_eos", "no"),
+        ("temperature", float("inf")),
+        ("temperature", 1e6),
+        ("stop", ["x"] * 10_000),
+        ("max_new_tokens", True),
+        ("top_k", 2.0),
+    ]
+    for field, value in bad:
+        with pytest.raises(InvalidArgument) as exc:
+            engine.generate(input_ids=[5, 6, 7], sampling_params={field: value})
+        assert exc.value.field == field
+    with pytest.raises(InvalidArgument) as exc:
+        engine.generate(input_ids=[[5, True]])
+    assert exc.value.field == "input_ids"
+    with pytest.raises(InvalidArgument) as exc:
+        engine.generate(input_ids=[5], stream="no")
+    assert exc.value.field == "stream"
+    for t in threads:
+        t.join(timeout=60)
+    assert [results[i] for i in range(len(ps))] == refs
+    assert engine.failure is None
+
+
+def test_a_raising_detokenizer_fails_only_its_request(engine, monkeypatch):
+    ps = prompts(3)
+    refs = [greedy(engine, p) for p in ps]
+    checker = engine.core.stop_checker
+    real = checker.append_tokens
+
+    def append_tokens(req, tokens):
+        if req.rid == "bad" and len(req.output_ids) >= 3:
+            raise TypeError("decode() got an unexpected value")
+        return real(req, tokens)
+
+    monkeypatch.setattr(checker, "append_tokens", append_tokens)
+    threads, results = run_in_background(engine, ps)
+    sp = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
+    out = engine.generate(input_ids=[9, 8, 7], sampling_params=sp, rid="bad")
+    for t in threads:
+        t.join(timeout=60)
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "TypeError" in reason["message"]
+    assert len(out["output_ids"]) < 200
+    assert [results[i] for i in range(len(ps))] == refs
+    assert engine.failure is None
+    assert engine.stats()["kv_used_tokens"] == 0 and not engine.core.requests
+
+
+def test_a_raising_output_callback_fails_only_its_request(engine):
+    ps = prompts(3)
+    refs = [greedy(engine, p) for p in ps]
+    seen: list[dict] = []
+    done = threading.Event()
+
+    def callback(out):
+        seen.append(out)
+        if out["finished"]:
+            done.set()
+        if len(seen) == 2:
+            raise RuntimeError("consumer bug")
+
+    threads, results = run_in_background(engine, ps)
+    sp = {"temperature": 0, "max_new_tokens": 500, "ignore_eos": True}
+    engine.submit([4, 4, 4], sp, callback)
+    assert done.wait(30)
+    for t in threads:
+        t.join(timeout=60)
+    last = seen[-1]["meta_info"]["finish_reason"]
+    assert last["type"] == "abort" and "consumer bug" in last["message"]
+    assert seen[-1]["meta_info"]["completion_tokens"] < 500
+    assert [results[i] for i in range(len(ps))] == refs
+    assert engine.failure is None
+
+
+def test_a_failing_device_step_fails_everything_and_says_why():
+    with Engine(**TINY) as e:
+        assert greedy(e, [3, 4, 5], 4)
+
+        def broken(*a, **k):
+            raise RuntimeError("device lost")
+
+        e.core.worker.launch_decode = broken
+        out = e.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 8})
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "device lost" in reason["message"]
+        assert "device lost" in e.failure
+
+
+def test_engine_stream_never_shows_part_of_a_stop_string(tmp_path):
+    """The engine's stream (which the server relays) holds back text that could begin a
+    stop string: the streamed text is exactly the output cut before the stop string."""
+    from tests.model_factory import write_hf_model
+
+    # vocab 101: every id decodes to text with the test tokenizer
+    folder = write_hf_model(tmp_path / "m", vocab_size=101, with_tokenizer=True, seed=3)
+    with Engine(model_path=folder, dtype="float32", device="cpu") as e:
+        sp = {"temperature": 0.8, "seed": 2, "max_new_tokens": 40, "ignore_eos": True}
+        full = e.generate(input_ids=[5, 6, 7, 8], sampling_params=sp)["text"]
+        assert len(full) > 20
+        checked = 0
+        for start, length in ((6, 3), (10, 5), (15, 4), (3, 8)):
+            stop = full[start : start + length]
+            if not stop.strip() or full.find(stop) < 2:
+                continue
+            cut = full[: full.find(stop)]
+            chunks = [
+                o["text"]
+                for o in e.generate(
+                    input_ids=[5, 6, 7, 8], sampling_params={**sp, "stop": stop}, stream=True
+                )
+            ]
+            assert "".join(chunks) == cut, (stop, chunks)
+            checked += 1
+        assert checked >= 2
