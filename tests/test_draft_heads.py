@@ -65,10 +65,18 @@ def test_fused_fc_and_qkv_on_cuda_reads_its_strided_views_right(n):
     ids = torch.randint(0, cfg.vocab_size, (n,))
     feats = torch.randn(n, cfg.hidden_size)
 
+    from dataclasses import replace
+
+    from specserve.config import REFERENCE
+    from specserve.config.kernels import resolve_kernels
+
+    cuda_kernels = resolve_kernels(True, True, True, False, (2, 11))[0]  # as a bf16 GPU engine
+
     def run(device, dtype, fused):
         head.to(device=device, dtype=dtype)
         embed.to(device=device, dtype=dtype)
-        head.prepare_for_serving() if fused else setattr(head, "_fc_qkv", None)
+        kernels = REFERENCE if device == "cpu" else replace(cuda_kernels, draft_fc_qkv=fused)
+        head.prepare_for_serving(kernels)
         assert (head._fc_qkv is not None) == fused
         slots = torch.arange(n, device=device)
         meta = build_metadata([Segment(slots, n, n)], slots, torch.device(device))
@@ -76,7 +84,10 @@ def test_fused_fc_and_qkv_on_cuda_reads_its_strided_views_right(n):
         backend = TritonAttentionBackend() if device == "cuda" else TorchAttentionBackend()
         with torch.inference_mode():
             g = head(
-                ids.to(device), feats.to(device, dtype), slots, ForwardContext(backend, cache, meta)
+                ids.to(device),
+                feats.to(device, dtype),
+                slots,
+                ForwardContext(backend, cache, meta, kernels=kernels),
             )
         return g.float().cpu(), cache.layer(0)[0].float().cpu()
 
