@@ -337,6 +337,15 @@ def test_time_budget_of_a_resumed_clock_schedule(tiny_data):
     assert schedule_seconds(TrainArgs(**{**base, "epochs": 1.0}), 3.0) == 0.0  # by steps
 
 
+def test_bundled_prompt_files_are_what_the_generator_writes():
+    import subprocess
+    import sys
+
+    tool = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "make_prompts.py")
+    done = subprocess.run([sys.executable, tool, "--check"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 # ---- generation workers ---------------------------------------------------------------------------
 def test_parallel_workers_answer_every_job_once(tiny_data, tmp_path):
     """An engine worker and a dense worker (processes) share the jobs: every job is answered
