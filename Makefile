@@ -31,12 +31,12 @@ run: venv
 	$(VENV)/bin/specserve generate --chat "$(PROMPT)"
 
 lint: venv
-	$(VENV)/bin/ruff check specserve tests bench
-	$(VENV)/bin/ruff format --check specserve tests bench
+	$(VENV)/bin/ruff check specserve tests bench tools
+	$(VENV)/bin/ruff format --check specserve tests bench tools
 
 format: venv
-	$(VENV)/bin/ruff format specserve tests bench
-	$(VENV)/bin/ruff check --fix specserve tests bench
+	$(VENV)/bin/ruff format specserve tests bench tools
+	$(VENV)/bin/ruff check --fix specserve tests bench tools
 
 # Quick subset first (fails fast), then the slow tests.
 test: lint

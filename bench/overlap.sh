@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Decode throughput with overlap scheduling on and off (issue 4), plain and speculative,
+# Decode throughput with overlap scheduling on and off, plain and speculative,
 # batch 1 and 16, random weights. Usage on a CUDA machine: bash bench/overlap.sh [model preset]
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

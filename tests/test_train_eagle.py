@@ -13,20 +13,16 @@ import torch
 
 from specserve import Engine
 from specserve.speculative.eagle_checkpoint import eagle3_capture_layers, load_eagle_head
+from specserve.train.checkpoint import save_draft
 from specserve.train.data import DataArgs, build_dataset, load_shards, load_target
 from specserve.train.features import forward_padded, generate_dense
 from specserve.train.generate import GenConfig, generate_answers, make_jobs, parse_workers
-from specserve.train.trainer import (
-    SeqData,
-    TrainArgs,
-    lr_at,
-    make_head,
-    save_draft,
-    scale_fc_init_,
-    schedule_seconds,
-    train,
-    ttt_mask,
-)
+from specserve.train.head_init import make_head, scale_fc_init_
+from specserve.train.schedule import lr_at, schedule_seconds
+from specserve.train.sequences import SeqData
+from specserve.train.train_args import TrainArgs
+from specserve.train.trainer import train
+from specserve.train.unroll import ttt_mask
 from tests.engine_utils import TINY, mixed_prompts, plain_forward
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
@@ -300,36 +296,54 @@ def test_time_budget_stops_training_and_anneals(tiny_data):
     assert hist[-1]["lr"] < 0.3 * args.lr  # the schedule ran to its end on the clock
 
 
-def test_pause_then_resume_continues_one_schedule(tiny_data):
-    """Training spread over two runs: the first pauses (pause_by) with its learning rate still
-    high; the resumed run continues the same clock-driven schedule and anneals it. A resumed
-    run with a finish_by deadline counts the seconds already trained."""
+def test_time_budget_stops_a_run_whose_schedule_resume_continues(tiny_data):
+    """With epochs the schedule follows the steps: a run whose time budget is spent stops
+    mid-schedule with its learning rate still high, and a resumed run finishes that schedule."""
     root, _, target_path = tiny_data
     target = load_target(target_path, "float32", "cpu").model
     out = str(root / "paused")
-    base = dict(epochs=0, time_budget=8.0, lr=1e-3, batch_size=8, ttt_steps=1, log_every=1)
-    first = train(
-        target, str(root / "data"), out,
-        TrainArgs(**base, save_every=0, pause_by=time.time() + 15.0 + 2.0), log=quiet,
-    )  # fmt: skip
+    base = dict(epochs=3, lr=1e-3, warmup=0.0, batch_size=16, ttt_steps=1, log_every=1)
+    args = TrainArgs(**base, time_budget=0.5, save_every=0)
+    first = train(target, str(root / "data"), out, args, log=quiet)
     curve = os.path.join(out, "train_curve.json")
     hist = json.load(open(curve))["history"]
-    assert 2.0 <= first["train_seconds"] < 5.0
-    assert hist[-1]["lr"] > 0.7 * base["lr"]  # paused a quarter in: not annealed
+    per_epoch = -(-first["num_train_sequences"] // 16)
+    assert 0.5 <= first["train_seconds"] < 10.0 and 1 <= first["steps"] < 2 * per_epoch
+    assert hist[-1]["lr"] > 0.3 * base["lr"]  # stopped early in the schedule: not annealed
+    second = train(target, str(root / "data"), out, TrainArgs(**base), resume=True, log=quiet)
+    hist = json.load(open(curve))["history"]
+    assert second["steps"] == 3 * per_epoch
+    assert hist[-1]["lr"] < 0.1 * base["lr"]
+
+
+def test_time_budget_of_a_resumed_clock_schedule(tiny_data):
+    """With epochs 0 every run's schedule ends annealed at its budget: a resumed run's spans
+    the seconds trained before plus its own budget."""
+    root, _, target_path = tiny_data
+    target = load_target(target_path, "float32", "cpu").model
+    out = str(root / "clock")
+    base = dict(epochs=0, time_budget=2.0, lr=1e-3, batch_size=8, ttt_steps=1, log_every=1)
+    first = train(target, str(root / "data"), out, TrainArgs(**base, save_every=0), log=quiet)
+    curve = os.path.join(out, "train_curve.json")
+    assert json.load(open(curve))["history"][-1]["lr"] < 0.3 * base["lr"]
     second = train(
-        target, str(root / "data"), out,
-        TrainArgs(**{**base, "time_budget": 100.0}, finish_by=time.time() + 15.0 + 3.0),
-        resume=True, log=quiet,
-    )  # fmt: skip
+        target, str(root / "data"), out, TrainArgs(**base, save_every=0), resume=True, log=quiet
+    )
     hist = json.load(open(curve))["history"]
     assert second["steps"] > first["steps"]
-    # the deadline left under 3 s (less the data loading): the resumed run trained on to it
-    assert first["train_seconds"] + 0.5 < second["train_seconds"] < first["train_seconds"] + 6.0
+    assert first["train_seconds"] + 1.5 <= second["train_seconds"] < first["train_seconds"] + 5.0
     assert hist[-1]["lr"] < 0.3 * base["lr"]
-    # what the resumed run's schedule spans: the seconds already trained plus what is left
-    deadline = TrainArgs(**{**base, "time_budget": 100.0}, finish_by=time.time() + 15.0 + 3.0)
-    assert abs(schedule_seconds(deadline, 2.0) - 5.0) < 0.5
-    assert schedule_seconds(TrainArgs(**base), 2.0) == base["time_budget"]
+    assert schedule_seconds(TrainArgs(**base), 3.0) == 5.0
+    assert schedule_seconds(TrainArgs(**{**base, "epochs": 1.0}), 3.0) == 0.0  # by steps
+
+
+def test_bundled_prompt_files_are_what_the_generator_writes():
+    import subprocess
+    import sys
+
+    tool = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "make_prompts.py")
+    done = subprocess.run([sys.executable, tool, "--check"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # ---- generation workers ---------------------------------------------------------------------------
@@ -506,7 +520,7 @@ def test_linear_soft_ce_in_bfloat16_stays_close():
     """With a bfloat16 weight (the trainer under autocast) the loss and both gradients stay
     within 2% of float32 autograd, with a large vocabulary and 1/rows row weights (where a
     low-precision product of 1/vocab and 1/rows would lose them)."""
-    from specserve.train.trainer import linear_soft_ce, soft_ce_reference
+    from specserve.train.soft_ce import linear_soft_ce, soft_ce_reference
 
     seed = int(time.time()) % 10000
     g = torch.Generator().manual_seed(seed)
@@ -569,7 +583,7 @@ def test_eagle3_resume_keeps_vocabulary_and_rejects_other_heads(tmp_path):
 def test_linear_soft_ce_matches_autograd_reference(train_weight):
     """The chunked cross-entropy (gradients formed in its forward) equals plain autograd: loss,
     top-1 hits, and the gradients of the input and, when it trains, of the weight."""
-    from specserve.train.trainer import linear_soft_ce, soft_ce_reference
+    from specserve.train.soft_ce import linear_soft_ce, soft_ce_reference
 
     seed = int(time.time()) % 10000  # fresh inputs each run; the seed is in the failure
     print(f"seed {seed}")

@@ -25,7 +25,7 @@ def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
     """Register `train-eagle` (the engine-argument helpers of specserve.cli are accepted for a
     uniform call and unused: the engine generator takes its few knobs from this parser)."""
     from specserve.train.data import DataArgs
-    from specserve.train.trainer import TrainArgs
+    from specserve.train.train_args import TrainArgs
 
     d, t = DataArgs(), TrainArgs()
     p = sub.add_parser("train-eagle", help="train an EAGLE draft head by self-distillation")
@@ -71,7 +71,9 @@ def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
         "--gen-time-budget",
         type=float,
         default=d.time_budget,
-        help="seconds for generation; cut answers are kept (default: no limit)",
+        metavar="SECONDS",
+        help="seconds generation may take; answers cut then are kept, and a later run with "
+        "the same --out reuses them (default: no limit)",
     )
     g.add_argument(
         "--engine-arg",
@@ -115,20 +117,10 @@ def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
         "--time-budget",
         type=float,
         default=t.time_budget,
-        help="seconds of training; the learning-rate schedule follows the clock (default: none)",
-    )
-    g.add_argument(
-        "--finish-by",
-        type=float,
-        default=t.finish_by,
-        help="a Unix time by which training must be done (shortens the budget if needed)",
-    )
-    g.add_argument(
-        "--pause-by",
-        type=float,
-        default=t.pause_by,
-        help="a Unix time at which to save and stop without shortening the schedule: "
-        "a later --resume run continues it (training spread over several sessions)",
+        metavar="SECONDS",
+        help="seconds this run may train, then it stops with a resumable checkpoint (a later "
+        "--resume run with the same --out continues); with --epochs 0 the learning-rate "
+        "schedule follows this clock and ends annealed (default: no limit)",
     )
     g.add_argument("--lr", type=float, default=t.lr)
     g.add_argument("--min-lr-ratio", type=float, default=t.min_lr_ratio)
@@ -204,9 +196,11 @@ def run_train(args) -> int:
             f"--draft-layers must be >= 1 for --head eagle and 1 for --head eagle3, "
             f"got {args.draft_layers}"
         )
+    from specserve.train.checkpoint import write_training_args
     from specserve.train.data import DataArgs, build_dataset, load_target
     from specserve.train.generate import parse_engine_args
-    from specserve.train.trainer import TrainArgs, train, write_training_args
+    from specserve.train.train_args import TrainArgs
+    from specserve.train.trainer import train
 
     t0 = time.perf_counter()
     work = args.work_dir or args.out.rstrip("/") + ".work"
@@ -241,8 +235,6 @@ def run_train(args) -> int:
     train_args = TrainArgs(
         epochs=args.epochs,
         time_budget=args.time_budget,
-        finish_by=args.finish_by,
-        pause_by=args.pause_by,
         lr=args.lr,
         min_lr_ratio=args.min_lr_ratio,
         weight_decay=args.weight_decay,

@@ -49,7 +49,7 @@ class DataArgs:
     sampled_passes: int = 0  # temperature-sampled passes after the greedy one
     temperature: float = 0.8
     temperatures: tuple[float, ...] = ()  # cycled by the sampled passes (default: temperature)
-    time_budget: float = 0.0  # seconds for generation (0: every pass to the end)
+    time_budget: float = 0.0  # seconds generation may take in this run (0: every pass to the end)
     topk: int = 4  # target next-token candidates kept per position (soft labels)
     eagle3: bool = False  # also record the EAGLE3 capture layers' inputs
     shard_size: int = 1000  # sequences per shard
