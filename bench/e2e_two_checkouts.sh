@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `specserve bench e2e` (batch-1 chat, plain and a speculative row) for two checkouts of the
-# engine in one device session, taken in turn (A, B, A, B, ...) so drift over the session
+# engine on one GPU machine, taken in turn (A, B, A, B, ...) so drift over the run
 # falls on both alike; prints each row's median tok/s per checkout and the ratio B / A.
 #
 #   bench/e2e_two_checkouts.sh DIR_A DIR_B MODEL.gguf DRAFT_DIR [ROUNDS] [OUT_DIR]

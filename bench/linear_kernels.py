@@ -17,7 +17,7 @@ Default run (< 2 minutes on an H200):
 JSON lines as it goes; tables last.
 
 --tune sweeps kernel configs per (M bucket, N, K) and prints the best as `TUNED` entries
-for specserve/ops/triton_linear.py (and writes them as JSON for SPECSERVE_LINEAR_CONFIGS).
+for specserve/ops/triton_linear.py (and writes them as JSON).
 """
 
 from __future__ import annotations
@@ -339,7 +339,7 @@ def tune(args, sink) -> None:
                 [dict(m=r["m_bucket"], n=r["N"], k=r["K"], **r["best"]) for r in best_all], indent=1
             )
         )
-        print(f"# written {path} (SPECSERVE_LINEAR_CONFIGS={path})")
+        print(f"# written {path}")
 
 
 # ---------------------------------------------------------------------------------------------
