@@ -46,6 +46,7 @@ def request_output(req: Request, incremental: bool = False) -> dict[str, Any]:
         "finish_reason": req.finish_reason,
         "e2e_latency": (req.finish_time or time.perf_counter()) - req.arrival,
         "num_retractions": req.num_retractions,
+        "cached_tokens": req.cached_tokens or 0,
     }
     if req.first_token_time is not None:
         meta["ttft"] = req.first_token_time - req.arrival
@@ -91,7 +92,8 @@ class Engine:
         """A consistent-enough snapshot for metrics (read without stopping the loop)."""
         core = self.core
         alloc = core.table.allocator
-        used_pages = alloc.num_usable_pages - alloc.num_free_pages
+        used_pages = alloc.num_usable_pages - alloc.num_free_pages  # the prefix cache's included
+        cache = core.scheduler.cache
         verify_ct = core.spec_totals["verify_ct"]
         return {
             "num_running_requests": len(core.scheduler.running),
@@ -99,6 +101,9 @@ class Engine:
             "kv_total_tokens": core.max_total_tokens,
             "kv_used_tokens": used_pages * alloc.page_size,
             "kv_usage": used_pages / max(1, alloc.num_usable_pages),
+            "kv_cached_tokens": cache.num_pages * alloc.page_size if cache else 0,
+            "prefix_cache_query_tokens": core.scheduler.prefix_query_tokens,
+            "prefix_cache_hit_tokens": core.scheduler.prefix_hit_tokens,
             "num_retractions": core.scheduler.num_retractions,
             "num_steps": core.num_steps,
             "spec_verify_ct": verify_ct,
@@ -157,6 +162,15 @@ class Engine:
     def _check_running(self) -> None:
         if self._stop.is_set():
             raise RuntimeError("the engine has been shut down")
+
+    def flush_cache(self) -> int:
+        """Empty the prefix cache of every page no live request uses (SGLang's flush_cache);
+        returns how many pages were dropped. With no request live every page is then free."""
+        self._check_running()
+        done: queue.Queue = queue.Queue()
+        self._inbox.put(("flush", done))
+        self._wake.set()
+        return done.get()
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
@@ -338,6 +352,8 @@ class Engine:
                 except InvalidArgument as e:
                     item.finish("abort", message=str(e))
                     self._deliver(item)
+            elif kind == "flush":
+                item.put(self.core.flush_cache())
             else:
                 self.core.abort(item)  # reaped (and reported) by the next step
 

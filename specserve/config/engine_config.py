@@ -50,6 +50,7 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None  # largest captured batch size (eager above it)
     cuda_graph_max_prefill_tokens: int | None = None  # one-chunk prefills replayed up to this
     disable_fused_kernels: bool = False  # the torch reference ops everywhere (debugging)
+    disable_radix_cache: bool = False  # no prefix cache: every prompt is prefilled whole
     kernels: Kernels | None = None  # decided by resolve(); tests and benches may pass their own
     # speculative decoding (SGLang's names)
     no_default_draft: bool = False  # a packaged model's bundled draft stays off
@@ -171,6 +172,16 @@ class EngineConfig:
             require(isinstance(c.kernels, Kernels), "kernels", "must be a Kernels object")
             decided.append(("kernels", "given", "passed by the caller"))
         _resolve_cuda_graph(c, on_gpu, decide)  # decide() updates c
+        decided.append(
+            (
+                "disable_radix_cache",
+                c.disable_radix_cache,
+                "requested: every prompt is prefilled whole"
+                if c.disable_radix_cache
+                else "prefix cache on: a request reuses the KV pages of its longest cached "
+                "prefix (draft KV included, exact)",
+            )
+        )
         if c.disable_overlap_schedule:
             decided.append(
                 (

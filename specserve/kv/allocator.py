@@ -1,4 +1,9 @@
-"""Page allocator: hands out fixed-size pages of KV slots, for any integer page_size >= 1."""
+"""Page allocator: hands out fixed-size pages of KV slots, for any integer page_size >= 1.
+
+A page has a reference count: each request whose page table lists it holds one, and the
+prefix cache holds one for a page it keeps. A page returns to the free list when its last
+holder lets go, so requests can share the pages of a common prefix.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ class PageAllocator:
         self.num_pages = num_pages
         # Pop from the end: lowest page ids are handed out first.
         self._free = list(range(num_pages - 1, 0, -1))
+        self.refs = [0] * num_pages
 
     @property
     def num_free_pages(self) -> int:
@@ -26,17 +32,30 @@ class PageAllocator:
         return self.num_pages - 1
 
     def alloc(self, n: int) -> list[int] | None:
-        """n pages, or None (and nothing taken) if fewer are free."""
+        """n pages, each with one reference, or None (and nothing taken) if fewer are free."""
         if n > len(self._free):
             return None
         if n == 0:
             return []
         taken = self._free[-n:]
         del self._free[-n:]
+        for p in taken:
+            self.refs[p] = 1
         return taken[::-1]
 
+    def share(self, pages: list[int]) -> None:
+        """One more holder for each of these (held) pages."""
+        for p in pages:
+            assert self.refs[p] > 0, f"page {p} is free: it cannot be shared"
+            self.refs[p] += 1
+
     def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        """One holder fewer for each page; pages nobody holds return to the free list."""
+        for p in reversed(pages):
+            assert self.refs[p] > 0, f"page {p} freed more often than held"
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self._free.append(p)
 
     def free_pages(self) -> list[int]:
         return list(self._free)

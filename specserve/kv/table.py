@@ -2,7 +2,9 @@
 
 A request's token at logical position p lives in slot `pages[p // page_size] * page_size +
 p % page_size`. Target and draft models share this table (each has its own KV tensors
-indexed by the same slots), so one reservation covers both.
+indexed by the same slots), so one reservation covers both. The first pages of a request may
+be shared with the prefix cache and other requests (`adopt`); a request only ever writes
+positions past them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,24 @@ class KVTable:
         self.page_size = allocator.page_size
         self._pages: dict[str, list[int]] = {}
         self.mirror = None  # optional device copy (RequestRows): told of every page change
+        self.cache = None  # optional PrefixCache: its unlocked pages are reclaimed on demand
+
+    @property
+    def available_pages(self) -> int:
+        """Pages an allocation can get: free ones, and cached ones nobody uses."""
+        free = self.allocator.num_free_pages
+        return free + (self.cache.evictable if self.cache is not None else 0)
+
+    def pages(self, rid: str) -> list[int]:
+        return list(self._pages.get(rid, ()))
+
+    def adopt(self, rid: str, pages: list[int]) -> None:
+        """A request with no pages yet starts with these shared, already computed ones."""
+        assert not self._pages.get(rid), f"{rid} already holds pages"
+        self.allocator.share(pages)
+        self._pages[rid] = list(pages)
+        if self.mirror is not None and pages:
+            self.mirror.on_pages_added(rid, 0, list(pages))
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -41,6 +61,9 @@ class KVTable:
             self._pages.setdefault(rid, [])
             return True
         pages = self.allocator.alloc(need)
+        if pages is None and self.cache is not None:
+            self.cache.evict(need - self.allocator.num_free_pages)
+            pages = self.allocator.alloc(need)
         if pages is None:
             return False
         owned = self._pages.setdefault(rid, [])
@@ -79,17 +102,32 @@ class KVTable:
         return page_ids[pos // self.page_size] * self.page_size + pos % self.page_size
 
     def check_invariants(self, live_rids: set[str] | None = None) -> None:
-        """Every page is free or owned by exactly one live request; nothing leaks."""
-        counts = Counter(self.allocator.free_pages())
+        """Every page is free, or held by live requests and the cache with a reference count
+        equal to its holders; nothing leaks."""
+        holders = Counter()
         for rid, pages in self._pages.items():
             if live_rids is not None and rid not in live_rids:
                 raise KVInvariantError(f"request {rid} holds {len(pages)} pages but is not live")
-            counts.update(pages)
-        dup = [p for p, c in counts.items() if c > 1]
-        if dup:
-            raise KVInvariantError(f"pages owned twice or owned and free: {sorted(dup)[:8]}")
+            if len(set(pages)) != len(pages):
+                raise KVInvariantError(f"request {rid} lists a page twice")
+            holders.update(pages)
+        if self.cache is not None:
+            cached = self.cache.held_pages()
+            if len(set(cached)) != len(cached):
+                raise KVInvariantError("the prefix cache holds a page twice")
+            holders.update(cached)
+        refs, free = self.allocator.refs, self.allocator.free_pages()
+        if len(set(free)) != len(free):
+            raise KVInvariantError("a page is free twice")
+        for p in free:
+            if holders[p] or refs[p]:
+                raise KVInvariantError(f"page {p} is free but held ({holders[p]}, refs {refs[p]})")
+        wrong = [p for p, n in holders.items() if refs[p] != n]
+        if wrong:
+            p = wrong[0]
+            raise KVInvariantError(f"page {p}: {holders[p]} holders, reference count {refs[p]}")
+        seen = set(free) | set(holders)
         expected = set(range(1, self.allocator.num_pages))
-        seen = set(counts)
         if seen != expected:
             lost = sorted(expected - seen)[:8]
             bogus = sorted(seen - expected)[:8]

@@ -11,6 +11,7 @@ from specserve.config import EngineConfig
 from specserve.errors import InvalidArgument
 from specserve.kv.allocator import PageAllocator
 from specserve.kv.pool import KVCache
+from specserve.kv.prefix_cache import PrefixCache
 from specserve.kv.request_rows import RequestRows
 from specserve.kv.table import KVTable
 from specserve.model.loader import load_model
@@ -103,7 +104,9 @@ class EngineCore:
                 chunked_prefill_size=cfg.chunked_prefill_size,
                 decode_window=self.worker.decode_window,
                 kv_lookahead=self.worker.kv_lookahead,
+                recompute_boundary=draft.draft_kv_reads_next_token,
             ),
+            None if cfg.disable_radix_cache else PrefixCache(self.table.allocator),
         )
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -348,6 +351,11 @@ class EngineCore:
         for r in done:
             self.worker.forget(r.rid)
         return done
+
+    def flush_cache(self) -> int:
+        """Drop every cached page no live request uses; returns how many were dropped."""
+        cache = self.scheduler.cache
+        return 0 if cache is None else cache.flush()
 
     def check_invariants(self) -> None:
         self.table.check_invariants(set(self.requests))

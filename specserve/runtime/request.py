@@ -55,6 +55,15 @@ class Request:
     num_retractions: int = 0
     inflight_steps: int = 0  # launched decode steps whose results are not applied yet
     finish_reported: bool = False  # the final output went out (reaping comes later)
+    # prefix cache: prompt tokens served from it at the first admission, and the deepest
+    # cache node this request holds locked
+    cached_tokens: int | None = None
+    cache_node: Any = None
+    # n > 1: a sibling sample waits for the first sample's prefill, then shares its prompt
+    prefill_after: Request | None = None
+    # log-probabilities (SGLang's names): prompt positions from logprob_start_len on (-1: none)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
     # speculative decoding statistics (SGLang's names)
     spec_verify_ct: int = 0
     spec_accept_histogram: list[int] = field(default_factory=list)
@@ -97,6 +106,8 @@ class PrefillChunk:
     req: Request
     start: int
     end: int
+    # (cached page, the request's own page): copied before the forward (a recomputed boundary)
+    copy_page: tuple[int, int] | None = None
 
     @property
     def completes(self) -> bool:

@@ -6,6 +6,13 @@ kinds have work they alternate, so long prompts cannot starve running requests. 
 decode step every running request gets `decode_window` logical positions past its KV; if
 pages run out, the newest requests are retracted (KV freed, outputs kept, resumed later by
 re-prefilling), so no request is lost and none changes its output.
+
+With a prefix cache (kv/prefix_cache.py) a request starts from the pages of its longest cached
+prefix and leaves its own full pages there when it completes its prefill, is retracted or
+finishes. An EAGLE draft's KV at the last cached position depends on the token after it
+(the draft pairs each token with the target's state one position earlier), which may differ:
+that last cached page is copied into a page of the request's own, and the prefill re-runs its
+last token, so the draft's entry there is computed afresh and no shared page is written.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from specserve.kv.prefix_cache import PrefixCache
 from specserve.kv.table import KVTable
 from specserve.runtime.request import PrefillChunk, ReqState, Request
 
@@ -26,16 +34,21 @@ class SchedulerLimits:
     chunked_prefill_size: int  # tokens per prefill batch; <= 0: unlimited
     decode_window: int  # logical positions a decode step writes past kv_len
     kv_lookahead: int  # positions past kv_len kept between steps
+    recompute_boundary: bool = False  # the draft's KV at a prefix's last position is not shared
 
 
 class Scheduler:
-    def __init__(self, table: KVTable, limits: SchedulerLimits):
+    def __init__(self, table: KVTable, limits: SchedulerLimits, cache: PrefixCache | None = None):
         self.table = table
         self.limits = limits
+        self.cache = cache
+        table.cache = cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._last_was_prefill = False
         self.num_retractions = 0
+        self.prefix_query_tokens = 0  # prompt tokens of admitted requests (with a cache)
+        self.prefix_hit_tokens = 0  # of those, served from the cache
 
     # ---- admission ----------------------------------------------------------------------
     @property
@@ -50,12 +63,68 @@ class Scheduler:
         self.waiting.append(req)
 
     def remove(self, req: Request) -> None:
-        """Forget a finished request and free its KV."""
+        """Forget a finished request; its computed pages go to the prefix cache."""
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        self._release(req)
+
+    # ---- the prefix cache ----------------------------------------------------------------------
+    def _cacheable_tokens(self, req: Request) -> int:
+        """Positions whose KV (the draft's too) is computed from the request's own tokens: the
+        target's KV of position p is exact for p < kv_len, the draft's pairs p with token p + 1."""
+        return min(req.kv_len, len(req.prompt_ids) + len(req.output_ids) - 1)
+
+    def _cache_prefix(self, req: Request) -> None:
+        """Put the request's full computed pages in the cache and lock what it now uses."""
+        if self.cache is None:
+            return
+        n = self._cacheable_tokens(req)
+        node = self.cache.insert(req.all_ids[:n], self.table.pages(req.rid))
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = node
+
+    def _release(self, req: Request) -> None:
+        """Free a request's KV: its computed full pages stay in the cache, unlocked."""
+        if self.cache is not None and req.kv_len > 0:
+            self._cache_prefix(req)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+            req.cache_node = None
         self.table.release(req.rid)
+
+    def _reuse_cached_prefix(self, req: Request) -> tuple[int, int] | None:
+        """Start a request with no KV from its longest cached prefix (locked); returns the
+        (cached page, own page index) to copy when the boundary is recomputed."""
+        limit = req.fill_len - 1  # at least one token is prefilled: its logits sample the next
+        if req.return_logprob and req.logprob_start_len >= 0:
+            limit = min(limit, req.logprob_start_len)  # prompt log-probs need the forward
+        pages, node = self.cache.match(req.all_ids, limit)
+        self.cache.lock(node)
+        req.cache_node = node
+        if req.cached_tokens is None:  # counted at the first admission only
+            req.cached_tokens = len(pages) * self.table.page_size
+            self.prefix_query_tokens += len(req.prompt_ids)
+            self.prefix_hit_tokens += req.cached_tokens
+        if not pages:
+            return None
+        if not self.limits.recompute_boundary:
+            self.table.adopt(req.rid, pages)
+            req.kv_len = len(pages) * self.table.page_size
+            return None
+        self.table.adopt(req.rid, pages[:-1])
+        req.kv_len = len(pages) * self.table.page_size - 1
+        return pages[-1], len(pages) - 1
+
+    def _undo_reuse(self, req: Request) -> None:
+        """No room to start after all: give the prefix back (it stays cached)."""
+        self.cache.unlock(req.cache_node)
+        req.cache_node = None
+        self.table.release(req.rid)
+        req.kv_len = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -85,18 +154,29 @@ class Scheduler:
         for req in list(self.waiting):
             if req.state is ReqState.WAITING and active >= self.limits.max_running_requests:
                 break
+            first = req.prefill_after
+            if first is not None and first.state in (ReqState.WAITING, ReqState.PREFILLING):
+                continue  # a sibling sample: it starts from the first one's cached prompt
+            copy = None
+            fresh = self.cache is not None and req.kv_len == 0 and req.cache_node is None
+            if fresh:
+                copy = self._reuse_cached_prefix(req)
             n = min(req.fill_len - req.kv_len, budget)
             end = req.kv_len + n
             want = end + (self.limits.kv_lookahead if end == req.fill_len else 0)
             need = self.table.extra_pages_needed(req.rid, want)
-            if need > self.table.allocator.num_free_pages - headroom or not self.table.reserve(
+            if need > self.table.available_pages - headroom or not self.table.reserve(
                 req.rid, want
             ):
+                if fresh:
+                    self._undo_reuse(req)
                 break
             if req.state is ReqState.WAITING:
                 active += 1
             req.set_state(ReqState.PREFILLING)
-            chunks.append(PrefillChunk(req, req.kv_len, end))
+            if copy is not None:  # the cached boundary page into the request's own page
+                copy = (copy[0], self.table.pages(req.rid)[copy[1]])
+            chunks.append(PrefillChunk(req, req.kv_len, end, copy))
             budget -= n
             if budget <= 0:
                 break
@@ -106,7 +186,7 @@ class Scheduler:
         w = self.limits.decode_window
         while self.running:
             need = sum(self.table.extra_pages_needed(r.rid, r.kv_len + w) for r in self.running)
-            if need <= self.table.allocator.num_free_pages:
+            if need <= self.table.available_pages:
                 break
             victim = self._pick_victim()
             if victim is None:
@@ -128,7 +208,7 @@ class Scheduler:
         w = self.limits.decode_window
         bounds = [r.kv_len + r.inflight_steps * max_accept + w for r in reqs]
         need = sum(self.table.extra_pages_needed(r.rid, b) for r, b in zip(reqs, bounds))
-        if not reqs or need > self.table.allocator.num_free_pages:
+        if not reqs or need > self.table.available_pages:
             return []
         for r, b in zip(reqs, bounds):
             ok = self.table.reserve(r.rid, b)
@@ -144,8 +224,9 @@ class Scheduler:
         return None
 
     def retract(self, req: Request) -> None:
-        """Free a request's KV and queue it to resume; its outputs so far are kept."""
-        self.table.release(req.rid)
+        """Free a request's KV and queue it to resume; its outputs so far are kept (and its
+        computed pages cached, so resuming may find them again)."""
+        self._release(req)
         req.kv_len = 0
         req.num_retractions += 1
         self.num_retractions += 1
@@ -165,6 +246,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.set_state(ReqState.RUNNING)
             self.running.append(req)
+            self._cache_prefix(req)  # requests arriving meanwhile can share the prompt
         else:
             req.set_state(ReqState.PREFILLING)
 

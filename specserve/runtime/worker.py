@@ -110,6 +110,9 @@ class Worker:
     @torch.inference_mode()
     def prefill(self, chunks: list[PrefillChunk]) -> dict[str, int]:
         """Run the chunks; return the first sampled token of each request whose prefill completes."""
+        for c in chunks:
+            if c.copy_page is not None:
+                self._copy_page(*c.copy_page)
         tokens = [t for c in chunks for t in c.req.all_ids[c.start : c.end]]
         self.observe_tokens({c.req.rid: c.req.all_ids[c.start : c.end] for c in chunks})
         dev = self.device
@@ -153,6 +156,14 @@ class Worker:
         first = {chunks[i].req.rid: values[j] for j, i in enumerate(done)}
         self.observe_tokens({rid: (t,) for rid, t in first.items()})
         return first
+
+    def _copy_page(self, src: int, dst: int) -> None:
+        """A cached page's KV (target and draft) into a request's own page."""
+        ps = self.table.page_size
+        for cache in (self.target.kv_cache, *self.drafter.kv_caches()):
+            cache.buffer[:, :, dst * ps : (dst + 1) * ps] = cache.buffer[
+                :, :, src * ps : (src + 1) * ps
+            ]
 
     def _prefill_metadata(self, chunks: list[PrefillChunk]):
         segments, out_slots = [], []

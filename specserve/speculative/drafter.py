@@ -76,6 +76,9 @@ class TreeDrafter:
         # an EAGLE head's prefill of a chunk shares the target's positions and slots, so
         # PrefillGraphs can replay it after the target's (a standalone draft's cannot)
         self.graphs_prefill = self.delta == 0
+        # an EAGLE head's KV at position p pairs the target's state at p with token p + 1: at
+        # the end of a cached prefix that token is the new request's own (runtime/scheduler.py)
+        self.draft_kv_reads_next_token = self.delta == 0
         self.device, self.dtype = device, dtype
         self._consts: _DraftConstants | None = None
         c = head.config
@@ -93,6 +96,9 @@ class TreeDrafter:
             c.num_layers, num_slots, c.num_kv_heads, c.head_dim, self.dtype, self.device
         )
         rows.add_features(c.hidden_size, self.dtype)
+
+    def kv_caches(self) -> list[KVCache]:
+        return [self.kv]
 
     # ---- a growing draft vocabulary's input ----------------------------------------------------
     @property

@@ -22,6 +22,10 @@ class RootOnlyDrafter:
     kv_bytes_per_slot = 0
     observes_tokens = False
     graphs_prefill = False  # no draft prefill to replay
+    draft_kv_reads_next_token = False  # no draft KV: cached prefixes are shared whole
+
+    def kv_caches(self) -> list:
+        return []
 
     def attach(self, table, num_slots: int, backend, rows) -> None:
         """No draft KV, no root state."""

@@ -1,0 +1,160 @@
+"""The prefix cache: exact reuse of earlier requests' KV (the draft's included), shared pages
+counted right, eviction under pressure, and a hit rate that speculation does not lower."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.kv.allocator import PageAllocator
+from specserve.kv.prefix_cache import PrefixCache
+from specserve.kv.table import KVTable
+from specserve.model.config import PRESETS
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, spec_args
+
+SP = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
+
+
+# ---- the cache alone ---------------------------------------------------------------------------
+def test_cache_matches_whole_pages_and_counts_its_references():
+    alloc = PageAllocator(16, page_size=2)
+    table = KVTable(alloc)
+    cache = PrefixCache(alloc)
+    table.cache = cache
+    assert table.reserve("a", 7)  # 4 pages
+    a_pages = table.pages("a")
+    cache.lock(cache.insert([1, 2, 3, 4, 5, 6, 7], a_pages))  # 3 full pages kept
+    table.check_invariants({"a"})
+    assert cache.num_pages == 3 and cache.evictable == 0
+    pages, node = cache.match([1, 2, 3, 4, 9, 9], max_tokens=6)
+    assert pages == a_pages[:2]  # the third page's tokens differ
+    cache.lock(node)
+    table.adopt("b", pages)
+    table.check_invariants({"a", "b"})
+    assert alloc.refs[pages[0]] == 3  # a, b and the cache
+    pages, _ = cache.match([1, 2, 3, 4, 5, 6], max_tokens=5)
+    assert len(pages) == 2  # never past max_tokens
+    table.release("a")
+    table.release("b")
+    cache.unlock(node)
+    table.check_invariants(set())
+    assert cache.evictable == 0  # a's lock holds its whole path
+    cache.unlock(cache.match([1, 2, 3, 4, 5, 6, 7], 7)[1])  # a's own lock
+    assert cache.evictable == 3
+    table.check_invariants(set())
+    assert cache.flush() == 3 and alloc.num_free_pages == alloc.num_usable_pages
+    table.check_invariants(set())
+
+
+def test_eviction_takes_least_recently_used_leaves_first():
+    alloc = PageAllocator(8, page_size=1)
+    cache = PrefixCache(alloc)
+    for tokens in ([1, 2], [1, 3], [4]):
+        pages = alloc.alloc(len(tokens))
+        cache.insert(tokens, pages)
+        alloc.free(pages)  # the cache alone holds them
+    cache.match([1, 3], 2)  # used last
+    assert cache.evict(1) == 1
+    assert cache.match([1, 2], 2)[0].__len__() == 1  # [1, 2]'s leaf went first
+    assert len(cache.match([1, 3], 2)[0]) == 2
+    assert cache.evict(10) == 3 and cache.num_pages == 0  # [1], [1, 3], [4]
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory):
+    return write_random_eagle_checkpoint(
+        str(tmp_path_factory.mktemp("eagle")), PRESETS["tiny"], "EAGLE"
+    )
+
+
+def shared_prefix_prompts(n: int, prefix_len: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, 500, (prefix_len,), generator=g).tolist()
+    return [prefix + torch.randint(3, 500, (1 + i % 7,), generator=g).tolist() for i in range(n)]
+
+
+def run(prompts, waves: int = 2, **kw):
+    """The prompts in `waves` rounds (the later ones find the earlier ones cached): outputs,
+    per-request speculative histograms and cached tokens, and the engine's hit counters."""
+    outs, hists, cached = [], [], []
+    with Engine(**{**TINY, "debug_check_invariants": True, **kw}) as e:
+        for _ in range(waves):
+            for o in e.generate(input_ids=prompts, sampling_params=SP):
+                outs.append(o["output_ids"])
+                hists.append(o["meta_info"].get("spec_accept_histogram"))
+                cached.append(o["meta_info"]["cached_tokens"])
+        stats = e.stats()
+        e.flush_cache()
+        alloc = e.core.table.allocator
+        assert alloc.num_free_pages == alloc.num_usable_pages  # nothing live: all free
+        e.core.check_invariants()
+    return outs, hists, cached, stats
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 3])
+@pytest.mark.parametrize("draft", [None, "eagle-chain", "eagle-tree", "standalone"])
+def test_outputs_identical_with_the_cache_on_and_off(eagle, page_size, draft):
+    spec = {
+        None: {},
+        "eagle-chain": spec_args(eagle, 1, 3, 4),
+        "eagle-tree": spec_args(eagle, 3, 3, 8),
+        "standalone": spec_args("tiny", 2, 2, 5),
+    }[draft]
+    prompts = shared_prefix_prompts(6, 21, seed=page_size)
+    kw = dict(page_size=page_size, **spec)
+    on = run(prompts, **kw)
+    off = run(prompts, disable_radix_cache=True, **kw)
+    assert on[0] == off[0]
+    assert on[1] == off[1]  # the same drafts accepted: the draft's KV was reused exactly
+    assert sum(on[2]) > 0 and sum(off[2]) == 0
+    assert on[3]["prefix_cache_hit_tokens"] == sum(on[2])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_eviction_and_retraction_under_a_small_budget(eagle, overlap):
+    """A KV budget far too small for the load: the cache gives its pages back, requests are
+    retracted and resumed, outputs stay those of an unconstrained run without a cache."""
+    prompts = shared_prefix_prompts(12, 30, seed=7)
+    kw = dict(page_size=4, disable_overlap_schedule=not overlap, **spec_args(eagle, 2, 3, 6))
+    small = run(prompts, waves=2, max_total_tokens=160, **kw)
+    ref = run(prompts, waves=2, disable_radix_cache=True, **kw)
+    assert small[0] == ref[0]  # (a resumed request's histogram counts its re-prefill: no compare)
+    assert small[3]["num_retractions"] > 0 and sum(small[2]) > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_second_turn_reuses_the_history_with_and_without_speculation(eagle, page_size):
+    g = torch.Generator().manual_seed(page_size)
+    first = torch.randint(3, 500, (70,), generator=g).tolist()
+    hits = {}
+    for name, spec in (("plain", {}), ("eagle", spec_args(eagle, 4, 3, 10))):
+        with Engine(**TINY, page_size=page_size, **spec) as e:
+            turn1 = e.generate(input_ids=first, sampling_params=SP)
+            history = first + turn1["output_ids"]
+            turn2 = e.generate(input_ids=history + [7, 8, 9], sampling_params=SP)
+            cached = turn2["meta_info"]["cached_tokens"]
+            assert cached >= len(history) - page_size, (name, cached, len(history))
+            hits[name] = cached
+            assert assert_kv_matches_plain_prefill(e.core) == 0  # (nothing running now)
+    assert hits["eagle"] == hits["plain"]
+
+
+def test_cached_kv_equals_a_plain_prefill_while_requests_run(eagle):
+    prompts = shared_prefix_prompts(5, 33, seed=3)
+    checked = []
+    with Engine(**TINY, page_size=4, **spec_args(eagle, 2, 3, 6)) as e:
+        e.generate(input_ids=prompts[:1], sampling_params=SP)
+        e.step_hooks.append(lambda core: checked.append(assert_kv_matches_plain_prefill(core)))
+        e.generate(input_ids=prompts[1:], sampling_params=SP)
+    assert sum(checked) > 0
+
+
+def test_flush_cache_frees_what_nobody_uses():
+    with Engine(**TINY, page_size=2) as e:
+        e.generate(input_ids=[list(range(3, 40))], sampling_params=SP)
+        assert e.stats()["kv_cached_tokens"] > 0
+        assert e.flush_cache() > 0
+        assert e.stats()["kv_used_tokens"] == 0 and e.stats()["kv_cached_tokens"] == 0
