@@ -92,7 +92,8 @@ class Engine:
         """A consistent-enough snapshot for metrics (read without stopping the loop)."""
         core = self.core
         alloc = core.table.allocator
-        used_pages = alloc.num_usable_pages - alloc.num_free_pages  # the prefix cache's included
+        # in use: pages live requests hold (cached pages nobody uses can be reclaimed at once)
+        used_pages = alloc.num_usable_pages - core.table.available_pages
         cache = core.scheduler.cache
         verify_ct = core.spec_totals["verify_ct"]
         return {

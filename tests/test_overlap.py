@@ -113,6 +113,7 @@ def test_stress_topk16_64_tokens_retraction_and_random_aborts(eagle):
         else:
             assert out["output_ids"] == plain[i]
     assert stats["num_retractions"] > 0
+    engine.flush_cache()  # the prefix cache keeps finished requests' pages until flushed
     assert (
         engine.core.table.allocator.num_free_pages == engine.core.table.allocator.num_usable_pages
     )

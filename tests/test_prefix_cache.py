@@ -155,6 +155,28 @@ def test_cached_kv_equals_a_plain_prefill_while_requests_run(eagle):
 def test_flush_cache_frees_what_nobody_uses():
     with Engine(**TINY, page_size=2) as e:
         e.generate(input_ids=[list(range(3, 40))], sampling_params=SP)
-        assert e.stats()["kv_cached_tokens"] > 0
+        stats = e.stats()
+        assert stats["kv_cached_tokens"] > 0 and stats["kv_used_tokens"] == 0  # reclaimable
         assert e.flush_cache() > 0
-        assert e.stats()["kv_used_tokens"] == 0 and e.stats()["kv_cached_tokens"] == 0
+        assert e.stats()["kv_cached_tokens"] == 0
+        alloc = e.core.table.allocator
+        assert alloc.num_free_pages == alloc.num_usable_pages
+
+
+def test_server_reports_cached_tokens_flushes_and_counts_hits():
+    from fastapi.testclient import TestClient
+
+    from specserve.server.app import create_app
+    from specserve.server.state import ServerConfig
+
+    with Engine(**TINY, page_size=2) as e, TestClient(create_app(e, ServerConfig())) as client:
+        history = list(range(3, 60))
+        body = {"model": "tiny", "prompt": history, "max_tokens": 4, "temperature": 0}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        body["prompt"] = history + [5, 6]
+        usage = client.post("/v1/completions", json=body).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= len(history) - 2
+        metrics = client.get("/metrics").text
+        assert "specserve_prefix_cache_hit_tokens_total" in metrics
+        r = client.post("/flush_cache")
+        assert r.status_code == 200 and r.json()["flushed_pages"] > 0

@@ -168,6 +168,12 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
             return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
         return {"status": "ok"}
 
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        """Empty the prefix cache of every page no running request uses (SGLang's route)."""
+        pages = await asyncio.to_thread(engine.flush_cache)
+        return {"status": "ok", "flushed_pages": pages}
+
     @app.get("/metrics", response_class=Response, responses=s.METRICS)
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)

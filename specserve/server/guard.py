@@ -93,6 +93,9 @@ class RequestGuard:
         if scope["method"] not in _BODY_METHODS:
             return None
         ctype = headers.get("content-type")
+        no_body = headers.get("content-length", "0").strip() == "0"
+        if ctype is None and no_body and "transfer-encoding" not in headers:
+            return None  # nothing to parse (e.g. POST /flush_cache)
         media, _, params = (ctype or "").partition(";")
         charset = _param(params, "charset")
         if media.strip().lower() != "application/json" or charset not in (None, "utf-8", "utf8"):

@@ -78,9 +78,24 @@ class _EngineCollector:
                 "Limit on in-flight requests (503 beyond)",
                 srv["max_queued_requests"],
             )
-        yield gauge("kv_used_tokens", "KV cache slots in use", s["kv_used_tokens"])
+        yield gauge(
+            "kv_used_tokens",
+            "KV slots live requests hold (cached slots nobody uses excluded)",
+            s["kv_used_tokens"],
+        )
         yield gauge("kv_total_tokens", "KV cache slots in all", s["kv_total_tokens"])
         yield gauge("kv_usage", "Fraction of the KV cache in use (0..1)", s["kv_usage"])
+        yield gauge("kv_cached_tokens", "KV slots the prefix cache keeps", s["kv_cached_tokens"])
+        yield counter(
+            "prefix_cache_query_tokens",
+            "Prompt tokens of admitted requests looked up in the prefix cache",
+            s["prefix_cache_query_tokens"],
+        )
+        yield counter(
+            "prefix_cache_hit_tokens",
+            "Of those, tokens served from the cache (hit rate = hit / query)",
+            s["prefix_cache_hit_tokens"],
+        )
         yield counter("retractions", "Requests retracted for lack of KV", s["num_retractions"])
         yield counter("engine_steps", "Engine steps (batches) run", s["num_steps"])
         verify = s.get("spec_verify_ct") or 0

@@ -48,6 +48,7 @@ def usage(metas: list[dict[str, Any]]) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(m.get("cached_tokens", 0) for m in metas)},
     }
     verify = sum(m.get("spec_verify_ct", 0) for m in metas)
     if verify:  # speculative decoding: tokens per verify step
