@@ -83,6 +83,11 @@ def _logprob_meta(req: Request, first: int, with_input: bool, tokenizer) -> dict
     return meta
 
 
+def sample_rids(rid: str, n: int) -> list[str]:
+    """The request ids of a prompt's n samples: `rid` itself for one, else rid-0 .. rid-(n-1)."""
+    return [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+
+
 def _is_token(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
@@ -351,10 +356,10 @@ class Engine:
                 else self._seed_rng.getrandbits(31)
                 for i in range(params.n)
             ]
-        base = rid or uuid.uuid4().hex
+        names = sample_rids(rid or uuid.uuid4().hex, params.n)
         reqs = [
             Request(
-                rid=base if params.n == 1 else f"{base}-{i}",
+                rid=names[i],
                 prompt_ids=list(ids),
                 params=params,
                 seed=seed,
