@@ -277,3 +277,26 @@ def test_n_requests_name_sample_zero_for_their_prefill(target):
     assert [r.rid for r in seen] == ["group-0", "group-1", "group-2"]
     assert seen[0].prefill_after is None
     assert all(r.prefill_after is seen[0] for r in seen[1:])
+
+
+# ---- the CUDA-graph shape -------------------------------------------------------------------------
+def test_padded_graph_steps_give_the_same_logprobs(target):
+    """Batches padded to graph buckets (run eagerly on CPU), keyed by the log-prob mode: a
+    batch that asks with top-k, one without top-k and one without log-probs use three shapes
+    and report what eager steps report."""
+    from specserve.runtime.cuda_graphs import DecodeGraphs
+
+    folder, hf = target
+    args = standalone(folder, 2, 3, 6)
+    with engine(folder, **args) as e:
+        worker = e.core.worker
+        worker.graphs = DecodeGraphs(worker, 4, max_width=4096, capture=False)
+        padded = generate(e, start=0, k=3)
+        no_top = generate(e, k=0)
+        plain = e.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        keys = sorted(worker.graphs.graphs)
+    assert {k[-2:] for k in keys} == {(True, 4), (True, 0), (False, 0)}
+    for prompt, out, out0, p in zip(PROMPTS, padded, no_top, plain):
+        check(out, hf, prompt, start=0, k=3)
+        check(out0, hf, prompt)
+        assert p["output_ids"] == out["output_ids"]
