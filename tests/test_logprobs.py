@@ -39,7 +39,7 @@ def eagle(target, tmp_path_factory):
 
 def engine(folder: str, **kw) -> Engine:
     base = dict(model_path=folder, dtype="float32", device="cpu", max_total_tokens=1024)
-    return Engine(**base, **kw)
+    return Engine(**{**base, **kw})
 
 
 def standalone(folder: str, topk: int, steps: int, ndt: int, **kw) -> dict:
@@ -300,3 +300,16 @@ def test_padded_graph_steps_give_the_same_logprobs(target):
         check(out, hf, prompt, start=0, k=3)
         check(out0, hf, prompt)
         assert p["output_ids"] == out["output_ids"]
+
+
+def test_retraction_keeps_the_logprobs_already_reported(target):
+    """A retracted request re-prefills its prompt and outputs: prompt values are not repeated,
+    and the token sampled when it resumes gets its value from that prefill's last logits."""
+    folder, hf = target
+    prompts = [random_prompt(6, VOCAB, seed=40 + i) for i in range(8)]
+    sp = {**GREEDY, "max_new_tokens": 16}
+    with engine(folder, page_size=4, max_total_tokens=96) as e:
+        outs = generate(e, sp, start=0, k=1, prompts=prompts)
+        assert e.stats()["num_retractions"] > 0
+    for prompt, out in zip(prompts, outs):
+        check(out, hf, prompt, start=0, k=1)
