@@ -19,14 +19,18 @@ from typing import Any
 from specserve.config import EngineConfig
 from specserve.errors import InvalidArgument
 from specserve.runtime.engine_core import EngineCore
+from specserve.runtime.logprobs import TokenLogprobs, add_logprobs, sglang_logprobs
 from specserve.runtime.request import Request
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import INT64_MAX, LOGPROB_FIELDS, SamplingParams, check_logprob_field
 
 log = logging.getLogger(__name__)
 
 
-def request_output(req: Request, incremental: bool = False) -> dict[str, Any]:
-    """SGLang-shaped output. incremental: only text and ids not sent before."""
+def request_output(req: Request, incremental: bool = False, tokenizer=None) -> dict[str, Any]:
+    """SGLang-shaped output. incremental: only text, ids and log-probs not sent before.
+    tokenizer: gives each log-prob entry its token's text (return_text_in_logprobs)."""
+    first_ids = req.stream_sent_tokens if incremental else 0
+    with_input = not (incremental and req.stream_sent_input_logprobs)
     if incremental:
         # While a stop string could still complete across the next tokens, hold back its
         # possible beginning: text once sent cannot be taken back.
@@ -54,7 +58,35 @@ def request_output(req: Request, incremental: bool = False) -> dict[str, Any]:
         meta["spec_verify_ct"] = req.spec_verify_ct
         meta["spec_accept_length"] = len(req.output_ids) / req.spec_verify_ct
         meta["spec_accept_histogram"] = list(req.spec_accept_histogram)
+    if req.return_logprob:
+        meta.update(_logprob_meta(req, first_ids, with_input, tokenizer))
     return {"text": text, "output_ids": ids, "meta_info": meta, "finished": req.finished}
+
+
+def _logprob_meta(req: Request, first: int, with_input: bool, tokenizer) -> dict[str, Any]:
+    """SGLang's log-prob fields: the output tokens from index `first`; the prompt's entries
+    once they are complete (prefill done), and only once per stream."""
+    text_of = None
+    if req.return_text_in_logprobs and tokenizer is not None:
+        text_of = lambda t: tokenizer.decode([t])  # noqa: E731
+    top = req.top_logprobs_num > 0
+    rec = req.logprobs
+    output = TokenLogprobs(rec.output.values[first:], rec.output.top[first:])
+    meta = sglang_logprobs(output, req.output_ids[first:], "output", top, text_of)
+    prefilled = req.finished or bool(req.output_ids)
+    if with_input and prefilled:
+        req.stream_sent_input_logprobs = True
+        start = max(req.logprob_start_len, 0)
+        ids = req.prompt_ids[start:] if req.logprob_start_len >= 0 else []
+        meta.update(sglang_logprobs(rec.input, ids, "input", top, text_of))
+    else:
+        meta.update(sglang_logprobs(TokenLogprobs(), [], "input", top, text_of))
+    return meta
+
+
+def sample_rids(rid: str, n: int) -> list[str]:
+    """The request ids of a prompt's n samples: `rid` itself for one, else rid-0 .. rid-(n-1)."""
+    return [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
 
 
 def _is_token(t: Any) -> bool:
@@ -118,29 +150,50 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        return_logprob: bool | list[bool] = False,
+        top_logprobs_num: int | list[int] = 0,
+        logprob_start_len: int | list[int] = -1,
+        return_text_in_logprobs: bool = False,
     ) -> dict | list[dict] | Iterator[dict]:
         """One request (str / list[int]) returns a dict; a batch returns a list of dicts.
-        stream=True (one request only) returns an iterator of incremental outputs."""
+        A prompt sampled n > 1 times (sampling parameter `n`) gives n dicts: a list for one
+        prompt, prompt-major in a batch's flat list, as SGLang. stream=True (one prompt only)
+        returns an iterator of incremental outputs, each with the `index` of its sample.
+        Log-probs (SGLang's names; a value, or one per prompt): return_logprob adds
+        output_token_logprobs (and input_token_logprobs for prompt tokens from
+        logprob_start_len on; -1: none) to meta_info; top_logprobs_num > 0 adds the
+        likeliest alternatives per position (output_top_logprobs, input_top_logprobs)."""
         if not isinstance(stream, bool):
             raise InvalidArgument("stream", f"must be true or false, got {stream!r}")
         single, prompts = self._normalize_inputs(prompt, input_ids)
         params = self._normalize_params(sampling_params, len(prompts))
         rids = self._normalize_rids(rid, len(prompts))
-        reqs = [
-            self._make_request(p, sp, r, field) for (p, field), sp, r in zip(prompts, params, rids)
+        options = self._normalize_logprob_options(
+            len(prompts),
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+            logprob_start_len=logprob_start_len,
+            return_text_in_logprobs=return_text_in_logprobs,
+        )
+        groups = [
+            self._make_requests(p, sp, r, field, opt)
+            for (p, field), sp, r, opt in zip(prompts, params, rids, options)
         ]
+        reqs = [r for g in groups for r in g]
         if stream:
             if not single:
                 raise InvalidArgument("stream", "streaming takes one prompt at a time")
-            return self._stream(reqs[0])
+            return self._stream(reqs)
         queues = [self._submit(r, incremental=False) for r in reqs]
         outs = [self._wait(q) for q in queues]
-        return outs[0] if single else outs
+        return outs[0] if single and len(outs) == 1 else outs
 
     def generate_stream(
-        self, prompt=None, sampling_params=None, input_ids=None, rid=None
+        self, prompt=None, sampling_params=None, input_ids=None, rid=None, **logprob_options
     ) -> Iterator[dict]:
-        return self.generate(prompt, sampling_params, input_ids, stream=True, rid=rid)
+        return self.generate(
+            prompt, sampling_params, input_ids, stream=True, rid=rid, **logprob_options
+        )
 
     def submit(
         self,
@@ -148,17 +201,43 @@ class Engine:
         sampling_params: dict | SamplingParams | None,
         on_output,
         rid: str | None = None,
+        **logprob_options: Any,
     ) -> str:
-        """Low-level: validated submission with a callback `on_output(dict)` called from the loop
-        thread with incremental outputs (the server uses this)."""
-        req = self._make_request(
-            prompt_ids, SamplingParams.from_any(sampling_params), rid, "input_ids"
+        """Low-level: validated submission of one sample (n = 1) with a callback
+        `on_output(dict)` called from the loop thread with incremental outputs."""
+        params = SamplingParams.from_any(sampling_params)
+        if params.n != 1:
+            raise InvalidArgument("n", "submit takes n = 1; submit_samples takes any n")
+        rids = self.submit_samples(
+            prompt_ids, params, lambda _, out: on_output(out), rid, **logprob_options
+        )
+        return rids[0]
+
+    def submit_samples(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict | SamplingParams | None,
+        on_output,
+        rid: str | None = None,
+        **logprob_options: Any,
+    ) -> list[str]:
+        """Low-level: validated submission of the prompt's n samples (the server uses this).
+        `on_output(index, dict)` is called from the loop thread with each sample's incremental
+        outputs. Returns the samples' request ids (`rid`, or with n > 1 `rid-0` ...)."""
+        (opts,) = self._normalize_logprob_options(1, **logprob_options)
+        reqs = self._make_requests(
+            prompt_ids, SamplingParams.from_any(sampling_params), rid, "input_ids", opts
         )
         self._check_running()
-        req.on_output = lambda r: on_output(request_output(r, incremental=True))
-        self._inbox.put(("add", req))
+        for i, req in enumerate(reqs):
+            req.on_output = self._incremental_callback(on_output, i)
+            self._inbox.put(("add", req))
         self._wake.set()
-        return req.rid
+        return [r.rid for r in reqs]
+
+    def _incremental_callback(self, on_output, index: int):
+        tokenizer = self.tokenizer
+        return lambda r: on_output(index, request_output(r, incremental=True, tokenizer=tokenizer))
 
     def _check_running(self) -> None:
         if self._stop.is_set():
@@ -249,15 +328,63 @@ class Engine:
             raise InvalidArgument("rid", f"has {len(rid)} ids for {n} prompts")
         return list(rid)
 
-    def _make_request(
-        self, ids: list[int], params: SamplingParams, rid: str | None, field: str
-    ) -> Request:
+    @staticmethod
+    def _normalize_logprob_options(n: int, **options: Any) -> list[dict[str, Any]]:
+        """Per prompt, the log-prob options checked (each given once, or once per prompt)."""
+        per_prompt: list[dict[str, Any]] = [{} for _ in range(n)]
+        for name, value in options.items():
+            if name not in LOGPROB_FIELDS:
+                raise InvalidArgument(name, f"unknown option; allowed: {', '.join(LOGPROB_FIELDS)}")
+            values = value if isinstance(value, list) else [value] * n
+            if len(values) != n:
+                raise InvalidArgument(name, f"has {len(values)} entries for {n} prompts")
+            for opts, v in zip(per_prompt, values):
+                opts[name] = check_logprob_field(name, v)
+        return per_prompt
+
+    def _make_requests(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        rid: str | None,
+        field: str,
+        logprob_options: dict[str, Any],
+    ) -> list[Request]:
+        """The prompt's n requests: sample i draws with seed + i when the prompt has a seed,
+        else each its own random seed; samples after the first wait for its prefill
+        (`prefill_after`), to reuse the prompt's pages."""
         self.core.validate_prompt(ids, field)
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop", "stop strings need a tokenizer; use stop_token_ids")
+        opts = {"return_logprob": False, "logprob_start_len": -1, **logprob_options}
+        if opts["return_logprob"] and opts["logprob_start_len"] >= len(ids):
+            raise InvalidArgument(
+                "logprob_start_len",
+                f"must be -1 or a prompt position in [0, {len(ids)}), got {opts['logprob_start_len']}",
+            )
+        if not opts["return_logprob"]:
+            opts["logprob_start_len"] = -1  # (a cached prefix may then cover the prompt)
         with self._lock:
-            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(31)
-        return Request(rid=rid or uuid.uuid4().hex, prompt_ids=list(ids), params=params, seed=seed)
+            seeds = [
+                (params.seed + i) % (INT64_MAX + 1)
+                if params.seed is not None
+                else self._seed_rng.getrandbits(31)
+                for i in range(params.n)
+            ]
+        names = sample_rids(rid or uuid.uuid4().hex, params.n)
+        reqs = [
+            Request(
+                rid=names[i],
+                prompt_ids=list(ids),
+                params=params,
+                seed=seed,
+                **opts,
+            )
+            for i, seed in enumerate(seeds)
+        ]
+        for r in reqs[1:]:
+            r.prefill_after = reqs[0]
+        return reqs
 
     # ---- plumbing ---------------------------------------------------------------------------
     def _submit(self, req: Request, incremental: bool = True) -> queue.Queue:
@@ -265,39 +392,51 @@ class Engine:
         thread wake-ups for a caller that only wants the result)."""
         self._check_running()
         q: queue.Queue = queue.Queue()
+        tok = self.tokenizer
         if incremental:
-            req.on_output = lambda r: q.put(request_output(r, incremental=True))
+            req.on_output = lambda r: q.put(request_output(r, incremental=True, tokenizer=tok))
         else:
-            req.on_output = lambda r: q.put(request_output(r)) if r.finished else None
+            req.on_output = lambda r: (
+                q.put(request_output(r, tokenizer=tok)) if r.finished else None
+            )
         self._inbox.put(("add", req))
         self._wake.set()
         return q
 
     def _wait(self, q: queue.Queue) -> dict:
-        text, ids = [], []
+        text, ids, logprobs = [], [], {}
         while True:
             out = q.get()
             if isinstance(out, BaseException):
                 raise out
             text.append(out["text"])
             ids.extend(out["output_ids"])
+            add_logprobs(logprobs, out["meta_info"])
             if out["finished"]:
                 out["text"], out["output_ids"] = "".join(text), ids
+                out["meta_info"].update(logprobs)
                 return out
 
-    def _stream(self, req: Request) -> Iterator[dict]:
-        q = self._submit(req)
-        finished = False
+    def _stream(self, reqs: list[Request]) -> Iterator[dict]:
+        """Incremental outputs of the samples of one prompt, as they come, each with its
+        sample's `index`."""
+        self._check_running()
+        q: queue.Queue = queue.Queue()
+        for i, req in enumerate(reqs):
+            req.on_output = self._incremental_callback(lambda idx, out: q.put((idx, out)), i)
+        for req in reqs:
+            self._inbox.put(("add", req))
+        self._wake.set()
+        unfinished = set(range(len(reqs)))
         try:
-            while not finished:
-                out = q.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out["finished"]
-                yield out
+            while unfinished:
+                index, out = q.get()
+                if out["finished"]:
+                    unfinished.discard(index)
+                yield {**out, "index": index}
         finally:
-            if not finished:
-                self.abort(req.rid)
+            for i in unfinished:
+                self.abort(reqs[i].rid)
 
     def _loop(self) -> None:
         core = self.core

@@ -22,6 +22,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024  # each generated token is looked up in this list
 INT64_MAX = 2**63 - 1  # integers the engine packs into int64 tensors must fit
+MAX_N = 64  # samples per prompt
+MAX_TOP_LOGPROBS = 20  # alternatives per position (vLLM's default cap)
 
 
 @dataclass
@@ -36,6 +38,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    n: int = 1  # samples of the prompt (the engine runs n requests; sample i uses seed + i)
 
     @staticmethod
     def from_any(
@@ -162,6 +165,13 @@ def _stop_token_ids(v: Any) -> list[int]:
     return list(v)
 
 
+def _n(v: Any) -> int:
+    n = _integer("n", v, 1, f"an integer in [1, {MAX_N}]")
+    if n > MAX_N:
+        raise InvalidArgument("n", f"must be an integer in [1, {MAX_N}], got {n}")
+    return n
+
+
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "top_p": _top_p,
     "top_k": _top_k,
@@ -172,6 +182,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "ignore_eos": lambda v: _boolean("ignore_eos", v),
     "seed": _seed,
     "skip_special_tokens": lambda v: _boolean("skip_special_tokens", v),
+    "n": _n,
 }
 FIELDS = tuple(f.name for f in fields(SamplingParams))
 
@@ -192,3 +203,44 @@ def check_field(name: Any, value: Any, max_temperature: float = MAX_TEMPERATURE)
 def _short(value: Any, limit: int = 60) -> str:
     r = repr(value)
     return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+# ---- log-probability options (request-level, SGLang's names; not sampling parameters) ----------
+def _top_logprobs_num(v: Any) -> int:
+    k = _integer("top_logprobs_num", v, 0, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if k > MAX_TOP_LOGPROBS:
+        raise InvalidArgument(
+            "top_logprobs_num", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k}"
+        )
+    return k
+
+
+def _logprob_start_len(v: Any) -> int:
+    allowed = "-1 (no prompt positions) or a prompt position >= 0"
+    if not _is_int(v):
+        raise InvalidArgument(
+            "logprob_start_len", f"must be an integer, {allowed}; got {_short(v)}"
+        )
+    if not -1 <= v <= INT64_MAX:
+        raise InvalidArgument("logprob_start_len", f"must be {allowed}, got {v}")
+    return v
+
+
+_LOGPROB_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "return_logprob": lambda v: _boolean("return_logprob", v),
+    "top_logprobs_num": _top_logprobs_num,
+    "logprob_start_len": _logprob_start_len,
+    "return_text_in_logprobs": lambda v: _boolean("return_text_in_logprobs", v),
+}
+LOGPROB_FIELDS = tuple(_LOGPROB_CHECKS)
+
+
+def check_logprob_field(name: str, value: Any) -> Any:
+    """The validated value of one log-probability option (`Engine.generate` and /generate
+    take them beside the sampling parameters); InvalidArgument naming the field otherwise."""
+    check = _LOGPROB_CHECKS.get(name)
+    if check is None:
+        raise InvalidArgument(
+            name, f"unknown log-probability option; allowed: {', '.join(LOGPROB_FIELDS)}"
+        )
+    return check(value)

@@ -346,7 +346,7 @@ INVALID = [
     ("/v1/completions", {"prompt": [1, 2], "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": [1, 2], "top_k": -2}, "top_k"),
     ("/v1/completions", {"prompt": [1, 2], "min_p": 2}, "min_p"),
-    ("/v1/completions", {"prompt": [1, 2], "n": 2}, "n"),
+    ("/v1/completions", {"prompt": [1, 2], "n": 0}, "n"),
     ("/v1/completions", {"prompt": [1, 2], "seed": -1}, "seed"),
     ("/v1/completions", {"prompt": [1, 2], "stop": 5}, "stop"),
     ("/v1/completions", {"prompt": [1, 2], "stop": [""]}, "stop"),
@@ -354,8 +354,12 @@ INVALID = [
     ("/v1/completions", {"prompt": [1, 2], "stop_token_ids": [-1]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": [1, 2], "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": [1, 2], "stream_options": {"include_usage": True}}, None),
-    ("/v1/completions", {"prompt": [1, 2], "logprobs": 3}, "logprobs"),
-    ("/v1/completions", {"prompt": [1, 2], "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": [1, 2], "logprobs": 6}, "logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+        "top_logprobs",
+    ),
     ("/v1/completions", {"prompt": [1, 2], "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/chat/completions", {"model": "tiny"}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -422,7 +426,7 @@ def test_invalid_requests_get_400_naming_the_field(tiny):
         tiny.client.completions.create(model="tiny", prompt=[1, 2], temperature=-1)
     assert exc.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError):
-        tiny.client.completions.create(model="tiny", prompt=[1, 2], n=3)
+        tiny.client.completions.create(model="tiny", prompt=[1, 2], n=65)
     # Unknown model: 404, unknown route: 404, both OpenAI-shaped.
     with pytest.raises(openai.NotFoundError):
         tiny.client.completions.create(model="gpt-17", prompt=[1, 2])

@@ -76,14 +76,14 @@ OPENAI_FIELDS = {
     "min_p": [*NUMBER, 1.5],
     "stop": STOP,
     "seed": [*COUNT, -1],
-    "n": [2, "1", True],
+    "n": [0, 65, "1", True, 2.5],
     "stream": BOOL,
     "stream_options": [True, "x", {"include_usage": "yes"}],
     "ignore_eos": BOOL,
     "stop_token_ids": IDS,
     "skip_special_tokens": BOOL,
     "return_token_ids": BOOL,
-    "logprobs": [5, "x"],
+    "logprobs": [6, "x", -1],
     "presence_penalty": [0.5, "x", "NaN"],
     "model": [5, "gpt-17", NESTED],
 }
@@ -103,7 +103,10 @@ BAD += [("/generate", "input_ids", v) for v in ["abc", [True], [[1], ["a"]], [-1
 BAD += [("/generate", "text", v) for v in [5, [], [1], NESTED]]
 BAD += [("/generate", "rid", v) for v in [5, True, [], NESTED]]
 BAD += [("/generate", "stream", v) for v in BOOL]
-BAD += [("/generate", "return_logprob", v) for v in [True, "no"]]
+BAD += [("/generate", "return_logprob", v) for v in [1, "no", None]]
+BAD += [("/generate", "top_logprobs_num", v) for v in [21, -1, True, "3", 1.0]]
+BAD += [("/generate", "logprob_start_len", v) for v in [-2, "0", 1.5]]
+BAD += [("/v1/chat/completions", "top_logprobs", v) for v in [21, -1, True, "3"]]
 BAD += [("/generate", "sampling_params", v) for v in [[1], "x", 5, {"bogus": 1}]]
 _NATIVE = {
     "temperature": [*NUMBER, None, 101],
@@ -116,6 +119,7 @@ _NATIVE = {
     "ignore_eos": BOOL,
     "seed": [*COUNT, -1],
     "skip_special_tokens": BOOL,
+    "n": [0, 65, True, None, 1.5],
 }
 BAD += [("/generate", f"sampling_params.{f}", v) for f, vs in _NATIVE.items() for v in vs]
 

@@ -87,6 +87,8 @@ class SamplingTensors:
     seeds: torch.Tensor  # [R] int64
     all_greedy: bool  # host-known: skip the noise entirely
     needs_filter: bool  # host-known: skip sorting when nobody uses top_k/top_p/min_p
+    logprobs: bool = False  # host-known: a request of the batch asks for log-probs
+    top_logprobs: int = 0  # host-known: top-k width of those log-probs (ops/logprobs.py)
 
     def expand(self, repeats: int) -> SamplingTensors:
         """Each request row repeated `repeats` times (one row per tree node); one copy kernel
@@ -103,6 +105,8 @@ class SamplingTensors:
             rep(self.seeds),
             self.all_greedy,
             self.needs_filter,
+            self.logprobs,
+            self.top_logprobs,
         )
 
 

@@ -6,7 +6,8 @@ A step's shapes depend on three host values, which key the graphs:
   `PAD_ROW`, whose KV is the scratch page;
 - the context width, padded up to a power of two (>= 256): every request's KV indices are
   laid out in a [bs, width] block, and the attention launch plan is sized for it;
-- the sampling mode (all greedy; filters on or off), which selects host-side code paths.
+- the sampling mode (all greedy; filters on or off; log-probs on or off and their top-k
+  width), which selects host-side code paths and output shapes.
 Graphs are captured lazily, the first time a key is needed, from padding-only inputs (so
 capture writes nothing but scratch), and share one memory pool. Anything outside the
 buckets runs eagerly through the same `DecodeStep.run`.
@@ -75,8 +76,7 @@ class _Captured:
     step: object  # the step over the static inputs (what the graph replays)
     rows: torch.Tensor  # [bs] static input
     sampling: SamplingTensors  # [bs] static inputs
-    accept_len: torch.Tensor | None  # [bs] static output of the graph
-    emitted: torch.Tensor | None  # [bs, max_accept]
+    outputs: tuple | None  # the graph's static outputs: DecodeStep.run's, as captured
     # (real batch size, sampling object) last copied in; holding the object keeps its
     # identity from being reused by a different batch's tensors
     last_inputs: tuple | None = None
@@ -101,10 +101,9 @@ class DecodeGraphs:
             return None
         return bs, min(pow2_bucket(width, MIN_WIDTH), self.max_width)
 
-    def run(
-        self, rows: list[int], sampling: SamplingTensors, width: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Replay the step for these rows; None when the batch is too large for a graph."""
+    def run(self, rows: list[int], sampling: SamplingTensors, width: int) -> tuple | None:
+        """Replay the step for these rows: DecodeStep.run's outputs for the real rows; None
+        when the batch is too large for a graph."""
         shape = self.bucket(len(rows), width)
         if shape is None:
             return None
@@ -116,7 +115,13 @@ class DecodeGraphs:
                 torch.cuda.synchronize(self.worker.device)
             self.graphs.clear()
             self._rows_version = self.worker.rows.version
-        key = (*shape, sampling.all_greedy, sampling.needs_filter)
+        key = (
+            *shape,
+            sampling.all_greedy,
+            sampling.needs_filter,
+            sampling.logprobs,
+            sampling.top_logprobs,
+        )
         cap = self.graphs.get(key)
         if cap is None:
             cap = self._capture(*key)
@@ -124,11 +129,11 @@ class DecodeGraphs:
         self._copy_inputs(cap, rows, sampling)
         if cap.graph is not None:
             cap.graph.replay()
-            accept_len, emitted = cap.accept_len, cap.emitted
+            accept_len, emitted, logprobs = cap.outputs
         else:
-            accept_len, emitted = cap.step()
+            accept_len, emitted, logprobs = cap.step()
         n = len(rows)
-        return accept_len[:n], emitted[:n]
+        return accept_len[:n], emitted[:n], None if logprobs is None else logprobs.head(n)
 
     def _copy_inputs(self, cap: _Captured, rows: list[int], sampling: SamplingTensors) -> None:
         bs, n = cap.rows.shape[0], len(rows)
@@ -143,7 +148,15 @@ class DecodeGraphs:
                 dst[n:].fill_(_PAD_SAMPLING[name])
         cap.last_inputs = (n, sampling)
 
-    def _capture(self, bs: int, width: int, all_greedy: bool, needs_filter: bool) -> _Captured:
+    def _capture(
+        self,
+        bs: int,
+        width: int,
+        all_greedy: bool,
+        needs_filter: bool,
+        logprobs: bool,
+        top_logprobs: int,
+    ) -> _Captured:
         worker, dev = self.worker, self.worker.device
         rows = torch.full((bs,), PAD_ROW, dtype=torch.int64, device=dev)
 
@@ -158,6 +171,8 @@ class DecodeGraphs:
             seeds=pad("seeds", torch.int64),
             all_greedy=all_greedy,
             needs_filter=needs_filter,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
         )
         kv_upper = [width - worker.decode_window] * bs
 
@@ -166,13 +181,20 @@ class DecodeGraphs:
                 return worker.step.run(rows, sampling, width, kv_upper)
 
         if not self.capture:
-            return _Captured(None, step, rows, sampling, None, None)
+            return _Captured(None, step, rows, sampling, None)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph, (accept_len, emitted) = capture_graph(step, self.pool, dev)
+        graph, outputs = capture_graph(step, self.pool, dev)
         self.num_captures += 1
-        log.info("captured decode graph: batch %d, width %d, greedy=%s", bs, width, all_greedy)
-        return _Captured(graph, step, rows, sampling, accept_len, emitted)
+        log.info(
+            "captured decode graph: batch %d, width %d, greedy=%s, logprobs=%s (top %d)",
+            bs,
+            width,
+            all_greedy,
+            logprobs,
+            top_logprobs,
+        )
+        return _Captured(graph, step, rows, sampling, outputs)
 
 
 # Padding rows sample greedily with no filters (their outputs are discarded).

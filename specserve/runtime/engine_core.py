@@ -17,6 +17,7 @@ from specserve.kv.table import KVTable
 from specserve.model.loader import load_model
 from specserve.model.runner import ModelRunner
 from specserve.ops.attention import TorchAttentionBackend
+from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import ReqState, Request
 from specserve.runtime.scheduler import Scheduler, SchedulerLimits
 from specserve.runtime.stop import StopChecker
@@ -202,8 +203,8 @@ class EngineCore:
         if req.rid in self.requests:
             raise InvalidArgument("rid", f"request id {req.rid!r} is already in use")
         self.requests[req.rid] = req
-        if req.params.max_new_tokens == 0:
-            req.finish("length", length=0)
+        if req.params.max_new_tokens == 0 and not req.wants_prompt_logprobs:
+            req.finish("length", length=0)  # (with prompt log-probs: prefill, then finish)
             return
         self.scheduler.add(req)
 
@@ -277,16 +278,25 @@ class EngineCore:
                 req = c.req
                 if req.first_token_time is None:
                     req.first_token_time = time.perf_counter()
-                self._append_tokens(req, [sampled[req.rid]])
+                token, logprobs = sampled[req.rid]
+                if req.params.max_new_tokens == 0:  # prompt scoring: the prefill was all
+                    req.finish("length", length=0)
+                else:
+                    self._append_tokens(req, [token], logprobs)
                 touched.append(req)
         return touched
 
-    def _append_tokens(self, req: Request, tokens: list[int]) -> None:
-        """The host-side work on one request's new tokens (detokenizing, stop checks). A
-        failure there fails that request alone; finishing it is enough, since its pages are
-        reaped only once no launched step can still write them."""
+    def _append_tokens(
+        self, req: Request, tokens: list[int], logprobs: TokenLogprobs | None = None
+    ) -> None:
+        """The host-side work on one request's new tokens (detokenizing, stop checks; the
+        log-probs of the tokens kept). A failure there fails that request alone; finishing
+        it is enough, since its pages are reaped only once no launched step can still write
+        them."""
         try:
-            self.stop_checker.append_tokens(req, tokens)
+            kept = self.stop_checker.append_tokens(req, tokens)
+            if logprobs is not None:
+                req.logprobs.output.extend(logprobs, limit=kept)
         except Exception as e:
             log.exception("request %s: processing its new tokens failed", req.rid)
             req.finish("abort", message=f"internal error: {type(e).__name__}: {e}")
@@ -305,12 +315,13 @@ class EngineCore:
         out = pending.result()
         touched = []
         emitted = {}
-        for req, tokens, n in zip(pending.reqs, out.emitted, out.accept_lens):
+        logprobs = out.logprobs or [None] * len(pending.reqs)
+        for req, tokens, n, lp in zip(pending.reqs, out.emitted, out.accept_lens, logprobs):
             req.inflight_steps -= 1
             if req.finished:
                 continue
             self.scheduler.decode_done(req, n)
-            self._append_tokens(req, tokens)
+            self._append_tokens(req, tokens, lp)
             if self.worker.drafter.observes_tokens:
                 emitted[req.rid] = tokens
             touched.append(req)

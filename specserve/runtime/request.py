@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.runtime.logprobs import RequestLogprobs
 from specserve.sampling_params import SamplingParams
 
 
@@ -43,6 +44,18 @@ class Request:
     params: SamplingParams
     seed: int
     on_output: Callable[[Request], None] | None = None
+    # Log-probabilities (SGLang's names). Prompt tokens from logprob_start_len on get theirs
+    # (-1: none of the prompt), so prefill must compute the target's logits at every prompt
+    # position >= logprob_start_len (token i's value is read at position i - 1; token
+    # logprob_start_len itself reports None): a cached prefix must not cover them.
+    return_logprob: bool = False
+    top_logprobs_num: int = 0  # alternatives per position (with return_logprob)
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False  # each entry also carries its token's text
+    logprobs: RequestLogprobs = field(default_factory=RequestLogprobs)
+    # Sample i > 0 of a prompt with n > 1 names sample 0 here: its prefill may wait for
+    # sample 0's, to reuse the prompt's pages.
+    prefill_after: Request | None = None
     state: ReqState = ReqState.WAITING
     output_ids: list[int] = field(default_factory=list)
     # Tokens of all_ids whose target KV is cached. While RUNNING: len(all_ids) - 1 (the last
@@ -59,11 +72,6 @@ class Request:
     # cache node this request holds locked
     cached_tokens: int | None = None
     cache_node: Any = None
-    # n > 1: a sibling sample waits for the first sample's prefill, then shares its prompt
-    prefill_after: Request | None = None
-    # log-probabilities (SGLang's names): prompt positions from logprob_start_len on (-1: none)
-    return_logprob: bool = False
-    logprob_start_len: int = -1
     # speculative decoding statistics (SGLang's names)
     spec_verify_ct: int = 0
     spec_accept_histogram: list[int] = field(default_factory=list)
@@ -71,11 +79,16 @@ class Request:
     text: str = ""
     stream_sent_tokens: int = 0
     stream_sent_chars: int = 0
+    stream_sent_input_logprobs: bool = False
     detok: Any = None
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
 
     @property
     def fill_len(self) -> int:

@@ -100,8 +100,8 @@ class Scheduler:
         """Start a request with no KV from its longest cached prefix (locked); returns the
         (cached page, own page index) to copy when the boundary is recomputed."""
         limit = req.fill_len - 1  # at least one token is prefilled: its logits sample the next
-        if req.return_logprob and req.logprob_start_len >= 0:
-            limit = min(limit, req.logprob_start_len)  # prompt log-probs need the forward
+        if req.wants_prompt_logprobs:  # the target's logits of those positions are needed
+            limit = min(limit, max(0, req.logprob_start_len - 1))
         pages, node = self.cache.match(req.all_ids, limit)
         self.cache.lock(node)
         req.cache_node = node

@@ -7,6 +7,7 @@ where the host later learns what it produced.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,15 +19,25 @@ from specserve.kv.request_rows import RequestRows
 from specserve.kv.table import KVInvariantError, KVTable
 from specserve.model.runner import ModelRunner
 from specserve.ops.attention_metadata import Segment, build_metadata
+from specserve.ops.logprobs import token_logprobs, top_logprobs_bucket
 from specserve.ops.sampling import SamplingTensors, sample
+from specserve.runtime.logprobs import TokenLogprobs, host_rows
 from specserve.runtime.request import PrefillChunk, Request
-from specserve.speculative.step import DecodeStep, sampling_tensors
+from specserve.speculative.step import DecodeStep, StepLogprobs, sampling_tensors
+
+log = logging.getLogger(__name__)
+
+# Prompt log-probs are computed this many positions at a time: [rows, vocab] float32 logits
+# of a whole long chunk would not fit.
+PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass
 class DecodeOutput:
     emitted: list[list[int]]  # per request: accepted draft tokens then the bonus token
     accept_lens: list[int]
+    # per request: the emitted tokens' log-probs, for requests that ask for them
+    logprobs: list[TokenLogprobs | None] | None = None
 
 
 class PendingDecode:
@@ -34,27 +45,59 @@ class PendingDecode:
     blocking; `result()` waits for them, which is the only point where the host learns
     the accepted lengths (one step later, under overlap scheduling)."""
 
-    def __init__(self, reqs: list[Request], accept_len: torch.Tensor, emitted: torch.Tensor):
+    def __init__(
+        self,
+        reqs: list[Request],
+        accept_len: torch.Tensor,
+        emitted: torch.Tensor,
+        logprobs: StepLogprobs | None = None,
+    ):
         self.reqs = reqs
+        outs = [accept_len, emitted]
+        if logprobs is not None:
+            outs.append(logprobs.token)
+            if logprobs.top_values is not None:
+                outs += [logprobs.top_values, logprobs.top_ids]
         if accept_len.device.type == "cuda":
-            self._lens = torch.empty(accept_len.shape, dtype=accept_len.dtype, pin_memory=True)
-            self._emitted = torch.empty(emitted.shape, dtype=emitted.dtype, pin_memory=True)
-            self._lens.copy_(accept_len, non_blocking=True)
-            self._emitted.copy_(emitted, non_blocking=True)
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in outs]
+            for host, dev in zip(self._host, outs):
+                host.copy_(dev, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._lens, self._emitted, self._event = accept_len, emitted, None
+            self._host, self._event = outs, None
 
     def result(self) -> DecodeOutput:
         if self._event is not None:
             self._event.synchronize()
-        lens = self._lens.tolist()
-        return DecodeOutput([e[:n] for e, n in zip(self._emitted.tolist(), lens)], lens)
+        lens, emitted = self._host[0].tolist(), self._host[1].tolist()
+        out = DecodeOutput([e[:n] for e, n in zip(emitted, lens)], lens)
+        if len(self._host) > 2:
+            token = self._host[2].tolist()
+            values, ids = (h.tolist() for h in self._host[3:5]) if len(self._host) > 3 else ([], [])
+            out.logprobs = [
+                host_rows(
+                    token[i][:n],
+                    values[i][:n] if values else None,
+                    ids[i][:n] if ids else None,
+                    r.top_logprobs_num,
+                )
+                if r.return_logprob
+                else None
+                for i, (r, n) in enumerate(zip(self.reqs, lens))
+            ]
+        return out
 
 
 def request_sampling(reqs: list[Request], device: torch.device) -> SamplingTensors:
-    return sampling_tensors([r.params for r in reqs], [r.seed for r in reqs], device)
+    asking = [r.top_logprobs_num for r in reqs if r.return_logprob]
+    return sampling_tensors(
+        [r.params for r in reqs],
+        [r.seed for r in reqs],
+        device,
+        logprobs=bool(asking),
+        top_logprobs=top_logprobs_bucket(max(asking, default=0)),
+    )
 
 
 class Worker:
@@ -108,8 +151,10 @@ class Worker:
 
     # ---- prefill --------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, chunks: list[PrefillChunk]) -> dict[str, int]:
-        """Run the chunks; return the first sampled token of each request whose prefill completes."""
+    def prefill(self, chunks: list[PrefillChunk]) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Run the chunks; return the first sampled token of each request whose prefill
+        completes, with its log-prob when the request asks for it. Prompt log-probs go to
+        the requests' records here (they are never cut by a stop)."""
         for c in chunks:
             if c.copy_page is not None:
                 self._copy_page(*c.copy_page)
@@ -130,6 +175,7 @@ class Worker:
             positions = [p for c in chunks for p in range(c.start, c.end)]
             pos = to_device(torch.tensor(positions, dtype=torch.int64), dev)
             out = self.target.forward(input_ids, pos, self._prefill_metadata(chunks), capture)
+        self._prompt_logprobs(chunks, out.hidden)
 
         done = [i for i, c in enumerate(chunks) if c.completes]
         sampled = None
@@ -142,6 +188,7 @@ class Worker:
             reqs = [chunks[i].req for i in done]
             sample_pos = to_device(torch.tensor([chunks[i].end for i in done]), dev)
             sampled = sample(logits, request_sampling(reqs, dev), sample_pos, self.kernels)
+            first_logprobs = self._first_token_logprobs(reqs, logits, sampled)
         if graphed and self.drafter.graphs_prefill:
             c = chunks[0]  # the token after the chunk: sampled, or the prompt's own
             g = self.prefill_graphs.draft(sampled if done else c.req.all_ids[c.end])
@@ -153,8 +200,8 @@ class Worker:
         rows = self.rows.rows_of([chunks[i].req.rid for i in done])
         self.rows.set_state(to_device(torch.tensor(rows), dev), sample_pos, sampled, features)
         values = sampled.tolist()
-        first = {chunks[i].req.rid: values[j] for j, i in enumerate(done)}
-        self.observe_tokens({rid: (t,) for rid, t in first.items()})
+        first = {chunks[i].req.rid: (values[j], first_logprobs[j]) for j, i in enumerate(done)}
+        self.observe_tokens({rid: (t,) for rid, (t, _) in first.items()})
         return first
 
     def _copy_page(self, src: int, dst: int) -> None:
@@ -164,6 +211,68 @@ class Worker:
             cache.buffer[:, :, dst * ps : (dst + 1) * ps] = cache.buffer[
                 :, :, src * ps : (src + 1) * ps
             ]
+
+    # ---- log-probabilities of prefill --------------------------------------------------------
+    def _first_token_logprobs(
+        self, reqs: list[Request], logits: torch.Tensor, sampled: torch.Tensor
+    ) -> list[TokenLogprobs | None]:
+        """The sampled first tokens' log-probs, from the prompts' last logits."""
+        asking = [j for j, r in enumerate(reqs) if r.return_logprob]
+        out: list[TokenLogprobs | None] = [None] * len(reqs)
+        if not asking:
+            return out
+        k = max(reqs[j].top_logprobs_num for j in asking)
+        sel = to_device(torch.tensor(asking), self.device)
+        rows = _host_logprobs(*token_logprobs(logits[sel], sampled[sel], k))
+        for at, j in enumerate(asking):
+            out[j] = rows(at, at + 1, reqs[j].top_logprobs_num)
+        return out
+
+    def _prompt_logprobs(self, chunks: list[PrefillChunk], hidden: torch.Tensor) -> None:
+        """Append to each asking request's record the log-probs of the prompt tokens that
+        positions of its chunk predict (token t from position t - 1), from its
+        logprob_start_len on; earlier chunks of the prompt gave the ones before."""
+        rows: list[int] = []
+        tokens: list[int] = []
+        owners: list[tuple[Request, int]] = []
+        offset = 0
+        for c in chunks:
+            req = c.req
+            if req.wants_prompt_logprobs:
+                rec = req.logprobs.input
+                if len(rec) == 0:  # the range's first token: nothing of the range precedes it
+                    rec.extend(TokenLogprobs([None], [None]))
+                nxt = req.logprob_start_len + len(rec)  # the next token without a value
+                lo, hi = max(nxt - 1, c.start), min(len(req.prompt_ids) - 1, c.end)
+                if lo > nxt - 1 and lo < hi:
+                    # positions before this chunk were never computed (a cached prefix covered
+                    # them): report them as unknown rather than shift every later value
+                    log.warning("request %s: prompt log-probs %d..%d unknown", req.rid, nxt, lo)
+                    rec.extend(TokenLogprobs([None] * (lo + 1 - nxt), [None] * (lo + 1 - nxt)))
+                if lo < hi:
+                    rows += range(offset + lo - c.start, offset + hi - c.start)
+                    tokens += req.prompt_ids[lo + 1 : hi + 1]
+                    owners.append((req, hi - lo))
+            offset += c.end - c.start
+        if not rows:
+            return
+        k = max(r.top_logprobs_num for r, _ in owners)
+        values = TokenLogprobs()
+        for at in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            part = slice(at, at + PROMPT_LOGPROB_ROWS)
+            idx = to_device(torch.tensor(rows[part]), self.device)
+            logits = self.target.model.compute_logits(hidden[idx], self.kernels)
+            ids = to_device(torch.tensor(tokens[part]), self.device)
+            chunk = _host_logprobs(*token_logprobs(logits, ids, k))(0, None, k)
+            values.extend(chunk)
+        at = 0
+        for req, m in owners:
+            own = values.top[at : at + m]
+            kk = req.top_logprobs_num
+            req.logprobs.input.extend(
+                TokenLogprobs(values.values[at : at + m], [t[:kk] for t in own])
+            )
+            at += m
 
     def _prefill_metadata(self, chunks: list[PrefillChunk]):
         segments, out_slots = [], []
@@ -194,3 +303,21 @@ class Worker:
             rows_dev = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
             out = self.step.run(rows_dev, sampling, width, kv_upper)
         return PendingDecode(reqs, *out)
+
+
+def _host_logprobs(token: torch.Tensor, values: torch.Tensor | None, ids: torch.Tensor | None):
+    """Device log-probs brought to the host at once; returns rows(start, end, k) ->
+    TokenLogprobs of those rows with k alternatives each."""
+    token_h = token.tolist()
+    values_h = values.tolist() if values is not None else None
+    ids_h = ids.tolist() if ids is not None else None
+
+    def rows(start: int, end: int | None, k: int) -> TokenLogprobs:
+        return host_rows(
+            token_h[start:end],
+            values_h[start:end] if values_h is not None else None,
+            ids_h[start:end] if ids_h is not None else None,
+            k,
+        )
+
+    return rows

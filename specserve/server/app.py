@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specserve.runtime.logprobs import add_logprobs
 from specserve.server import openai_api
 from specserve.server import schemas as s
 from specserve.server.guard import RequestGuard
@@ -205,12 +206,20 @@ async def _generate(request: Request, state: ServerState):
                 param=prompt_param,
             )
     sp = req.sampling_params.engine_params() if req.sampling_params else {}
+    logprob_options = req.logprob_options()
+    rename = {
+        "input_ids": prompt_param,
+        "prompt": prompt_param,
+        "sampling_params": "sampling_params",
+    }
+    rename.update({name: name for name in logprob_options})
     run = state.start(
         prompts,
         [sp] * len(prompts),
-        {"input_ids": prompt_param, "prompt": prompt_param, "sampling_params": "sampling_params"},
+        rename,
         prefix="sampling_params.",
         rid=req.rid,
+        logprob_options=logprob_options,
     )
     if req.stream:
         return StreamingResponse(
@@ -223,20 +232,31 @@ async def _generate(request: Request, state: ServerState):
         reason = out["meta_info"].get("finish_reason") or {}
         if reason.get("type") == "abort":
             raise state.abort_error(out["meta_info"])
-    return JSONResponse(outs[0] if single else outs)
+    # one prompt sampled n > 1 times answers a list of n outputs, as SGLang
+    return JSONResponse(outs[0] if single and len(outs) == 1 else outs)
 
 
 async def _generate_chunks(run):
-    """SGLang's streaming format: every event carries the text and ids so far."""
-    text, ids = [], []
-    async for _, out in run.events():
-        text.append(out["text"])
-        ids.extend(out["output_ids"])
+    """SGLang's streaming format: every event carries its sample's `index` and the text, ids
+    and log-probs so far."""
+    text: dict[int, list[str]] = {}
+    ids: dict[int, list[int]] = {}
+    logprobs: dict[int, dict[str, list]] = {}
+    async for index, out in run.events():
+        text.setdefault(index, []).append(out["text"])
+        ids.setdefault(index, []).extend(out["output_ids"])
         meta = out["meta_info"]
+        add_logprobs(logprobs.setdefault(index, {}), meta)
         if out["finished"] and (meta.get("finish_reason") or {}).get("type") == "abort":
             yield openai_api.sse(run.state.abort_error(meta).body())
             break
+        meta = {**meta, **{k: list(v) for k, v in logprobs[index].items()}}
         yield openai_api.sse(
-            {"text": "".join(text), "output_ids": list(ids), "meta_info": meta, "index": 0}
+            {
+                "text": "".join(text[index]),
+                "output_ids": list(ids[index]),
+                "meta_info": meta,
+                "index": index,
+            }
         )
     yield openai_api.SSE_DONE

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from specserve.server.logprobs import CompletionLogprobs, TokenStrings, chat_content
 from specserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -41,8 +42,9 @@ def matched_stop(meta: dict[str, Any]) -> Any:
     return (meta.get("finish_reason") or {}).get("matched")
 
 
-def usage(metas: list[dict[str, Any]]) -> dict[str, Any]:
-    prompt = sum(m.get("prompt_tokens", 0) for m in metas)
+def usage(metas: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
+    """Summed over the choices; a prompt sampled n times counts its tokens once (as OpenAI)."""
+    prompt = sum(m.get("prompt_tokens", 0) for m in metas) // n
     completion = sum(m.get("completion_tokens", 0) for m in metas)
     out: dict[str, Any] = {
         "prompt_tokens": prompt,
@@ -107,28 +109,36 @@ async def _streamed(request: Request, run: Run, chunks: AsyncIterator[str]) -> A
         run.abort()
 
 
+def _n(req) -> int:
+    return req.n or 1
+
+
 # ---- /v1/completions --------------------------------------------------------------------------
 async def completions(request: Request, state: ServerState):
     req = await parse_body(request, state, CompletionRequest)
     _check_common(state, req)
-    prompts = [
-        await state.encode(p, "prompt") if isinstance(p, str) else list(p) for p in req.prompts()
-    ]
+    given = req.prompts()
+    prompts = [await state.encode(p, "prompt") if isinstance(p, str) else list(p) for p in given]
     max_new = _max_new_tokens(state, req, prompts, "prompt")
     params = [req.sampling_params(m) for m in max_new]
-    run = state.start(prompts, params, _rename(req, "prompt"))
+    run = state.start(
+        prompts, params, _rename(req, "prompt"), logprob_options=req.logprob_options()
+    )
     created = int(time.time())
     cid = f"cmpl-{run.id}"
     with_ids = req.return_token_ids or state.tokenizer is None
+    n = _n(req)
+    # echo: each choice starts with its prompt's text (as given, or decoded from its ids)
+    echoes = [_echo_text(state, p) for p in given] if req.echo else None
 
     if req.stream:
+        chunks = _completion_chunks(run, req, state, cid, created, with_ids, echoes)
         return StreamingResponse(
-            _streamed(request, run, _completion_chunks(run, req, state, cid, created, with_ids)),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
+            _streamed(request, run, chunks), media_type="text/event-stream", headers=SSE_HEADERS
         )
 
     outs = await _collect_or_abort(request, run)
+    strings = TokenStrings(state.tokenizer)
     choices = []
     for i, out in enumerate(outs):
         meta = out["meta_info"]
@@ -136,11 +146,13 @@ async def completions(request: Request, state: ServerState):
             raise state.abort_error(meta)
         choice: dict[str, Any] = {
             "index": i,
-            "text": out["text"],
+            "text": (echoes[i // n] if echoes else "") + out["text"],
             "logprobs": None,
             "finish_reason": finish_reason(meta),
             "matched_stop": matched_stop(meta),
         }
+        if req.logprobs is not None:
+            choice["logprobs"] = CompletionLogprobs(strings).part(meta, req.echo)
         if with_ids:
             choice["token_ids"] = out["output_ids"]
         choices.append(choice)
@@ -151,9 +163,15 @@ async def completions(request: Request, state: ServerState):
             "created": created,
             "model": state.model_name,
             "choices": choices,
-            "usage": usage([o["meta_info"] for o in outs]),
+            "usage": usage([o["meta_info"] for o in outs], n),
         }
     )
+
+
+def _echo_text(state: ServerState, prompt: str | list[int]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return state.tokenizer.decode(prompt) if state.tokenizer is not None else ""
 
 
 def _chunk(
@@ -181,21 +199,40 @@ def _chunk(
 
 
 async def _completion_chunks(
-    run: Run, req: CompletionRequest, state: ServerState, cid: str, created: int, with_ids: bool
+    run: Run,
+    req: CompletionRequest,
+    state: ServerState,
+    cid: str,
+    created: int,
+    with_ids: bool,
+    echoes: list[str] | None,
 ) -> AsyncIterator[str]:
+    """Choices interleave, each chunk naming its index; with echo a choice's first chunk
+    starts with its prompt (and the prompt's log-probs)."""
     include_usage = req.include_usage()
     metas: dict[int, dict[str, Any]] = {}
+    n = _n(req)
+    strings = TokenStrings(state.tokenizer)
+    builders: dict[int, CompletionLogprobs] = {}
+    started: set[int] = set()
 
-    def chunk(index: int, text: str, reason: str | None, ids: list[int] | None = None) -> str:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    def chunk(index: int, text: str, reason: str | None, ids=None, logprobs=None) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         return _chunk(cid, "text_completion", created, state, choice, ids, include_usage)
 
     async for index, out in run.events():
-        text, ids = out["text"], out["output_ids"]
-        if text or (with_ids and ids):
-            yield chunk(index, text, None, ids if with_ids else None)
+        text, ids, meta = out["text"], out["output_ids"], out["meta_info"]
+        first = index not in started
+        started.add(index)
+        if first and echoes:
+            text = echoes[index // n] + text
+        logprobs = None
+        if req.logprobs is not None and finish_reason(meta) != "abort":
+            builder = builders.setdefault(index, CompletionLogprobs(strings))
+            logprobs = builder.part(meta, req.echo and first)
+        if text or (with_ids and ids) or (logprobs and logprobs["tokens"]):
+            yield chunk(index, text, None, ids if with_ids else None, logprobs)
         if out["finished"]:
-            meta = out["meta_info"]
             metas[index] = meta
             if finish_reason(meta) == "abort":
                 yield sse(state.abort_error(meta).body())
@@ -210,7 +247,7 @@ async def _completion_chunks(
                 "created": created,
                 "model": state.model_name,
                 "choices": [],
-                "usage": usage([metas[i] for i in sorted(metas)]),
+                "usage": usage([metas[i] for i in sorted(metas)], n),
             }
         )
     yield SSE_DONE
@@ -220,9 +257,15 @@ async def _completion_chunks(
 async def chat_completions(request: Request, state: ServerState):
     req = await parse_body(request, state, ChatCompletionRequest)
     _check_common(state, req)
+    req.check_logprobs()
     ids = await state.encode_chat(req.chat_messages())
     max_new = _max_new_tokens(state, req, [ids], "messages")
-    run = state.start([ids], [req.sampling_params(max_new[0])], _rename(req, "messages"))
+    run = state.start(
+        [ids],
+        [req.sampling_params(max_new[0])],
+        _rename(req, "messages"),
+        logprob_options=req.logprob_options(),
+    )
     created = int(time.time())
     cid = f"chatcmpl-{run.id}"
     with_ids = req.return_token_ids
@@ -234,27 +277,33 @@ async def chat_completions(request: Request, state: ServerState):
             headers=SSE_HEADERS,
         )
 
-    (out,) = await _collect_or_abort(request, run)
-    meta = out["meta_info"]
-    if finish_reason(meta) == "abort":
-        raise state.abort_error(meta)
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": out["text"]},
-        "logprobs": None,
-        "finish_reason": finish_reason(meta),
-        "matched_stop": matched_stop(meta),
-    }
-    if with_ids:
-        choice["token_ids"] = out["output_ids"]
+    outs = await _collect_or_abort(request, run)
+    strings = TokenStrings(state.tokenizer)
+    choices = []
+    for i, out in enumerate(outs):
+        meta = out["meta_info"]
+        if finish_reason(meta) == "abort":
+            raise state.abort_error(meta)
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": {"role": "assistant", "content": out["text"]},
+            "logprobs": None,
+            "finish_reason": finish_reason(meta),
+            "matched_stop": matched_stop(meta),
+        }
+        if req.logprobs:
+            choice["logprobs"] = {"content": chat_content(meta, strings), "refusal": None}
+        if with_ids:
+            choice["token_ids"] = out["output_ids"]
+        choices.append(choice)
     return JSONResponse(
         {
             "id": cid,
             "object": "chat.completion",
             "created": created,
             "model": state.model_name,
-            "choices": [choice],
-            "usage": usage([meta]),
+            "choices": choices,
+            "usage": usage([o["meta_info"] for o in outs], _n(req)),
         }
     )
 
@@ -267,25 +316,34 @@ async def _chat_chunks(
     created: int,
     with_ids: bool,
 ) -> AsyncIterator[str]:
+    """Each choice opens with a role chunk; choices interleave, each chunk naming its index."""
     include_usage = req.include_usage()
+    strings = TokenStrings(state.tokenizer)
 
-    def chunk(delta: dict[str, Any], reason: str | None, ids: list[int] | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+    def chunk(
+        index: int, delta: dict[str, Any], reason: str | None, ids=None, logprobs=None
+    ) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return _chunk(cid, "chat.completion.chunk", created, state, choice, ids, include_usage)
 
-    yield chunk({"role": "assistant", "content": ""}, None)
-    meta: dict[str, Any] = {}
-    async for _, out in run.events():
-        text, ids = out["text"], out["output_ids"]
-        if text or (with_ids and ids):
-            yield chunk({"content": text}, None, ids if with_ids else None)
+    for index in range(_n(req)):
+        yield chunk(index, {"role": "assistant", "content": ""}, None)
+    metas: dict[int, dict[str, Any]] = {}
+    async for index, out in run.events():
+        text, ids, meta = out["text"], out["output_ids"], out["meta_info"]
+        logprobs = None
+        if req.logprobs and finish_reason(meta) != "abort":
+            content = chat_content(meta, strings)
+            logprobs = {"content": content, "refusal": None} if content else None
+        if text or (with_ids and ids) or logprobs:
+            yield chunk(index, {"content": text}, None, ids if with_ids else None, logprobs)
         if out["finished"]:
-            meta = out["meta_info"]
+            metas[index] = meta
             if finish_reason(meta) == "abort":
                 yield sse(state.abort_error(meta).body())
                 yield SSE_DONE
                 return
-            yield chunk({}, finish_reason(meta))
+            yield chunk(index, {}, finish_reason(meta))
     if include_usage:
         yield sse(
             {
@@ -294,7 +352,7 @@ async def _chat_chunks(
                 "created": created,
                 "model": state.model_name,
                 "choices": [],
-                "usage": usage([meta]),
+                "usage": usage([metas[i] for i in sorted(metas)], _n(req)),
             }
         )
     yield SSE_DONE

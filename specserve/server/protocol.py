@@ -5,7 +5,7 @@ Bodies are parsed with `model_validate_json` in strict mode: a string is not a n
 is not an integer, a number is not a boolean. Sampling parameters are checked by the engine's
 own `check_field` (one validation for the server and the offline API); the OpenAI routes cap
 temperature at 2, as OpenAI does. Fields of the OpenAI API that this server does not implement
-are accepted only at their neutral value (e.g. `logprobs: false`), so a client never silently
+are accepted only at their neutral value (e.g. `best_of: 1`), so a client never silently
 gets something other than what it asked for. Unknown fields are ignored, except inside
 `/generate`'s `sampling_params`.
 """
@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from specserve.errors import InvalidArgument
-from specserve.sampling_params import MAX_TEMPERATURE, check_field
+from specserve.sampling_params import MAX_TEMPERATURE, check_field, check_logprob_field
 
 OPENAI_MAX_TEMPERATURE = 2.0
 
@@ -83,8 +83,12 @@ _OPENAI_SAMPLING = (
     "stop_token_ids",
     "ignore_eos",
     "skip_special_tokens",
+    "n",
 )
-_NULLABLE = {"temperature", "top_p", "top_k", "min_p", "stop", "seed", "stop_token_ids"}
+_NULLABLE = {"temperature", "top_p", "top_k", "min_p", "stop", "seed", "stop_token_ids", "n"}
+# OpenAI's limits on alternatives per position: chat `top_logprobs`, completions `logprobs`.
+CHAT_MAX_TOP_LOGPROBS = 20
+COMPLETION_MAX_LOGPROBS = 5
 
 
 def _token_ids(v: Any) -> bool:
@@ -93,16 +97,12 @@ def _token_ids(v: Any) -> bool:
 
 # OpenAI features this server does not implement: accepted only at their neutral value.
 _NEUTRAL: dict[str, tuple[Any, str]] = {
-    "n": (lambda v: v == 1, "only n=1 is supported"),
     "presence_penalty": (lambda v: v == 0, "is not supported (only 0)"),
     "frequency_penalty": (lambda v: v == 0, "is not supported (only 0)"),
     "repetition_penalty": (lambda v: v == 1.0, "is not supported (only 1.0)"),
     "logit_bias": (lambda v: not v, "is not supported"),
-    "echo": (lambda v: not v, "is not supported"),
     "suffix": (lambda v: not v, "is not supported"),
     "best_of": (lambda v: v == 1, "only best_of=1 is supported"),
-    "logprobs": (lambda v: not v, "is not supported"),
-    "top_logprobs": (lambda v: not v, "is not supported"),
     "tools": (lambda v: not v, "tool calling is not supported"),
     "tool_choice": (lambda v: v in ("none", "auto"), "tool calling is not supported"),
     "response_format": (lambda v: v.get("type") == "text", "only {'type': 'text'} is supported"),
@@ -190,7 +190,13 @@ class _CommonRequest(_Strict):
         }
         if self.seed is not None:
             sp["seed"] = self.seed
+        if self.n is not None:
+            sp["n"] = self.n
         return sp
+
+    def logprob_options(self) -> dict[str, Any]:
+        """The engine's log-prob options for this request (none by default)."""
+        return {}
 
 
 class CompletionRequest(_CommonRequest):
@@ -198,7 +204,28 @@ class CompletionRequest(_CommonRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 5})
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is not None and not (_is_int(v) and 0 <= v <= COMPLETION_MAX_LOGPROBS):
+            raise _bad(
+                "logprobs",
+                f"must be an integer in [0, {COMPLETION_MAX_LOGPROBS}] or null, got {_short(v)}",
+            )
+        return v
+
+    def logprob_options(self) -> dict[str, Any]:
+        """logprobs: N gives each token's log-prob and the N likeliest; echo asks for the
+        prompt's too (its first token has none)."""
+        if self.logprobs is None:
+            return {}
+        return {
+            "return_logprob": True,
+            "top_logprobs_num": self.logprobs,
+            "logprob_start_len": 0 if self.echo else -1,
+        }
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -253,7 +280,7 @@ class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 20})
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -269,6 +296,27 @@ class ChatCompletionRequest(_CommonRequest):
     @classmethod
     def _max_completion_tokens(cls, v):
         return None if v is None else _core_check("max_completion_tokens", v, 0, "max_new_tokens")
+
+    @field_validator("top_logprobs", mode="before")
+    @classmethod
+    def _top_logprobs(cls, v):
+        if v is not None and not (_is_int(v) and 0 <= v <= CHAT_MAX_TOP_LOGPROBS):
+            raise _bad(
+                "top_logprobs",
+                f"must be an integer in [0, {CHAT_MAX_TOP_LOGPROBS}] or null, got {_short(v)}",
+            )
+        return v
+
+    def check_logprobs(self) -> None:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(
+                "top_logprobs: needs logprobs to be true (as OpenAI)", param="top_logprobs"
+            )
+
+    def logprob_options(self) -> dict[str, Any]:
+        if not self.logprobs:
+            return {}
+        return {"return_logprob": True, "top_logprobs_num": self.top_logprobs or 0}
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -304,6 +352,7 @@ class NativeSamplingParams(_Strict):
     ignore_eos: bool = False
     seed: int | None = Field(None, **_schema(minimum=0))
     skip_special_tokens: bool = True
+    n: int = Field(1, **_schema(minimum=1, maximum=64))
 
     @field_validator("*", mode="before")
     @classmethod
@@ -323,7 +372,11 @@ class GenerateRequest(_Strict):
     sampling_params: NativeSamplingParams | None = None
     stream: bool = False
     rid: str | None = None
+    # log-probs (SGLang's names), checked by the engine's check_logprob_field
     return_logprob: bool = False
+    top_logprobs_num: int = Field(0, **_schema(minimum=0, maximum=20))
+    logprob_start_len: int = Field(-1, **_schema(minimum=-1))
+    return_text_in_logprobs: bool = False
 
     @field_validator("text", mode="before")
     @classmethod
@@ -346,12 +399,27 @@ class GenerateRequest(_Strict):
             "must be a non-empty list of token ids or a non-empty list of such lists",
         )
 
-    @field_validator("return_logprob")
+    @field_validator(
+        "return_logprob",
+        "top_logprobs_num",
+        "logprob_start_len",
+        "return_text_in_logprobs",
+        mode="before",
+    )
     @classmethod
-    def _return_logprob(cls, v):
-        if v:
-            raise _bad("return_logprob", "is not supported")
-        return v
+    def _logprob_option(cls, v, info: ValidationInfo):
+        try:
+            return check_logprob_field(info.field_name, v)
+        except InvalidArgument as e:
+            raise _bad(info.field_name, str(e)[len(e.field) + 2 :]) from None
+
+    def logprob_options(self) -> dict[str, Any]:
+        return {
+            "return_logprob": self.return_logprob,
+            "top_logprobs_num": self.top_logprobs_num,
+            "logprob_start_len": self.logprob_start_len,
+            "return_text_in_logprobs": self.return_text_in_logprobs,
+        }
 
 
 # ---- validation errors -> APIError ---------------------------------------------------------

@@ -32,10 +32,19 @@ class Usage(BaseModel):
     spec_accept_length: float | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy shape; with echo the prompt's tokens come first (the first has null)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     matched_stop: str | int | None = None
     token_ids: list[int] | None = None
@@ -55,10 +64,25 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     matched_stop: str | int | None = None
     token_ids: list[int] | None = None

@@ -23,7 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from specserve.engine import sample_rids
 from specserve.errors import InvalidArgument
+from specserve.runtime.logprobs import add_logprobs
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import APIError
 
@@ -249,27 +251,31 @@ class ServerState:
         rename: dict[str, str],
         prefix: str = "",
         rid: str | None = None,
+        logprob_options: dict[str, Any] | None = None,
     ) -> Run:
-        """Admit and submit one engine request per prompt. Raises APIError (400/503)."""
-        self.reserve(len(prompts))
+        """Admit and submit each prompt's n samples (sampling parameter `n`) as engine
+        requests; choice i * n + j is prompt i's sample j. Raises APIError (400/503)."""
+        counts = [sp.get("n", 1) if isinstance(sp.get("n", 1), int) else 1 for sp in params]
+        total = sum(counts)
+        self.reserve(total)
         run = Run(self, asyncio.get_running_loop())
         self.runs.add(run)
-        submitted = 0
         try:
-            for i, (ids, sp) in enumerate(zip(prompts, params)):
-                run.submit(i, ids, sp, rid if (rid and len(prompts) == 1) else None)
-                submitted += 1
+            for ids, sp, n in zip(prompts, params, counts):
+                run.submit(
+                    ids, sp, n, rid if (rid and len(prompts) == 1) else None, logprob_options
+                )
         except InvalidArgument as e:
             run.abort()
-            self.release(len(prompts) - submitted)
+            self.release(total - len(run.rids))
             raise engine_error(e, rename, prefix) from None
         except RuntimeError as e:  # the engine has been shut down
             run.abort()
-            self.release(len(prompts) - submitted)
+            self.release(total - len(run.rids))
             raise APIError(str(e), status=503, type="service_unavailable_error") from None
         except BaseException:
             run.abort()
-            self.release(len(prompts) - submitted)
+            self.release(total - len(run.rids))
             raise
         return run
 
@@ -279,39 +285,50 @@ class Run:
         self.state = state
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.rids: list[str] = []
+        self.rids: list[str] = []  # by choice index
         self.unfinished: set[int] = set()
 
     @property
     def id(self) -> str:
         return self.rids[0]
 
-    def submit(self, index: int, ids: list[int], sp: dict[str, Any], rid: str | None) -> None:
+    def submit(
+        self,
+        ids: list[int],
+        sp: dict[str, Any],
+        n: int,
+        rid: str | None,
+        logprob_options: dict[str, Any] | None,
+    ) -> None:
+        """Submit one prompt's n samples as the next n choices."""
         state, loop, queue = self.state, self.loop, self.queue
-        rid = rid or uuid.uuid4().hex
+        base = len(self.rids)
+        group = rid or uuid.uuid4().hex
+        rids = sample_rids(group, n)
 
-        def on_output(out: dict[str, Any]) -> None:  # runs on the engine's thread
+        def on_output(j: int, out: dict[str, Any]) -> None:  # runs on the engine's thread
             try:
                 if out.get("finished"):
-                    state._finished(rid, out)
-                loop.call_soon_threadsafe(queue.put_nowait, (index, out))
+                    state._finished(rids[j], out)
+                loop.call_soon_threadsafe(queue.put_nowait, (base + j, out))
             except RuntimeError:  # the event loop is gone (server stopped)
                 pass
             except Exception:
                 log.exception("output delivery failed")
 
         with state._lock:
-            if rid in state.active_rids:
-                raise InvalidArgument("rid", f"request id {rid!r} is already in use")
-            state.active_rids.add(rid)
+            taken = next((r for r in rids if r in state.active_rids), None)
+            if taken is not None:
+                raise InvalidArgument("rid", f"request id {taken!r} is already in use")
+            state.active_rids.update(rids)
         try:
-            state.engine.submit(ids, sp, on_output, rid=rid)
+            state.engine.submit_samples(ids, sp, on_output, group, **(logprob_options or {}))
         except BaseException:
             with state._lock:
-                state.active_rids.discard(rid)
+                state.active_rids.difference_update(rids)
             raise
-        self.rids.append(rid)
-        self.unfinished.add(index)
+        self.rids += rids
+        self.unfinished.update(range(base, base + n))
 
     def abort(self) -> None:
         """Abort what has not finished (client gone, error, shutdown); frees its KV."""
@@ -343,15 +360,23 @@ class Run:
             yield index, out
 
     async def collect(self) -> list[dict[str, Any]]:
-        """The final outputs (text and ids joined), in prompt order."""
+        """The final outputs (text, ids and log-probs joined), in choice order."""
         texts: list[list[str]] = [[] for _ in self.rids]
         ids: list[list[int]] = [[] for _ in self.rids]
+        logprobs: list[dict[str, list]] = [{} for _ in self.rids]
         final: list[dict[str, Any] | None] = [None] * len(self.rids)
         async for i, out in self.events():
             texts[i].append(out["text"])
             ids[i].extend(out["output_ids"])
+            add_logprobs(logprobs[i], out.get("meta_info", {}))
             if out.get("finished"):
-                final[i] = {**out, "text": "".join(texts[i]), "output_ids": ids[i]}
+                meta = {**out.get("meta_info", {}), **logprobs[i]}
+                final[i] = {
+                    **out,
+                    "text": "".join(texts[i]),
+                    "output_ids": ids[i],
+                    "meta_info": meta,
+                }
         return final  # type: ignore[return-value]
 
 

@@ -18,6 +18,7 @@ from specserve.config.kernels import Kernels
 from specserve.device import to_device
 from specserve.kv.request_rows import PAD_ROW, RequestRows
 from specserve.ops.attention_metadata import build_device_metadata
+from specserve.ops.logprobs import token_logprobs
 from specserve.ops.sampling import SamplingTensors, sample
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.kv_commit import commit_accepted_path
@@ -54,10 +55,31 @@ class DecodeBatch:
         )
 
 
+@dataclass
+class StepLogprobs:
+    """The target's log-probabilities of a step's emitted tokens (rows past accept_len are
+    padding), computed only when the batch asks for them (`SamplingTensors.logprobs`)."""
+
+    token: torch.Tensor  # [B, max_accept] float32: log-prob of emitted[b, j]
+    top_values: torch.Tensor | None  # [B, max_accept, k] float32, descending
+    top_ids: torch.Tensor | None  # [B, max_accept, k] int64
+
+    def head(self, n: int) -> StepLogprobs:
+        """The first n requests' rows."""
+        top = (None, None) if self.top_values is None else (self.top_values[:n], self.top_ids[:n])
+        return StepLogprobs(self.token[:n], *top)
+
+
 def sampling_tensors(
-    params: list[SamplingParams], seeds: list[int], device: torch.device
+    params: list[SamplingParams],
+    seeds: list[int],
+    device: torch.device,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
 ) -> SamplingTensors:
-    """The batch's sampling parameters as device tensors, one row per request."""
+    """The batch's sampling parameters as device tensors, one row per request; `logprobs` and
+    `top_logprobs` (host values) choose whether a step computes log-probs, and how many
+    alternatives."""
 
     def dev(values, dtype) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=dtype), device)
@@ -70,6 +92,8 @@ def sampling_tensors(
         seeds=dev(seeds, torch.int64),
         all_greedy=all(p.greedy for p in params),
         needs_filter=any(p.needs_filter and not p.greedy for p in params),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs if logprobs else 0,
     )
 
 
@@ -96,15 +120,16 @@ class DecodeStep:
 
     def run(
         self, rows: torch.Tensor, sampling: SamplingTensors, width: int, kv_upper: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, StepLogprobs | None]:
         """One step of the requests in `rows` (PAD_ROW: padding, touching only scratch).
-        Returns (accept_len [B], emitted [B, max_accept]); `width` bounds every kv_len + W."""
+        Returns (accept_len [B], emitted [B, max_accept], their log-probs when
+        `sampling.logprobs`, else None); `width` bounds every kv_len + W."""
         batch = self._read(rows, sampling, width, kv_upper)
         trees = self.drafter.draft(batch)
-        acc, target_out = self.verify(batch, trees)
+        acc, target_out, logprobs = self.verify(batch, trees)
         features = self.drafter.extend_after_verify(batch, trees, acc, target_out)
         self.rows.set_state(rows, batch.kv_lens_dev + acc.accept_len, acc.bonus, features)
-        return acc.accept_len, acc.emitted
+        return acc.accept_len, acc.emitted, logprobs
 
     def _read(self, rows, sampling, width, kv_upper) -> DecodeBatch:
         """The batch's state, read by row on the device."""
@@ -126,11 +151,14 @@ class DecodeStep:
             root_g=st.features[rows] if st.features is not None else None,
         )
 
-    def verify(self, batch: DecodeBatch, trees: DraftTrees) -> tuple[Acceptance, object]:
+    def verify(
+        self, batch: DecodeBatch, trees: DraftTrees
+    ) -> tuple[Acceptance, object, StepLogprobs | None]:
         """One target forward over every tree of the batch (node i at position kv_len +
         depth[i], its KV written at kv_len + i, seeing its ancestors); the target draws a token
         per node; acceptance follows the draft where it agrees; the accepted path's KV moves to
-        [kv_len, kv_len + accept_len). Returns (acceptance, the target's outputs)."""
+        [kv_len, kv_len + accept_len). Returns (acceptance, the target's outputs, the emitted
+        tokens' log-probs when the batch asks for them)."""
         b, n = trees.tokens.shape
         kernels = self.kernels
         positions = (batch.kv_lens_dev[:, None] + trees.depths).reshape(-1)
@@ -154,4 +182,20 @@ class DecodeStep:
             commit_accepted_path(
                 [self.target.kv_cache], batch.window_slots, acc.path, kernels.kv_commit
             )
-        return acc, out
+        logprobs = (
+            emitted_logprobs(logits.view(b, n, -1), acc, st.top_logprobs) if st.logprobs else None
+        )
+        return acc, out, logprobs
+
+
+def emitted_logprobs(logits: torch.Tensor, acc: Acceptance, k: int) -> StepLogprobs:
+    """logits [B, N, V] of every tree node. The emitted token j is the target's own draw at
+    the accepted path's node j, so its log-prob is read from that node's row (rows past
+    accept_len repeat the last node and are discarded on the host)."""
+    b, width = acc.path.shape
+    vocab = logits.shape[-1]
+    rows = torch.gather(logits, 1, acc.path[:, :, None].expand(b, width, vocab))
+    token, values, ids = token_logprobs(rows.reshape(-1, vocab), acc.emitted.reshape(-1), k)
+    if values is None:
+        return StepLogprobs(token.view(b, width), None, None)
+    return StepLogprobs(token.view(b, width), values.view(b, width, -1), ids.view(b, width, -1))
