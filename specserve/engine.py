@@ -246,7 +246,9 @@ class Engine:
     def flush_cache(self) -> int:
         """Empty the prefix cache of every page no live request uses (SGLang's flush_cache);
         returns how many pages were dropped. With no request live every page is then free."""
-        self._check_running()
+        if self._stop.is_set():  # the loop thread has ended: nothing else touches the core
+            self._thread.join()
+            return self.core.flush_cache()
         done: queue.Queue = queue.Queue()
         self._inbox.put(("flush", done))
         self._wake.set()

@@ -90,7 +90,9 @@ def test_chat_logprobs_match_transformers(served):
         if ch.choices and ch.choices[0].logprobs
         for e in ch.choices[0].logprobs.content
     ]
-    assert [(e.token, e.logprob) for e in entries] == [(c.token, c.logprob) for c in content]
+    # (the stream's prompt comes from the prefix cache: the same values up to float rounding)
+    assert [e.token for e in entries] == [c.token for c in content]
+    close([e.logprob for e in entries], [c.logprob for c in content])
 
 
 def test_chat_n_choices_streamed_and_not(served):
