@@ -180,3 +180,25 @@ def test_server_reports_cached_tokens_flushes_and_counts_hits():
         assert "specserve_prefix_cache_hit_tokens_total" in metrics
         r = client.post("/flush_cache")
         assert r.status_code == 200 and r.json()["flushed_pages"] > 0
+
+
+def test_multiturn_bench_hit_rate_is_the_same_with_speculation(eagle, capsys):
+    """`specserve bench multiturn`: later turns hit the cache, an EAGLE draft does not lower
+    the hit rate, and without the cache nothing hits."""
+    from specserve import cli
+
+    argv = ["bench", "multiturn", "--model-path", "tiny", "--load-format", "dummy",
+            "--skip-tokenizer-init", "--dtype", "float32", "--device", "cpu", "--page-size", "4",
+            "--conversations", "3", "--turns", "3", "--system-len", "30", "--user-len", "5",
+            "--answer-len", "6", "--speculative-algorithm", "EAGLE",
+            "--speculative-draft-model-path", eagle, "--speculative-num-steps", "2",
+            "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"]  # fmt: skip
+    assert cli.main(argv) == 0
+    import json
+
+    out = capsys.readouterr().out
+    rows = {r["system"]: r for r in json.loads(out[: out.index("\n]") + 2])}
+    plain, spec = rows["specserve plain"], rows["specserve spec"]
+    assert plain["hit_rate"] > 0.5 and spec["hit_rate"] == plain["hit_rate"]
+    assert rows["specserve plain-nocache"]["hit_rate"] == 0
+    assert spec["accept_length"] is not None and plain["accept_length"] is None

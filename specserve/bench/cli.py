@@ -23,6 +23,10 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
 
     add_profile_parser(bsub, add_engine_args, engine_kwargs)
 
+    from specserve.bench.multiturn import add_multiturn_parser
+
+    add_multiturn_parser(bsub, add_engine_args, engine_kwargs)
+
     ob = bsub.add_parser("one-batch", help="static batch: prefill and decode throughput")
     ob.add_argument("--batch-size", type=int, nargs="+", default=[1])
     ob.add_argument("--input-len", type=int, default=128)

@@ -1,0 +1,101 @@
+"""`specserve bench multiturn`: multi-turn chat traffic through the prefix cache.
+
+C conversations share a system prompt; each turn of every conversation is sent together
+(concurrency C), its prompt being the whole history so far (system, the earlier user turns
+and the engine's own answers) plus a new user turn. Rows: one per engine configuration (plain
+or speculative, cache on or off); columns: the prefix cache's hit rate (prompt tokens served
+from the cache / prompt tokens), TTFT of the first turn and of the later ones (mean over
+requests, as the engine reports it), and output tokens per second over all turns. Token ids
+are random (the cache keys on ids; no tokenizer needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from specserve.bench.one_batch import dump, free_device_memory
+
+
+def add_multiturn_parser(bsub, add_engine_args, engine_kwargs) -> argparse.ArgumentParser:
+    p = bsub.add_parser("multiturn", help="multi-turn chat through the prefix cache")
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=512, help="shared system prompt tokens")
+    p.add_argument("--user-len", type=int, default=64, help="tokens of each user turn")
+    p.add_argument("--answer-len", type=int, default=128, help="tokens of each answer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["plain", "plain-nocache", "spec", "spec-nocache"],
+        help="plain | spec (the engine's speculative flags, or a packaged model's bundled "
+        "draft), each optionally -nocache",
+    )
+    p.add_argument("--output-json", default=None)
+    add_engine_args(p)
+    p.set_defaults(func=lambda args: cmd_multiturn(args, engine_kwargs(args)))
+    return p
+
+
+def conversations(args, vocab: int) -> tuple[list[int], list[list[list[int]]]]:
+    """The shared system prompt and every conversation's user turns (random ids, away from
+    the special tokens at the start of a vocabulary)."""
+    import torch
+
+    g = torch.Generator().manual_seed(args.seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(min(100, vocab // 4), vocab, (n,), generator=g).tolist()
+
+    system = ids(args.system_len)
+    return system, [
+        [ids(args.user_len) for _ in range(args.turns)] for _ in range(args.conversations)
+    ]
+
+
+def run_variant(variant: str, kwargs: dict[str, Any], args) -> dict[str, Any]:
+    from specserve.engine import Engine
+
+    speculative, _, nocache = variant.partition("-")
+    kw = dict(kwargs, disable_radix_cache=bool(nocache))
+    if speculative == "plain":
+        kw = {k: v for k, v in kw.items() if not k.startswith("speculative_")}
+        kw["no_default_draft"] = True
+    sp = {"temperature": 0.0, "max_new_tokens": args.answer_len, "ignore_eos": True}
+    ttft = {"first": [], "later": []}
+    tokens, seconds, accept = 0, 0.0, None
+    with Engine(**kw) as engine:
+        system, users = conversations(args, engine.core.model_config.vocab_size)
+        histories = [list(system) for _ in users]
+        for turn in range(args.turns):
+            prompts = [h + u[turn] for h, u in zip(histories, users)]
+            t0 = time.perf_counter()
+            outs = engine.generate(input_ids=prompts, sampling_params=sp)
+            seconds += time.perf_counter() - t0
+            for h, u, o in zip(histories, users, outs):
+                h += u[turn] + o["output_ids"]
+                tokens += len(o["output_ids"])
+                ttft["first" if turn == 0 else "later"].append(o["meta_info"]["ttft"])
+        stats = engine.stats()
+        accept = stats["spec_accept_length"]
+    free_device_memory()
+    query = stats["prefix_cache_query_tokens"]
+    return {
+        "system": f"specserve {variant}",
+        "hit_rate": stats["prefix_cache_hit_tokens"] / query if query else 0.0,
+        "ttft_first_turn_ms": 1e3 * statistics.mean(ttft["first"]),
+        "ttft_later_turns_ms": 1e3 * statistics.mean(ttft["later"]) if ttft["later"] else None,
+        "output_tok_s": tokens / seconds,
+        "accept_length": accept,
+        "conversations": args.conversations,
+        "turns": args.turns,
+    }
+
+
+def cmd_multiturn(args, kwargs: dict[str, Any]) -> int:
+    rows = [run_variant(v, kwargs, args) for v in args.variants]
+    dump(rows, args.output_json)
+    return 0
