@@ -26,6 +26,11 @@ from specserve.sampling_params import INT64_MAX, LOGPROB_FIELDS, SamplingParams,
 log = logging.getLogger(__name__)
 
 
+def verify_tokens(histogram: list[int]) -> int:
+    """Tokens emitted by verify steps, from the accept-length histogram (index i: length i+1)."""
+    return sum((i + 1) * count for i, count in enumerate(histogram))
+
+
 def request_output(req: Request, incremental: bool = False, tokenizer=None) -> dict[str, Any]:
     """SGLang-shaped output. incremental: only text, ids and log-probs not sent before.
     tokenizer: gives each log-prob entry its token's text (return_text_in_logprobs)."""
@@ -56,7 +61,8 @@ def request_output(req: Request, incremental: bool = False, tokenizer=None) -> d
         meta["ttft"] = req.first_token_time - req.arrival
     if req.spec_verify_ct:
         meta["spec_verify_ct"] = req.spec_verify_ct
-        meta["spec_accept_length"] = len(req.output_ids) / req.spec_verify_ct
+        # tokens per verify step (the prefill's token not counted; 1.0: no draft accepted)
+        meta["spec_accept_length"] = verify_tokens(req.spec_accept_histogram) / req.spec_verify_ct
         meta["spec_accept_histogram"] = list(req.spec_accept_histogram)
     if req.return_logprob:
         meta.update(_logprob_meta(req, first_ids, with_input, tokenizer))

@@ -39,6 +39,7 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     n: int = 1  # samples of the prompt (the engine runs n requests; sample i uses seed + i)
+    speculative: bool = True  # False: decoded plainly, also inside a speculative batch
 
     @staticmethod
     def from_any(
@@ -183,6 +184,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "seed": _seed,
     "skip_special_tokens": lambda v: _boolean("skip_special_tokens", v),
     "n": _n,
+    "speculative": lambda v: _boolean("speculative", v),
 }
 FIELDS = tuple(f.name for f in fields(SamplingParams))
 

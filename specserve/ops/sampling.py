@@ -89,6 +89,8 @@ class SamplingTensors:
     needs_filter: bool  # host-known: skip sorting when nobody uses top_k/top_p/min_p
     logprobs: bool = False  # host-known: a request of the batch asks for log-probs
     top_logprobs: int = 0  # host-known: top-k width of those log-probs (ops/logprobs.py)
+    plain_rows: torch.Tensor | None = None  # [R] bool: requests decoded without drafts
+    any_plain: bool = False  # host-known: plain_rows has a True
 
     def expand(self, repeats: int) -> SamplingTensors:
         """Each request row repeated `repeats` times (one row per tree node); one copy kernel
@@ -107,6 +109,8 @@ class SamplingTensors:
             self.needs_filter,
             self.logprobs,
             self.top_logprobs,
+            None if self.plain_rows is None else rep(self.plain_rows),
+            self.any_plain,
         )
 
 

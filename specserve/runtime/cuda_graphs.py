@@ -121,6 +121,7 @@ class DecodeGraphs:
             sampling.needs_filter,
             sampling.logprobs,
             sampling.top_logprobs,
+            sampling.any_plain,
         )
         cap = self.graphs.get(key)
         if cap is None:
@@ -141,7 +142,7 @@ class DecodeGraphs:
         last = cap.last_inputs
         if last is not None and last[0] == n and last[1] is sampling:
             return  # same batch as last replay: sampling rows are already in place
-        for name in ("temperatures", "top_ks", "top_ps", "min_ps", "seeds"):
+        for name in ("temperatures", "top_ks", "top_ps", "min_ps", "seeds", "plain_rows"):
             dst = getattr(cap.sampling, name)
             dst[:n].copy_(getattr(sampling, name))
             if n < bs:
@@ -156,6 +157,7 @@ class DecodeGraphs:
         needs_filter: bool,
         logprobs: bool,
         top_logprobs: int,
+        any_plain: bool,
     ) -> _Captured:
         worker, dev = self.worker, self.worker.device
         rows = torch.full((bs,), PAD_ROW, dtype=torch.int64, device=dev)
@@ -173,6 +175,8 @@ class DecodeGraphs:
             needs_filter=needs_filter,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            plain_rows=pad("plain_rows", torch.bool),
+            any_plain=any_plain,
         )
         kv_upper = [width - worker.decode_window] * bs
 
@@ -198,4 +202,11 @@ class DecodeGraphs:
 
 
 # Padding rows sample greedily with no filters (their outputs are discarded).
-_PAD_SAMPLING = {"temperatures": 0.0, "top_ks": 0, "top_ps": 1.0, "min_ps": 0.0, "seeds": 0}
+_PAD_SAMPLING = {
+    "temperatures": 0.0,
+    "top_ks": 0,
+    "top_ps": 1.0,
+    "min_ps": 0.0,
+    "seeds": 0,
+    "plain_rows": False,
+}

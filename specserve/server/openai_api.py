@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from specserve.engine import verify_tokens
 from specserve.server.logprobs import CompletionLogprobs, TokenStrings, chat_content
 from specserve.server.protocol import (
     APIError,
@@ -55,7 +56,8 @@ def usage(metas: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
     verify = sum(m.get("spec_verify_ct", 0) for m in metas)
     if verify:  # speculative decoding: tokens per verify step
         out["spec_verify_ct"] = verify
-        out["spec_accept_length"] = completion / verify
+        emitted = sum(verify_tokens(m.get("spec_accept_histogram", [])) for m in metas)
+        out["spec_accept_length"] = emitted / verify  # tokens per verify step
     return out
 
 

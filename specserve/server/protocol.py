@@ -84,6 +84,7 @@ _OPENAI_SAMPLING = (
     "ignore_eos",
     "skip_special_tokens",
     "n",
+    "speculative",
 )
 _NULLABLE = {"temperature", "top_p", "top_k", "min_p", "stop", "seed", "stop_token_ids", "n"}
 # OpenAI's limits on alternatives per position: chat `top_logprobs`, completions `logprobs`.
@@ -136,6 +137,7 @@ class _CommonRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    speculative: bool = True  # False: this request is decoded without draft tokens
     return_token_ids: bool = False
     # OpenAI fields accepted only at their neutral value.
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -187,6 +189,7 @@ class _CommonRequest(_Strict):
             "stop_token_ids": list(self.stop_token_ids or []),
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
+            "speculative": self.speculative,
         }
         if self.seed is not None:
             sp["seed"] = self.seed
@@ -353,6 +356,7 @@ class NativeSamplingParams(_Strict):
     seed: int | None = Field(None, **_schema(minimum=0))
     skip_special_tokens: bool = True
     n: int = Field(1, **_schema(minimum=1, maximum=64))
+    speculative: bool = True
 
     @field_validator("*", mode="before")
     @classmethod

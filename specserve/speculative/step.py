@@ -22,7 +22,7 @@ from specserve.ops.logprobs import token_logprobs
 from specserve.ops.sampling import SamplingTensors, sample
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.kv_commit import commit_accepted_path
-from specserve.speculative.tree import Acceptance, DraftTrees, accept
+from specserve.speculative.tree import Acceptance, DraftTrees, accept, root_only_where
 
 
 @dataclass
@@ -94,6 +94,8 @@ def sampling_tensors(
         needs_filter=any(p.needs_filter and not p.greedy for p in params),
         logprobs=logprobs,
         top_logprobs=top_logprobs if logprobs else 0,
+        plain_rows=dev([not p.speculative for p in params], torch.bool),
+        any_plain=any(not p.speculative for p in params),
     )
 
 
@@ -178,6 +180,8 @@ class DecodeStep:
             acc = self.simulator.accept(trees, target_tokens, anc)
         else:
             acc = accept(trees, target_tokens, anc, use_kernel=kernels.tree_accept)
+        if n > 1 and batch.sampling.any_plain:  # requests that asked to decode plainly
+            acc = root_only_where(batch.sampling.plain_rows, trees, acc, target_tokens)
         if n > 1:  # a one-node tree's KV is already where it belongs
             commit_accepted_path(
                 [self.target.kv_cache], batch.window_slots, acc.path, kernels.kv_commit

@@ -97,6 +97,23 @@ def accept(
     return acceptance_of_path(trees, accepted, target_tokens)
 
 
+def root_only_where(
+    plain: torch.Tensor, trees: DraftTrees, acc: Acceptance, target_tokens: torch.Tensor
+) -> Acceptance:
+    """Rows where `plain` [B] is True accept the root alone: the request emits the target's
+    own token at the root, as plain decoding would (its drafts are verified but never taken).
+    """
+    b, n = trees.tokens.shape
+    root = torch.zeros(b, n, dtype=torch.bool, device=plain.device)
+    root[:, 0] = True
+    alone = acceptance_of_path(trees, root, target_tokens)
+
+    def pick(mine: torch.Tensor, plainly: torch.Tensor) -> torch.Tensor:
+        return torch.where(plain.view(-1, *[1] * (mine.dim() - 1)), plainly, mine)
+
+    return Acceptance(*(pick(a, p) for a, p in zip(vars(acc).values(), vars(alone).values())))
+
+
 def acceptance_of_path(
     trees: DraftTrees, accepted: torch.Tensor, target_tokens: torch.Tensor
 ) -> Acceptance:
