@@ -30,6 +30,7 @@ ENGINE_HELP = {
     "disable_overlap_schedule": "Apply each decode step before launching the next (overlap is on by default).",
     "disable_cuda_graph": "Run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only).",
     "cuda_graph_max_bs": "Largest batch replayed from a CUDA graph; larger batches run eagerly (default: max_running_requests, at most 256).",
+    "speculative_adaptive": "Load-adaptive speculation: each decode step drafts plain, a short chain or the configured tree, whichever emits the most tokens per second at this batch size given the acceptance observed (step times measured while serving).",
     "disable_radix_cache": "Turn the prefix cache off (on by default: requests reuse the KV of their longest cached prefix).",
     "disable_fused_kernels": "Run the plain torch reference of every fused kernel (debugging numerics).",
     "no_default_draft": "Do not run a packaged model (smollm2-135m) with its bundled draft, which it uses unless another draft is given.",

@@ -54,6 +54,7 @@ class EngineConfig:
     kernels: Kernels | None = None  # decided by resolve(); tests and benches may pass their own
     # speculative decoding (SGLang's names)
     no_default_draft: bool = False  # a packaged model's bundled draft stays off
+    speculative_adaptive: bool = False  # each step drafts the tree shape that pays (or none)
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None

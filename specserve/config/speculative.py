@@ -110,6 +110,8 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
                 raise InvalidArgument(
                     f, "is set but speculative_algorithm is not (EAGLE, EAGLE3 or STANDALONE)"
                 )
+        if c.speculative_adaptive:
+            decide("speculative_adaptive", False, "no speculative decoding: nothing to adapt")
         return c, decisions
     if isinstance(algo, str) and algo.upper() in ALGORITHMS and algo != algo.upper():
         decide("speculative_algorithm", algo.upper(), "algorithm names are upper case")
@@ -196,6 +198,17 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
             "speculative_token_map_growth",
             "extends a reduced draft vocabulary (EAGLE drafts only): give "
             "speculative_token_map too",
+        )
+    if c.speculative_adaptive:
+        chain = min(steps, 3)
+        tiers = f"plain, a chain of {chain}, the {steps}-step topk-{topk} tree of {ndt} tokens"
+        decisions.append(
+            (
+                "speculative_adaptive",
+                True,
+                f"each step drafts one of: {tiers}, the one emitting the most tokens per second "
+                "at its batch size (step times measured while serving, acceptance observed)",
+            )
         )
     return c, decisions
 

@@ -101,7 +101,9 @@ class DecodeGraphs:
             return None
         return bs, min(pow2_bucket(width, MIN_WIDTH), self.max_width)
 
-    def run(self, rows: list[int], sampling: SamplingTensors, width: int) -> tuple | None:
+    def run(
+        self, rows: list[int], sampling: SamplingTensors, width: int, tier: int = 0
+    ) -> tuple | None:
         """Replay the step for these rows: DecodeStep.run's outputs for the real rows; None
         when the batch is too large for a graph."""
         shape = self.bucket(len(rows), width)
@@ -122,6 +124,7 @@ class DecodeGraphs:
             sampling.logprobs,
             sampling.top_logprobs,
             sampling.any_plain,
+            tier,
         )
         cap = self.graphs.get(key)
         if cap is None:
@@ -158,6 +161,7 @@ class DecodeGraphs:
         logprobs: bool,
         top_logprobs: int,
         any_plain: bool,
+        tier: int,
     ) -> _Captured:
         worker, dev = self.worker, self.worker.device
         rows = torch.full((bs,), PAD_ROW, dtype=torch.int64, device=dev)
@@ -182,7 +186,7 @@ class DecodeGraphs:
 
         def step():
             with torch.inference_mode():
-                return worker.step.run(rows, sampling, width, kv_upper)
+                return worker.step.run(rows, sampling, width, kv_upper, tier)
 
         if not self.capture:
             return _Captured(None, step, rows, sampling, None)

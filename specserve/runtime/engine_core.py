@@ -22,6 +22,7 @@ from specserve.runtime.request import ReqState, Request
 from specserve.runtime.scheduler import Scheduler, SchedulerLimits
 from specserve.runtime.stop import StopChecker
 from specserve.runtime.worker import Worker
+from specserve.speculative.adaptive import AdaptiveSpeculation, speculation_tiers
 from specserve.speculative.factory import build_drafter
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,17 @@ class EngineCore:
         backend = make_attention_backend(cfg.attention_backend)
         self.runner = ModelRunner(loaded.model, self.kv_cache, backend, cfg.kernels)
         draft.attach(self.table, num_slots, backend, self.rows)
+        # load-adaptive speculation: each step drafts the tier that pays most (or none)
+        tiers = speculation_tiers(draft.shape) if cfg.speculative_adaptive else None
+        self.adaptive = AdaptiveSpeculation(tiers) if tiers else None
         self.worker = Worker(
-            self.runner, self.table, self.rows, draft, cfg.kernels, self._build_simulator(cfg)
+            self.runner,
+            self.table,
+            self.rows,
+            draft,
+            cfg.kernels,
+            self._build_simulator(cfg),
+            tiers,
         )
         if not cfg.disable_cuda_graph:
             from specserve.runtime.cuda_graphs import DecodeGraphs
@@ -303,7 +313,8 @@ class EngineCore:
 
     def _launch_decode(self, reqs: list[Request]):
         kv_upper = [r.kv_len + r.inflight_steps * self.worker.max_accept for r in reqs]
-        pending = self.worker.launch_decode(reqs, kv_upper)
+        tier = self.adaptive.pick(len(reqs)) if self.adaptive is not None else 0
+        pending = self.worker.launch_decode(reqs, kv_upper, tier, timed=self.adaptive is not None)
         for r in reqs:
             r.inflight_steps += 1
         self.num_steps += 1
@@ -313,6 +324,8 @@ class EngineCore:
         """Wait for a launched step and apply its results (skipping requests that finished
         or were aborted meanwhile: their outputs were already final)."""
         out = pending.result()
+        if self.adaptive is not None:
+            self.adaptive.observe(pending.tier, out.accept_lens, pending.seconds)
         touched = []
         emitted = {}
         logprobs = out.logprobs or [None] * len(pending.reqs)

@@ -8,6 +8,7 @@ where the host later learns what it produced.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,8 +52,15 @@ class PendingDecode:
         accept_len: torch.Tensor,
         emitted: torch.Tensor,
         logprobs: StepLogprobs | None = None,
+        tier: int = 0,
+        started=None,
     ):
+        """started: a CUDA event recorded before the step's launch, or the host time of it
+        (a synchronous device): `seconds` is then the step's own time."""
         self.reqs = reqs
+        self.tier = tier
+        self._started = started
+        self.seconds: float | None = None
         outs = [accept_len, emitted]
         if logprobs is not None:
             outs.append(logprobs.token)
@@ -62,7 +70,7 @@ class PendingDecode:
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in outs]
             for host, dev in zip(self._host, outs):
                 host.copy_(dev, non_blocking=True)
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event(enable_timing=started is not None)
             self._event.record()
         else:
             self._host, self._event = outs, None
@@ -70,6 +78,10 @@ class PendingDecode:
     def result(self) -> DecodeOutput:
         if self._event is not None:
             self._event.synchronize()
+            if self._started is not None:
+                self.seconds = self._started.elapsed_time(self._event) / 1e3
+        elif self._started is not None:
+            self.seconds = time.perf_counter() - self._started
         lens, emitted = self._host[0].tolist(), self._host[1].tolist()
         out = DecodeOutput([e[:n] for e, n in zip(emitted, lens)], lens)
         if len(self._host) > 2:
@@ -109,15 +121,17 @@ class Worker:
         drafter,
         kernels: Kernels,
         simulator=None,
+        tiers=None,
     ):
-        """drafter: a TreeDrafter, or the RootOnlyDrafter of plain decoding."""
+        """drafter: a TreeDrafter, or the RootOnlyDrafter of plain decoding; tiers: the tree
+        shapes a step may draft (load-adaptive speculation), else the drafter's own."""
         self.target = target
         self.table = table
         self.rows = rows  # per-request device state: page table, kv_len, root, draft feature
         self.device = rows.device
         self.drafter = drafter
         self.kernels = kernels
-        self.step = DecodeStep(target, drafter, rows, kernels, simulator)
+        self.step = DecodeStep(target, drafter, rows, kernels, simulator, tiers)
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
         self.prefill_graphs = None  # PrefillGraphs, when CUDA graphs are on
         self._sampling_cache: tuple[tuple[str, ...], SamplingTensors] | None = None
@@ -291,18 +305,28 @@ class Worker:
         return self._sampling_cache[1]
 
     @torch.inference_mode()
-    def launch_decode(self, reqs: list[Request], kv_upper: list[int]) -> PendingDecode:
-        """One decode step (speculative/step.py) of `reqs`, replayed from a CUDA graph when
-        one fits; nothing waits for the device. kv_upper: host bounds of each kv_len."""
+    def launch_decode(
+        self, reqs: list[Request], kv_upper: list[int], tier: int = 0, timed: bool = False
+    ) -> PendingDecode:
+        """One decode step (speculative/step.py) of `reqs` drafting the step's tier `tier`,
+        replayed from a CUDA graph when one fits; nothing waits for the device. kv_upper:
+        host bounds of each kv_len. timed: measure the step's own time (adaptive tiers)."""
+        started = None
+        if timed:
+            if self.device.type == "cuda":
+                started = torch.cuda.Event(enable_timing=True)
+                started.record()
+            else:
+                started = time.perf_counter()
         self.rows.flush()
         rows = self.rows.rows_of([r.rid for r in reqs])
         sampling = self._sampling_for(reqs)
         width = max(kv_upper) + self.decode_window
-        out = self.graphs.run(rows, sampling, width) if self.graphs is not None else None
+        out = self.graphs.run(rows, sampling, width, tier) if self.graphs is not None else None
         if out is None:
             rows_dev = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
-            out = self.step.run(rows_dev, sampling, width, kv_upper)
-        return PendingDecode(reqs, *out)
+            out = self.step.run(rows_dev, sampling, width, kv_upper, tier)
+        return PendingDecode(reqs, *out, tier=tier, started=started)
 
 
 def _host_logprobs(token: torch.Tensor, values: torch.Tensor | None, ids: torch.Tensor | None):

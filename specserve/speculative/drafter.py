@@ -37,7 +37,7 @@ from specserve.ops.triton_draft_frontier import expand_frontier
 from specserve.ops.triton_tree_select import select_tree
 from specserve.speculative.draft_heads import DraftHead
 from specserve.speculative.frontier import Candidates, Frontier
-from specserve.speculative.tree import DraftTrees
+from specserve.speculative.tree import DraftTrees, TreeShape
 
 
 @dataclass
@@ -63,15 +63,11 @@ class TreeDrafter:
         self.head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.kernels = kernels
         self.head.prepare_for_serving(kernels)
-        self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
-        self.max_depth = min(num_steps, num_draft_tokens - 1)
+        self.shape = TreeShape(num_steps, topk, num_draft_tokens)  # the largest step drafts this
+        self.max_depth = self.shape.max_depth
         self.delta = head.position_offset
         self.lookahead = self.delta
-        # Logical positions past kv_len one step may write: the target's tree, the draft's
-        # scratch for forwarded frontier nodes, and the draft extend of the accepted path.
-        self.window = max(
-            num_draft_tokens, self.delta + (num_steps - 1) * topk, self.delta + self.max_depth + 1
-        )
+        self.window = self.shape.window(self.delta)  # positions past kv_len a step may write
         self.capture_layers = capture_layers
         # an EAGLE head's prefill of a chunk shares the target's positions and slots, so
         # PrefillGraphs can replay it after the target's (a standalone draft's cannot)
@@ -80,7 +76,7 @@ class TreeDrafter:
         # the end of a cached prefix that token is the new request's own (runtime/scheduler.py)
         self.draft_kv_reads_next_token = self.delta == 0
         self.device, self.dtype = device, dtype
-        self._consts: _DraftConstants | None = None
+        self._consts: dict[TreeShape, _DraftConstants] = {}
         c = head.config
         self.kv_bytes_per_slot = KVCache.bytes_per_slot(
             c.num_layers, c.num_kv_heads, c.head_dim, dtype
@@ -184,44 +180,48 @@ class TreeDrafter:
 
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(self, batch) -> DraftTrees:
+    def draft(self, batch, shape: TreeShape | None = None) -> DraftTrees:
+        """The trees of `shape` (default: the configured one; a one-token shape: the root)."""
+        shape = shape or self.shape
+        if shape.tokens == 1:
+            return DraftTrees.root_only(batch.roots)
         # Few, fused kernels per depth: at batch 1 on a small target every launch costs about
         # as much as the work in it. After the head's top-k, one expand_frontier call (one
         # kernel on CUDA) per depth scores the children, writes them into the candidate
         # buffers and picks the next frontier (ops/triton_draft_frontier.py). Scores are
         # float32 (sums of at most num_steps log-probabilities); equal keys resolve to the
         # lower candidate id (the parent before its children).
-        k, d, dev = self.topk, self.delta, self.device
+        k, d, dev, num_steps = shape.topk, self.delta, self.device, shape.steps
         bsz = batch.batch_size
         g_root = batch.root_g
-        c = self._constants()
-        scratch = (self.num_steps - 1) * k
+        c = self._constants(shape)
+        scratch = (num_steps - 1) * k
         cands = Candidates.empty(bsz, k + scratch * k, dev)  # candidate id = column + 1
         # A depth reads one frontier and writes the other: the next one's ancestor rows are
         # gathered from the current ones, and the current mask is still read by attention.
         fronts = (None, None)
-        if self.num_steps > 1:
+        if num_steps > 1:
             fronts = Frontier.empty_pair(bsz, k, g_root.shape[-1], scratch, self.dtype, dev)
         use_kernel = self.kernels.draft_tree
         logp, tok = self.head.topk(g_root, k, self.kernels)
         # depth 1: the root is a frontier of one node; its children come out in rank order
         front = fronts[0]
         expand_frontier(logp, tok, g_root, None, 0, cands, front, use_kernel)
-        if self.num_steps > 1:
+        if num_steps > 1:
             # Every depth sees the draft prefix [0, kv_len + delta) and the whole scratch;
             # scratch not yet written this step is masked out (its ancestor bits are False),
             # so one metadata serves all depths and only the mask and the output slots change.
             shared = batch.metadata(d + scratch, k, scratch, None, front.anc.reshape(-1))
             # depth-major [num_steps - 1, B, k]: each depth's slots and positions are then
             # contiguous views (no copy per depth when B > 1)
-            slots = batch.window_slots[:, d : d + scratch].reshape(bsz, self.num_steps - 1, k)
+            slots = batch.window_slots[:, d : d + scratch].reshape(bsz, num_steps - 1, k)
             slots = slots.transpose(0, 1).contiguous()
             # Masked-out scratch still enters attention with weight 0, and 0 * NaN is NaN:
             # clear it, so stale values (a page's earlier owner, a broken earlier step) are inert.
             self.kv.buffer.index_fill_(2, slots.reshape(-1), 0)
             # positions of every depth's frontier at once: kv_len + delta - 1 + depth
             all_pos = batch.kv_lens_dev[None, :, None] + c.frontier_pos[:, None, :]
-        for depth in range(1, self.num_steps):
+        for depth in range(1, num_steps):
             meta = dataclasses.replace(
                 shared,
                 out_cache_loc=slots[depth - 1].reshape(-1),
@@ -234,43 +234,44 @@ class TreeDrafter:
                 meta,
             )
             c_logp, c_tok = self.head.topk(g, k, self.kernels)
-            nxt = fronts[depth % 2] if depth + 1 < self.num_steps else None  # last: none needed
+            nxt = fronts[depth % 2] if depth + 1 < num_steps else None  # last: none needed
             expand_frontier(c_logp, c_tok, g, front, depth, cands, nxt, use_kernel)
             front = nxt
-        return self._select_tree(batch.roots, cands)
+        return self._select_tree(batch.roots, cands, shape)
 
-    def _constants(self) -> _DraftConstants:
-        """Index tensors that depend only on the tree shape, made once per device."""
-        if self._consts is None:
-            k, dev = self.topk, self.device
+    def _constants(self, shape: TreeShape) -> _DraftConstants:
+        """Index tensors that depend only on the tree shape, made once per shape."""
+        if shape not in self._consts:
+            k, dev = shape.topk, self.device
             depths = [torch.full((k,), 1, device=dev)] + [
-                torch.full((k * k,), dep + 1, device=dev) for dep in range(1, self.num_steps)
+                torch.full((k * k,), dep + 1, device=dev) for dep in range(1, shape.steps)
             ]
-            steps = torch.arange(1, max(self.num_steps, 2), device=dev)
-            self._consts = _DraftConstants(
+            steps = torch.arange(1, max(shape.steps, 2), device=dev)
+            self._consts[shape] = _DraftConstants(
                 frontier_pos=(self.delta - 1 + steps)[:, None].expand(len(steps), k).contiguous(),
                 cand_depths=torch.cat(depths),
             )
-        return self._consts
+        return self._consts[shape]
 
-    def _select_tree(self, roots, cands: Candidates) -> DraftTrees:
+    def _select_tree(self, roots, cands: Candidates, shape: TreeShape) -> DraftTrees:
         tokens, parents, depths, scores, anc = select_tree(
             roots,
             cands,
-            self._constants().cand_depths,
-            self.num_draft_tokens,
-            self.max_depth,
+            self._constants(shape).cand_depths,
+            shape.tokens,
+            shape.max_depth,
             use_kernel=self.kernels.draft_tree,
         )
-        return DraftTrees(tokens, parents, depths, self.max_depth, scores, anc)
+        return DraftTrees(tokens, parents, depths, shape.max_depth, scores, anc)
 
     # ---- after verification ---------------------------------------------------------------------
     @torch.inference_mode()
     def extend_after_verify(self, batch, trees: DraftTrees, acc, target_out) -> torch.Tensor:
         """Run the draft over the accepted tokens (fixed width max_depth+1 per request; entries
         past the accepted length land in scratch positions and are never read). Returns the
-        new root state [B, H]: the draft's output at the last accepted token."""
-        d, w = self.delta, self.max_depth + 1
+        new root state [B, H]: the draft's output at the last accepted token. After a plain
+        step (a one-node tree) this is the one token decoded: the draft stays caught up."""
+        d, w = self.delta, trees.max_depth + 1
         bsz, n = trees.tokens.shape
         tokens = acc.emitted.reshape(-1)
         rows = (torch.arange(bsz, device=self.device)[:, None] * n + acc.path).reshape(-1)

@@ -10,11 +10,12 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from specserve.speculative.tree import DraftTrees
+from specserve.speculative.tree import PLAIN, DraftTrees
 
 
 class RootOnlyDrafter:
     speculative = False  # no draft tokens: no speculative statistics
+    shape = PLAIN
     max_depth = 0
     window = 1  # the root's own KV position
     lookahead = 0
@@ -30,7 +31,7 @@ class RootOnlyDrafter:
     def attach(self, table, num_slots: int, backend, rows) -> None:
         """No draft KV, no root state."""
 
-    def draft(self, batch) -> DraftTrees:
+    def draft(self, batch, shape=None) -> DraftTrees:
         return DraftTrees.root_only(batch.roots)
 
     def extend_after_verify(self, batch, trees, acc, target_out) -> None:

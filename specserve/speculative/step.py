@@ -22,7 +22,13 @@ from specserve.ops.logprobs import token_logprobs
 from specserve.ops.sampling import SamplingTensors, sample
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.kv_commit import commit_accepted_path
-from specserve.speculative.tree import Acceptance, DraftTrees, accept, root_only_where
+from specserve.speculative.tree import (
+    Acceptance,
+    DraftTrees,
+    TreeShape,
+    accept,
+    root_only_where,
+)
 
 
 @dataclass
@@ -100,9 +106,19 @@ def sampling_tensors(
 
 
 class DecodeStep:
-    def __init__(self, target, drafter, rows: RequestRows, kernels: Kernels, simulator=None):
+    def __init__(
+        self,
+        target,
+        drafter,
+        rows: RequestRows,
+        kernels: Kernels,
+        simulator=None,
+        tiers: list[TreeShape] | None = None,
+    ):
         """target: the model runner; drafter: a TreeDrafter or a RootOnlyDrafter; simulator:
-        forces acceptance lengths (benchmarking)."""
+        forces acceptance lengths (benchmarking); tiers: the tree shapes a step may draft
+        (speculative/adaptive.py), by default the drafter's own alone."""
+        self.tiers = tiers or [drafter.shape]
         self.target = target
         self.drafter = drafter
         self.rows = rows
@@ -118,16 +134,21 @@ class DecodeStep:
     @property
     def max_accept(self) -> int:
         """Most tokens one step can add to a request."""
-        return self.drafter.max_depth + 1
+        return max(t.max_depth for t in self.tiers) + 1
 
     def run(
-        self, rows: torch.Tensor, sampling: SamplingTensors, width: int, kv_upper: list[int]
+        self,
+        rows: torch.Tensor,
+        sampling: SamplingTensors,
+        width: int,
+        kv_upper: list[int],
+        tier: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, StepLogprobs | None]:
         """One step of the requests in `rows` (PAD_ROW: padding, touching only scratch).
         Returns (accept_len [B], emitted [B, max_accept], their log-probs when
         `sampling.logprobs`, else None); `width` bounds every kv_len + W."""
         batch = self._read(rows, sampling, width, kv_upper)
-        trees = self.drafter.draft(batch)
+        trees = self.drafter.draft(batch, self.tiers[tier])
         acc, target_out, logprobs = self.verify(batch, trees)
         features = self.drafter.extend_after_verify(batch, trees, acc, target_out)
         self.rows.set_state(rows, batch.kv_lens_dev + acc.accept_len, acc.bonus, features)

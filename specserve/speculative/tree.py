@@ -14,6 +14,34 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """What one step drafts: `steps` draft forwards keeping `topk` children per node, the best
+    `tokens` nodes (the root included) verified. tokens == 1 is plain decoding."""
+
+    steps: int
+    topk: int
+    tokens: int
+
+    @property
+    def max_depth(self) -> int:
+        return min(self.steps, self.tokens - 1)
+
+    def window(self, delta: int) -> int:
+        """Logical positions past kv_len a step of this shape writes: the target's tree, the
+        draft's scratch for forwarded frontier nodes, and the draft extend of the accepted
+        path (delta: the draft's position offset)."""
+        return max(
+            self.tokens, delta + max(0, self.steps - 1) * self.topk, delta + self.max_depth + 1
+        )
+
+    def __str__(self) -> str:
+        return "plain" if self.tokens == 1 else f"{self.steps}/{self.topk}/{self.tokens}"
+
+
+PLAIN = TreeShape(0, 1, 1)
+
+
 @dataclass
 class DraftTrees:
     tokens: torch.Tensor  # [B, N] int64

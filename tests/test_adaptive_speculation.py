@@ -1,0 +1,112 @@
+"""Load-adaptive speculation: every step drafts plain, a chain or the configured tree. Any
+sequence of tiers decodes exactly what plain decoding does, the draft stays caught up over
+plain steps, and the policy picks what pays."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve import Engine
+from specserve.runtime.cuda_graphs import DecodeGraphs
+from specserve.speculative.adaptive import AdaptiveSpeculation, speculation_tiers
+from specserve.speculative.tree import PLAIN, TreeShape
+from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, mixed_prompts, spec_args
+
+SP = {"temperature": 0.0, "max_new_tokens": 14, "ignore_eos": True}
+
+
+def run(prompts, params, random_tiers: int | None = None, padded=False, **kw):
+    """random_tiers: a seed: each step's tier drawn at random instead of by the policy."""
+    checked = []
+    with Engine(**TINY, debug_check_invariants=True, **kw) as e:
+        core = e.core
+        if random_tiers is not None:
+            rng = random.Random(random_tiers)
+            core.adaptive.pick = lambda b: rng.randrange(len(core.adaptive.tiers))
+        if padded:
+            core.worker.graphs = DecodeGraphs(core.worker, 4, max_width=4096, capture=False)
+        e.step_hooks.append(lambda c: checked.append(assert_kv_matches_plain_prefill(c)))
+        outs = e.generate(input_ids=prompts, sampling_params=params)
+        stats = e.stats()
+    return [o["output_ids"] for o in outs], stats, sum(checked)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 3])
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("padded", [False, True])
+def test_any_sequence_of_tiers_decodes_as_plain_decoding(page_size, overlap, padded):
+    prompts = mixed_prompts(5, 512, seed=page_size)
+    kw = dict(page_size=page_size, disable_overlap_schedule=not overlap)
+    plain, _, _ = run(prompts, SP, **kw)
+    # the target as its own draft: a drafting tier accepts all it drafts, if and only if the
+    # draft's KV and root state stayed exact over the plain steps before it
+    spec = spec_args("tiny", 3, 4, 10, speculative_adaptive=True)
+    outs, stats, checked = run(prompts, SP, random_tiers=page_size, padded=padded, **kw, **spec)
+    assert outs == plain and checked > 0
+    adaptive = stats["speculative_adaptive"]
+    assert adaptive["tiers"] == ["plain", "3/1/4", "4/3/10"]
+    assert all(n > 0 for n in adaptive["steps"]), adaptive  # every tier ran
+    assert adaptive["accept_length"][1:] == [4.0, 5.0]  # never less than all it drafted
+
+
+def test_eagle_with_switches_and_retraction_under_random_tiers(tmp_path):
+    from specserve.model.config import PRESETS
+    from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+
+    eagle = write_random_eagle_checkpoint(str(tmp_path / "e"), PRESETS["tiny"], "EAGLE")
+    prompts = mixed_prompts(10, 512, seed=4, min_len=10, max_len=40)
+    params = [dict(SP, speculative=i % 3 != 0) for i in range(10)]
+    kw = dict(page_size=2, max_total_tokens=200)
+    plain, _, _ = run(prompts, params, **kw)
+    spec = spec_args(eagle, 2, 3, 6, speculative_adaptive=True)
+    outs, stats, _ = run(prompts, params, random_tiers=1, **kw, **spec)
+    assert outs == plain and stats["num_retractions"] > 0
+
+
+def test_tiers_of_a_configuration():
+    assert speculation_tiers(TreeShape(6, 8, 64)) == [
+        PLAIN,
+        TreeShape(3, 1, 4),
+        TreeShape(6, 8, 64),
+    ]
+    assert speculation_tiers(TreeShape(3, 1, 4)) == [PLAIN, TreeShape(3, 1, 4)]
+    assert speculation_tiers(TreeShape(1, 1, 2)) == [PLAIN, TreeShape(1, 1, 2)]
+
+
+def test_policy_measures_first_then_picks_what_pays_and_keeps_exploring():
+    tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(6, 8, 64)]
+    p = AdaptiveSpeculation(tiers, explore_every=8)
+    seconds = {0: 1.0, 1: 1.2, 2: 1.6}  # a step's cost per tier (same at every batch size)
+    first = []
+    for _ in range(3):
+        first.append(p.pick(4))
+        p.observe(first[-1], [1] * 4, seconds[first[-1]])
+    assert first == [0, 1, 2]  # every tier measured at this batch bucket before choosing
+    # drafts rejected: plain pays most; a speculative tier still runs every 8th step
+    picks = []
+    for _ in range(32):
+        t = p.pick(4)
+        picks.append(t)
+        p.observe(t, [1] * 4, seconds[t])
+    assert picks.count(0) == 28  # one step in 8 explores
+    # drafts accepted again: the tree emits 7 a step, the chain 4, and the tree pays most
+    # (4 * 7 / 1.6 > 4 * 4 / 1.2); the chain wins first, exploring finds the tree
+    picks = []
+    for _ in range(80):
+        picks.append(p.pick(4))
+        t = picks[-1]
+        p.observe(t, [7 if t == 2 else (4 if t == 1 else 1)] * 4, seconds[t])
+    assert picks[-16:].count(2) >= 14, picks  # (one step in 8 explores another tier)
+
+
+def test_simulated_rejection_switches_speculation_off():
+    prompts = mixed_prompts(4, 512, seed=2)
+    spec = spec_args(
+        "tiny", 3, 4, 10, speculative_adaptive=True, simulate_acc_len=1.0,
+        simulate_acc_method="match-expected",
+    )  # fmt: skip
+    _, stats, _ = run(prompts, dict(SP, max_new_tokens=60), **spec)
+    steps = stats["speculative_adaptive"]["steps"]
+    assert steps[0] > sum(steps[1:]), stats["speculative_adaptive"]
