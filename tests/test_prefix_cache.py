@@ -202,3 +202,24 @@ def test_multiturn_bench_hit_rate_is_the_same_with_speculation(eagle, capsys):
     assert plain["hit_rate"] > 0.5 and spec["hit_rate"] == plain["hit_rate"]
     assert rows["specserve plain-nocache"]["hit_rate"] == 0
     assert spec["accept_length"] is not None and plain["accept_length"] is None
+
+
+def test_a_growing_draft_vocabulary_takes_the_cached_prompt_tokens(eagle, tmp_path):
+    """With --speculative-token-map-growth a request's prompt tokens join the draft's
+    vocabulary while it runs; those of a cached prefix too (they were never prefilled for it)."""
+    import json
+
+    token_map = tmp_path / "map.json"
+    token_map.write_text(json.dumps(list(range(100))))
+    prefix = list(range(400, 420))  # outside the map
+    kw = dict(speculative_token_map=str(token_map), speculative_token_map_growth=64)
+    with Engine(**TINY, page_size=4, **spec_args(eagle, 2, 2, 4, **kw)) as e:
+        vocab = e.core.worker.drafter.head.vocab
+        e.generate(input_ids=prefix + [5], sampling_params=SP)
+        seen = []
+        e.step_hooks.append(
+            lambda core: core.scheduler.running and seen.append(sum(t in vocab for t in prefix))
+        )
+        out = e.generate(input_ids=prefix + [6, 7], sampling_params=SP)
+    assert out["meta_info"]["cached_tokens"] > 0
+    assert seen and min(seen) == len(prefix)

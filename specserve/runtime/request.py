@@ -121,6 +121,9 @@ class PrefillChunk:
     end: int
     # (cached page, the request's own page): copied before the forward (a recomputed boundary)
     copy_page: tuple[int, int] | None = None
+    # the first chunk since the request was admitted: positions before `start` (a cached
+    # prefix) were never prefilled for this request
+    first: bool = False
 
     @property
     def completes(self) -> bool:

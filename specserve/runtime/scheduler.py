@@ -171,12 +171,13 @@ class Scheduler:
                 if fresh:
                     self._undo_reuse(req)
                 break
-            if req.state is ReqState.WAITING:
+            admitted = req.state is ReqState.WAITING  # (its first chunk since admission)
+            if admitted:
                 active += 1
             req.set_state(ReqState.PREFILLING)
             if copy is not None:  # the cached boundary page into the request's own page
                 copy = (copy[0], self.table.pages(req.rid)[copy[1]])
-            chunks.append(PrefillChunk(req, req.kv_len, end, copy))
+            chunks.append(PrefillChunk(req, req.kv_len, end, copy, admitted))
             budget -= n
             if budget <= 0:
                 break

@@ -173,7 +173,10 @@ class Worker:
             if c.copy_page is not None:
                 self._copy_page(*c.copy_page)
         tokens = [t for c in chunks for t in c.req.all_ids[c.start : c.end]]
-        self.observe_tokens({c.req.rid: c.req.all_ids[c.start : c.end] for c in chunks})
+        # a growing draft vocabulary takes every token of the request, a cached prefix's too
+        self.observe_tokens(
+            {c.req.rid: c.req.all_ids[0 if c.first else c.start : c.end] for c in chunks}
+        )
         dev = self.device
         capture = self.drafter.capture_layers
         out = None
