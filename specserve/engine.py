@@ -512,6 +512,7 @@ class Engine:
         failed = []
         for r in list(self.core.requests.values()):
             r.inflight_steps = 0
+            r.kv_trusted = False  # the broken step may have written it
             r.finish("abort", message=message)
             if not r.finish_reported:
                 r.finish_reported = True

@@ -3,6 +3,8 @@ counted right, eviction under pressure, and a hit rate that speculation does not
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor, TimeoutError
+
 import pytest
 import torch
 
@@ -25,16 +27,16 @@ def test_cache_matches_whole_pages_and_counts_its_references():
     table.cache = cache
     assert table.reserve("a", 7)  # 4 pages
     a_pages = table.pages("a")
-    cache.lock(cache.insert([1, 2, 3, 4, 5, 6, 7], a_pages))  # 3 full pages kept
+    cache.lock(cache.insert([1, 2, 3, 4, 5, 6, 7], a_pages, 7))  # 3 full pages kept
     table.check_invariants({"a"})
     assert cache.num_pages == 3 and cache.evictable == 0
-    pages, node = cache.match([1, 2, 3, 4, 9, 9], max_tokens=6)
+    pages, node, _ = cache.match([1, 2, 3, 4, 9, 9], max_tokens=6)
     assert pages == a_pages[:2]  # the third page's tokens differ
     cache.lock(node)
     table.adopt("b", pages)
     table.check_invariants({"a", "b"})
     assert alloc.refs[pages[0]] == 3  # a, b and the cache
-    pages, _ = cache.match([1, 2, 3, 4, 5, 6], max_tokens=5)
+    pages, _, _ = cache.match([1, 2, 3, 4, 5, 6], max_tokens=5)
     assert len(pages) == 2  # never past max_tokens
     table.release("a")
     table.release("b")
@@ -53,13 +55,30 @@ def test_eviction_takes_least_recently_used_leaves_first():
     cache = PrefixCache(alloc)
     for tokens in ([1, 2], [1, 3], [4]):
         pages = alloc.alloc(len(tokens))
-        cache.insert(tokens, pages)
+        cache.insert(tokens, pages, len(tokens))
         alloc.free(pages)  # the cache alone holds them
     cache.match([1, 3], 2)  # used last
     assert cache.evict(1) == 1
     assert cache.match([1, 2], 2)[0].__len__() == 1  # [1, 2]'s leaf went first
     assert len(cache.match([1, 3], 2)[0]) == 2
     assert cache.evict(10) == 3 and cache.num_pages == 0  # [1], [1, 3], [4]
+
+
+def test_with_the_next_token_in_the_key_a_page_differing_only_there_is_a_boundary():
+    """An EAGLE draft's KV at a page's last position depends on the token after the page:
+    pages are exact for a request only if that token is its own too."""
+    alloc = PageAllocator(16, page_size=2)
+    cache = PrefixCache(alloc, next_token_in_key=True)
+    a = alloc.alloc(3)
+    cache.insert([1, 2, 3, 4, 5, 6, 7], a, 6)  # pages [1,2|3] [3,4|5] [5,6|7]
+    pages, node, boundary = cache.match([1, 2, 3, 4, 5, 6, 7], 6)
+    assert pages == a and not boundary
+    pages, node, boundary = cache.match([1, 2, 3, 4, 9, 9, 9], 6)
+    assert pages == a[:2] and boundary  # [3,4] matches, its draft KV's last entry is for 5
+    pages, node, boundary = cache.match([1, 2, 3, 4, 5, 6, 8], 6)
+    assert pages == a and boundary
+    pages, node, boundary = cache.match([1, 2, 3, 9], 3)
+    assert pages == [a[0]] and not boundary
 
 
 # ---- the engine ----------------------------------------------------------------------------------
@@ -223,3 +242,67 @@ def test_a_growing_draft_vocabulary_takes_the_cached_prompt_tokens(eagle, tmp_pa
         out = e.generate(input_ids=prefix + [6, 7], sampling_params=SP)
     assert out["meta_info"]["cached_tokens"] > 0
     assert seen and min(seen) == len(prefix)
+
+
+def draft_kv_of(core, rid: str, n: int):
+    """The draft's K and V of a request's first n positions, every layer."""
+    slots = core.table.slots(rid, 0, n)
+    kv = core.worker.drafter.kv
+    return kv.buffer[:, :, slots].clone()
+
+
+def test_draft_kv_of_a_prefix_shared_by_branches_equals_a_plain_prefill(eagle):
+    """Requests branching off a cached prefix at different tokens: every position's draft KV
+    of a later request equals what it is without the cache (interior pages included)."""
+    x = list(range(40, 48))
+    a, b = x + [20, 21, 22], x + [30, 31, 32, 33, 34, 35]
+    c = b + [40, 41]
+    seen = {}
+    for cache_off in (False, True):
+        with Engine(**TINY, page_size=4, disable_radix_cache=cache_off,
+                    **spec_args(eagle, 2, 2, 4)) as e:  # fmt: skip
+            for p in (a, b):
+                e.generate(input_ids=p, sampling_params=SP)
+            got = []
+
+            def grab(core, got=got):
+                for r in core.scheduler.running:
+                    if r.prompt_ids == c and not got:
+                        got.append(draft_kv_of(core, r.rid, len(c) - 1))
+
+            e.step_hooks.append(grab)
+            e.generate(input_ids=c, sampling_params=SP)
+            seen[cache_off] = got[0]
+    torch.testing.assert_close(seen[False], seen[True], atol=1e-5, rtol=1e-5)
+
+
+def test_a_prompt_needing_every_page_still_starts_when_its_prefix_is_cached(eagle):
+    """The copy of a boundary page needs one page more than computing it: without that page,
+    the request starts without the copy instead of waiting forever."""
+    with Engine(**TINY, page_size=4, max_total_tokens=32, debug_check_invariants=True,
+                **spec_args(eagle, 1, 1, 2)) as e:  # fmt: skip
+        prompt = list(range(50, 50 + e.core.scheduler.max_prompt_tokens()))
+        sp = {"temperature": 0.0, "max_new_tokens": 1}
+        first = e.generate(input_ids=prompt, sampling_params=sp)
+        with ThreadPoolExecutor(1) as pool:  # (a request that never starts would hang)
+            second = pool.submit(e.generate, input_ids=prompt, sampling_params=sp)
+            try:
+                second = second.result(timeout=60)
+            except TimeoutError:
+                e.abort(e.core.scheduler.waiting[0].rid)
+                pytest.fail("the second request never started")
+    assert second["output_ids"] == first["output_ids"]
+
+
+def test_a_reused_boundary_page_is_not_held_for_the_requests_life(eagle):
+    """With the cache on, a request that reused a prefix has as much room to grow as without."""
+    lengths = {}
+    for cache_off in (False, True):
+        with Engine(**TINY, page_size=4, max_total_tokens=32, disable_radix_cache=cache_off,
+                    **spec_args(eagle, 1, 1, 2)) as e:  # fmt: skip
+            prompt = list(range(60, 70))
+            e.generate(input_ids=prompt, sampling_params={"temperature": 0.0, "max_new_tokens": 1})
+            out = e.generate(input_ids=prompt + [5], sampling_params={"temperature": 0.0,
+                                                                      "max_new_tokens": 40})  # fmt: skip
+            lengths[cache_off] = len(out["output_ids"])
+    assert lengths[False] == lengths[True]

@@ -4,6 +4,13 @@ A node holds one full page: the KV of `page_size` tokens, whose key is those tok
 from the root spells the token prefix the page's KV depends on (the KV of position p depends
 on tokens [0, p]). A new request reuses the pages of its longest cached prefix.
 
+An EAGLE draft's KV at position p pairs the target's state at p with token p + 1, so a page's
+draft KV also depends on the token after it: with `next_token_in_key` a node's key is its
+tokens and the next one, and every matched page is exact for draft and target alike. The
+last page of a prefix may then be found with another next token only (`match`'s boundary):
+its target KV is right, its draft KV's last entry is not, so the scheduler copies it into a
+page of the request's own and re-runs that one position.
+
 Ownership: the cache holds one reference on every page it keeps (kv/allocator.py), a request
 one on every page of its table. A request that reads cached pages locks the deepest node it
 uses, which locks every ancestor: a locked node is never evicted. Unlocked nodes are exactly
@@ -34,9 +41,10 @@ class _Node:
 
 
 class PrefixCache:
-    def __init__(self, allocator: PageAllocator):
+    def __init__(self, allocator: PageAllocator, next_token_in_key: bool = False):
         self.allocator = allocator
         self.page_size = allocator.page_size
+        self.next_token_in_key = next_token_in_key
         self.root = _Node(None, -1, None)
         self.root.lock = 1  # never evicted
         self.num_pages = 0  # pages the cache holds
@@ -46,27 +54,42 @@ class PrefixCache:
         self._ids = itertools.count()
 
     # ---- lookups ----------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], max_tokens: int) -> tuple[list[int], _Node]:
-        """Pages of the longest cached prefix of `tokens` (whole pages, at most max_tokens
-        tokens) and the deepest node matched (the root when nothing matched)."""
+    def _key(self, tokens: Sequence[int], i: int) -> tuple[int, ...]:
+        """Page i's key: its tokens, and the next one with `next_token_in_key`."""
+        ps = self.page_size
+        return tuple(tokens[i * ps : (i + 1) * ps + (1 if self.next_token_in_key else 0)])
+
+    def match(self, tokens: Sequence[int], max_tokens: int) -> tuple[list[int], _Node, bool]:
+        """The longest cached prefix of `tokens` in whole pages, at most max_tokens tokens
+        (tokens must extend one past them): (its pages, the deepest node matched, the root
+        when none, boundary). boundary: the last page matched its tokens but not the next
+        one (only with `next_token_in_key`): its draft KV's last entry is someone else's."""
         node, pages, ps = self.root, [], self.page_size
         now = next(self._clock)
-        for start in range(0, max_tokens - ps + 1, ps):
-            child = node.children.get(tuple(tokens[start : start + ps]))
+        boundary = False
+        for i in range(max_tokens // ps):
+            key = self._key(tokens, i)
+            child = node.children.get(key)
+            if child is None and self.next_token_in_key:
+                child = next((c for k, c in node.children.items() if k[:-1] == key[:-1]), None)
+                boundary = child is not None
             if child is None:
                 break
             child.last_use = now
             pages.append(child.page)
             node = child
-        return pages, node
+            if boundary:
+                break
+        return pages, node, boundary
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> _Node:
-        """Keep the full pages of a request (`pages[i]` holds tokens[i*ps : (i+1)*ps]); a page
-        whose tokens are cached already stays the request's own. Returns the deepest node."""
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], num_tokens: int) -> _Node:
+        """Keep the full pages among the first num_tokens of a request (`pages[i]` holds
+        tokens[i*ps : (i+1)*ps]; with `next_token_in_key` tokens must go one further); a page
+        whose key is cached already stays the request's own. Returns the deepest node."""
         node, ps = self.root, self.page_size
         now = next(self._clock)
-        for i in range(min(len(tokens) // ps, len(pages))):
-            key = tuple(tokens[i * ps : (i + 1) * ps])
+        for i in range(min(num_tokens // ps, len(pages))):
+            key = self._key(tokens, i)
             child = node.children.get(key)
             if child is None:
                 child = _Node(key, pages[i], node)
@@ -126,6 +149,27 @@ class PrefixCache:
     def flush(self) -> int:
         """Drop every unlocked page (with no request live: all of them)."""
         return self.evict(self.num_pages)
+
+    def check_locks(self, locked: list[_Node]) -> None:
+        """Every node's lock count is the number of `locked` nodes (one per request holding
+        the cache) at or below it, and `evictable` counts the unlocked nodes."""
+        want: dict[int, int] = {id(self.root): 1}
+        for node in locked:
+            while node is not None:
+                want[id(node)] = want.get(id(node), 0) + 1
+                node = node.parent
+        unlocked, stack = 0, [self.root]
+        while stack:
+            node = stack.pop()
+            if node.lock != want.get(id(node), 0):
+                raise AssertionError(f"prefix cache: a node locked {node.lock} times, held by "
+                                     f"{want.get(id(node), 0)} requests")  # fmt: skip
+            unlocked += node.lock == 0
+            stack.extend(node.children.values())
+        if unlocked != self.evictable:
+            raise AssertionError(
+                f"prefix cache: {unlocked} unlocked nodes, {self.evictable} counted"
+            )
 
     def held_pages(self) -> list[int]:
         out, stack = [], list(self.root.children.values())

@@ -115,9 +115,10 @@ class EngineCore:
                 chunked_prefill_size=cfg.chunked_prefill_size,
                 decode_window=self.worker.decode_window,
                 kv_lookahead=self.worker.kv_lookahead,
-                recompute_boundary=draft.draft_kv_reads_next_token,
             ),
-            None if cfg.disable_radix_cache else PrefixCache(self.table.allocator),
+            None
+            if cfg.disable_radix_cache
+            else PrefixCache(self.table.allocator, draft.draft_kv_reads_next_token),
         )
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -383,6 +384,9 @@ class EngineCore:
 
     def check_invariants(self) -> None:
         self.table.check_invariants(set(self.requests))
+        cache = self.scheduler.cache
+        if cache is not None:
+            cache.check_locks([r.cache_node for r in self.requests.values() if r.cache_node])
         for r in self.scheduler.running:
             if r.finished:
                 continue  # waiting for its last launched step

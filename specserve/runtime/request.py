@@ -72,6 +72,7 @@ class Request:
     # cache node this request holds locked
     cached_tokens: int | None = None
     cache_node: Any = None
+    kv_trusted: bool = True  # False after a failed device step: its KV is not cached
     # speculative decoding statistics (SGLang's names)
     spec_verify_ct: int = 0
     spec_accept_histogram: list[int] = field(default_factory=list)

@@ -34,7 +34,6 @@ class SchedulerLimits:
     chunked_prefill_size: int  # tokens per prefill batch; <= 0: unlimited
     decode_window: int  # logical positions a decode step writes past kv_len
     kv_lookahead: int  # positions past kv_len kept between steps
-    recompute_boundary: bool = False  # the draft's KV at a prefix's last position is not shared
 
 
 class Scheduler:
@@ -81,7 +80,7 @@ class Scheduler:
         if self.cache is None:
             return
         n = self._cacheable_tokens(req)
-        node = self.cache.insert(req.all_ids[:n], self.table.pages(req.rid))
+        node = self.cache.insert(req.all_ids, self.table.pages(req.rid), n)
         self.cache.lock(node)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
@@ -89,34 +88,34 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """Free a request's KV: its computed full pages stay in the cache, unlocked."""
-        if self.cache is not None and req.kv_len > 0:
+        if self.cache is not None and req.kv_len > 0 and req.kv_trusted:
             self._cache_prefix(req)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
             req.cache_node = None
         self.table.release(req.rid)
 
-    def _reuse_cached_prefix(self, req: Request) -> tuple[int, int] | None:
-        """Start a request with no KV from its longest cached prefix (locked); returns the
-        (cached page, own page index) to copy when the boundary is recomputed."""
+    def _reuse_cached_prefix(self, req: Request, copy_boundary: bool) -> tuple[int, int] | None:
+        """Start a request with no KV from its longest cached prefix (locked). Returns the
+        (cached page, own page index) to copy when the prefix ends in a boundary page (its
+        draft KV's last entry belongs to another next token): the request re-runs that one
+        position in a copy of its own. copy_boundary False: that page is left out instead
+        (the copy needs one page more than computing it would)."""
         limit = req.fill_len - 1  # at least one token is prefilled: its logits sample the next
         if req.wants_prompt_logprobs:  # the target's logits of those positions are needed
             limit = min(limit, max(0, req.logprob_start_len - 1))
-        pages, node = self.cache.match(req.all_ids, limit)
+        pages, node, boundary = self.cache.match(req.all_ids, limit)
+        if boundary and not copy_boundary:
+            pages, node, boundary = pages[:-1], node.parent, False
         self.cache.lock(node)
         req.cache_node = node
-        if req.cached_tokens is None:  # counted at the first admission only
-            req.cached_tokens = len(pages) * self.table.page_size
-            self.prefix_query_tokens += len(req.prompt_ids)
-            self.prefix_hit_tokens += req.cached_tokens
-        if not pages:
-            return None
-        if not self.limits.recompute_boundary:
+        ps = self.table.page_size
+        if not boundary:
             self.table.adopt(req.rid, pages)
-            req.kv_len = len(pages) * self.table.page_size
+            req.kv_len = len(pages) * ps
             return None
         self.table.adopt(req.rid, pages[:-1])
-        req.kv_len = len(pages) * self.table.page_size - 1
+        req.kv_len = len(pages) * ps - 1
         return pages[-1], len(pages) - 1
 
     def _undo_reuse(self, req: Request) -> None:
@@ -125,6 +124,14 @@ class Scheduler:
         req.cache_node = None
         self.table.release(req.rid)
         req.kv_len = 0
+
+    def _count_hit(self, req: Request, copied: bool) -> None:
+        """Prompt tokens served from the cache, counted when a request is first admitted (a
+        copied boundary page counts: its KV came from the cache)."""
+        if req.cached_tokens is None:
+            req.cached_tokens = req.kv_len + (1 if copied else 0)
+            self.prefix_query_tokens += len(req.prompt_ids)
+            self.prefix_hit_tokens += req.cached_tokens
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -157,20 +164,15 @@ class Scheduler:
             first = req.prefill_after
             if first is not None and first.state in (ReqState.WAITING, ReqState.PREFILLING):
                 continue  # a sibling sample: it starts from the first one's cached prompt
-            copy = None
             fresh = self.cache is not None and req.kv_len == 0 and req.cache_node is None
-            if fresh:
-                copy = self._reuse_cached_prefix(req)
-            n = min(req.fill_len - req.kv_len, budget)
-            end = req.kv_len + n
-            want = end + (self.limits.kv_lookahead if end == req.fill_len else 0)
-            need = self.table.extra_pages_needed(req.rid, want)
-            if need > self.table.available_pages - headroom or not self.table.reserve(
-                req.rid, want
-            ):
-                if fresh:
-                    self._undo_reuse(req)
+            started = self._try_start(req, budget, headroom, fresh, copy_boundary=True)
+            if started is None and fresh:  # a copied boundary page needs one page more
+                started = self._try_start(req, budget, headroom, fresh, copy_boundary=False)
+            if started is None:
                 break
+            end, copy = started
+            if fresh:
+                self._count_hit(req, copy is not None)
             admitted = req.state is ReqState.WAITING  # (its first chunk since admission)
             if admitted:
                 active += 1
@@ -178,10 +180,25 @@ class Scheduler:
             if copy is not None:  # the cached boundary page into the request's own page
                 copy = (copy[0], self.table.pages(req.rid)[copy[1]])
             chunks.append(PrefillChunk(req, req.kv_len, end, copy, admitted))
-            budget -= n
+            budget -= end - req.kv_len
             if budget <= 0:
                 break
         return chunks
+
+    def _try_start(
+        self, req: Request, budget: int, headroom: int, fresh: bool, copy_boundary: bool
+    ) -> tuple[int, tuple[int, int] | None] | None:
+        """Reserve the request's next chunk (a fresh one from its cached prefix); returns
+        (chunk end, page to copy or None), or None when there is no room."""
+        copy = self._reuse_cached_prefix(req, copy_boundary) if fresh else None
+        end = req.kv_len + min(req.fill_len - req.kv_len, budget)
+        want = end + (self.limits.kv_lookahead if end == req.fill_len else 0)
+        need = self.table.extra_pages_needed(req.rid, want)
+        if need <= self.table.available_pages - headroom and self.table.reserve(req.rid, want):
+            return end, copy
+        if fresh:
+            self._undo_reuse(req)
+        return None
 
     def _schedule_decode(self) -> list[Request]:
         w = self.limits.decode_window
