@@ -149,8 +149,8 @@ def recorded_drafts():
     drafted: list[torch.Tensor] = []
     real_draft = TreeDrafter.draft
 
-    def recording_draft(self, batch):
-        trees = real_draft(self, batch)
+    def recording_draft(self, batch, shape=None):
+        trees = real_draft(self, batch, shape)
         drafted.append(trees.tokens[:, 1:].cpu())
         return trees
 

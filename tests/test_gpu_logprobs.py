@@ -43,7 +43,7 @@ def run(prompts, **kw):
         )
         if not kw.get("disable_cuda_graph"):
             keys = list(e.core.worker.graphs.graphs)
-            assert keys and all(k[-2:] == (True, 8) for k in keys)
+            assert keys and all(k[4:6] == (True, 8) for k in keys)  # (log-probs, top-k)
     return outs
 
 
