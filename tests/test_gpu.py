@@ -118,10 +118,10 @@ def test_speculative_steps_launch_without_host_sync(topk, ndt, page_size, graphs
     launch = worker.launch_decode
     launched = []
 
-    def strict_launch(reqs, kv_upper):
+    def strict_launch(reqs, kv_upper, *args, **kwargs):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            pending = launch(reqs, kv_upper)
+            pending = launch(reqs, kv_upper, *args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         launched.append(len(reqs))

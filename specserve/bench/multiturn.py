@@ -81,6 +81,7 @@ def run_variant(variant: str, kwargs: dict[str, Any], args) -> dict[str, Any]:
                 ttft["first" if turn == 0 else "later"].append(o["meta_info"]["ttft"])
         stats = engine.stats()
         accept = stats["spec_accept_length"]
+    del engine  # its KV cache must be freed before the next engine sizes its own
     free_device_memory()
     query = stats["prefix_cache_query_tokens"]
     return {
