@@ -94,6 +94,7 @@ class DecodeGraphs:
         self.pool = None
         self._rows_version = worker.rows.version
         self.num_captures = 0
+        self.captured_last = False  # the last run captured its graph
 
     def bucket(self, bsz: int, width: int) -> tuple[int, int] | None:
         bs = next((b for b in self.buckets if b >= bsz), None)
@@ -127,6 +128,7 @@ class DecodeGraphs:
             tier,
         )
         cap = self.graphs.get(key)
+        self.captured_last = cap is None  # (this step's time includes the capture)
         if cap is None:
             cap = self._capture(*key)
             self.graphs[key] = cap

@@ -329,6 +329,8 @@ class Worker:
         if out is None:
             rows_dev = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
             out = self.step.run(rows_dev, sampling, width, kv_upper, tier)
+        elif self.graphs.captured_last:
+            started = None  # a capture's time is not the step's
         return PendingDecode(reqs, *out, tier=tier, started=started)
 
 

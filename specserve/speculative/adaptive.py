@@ -8,8 +8,10 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
     pick argmax over tiers t of  batch_size * accept_length[t] / step_seconds[t, batch bucket]
 
 - step_seconds: measured on this device while serving (the launched step's device time),
-  per tier and per power-of-two batch bucket, a moving average. A (tier, bucket) not yet
-  measured is tried first, so the table fills itself within a few steps of each new load.
+  per tier and per power-of-two batch bucket, a moving average. The first step of a (tier,
+  bucket) is not counted (it compiles kernels), nor is a step that captured a CUDA graph; a
+  (tier, bucket) not yet measured is tried first, so the table fills itself within a few
+  steps of each new load.
 - accept_length: tokens emitted per request per step, observed per tier (a moving average;
   under simulated acceptance that is the forced one). Plain decoding's is 1.
 - exploration: while a tier is not picked its acceptance is not observed, so every
@@ -52,6 +54,7 @@ class AdaptiveSpeculation:
         # the optimistic start: a tier accepts all it drafts until observed otherwise
         self.accept = [float(t.max_depth + 1) for t in tiers]
         self.seconds: dict[tuple[int, int], float] = {}
+        self._warmed: set[tuple[int, int]] = set()  # (tier, bucket) whose first step ran
         self.picks = 0
         self.counts = [0] * len(tiers)  # steps run per tier (reporting)
         self.last_seen = [0] * len(tiers)  # the pick count when each tier last ran
@@ -83,8 +86,10 @@ class AdaptiveSpeculation:
             self.accept[tier] = (
                 mean if first else self.accept[tier] + EMA * (mean - self.accept[tier])
             )
-        if seconds is not None and seconds > 0:
-            key = (tier, batch_bucket(len(accept_lens)))
+        key = (tier, batch_bucket(len(accept_lens)))
+        if key not in self._warmed:  # a first step compiles: its time says nothing
+            self._warmed.add(key)
+        elif seconds is not None and seconds > 0:
             old = self.seconds.get(key)
             self.seconds[key] = seconds if old is None else old + EMA * (seconds - old)
 
