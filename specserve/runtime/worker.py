@@ -41,6 +41,30 @@ class DecodeOutput:
     logprobs: list[TokenLogprobs | None] | None = None
 
 
+class StepTimer:
+    """A launched step's own duration: CUDA events right around its launch (the device's
+    time, read once the step is done), or on a synchronous device the host's clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start, self.end = time.perf_counter(), None
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.end = time.perf_counter()
+
+    def seconds(self) -> float:
+        """(After the step's results were awaited.)"""
+        return self.start.elapsed_time(self.end) / 1e3 if self.cuda else self.end - self.start
+
+
 class PendingDecode:
     """A launched decode step. Its per-request results are copied to the host without
     blocking; `result()` waits for them, which is the only point where the host learns
@@ -53,13 +77,12 @@ class PendingDecode:
         emitted: torch.Tensor,
         logprobs: StepLogprobs | None = None,
         tier: int = 0,
-        started=None,
+        timer: StepTimer | None = None,
     ):
-        """started: a CUDA event recorded before the step's launch, or the host time of it
-        (a synchronous device): `seconds` is then the step's own time."""
+        """timer: the step's own time, known once its results are (`seconds`)."""
         self.reqs = reqs
         self.tier = tier
-        self._started = started
+        self._timer = timer
         self.seconds: float | None = None
         outs = [accept_len, emitted]
         if logprobs is not None:
@@ -70,7 +93,7 @@ class PendingDecode:
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in outs]
             for host, dev in zip(self._host, outs):
                 host.copy_(dev, non_blocking=True)
-            self._event = torch.cuda.Event(enable_timing=started is not None)
+            self._event = torch.cuda.Event()
             self._event.record()
         else:
             self._host, self._event = outs, None
@@ -78,10 +101,8 @@ class PendingDecode:
     def result(self) -> DecodeOutput:
         if self._event is not None:
             self._event.synchronize()
-            if self._started is not None:
-                self.seconds = self._started.elapsed_time(self._event) / 1e3
-        elif self._started is not None:
-            self.seconds = time.perf_counter() - self._started
+        if self._timer is not None:
+            self.seconds = self._timer.seconds()
         lens, emitted = self._host[0].tolist(), self._host[1].tolist()
         out = DecodeOutput([e[:n] for e, n in zip(emitted, lens)], lens)
         if len(self._host) > 2:
@@ -314,24 +335,20 @@ class Worker:
         """One decode step (speculative/step.py) of `reqs` drafting the step's tier `tier`,
         replayed from a CUDA graph when one fits; nothing waits for the device. kv_upper:
         host bounds of each kv_len. timed: measure the step's own time (adaptive tiers)."""
-        started = None
-        if timed:
-            if self.device.type == "cuda":
-                started = torch.cuda.Event(enable_timing=True)
-                started.record()
-            else:
-                started = time.perf_counter()
         self.rows.flush()
         rows = self.rows.rows_of([r.rid for r in reqs])
         sampling = self._sampling_for(reqs)
         width = max(kv_upper) + self.decode_window
+        timer = StepTimer(self.device) if timed else None  # around the step alone
         out = self.graphs.run(rows, sampling, width, tier) if self.graphs is not None else None
         if out is None:
             rows_dev = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
             out = self.step.run(rows_dev, sampling, width, kv_upper, tier)
         elif self.graphs.captured_last:
-            started = None  # a capture's time is not the step's
-        return PendingDecode(reqs, *out, tier=tier, started=started)
+            timer = None  # a capture's time is not the step's
+        if timer is not None:
+            timer.stop()
+        return PendingDecode(reqs, *out, tier=tier, timer=timer)
 
 
 def _host_logprobs(token: torch.Tensor, values: torch.Tensor | None, ids: torch.Tensor | None):
