@@ -55,6 +55,10 @@ def run_one_batch(
     ]
     if accept:
         result["spec_accept_length"] = sum(accept) / len(accept)
+    adaptive = engine.stats().get("speculative_adaptive")
+    if adaptive:  # what the tier policy saw (steps per tier, their times)
+        result["adaptive_steps"] = adaptive["steps"]
+        result["adaptive_step_ms"] = adaptive["step_ms"]
     return result
 
 

@@ -94,8 +94,14 @@ class AdaptiveSpeculation:
             self.seconds[key] = seconds if old is None else old + EMA * (seconds - old)
 
     def describe(self) -> dict:
+        """What the policy has seen: steps run per tier, acceptance per tier, and step time
+        in ms per tier and batch bucket."""
         return {
             "tiers": [str(t) for t in self.tiers],
             "steps": list(self.counts),
             "accept_length": [round(a, 3) for a in self.accept],
+            "step_ms": {
+                f"{self.tiers[t]}@{b}": round(s * 1e3, 3)
+                for (t, b), s in sorted(self.seconds.items())
+            },
         }
