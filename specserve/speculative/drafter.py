@@ -64,7 +64,6 @@ class TreeDrafter:
         self.kernels = kernels
         self.head.prepare_for_serving(kernels)
         self.shape = TreeShape(num_steps, topk, num_draft_tokens)  # the largest step drafts this
-        self.max_depth = self.shape.max_depth
         self.delta = head.position_offset
         self.lookahead = self.delta
         self.window = self.shape.window(self.delta)  # positions past kv_len a step may write

@@ -16,7 +16,6 @@ from specserve.speculative.tree import PLAIN, DraftTrees
 class RootOnlyDrafter:
     speculative = False  # no draft tokens: no speculative statistics
     shape = PLAIN
-    max_depth = 0
     window = 1  # the root's own KV position
     lookahead = 0
     capture_layers: tuple[int, ...] = ()
