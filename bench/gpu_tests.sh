@@ -10,6 +10,6 @@ PY=${PY:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 git rev-parse --short HEAD 2>/dev/null
-exec $PY -m pytest -q -p no:cacheprovider -m "not slow" tests/test_gpu.py tests/test_triton_*.py \
+exec $PY -m pytest -q -p no:cacheprovider -m "not slow" tests/test_gpu*.py tests/test_triton_*.py \
   tests/test_step_kernels_engine.py tests/test_prefill_graphs.py tests/test_draft_heads.py \
   tests/test_token_map.py "$@"
