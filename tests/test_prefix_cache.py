@@ -9,10 +9,14 @@ import pytest
 import torch
 
 from specserve import Engine
+from specserve.config import EngineConfig
 from specserve.kv.allocator import PageAllocator
 from specserve.kv.prefix_cache import PrefixCache
 from specserve.kv.table import KVTable
 from specserve.model.config import PRESETS
+from specserve.runtime.engine_core import EngineCore
+from specserve.runtime.request import Request
+from specserve.sampling_params import SamplingParams
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, spec_args
 
@@ -306,3 +310,23 @@ def test_a_reused_boundary_page_is_not_held_for_the_requests_life(eagle):
                                                                       "max_new_tokens": 40})  # fmt: skip
             lengths[cache_off] = len(out["output_ids"])
     assert lengths[False] == lengths[True]
+
+
+def test_a_copied_boundary_page_is_not_held_through_a_chunked_prefill(eagle):
+    """Once a boundary page is copied the request no longer reads the cached one: a lone
+    request that fits the cache finishes although its prefill is chunked (the cached page
+    stayed locked until the prefill completed, and the last chunk never found room)."""
+    core = EngineCore(EngineConfig.from_kwargs(
+        **TINY, page_size=4, max_total_tokens=32, chunked_prefill_size=4,
+        debug_check_invariants=True, **spec_args(eagle, 1, 1, 2)).resolve())  # fmt: skip
+    x = list(range(10, 18))
+    n = core.scheduler.max_prompt_tokens()
+    for rid, prompt in (("a", x + [100]), ("b", x + [200] + list(range(300, 300 + n - 9)))):
+        req = Request(rid, prompt, SamplingParams(max_new_tokens=1, **{"temperature": 0.0}), seed=0)
+        core.add_request(req)
+        for _ in range(100):
+            if not core.has_work():
+                break
+            core.step()
+        assert req.finished, f"{rid} never finished"
+    assert req.cached_tokens == 8  # "b" copied the boundary page [14..17] (next token 100)

@@ -260,6 +260,14 @@ class Scheduler:
     def prefill_done(self, chunk: PrefillChunk) -> None:
         req = chunk.req
         req.kv_len = chunk.end
+        if chunk.copy_page is not None and req.cache_node is not None:
+            # The boundary page is copied: the request no longer reads the cached one. Holding
+            # its lock through a chunked prefill would keep a page the request's remaining
+            # chunks may need (a lone request that fits could then never finish).
+            node = req.cache_node
+            self.cache.lock(node.parent)
+            self.cache.unlock(node)
+            req.cache_node = node.parent
         if chunk.completes:
             self.waiting.remove(req)
             req.set_state(ReqState.RUNNING)
