@@ -17,6 +17,8 @@ from specserve.speculative.tree import DraftTrees
 TINY = dict(
     model_path="tiny", load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu"
 )
+# the same tiny model on CUDA, float32 (exact comparisons), a fixed KV budget
+GPU_TINY = dict(TINY, device="cuda", max_total_tokens=8192)
 
 
 def write_dummy_config(folder: str, **overrides) -> str:

@@ -8,6 +8,7 @@ import torch
 from specserve import Engine
 from specserve.ops.sampling import SamplingTensors, sample
 from tests.engine_utils import (
+    GPU_TINY,
     assert_same_draft_prefill,
     draft_prefill_snapshots,
     mixed_prompts,
@@ -19,14 +20,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-GPU = dict(
-    model_path="tiny",
-    load_format="dummy",
-    skip_tokenizer_init=True,
-    device="cuda",
-    dtype="float32",
-    max_total_tokens=8192,
-)
+GPU = GPU_TINY
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 
 

@@ -7,21 +7,14 @@ import pytest
 import torch
 
 from specserve import Engine
-from tests.engine_utils import mixed_prompts
+from tests.engine_utils import GPU_TINY, mixed_prompts
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-GPU = dict(
-    model_path="tiny",
-    load_format="dummy",
-    skip_tokenizer_init=True,
-    device="cuda",
-    dtype="float32",
-    max_total_tokens=8192,
-)
+GPU = GPU_TINY
 SPEC = dict(
     speculative_algorithm="STANDALONE",
     speculative_draft_model_path="tiny",
