@@ -146,7 +146,7 @@ class Engine:
             "num_retractions": core.scheduler.num_retractions,
             "num_steps": core.num_steps,
             "spec_verify_ct": verify_ct,
-            "speculative_adaptive": core.adaptive.describe() if core.adaptive else None,
+            "speculative_adaptive": core.describe_adaptive(),
             "spec_accept_length": core.spec_totals["accepted"] / verify_ct if verify_ct else None,
         }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from specserve import Engine
 from specserve.runtime.cuda_graphs import DecodeGraphs
@@ -25,7 +26,7 @@ def run(prompts, params, random_tiers: int | None = None, padded=False, **kw):
         if random_tiers is not None:  # random, but every tier early on
             rng = random.Random(random_tiers)
             order = [2, 0, 1]
-            core.adaptive.pick = lambda b: order.pop() if order else rng.randrange(3)
+            core.adaptive.pick = lambda b, can=True: order.pop() if order else rng.randrange(3)
         if padded:
             core.worker.graphs = DecodeGraphs(core.worker, 4, max_width=4096, capture=False)
         e.step_hooks.append(lambda c: checked.append(assert_kv_matches_plain_prefill(c)))
@@ -85,15 +86,15 @@ def test_policy_measures_first_then_picks_what_pays_and_keeps_exploring():
         first.append(p.pick(4))
         # a tier's first step compiles and takes long: it must not count
         took = 100.0 if first[-1] not in first[:-1] else seconds[first[-1]]
-        p.observe(first[-1], [1] * 4, took)
+        p.observe(first[-1], 4, [1] * 4, took)
     assert first == [0, 0, 1, 1, 2, 2]  # every tier measured at this bucket before choosing
-    p.observe(1, [1] * 4, None)  # (a step that captured a graph reports no time)
+    p.observe(1, 4, [1] * 4, None)  # (a step that captured a graph reports no time)
     # drafts rejected: plain pays most; a speculative tier still runs every 8th step
     picks = []
     for _ in range(32):
         t = p.pick(4)
         picks.append(t)
-        p.observe(t, [1] * 4, seconds[t])
+        p.observe(t, 4, [1] * 4, seconds[t])
     assert picks.count(0) == 28, picks  # one step in 8 explores
     # drafts accepted again: the tree emits 7 a step, the chain 4, and the tree pays most
     # (4 * 7 / 1.6 > 4 * 4 / 1.2); the chain wins first, exploring finds the tree
@@ -101,7 +102,7 @@ def test_policy_measures_first_then_picks_what_pays_and_keeps_exploring():
     for _ in range(80):
         picks.append(p.pick(4))
         t = picks[-1]
-        p.observe(t, [7 if t == 2 else (4 if t == 1 else 1)] * 4, seconds[t])
+        p.observe(t, 4, [7 if t == 2 else (4 if t == 1 else 1)] * 4, seconds[t])
     assert picks[-16:].count(2) >= 14, picks  # (one step in 8 explores another tier)
 
 
@@ -114,3 +115,100 @@ def test_simulated_rejection_switches_speculation_off():
     _, stats, _ = run(prompts, dict(SP, max_new_tokens=60), **spec)
     steps = stats["speculative_adaptive"]["steps"]
     assert steps[0] > sum(steps[1:]), stats["speculative_adaptive"]
+
+
+def draft_kv_of(core, req, n: int):
+    """The draft's K and V of a request's positions [0, n), every layer."""
+    kv = core.worker.drafter.kv
+    slots = core.table.slots(req.rid, 0, n)
+    return [kv.k[layer][slots].clone() for layer in range(len(kv.k))] + [
+        kv.v[layer][slots].clone() for layer in range(len(kv.v))
+    ]
+
+
+@pytest.mark.parametrize("page_size", [1, 3])
+def test_skipped_drafts_catch_up_to_the_kv_of_drafting_every_step(tmp_path, page_size):
+    """Plain steps skip the EAGLE draft and it catches up (forced when the ring fills, and
+    before drafting tiers): its KV and root state then equal those of an engine whose draft
+    ran at every step, and outputs equal plain decoding."""
+    from specserve.model.config import PRESETS
+    from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+
+    eagle = write_random_eagle_checkpoint(str(tmp_path / "e"), PRESETS["tiny"], "EAGLE")
+    prompts = mixed_prompts(3, 512, seed=7, min_len=5, max_len=30)
+    params = dict(SP, max_new_tokens=30)
+    script = [0] * 9 + [1] + [0] * 3 + [2] + [0] * 5  # the ring (4 tokens) fills in between
+
+    def scripted(lag_tokens: int):
+        states = []
+        kw = dict(page_size=page_size, disable_overlap_schedule=True)
+        spec = spec_args(eagle, 2, 3, 6, speculative_adaptive=True)
+        with Engine(**TINY, **kw, **spec, speculative_adaptive_lag_tokens=lag_tokens) as e:
+            core = e.core
+            n = iter(range(10**6))
+            core.adaptive.pick = lambda b, can=True: script[next(n) % len(script)]
+
+            def snapshot(c):
+                rows = c.worker.rows
+                for i, r in enumerate(c.scheduler.running):
+                    exact = r.kv_len - r.draft_behind
+                    root = None
+                    if r.draft_behind == 0:
+                        root = rows.features[rows.row(r.rid)].clone()
+                    states.append((i, r.kv_len, exact, draft_kv_of(c, r, exact), root))
+
+            e.step_hooks.append(snapshot)
+            outs = e.generate(input_ids=prompts, sampling_params=params)
+            stats = e.stats()["speculative_adaptive"]
+        return [o["output_ids"] for o in outs], states, stats
+
+    plain, _, _ = run(prompts, params, page_size=page_size)
+    skipping, lagged, stats = scripted(4)
+    every_step, reference, _ = scripted(0)
+    assert skipping == every_step == plain
+    assert stats["catch_ups"] > 0 and stats["stopped_speculating"] == 0, stats
+    assert len(lagged) == len(reference)
+    caught_up = 0
+    for (rid, kv_len, exact, kv, root), (rid_r, kv_len_r, _, kv_r, root_r) in zip(
+        lagged, reference
+    ):
+        assert (rid, kv_len) == (rid_r, kv_len_r)
+        assert exact >= kv_len - 4  # never further behind than the ring holds
+        for a, b in zip(kv, kv_r):
+            torch.testing.assert_close(a, b[: a.shape[0]], atol=1e-4, rtol=1e-4)
+        if root is not None:
+            torch.testing.assert_close(root, root_r, atol=1e-4, rtol=1e-4)
+            caught_up += exact == kv_len
+    assert caught_up > 0
+
+
+def test_a_draft_left_behind_stops_speculating_and_outputs_stay_exact():
+    """Where speculation does not pay, a request whose ring fills stops speculating: later
+    drafting steps decode it plainly, and the prefix cache keeps only what has exact draft
+    KV (its prompt), while a draft kept current lets the whole history be reused."""
+    prompts = mixed_prompts(3, 512, seed=8, min_len=5, max_len=30)
+    params = dict(SP, max_new_tokens=24)
+    plain, _, _ = run(prompts, params)
+    spec = spec_args("tiny", 3, 4, 10, speculative_adaptive=True)
+    script = [0] * 8 + [2, 1] * 20
+
+    def serve(lag_tokens: int):
+        with Engine(**TINY, **spec, speculative_adaptive_lag_tokens=lag_tokens) as e:
+            n = iter(range(10**6))
+            e.core.adaptive.pick = lambda b, can=True: script[min(next(n), len(script) - 1)]
+            e.core.adaptive.speculation_pays = lambda b: False
+            outs = e.generate(input_ids=prompts, sampling_params=params)
+            history = prompts[0] + outs[0]["output_ids"]
+            again = e.generate(input_ids=history, sampling_params=dict(params, max_new_tokens=1))
+            return outs, e.stats()["speculative_adaptive"], again["meta_info"]["cached_tokens"]
+
+    outs, adaptive, cached = serve(3)
+    assert [o["output_ids"] for o in outs] == plain
+    assert adaptive["stopped_speculating"] == len(prompts), adaptive
+    # stopped requests report no accepted drafts though drafting tiers ran
+    assert all(o["meta_info"]["spec_accept_length"] == 1.0 for o in outs)
+    assert cached <= len(prompts[0])
+    outs, adaptive, cached = serve(0)  # the draft runs every step: nothing falls behind
+    assert [o["output_ids"] for o in outs] == plain
+    assert adaptive.get("stopped_speculating", 0) == 0
+    assert cached > len(prompts[0]) + 10

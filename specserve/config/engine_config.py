@@ -55,6 +55,9 @@ class EngineConfig:
     # speculative decoding (SGLang's names)
     no_default_draft: bool = False  # a packaged model's bundled draft stays off
     speculative_adaptive: bool = False  # each step drafts the tree shape that pays (or none)
+    # adaptive: plain steps may skip the draft for this many tokens per request before it
+    # must catch up (0: the draft runs every step); None: decided by resolve()
+    speculative_adaptive_lag_tokens: int | None = None
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None

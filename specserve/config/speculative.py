@@ -27,6 +27,12 @@ SPEC_FIELDS = (
 )
 
 
+# Plain steps of adaptive speculation skip the draft for up to this many tokens per request
+# (a ring of the target's features per request): one catch-up pass reads the draft's weights
+# once for them all, and the ring stays small (EAGLE3 at 8B: 24 KiB per token).
+DRAFT_LAG_TOKENS = 32
+
+
 def resolve_bundled_draft(c, on_gpu: bool) -> tuple[Any, list[tuple[str, Any, str]]]:
     """A packaged model runs with its bundled draft unless told otherwise: the draft's own
     serving settings fill every speculative argument the user left unset (one by one), so
@@ -207,8 +213,31 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
                 "speculative_adaptive",
                 True,
                 f"each step drafts one of: {tiers}, the one emitting the most tokens per second "
-                "at its batch size (step times measured while serving, acceptance observed)",
+                "at its batch size (step times measured on this device, acceptance observed)",
             )
+        )
+        lag = c.speculative_adaptive_lag_tokens
+        require(
+            lag is None or lag >= 0,
+            "speculative_adaptive_lag_tokens",
+            f"must be >= 0 (0: the draft runs every step), got {lag}",
+        )
+        if lag is None:
+            c = replace(c, speculative_adaptive_lag_tokens=DRAFT_LAG_TOKENS)
+            decisions.append(
+                (
+                    "speculative_adaptive_lag_tokens",
+                    DRAFT_LAG_TOKENS,
+                    "plain steps skip the draft (its weights are not read every step); it "
+                    f"catches up on up to {DRAFT_LAG_TOKENS} tokens in one pass when "
+                    "speculation resumes, and a request further behind stops speculating",
+                )
+            )
+    elif c.speculative_adaptive_lag_tokens:
+        require(
+            False,
+            "speculative_adaptive_lag_tokens",
+            "applies to speculative_adaptive only: set speculative_adaptive too",
         )
     return c, decisions
 

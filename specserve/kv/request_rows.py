@@ -5,6 +5,10 @@
 - `kv_lens[row]`, `roots[row]`: the next decode step's inputs (exact KV length and the
   last sampled token), written by prefill and by every decode step on the device.
 - `features[row]`: the draft's state for the root (EAGLE), when a drafter is attached.
+- `draft_lens[row]` and the lag ring (load-adaptive speculation): the draft's KV is exact for
+  positions < draft_lens[row]; the decode steps that skipped the draft left, at ring index
+  q % lag_capacity, the token after position q and the target's features at q, so the draft
+  can catch up on them later in one pass (speculative/drafter.py `catch_up`).
 
 A decode step then needs only the rows of its requests from the host: it reads and writes
 everything else by row, on the device, so it can be launched before the host has seen the
@@ -31,6 +35,8 @@ class RequestRows:
         self._row_of: dict[str, int] = {}
         self._pending: dict[tuple[int, int], int] = {}  # (row, page index) -> page id
         self._feature_spec: tuple[int, torch.dtype] | None = None
+        self._ring_spec: tuple[int, int, torch.dtype] | None = None  # (capacity, dim, dtype)
+        self.draft_lens = self.ring_tokens = self.ring_features = None
         self.version = 0  # bumped when tensors are reallocated (captured graphs go stale)
         self._allocate(max(rows, 2), max(max_pages, 1))
         self._free = list(range(self.num_rows - 1, PAD_ROW, -1))
@@ -50,6 +56,7 @@ class RequestRows:
         if self._feature_spec is not None:
             dim, dtype = self._feature_spec
             features = torch.zeros(rows, dim, dtype=dtype, device=dev)
+        ring = self._new_ring(rows)
         if old is not None:  # keep what is there (a device copy, ordered after launched work)
             r, p = old.shape
             pages[:r, :p] = old
@@ -57,14 +64,42 @@ class RequestRows:
             roots[:r] = self.roots
             if features is not None and self.features is not None:
                 features[:r] = self.features
+            if ring is not None and self.draft_lens is not None:
+                for new, cur in zip(ring, (self.draft_lens, self.ring_tokens, self.ring_features)):
+                    new[:r] = cur
             self.version += 1
         self.pages, self.kv_lens, self.roots, self.features = pages, kv_lens, roots, features
+        if ring is not None:
+            self.draft_lens, self.ring_tokens, self.ring_features = ring
+
+    def _new_ring(self, rows: int) -> tuple[torch.Tensor, ...] | None:
+        if self._ring_spec is None:
+            return None
+        capacity, dim, dtype = self._ring_spec
+        dev = self.device
+        return (
+            torch.zeros(rows, dtype=torch.int64, device=dev),
+            torch.zeros(rows, capacity, dtype=torch.int64, device=dev),
+            torch.zeros(rows, capacity, max(dim, 1), dtype=dtype, device=dev),
+        )
 
     def add_features(self, dim: int, dtype: torch.dtype) -> None:
         """Give every row a draft feature vector of `dim` (called once, when a drafter attaches)."""
         self._feature_spec = (dim, dtype)
         self.features = torch.zeros(self.num_rows, dim, dtype=dtype, device=self.device)
         self.version += 1
+
+    def add_lag_ring(self, capacity: int, dim: int, dtype: torch.dtype) -> None:
+        """Let decode steps skip the draft for up to `capacity` tokens per request (called
+        once, when load-adaptive speculation is on); dim: the target features the draft reads
+        per position (0: none)."""
+        self._ring_spec = (capacity, dim, dtype)
+        self.draft_lens, self.ring_tokens, self.ring_features = self._new_ring(self.num_rows)
+        self.version += 1
+
+    @property
+    def lag_capacity(self) -> int:
+        return 0 if self._ring_spec is None else self._ring_spec[0]
 
     # ---- mirroring the host page table --------------------------------------------------------
     def row(self, rid: str) -> int:
@@ -119,8 +154,12 @@ class RequestRows:
         kv_lens: torch.Tensor,
         roots: torch.Tensor,
         features: torch.Tensor | None = None,
+        draft_lens: torch.Tensor | None = None,
     ) -> None:
+        """draft_lens: where the draft is now exact up to (None: unchanged)."""
         self.kv_lens[rows] = kv_lens
         self.roots[rows] = roots
         if features is not None:
             self.features[rows] = features.to(self.features.dtype)
+        if draft_lens is not None and self.draft_lens is not None:
+            self.draft_lens[rows] = draft_lens

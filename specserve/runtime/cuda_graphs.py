@@ -103,7 +103,12 @@ class DecodeGraphs:
         return bs, min(pow2_bucket(width, MIN_WIDTH), self.max_width)
 
     def run(
-        self, rows: list[int], sampling: SamplingTensors, width: int, tier: int = 0
+        self,
+        rows: list[int],
+        sampling: SamplingTensors,
+        width: int,
+        tier: int = 0,
+        catch_up: bool = False,
     ) -> tuple | None:
         """Replay the step for these rows: DecodeStep.run's outputs for the real rows; None
         when the batch is too large for a graph."""
@@ -126,6 +131,7 @@ class DecodeGraphs:
             sampling.top_logprobs,
             sampling.any_plain,
             tier,
+            catch_up,
         )
         cap = self.graphs.get(key)
         self.captured_last = cap is None  # (this step's time includes the capture)
@@ -140,6 +146,29 @@ class DecodeGraphs:
             accept_len, emitted, logprobs = cap.step()
         n = len(rows)
         return accept_len[:n], emitted[:n], None if logprobs is None else logprobs.head(n)
+
+    def step_seconds(self, batch_size: int, tier: int, replays: int = 3) -> float | None:
+        """The device time of one greedy step of `tier` at this batch size's bucket (its graph
+        replayed on padding rows, captured first if need be): what load-adaptive speculation
+        weighs tiers by. None without CUDA graphs or past the largest bucket."""
+        shape = self.bucket(batch_size, MIN_WIDTH)
+        if shape is None or not self.capture:
+            return None
+        key = (*shape, True, False, False, 0, False, tier, False)
+        cap = self.graphs.get(key)
+        if cap is None:
+            cap = self._capture(*key)
+            self.graphs[key] = cap
+        cap.last_inputs = None  # the rows are padding now
+        copy_from_host(cap.rows, [PAD_ROW] * cap.rows.shape[0])
+        cap.graph.replay()  # settles clocks and caches
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            cap.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / replays
 
     def _copy_inputs(self, cap: _Captured, rows: list[int], sampling: SamplingTensors) -> None:
         bs, n = cap.rows.shape[0], len(rows)
@@ -164,6 +193,7 @@ class DecodeGraphs:
         top_logprobs: int,
         any_plain: bool,
         tier: int,
+        catch_up: bool,
     ) -> _Captured:
         worker, dev = self.worker, self.worker.device
         rows = torch.full((bs,), PAD_ROW, dtype=torch.int64, device=dev)
@@ -184,11 +214,11 @@ class DecodeGraphs:
             plain_rows=pad("plain_rows", torch.bool),
             any_plain=any_plain,
         )
-        kv_upper = [width - worker.decode_window] * bs
+        kv_upper = [width - worker.slot_width] * bs
 
         def step():
             with torch.inference_mode():
-                return worker.step.run(rows, sampling, width, kv_upper, tier)
+                return worker.step.run(rows, sampling, width, kv_upper, tier, catch_up)
 
         if not self.capture:
             return _Captured(None, step, rows, sampling, None)
@@ -197,12 +227,15 @@ class DecodeGraphs:
         graph, outputs = capture_graph(step, self.pool, dev)
         self.num_captures += 1
         log.info(
-            "captured decode graph: batch %d, width %d, greedy=%s, logprobs=%s (top %d)",
+            "captured decode graph: batch %d, width %d, greedy=%s, logprobs=%s (top %d), "
+            "tier %d, catch-up %s",
             bs,
             width,
             all_greedy,
             logprobs,
             top_logprobs,
+            tier,
+            catch_up,
         )
         return _Captured(graph, step, rows, sampling, outputs)
 

@@ -17,6 +17,7 @@ from specserve.kv.table import KVTable
 from specserve.model.loader import load_model
 from specserve.model.runner import ModelRunner
 from specserve.ops.attention import TorchAttentionBackend
+from specserve.runtime.draft_lag import DraftLag
 from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import ReqState, Request
 from specserve.runtime.scheduler import Scheduler, SchedulerLimits
@@ -84,9 +85,16 @@ class EngineCore:
         backend = make_attention_backend(cfg.attention_backend)
         self.runner = ModelRunner(loaded.model, self.kv_cache, backend, cfg.kernels)
         draft.attach(self.table, num_slots, backend, self.rows)
-        # load-adaptive speculation: each step drafts the tier that pays most (or none)
+        # load-adaptive speculation: each step drafts the tier that pays most (or none); a
+        # plain step skips the draft, which catches up when speculation resumes
         tiers = speculation_tiers(draft.shape) if cfg.speculative_adaptive else None
-        self.adaptive = AdaptiveSpeculation(tiers) if tiers else None
+        self.adaptive = AdaptiveSpeculation(tiers, self._step_seconds) if tiers else None
+        self.draft_lag = None
+        if tiers and cfg.speculative_adaptive_lag_tokens > 0:
+            self.draft_lag = DraftLag(cfg.speculative_adaptive_lag_tokens)
+            self.rows.add_lag_ring(
+                cfg.speculative_adaptive_lag_tokens, draft.feature_dim(mc.hidden_size), self.dtype
+            )
         self.worker = Worker(
             self.runner,
             self.table,
@@ -100,7 +108,9 @@ class EngineCore:
             from specserve.runtime.cuda_graphs import DecodeGraphs
 
             self.worker.graphs = DecodeGraphs(
-                self.worker, cfg.cuda_graph_max_bs, max_width=self.context_len + 2 * window
+                self.worker,
+                cfg.cuda_graph_max_bs,
+                max_width=self.context_len + window + max(window, self.worker.slot_width),
             )
             if cfg.cuda_graph_max_prefill_tokens > 0:
                 from specserve.runtime.prefill_graphs import PrefillGraphs
@@ -312,10 +322,38 @@ class EngineCore:
             log.exception("request %s: processing its new tokens failed", req.rid)
             req.finish("abort", message=f"internal error: {type(e).__name__}: {e}")
 
+    def describe_adaptive(self) -> dict | None:
+        """The adaptive policy's view, and how often drafts caught up or were let go."""
+        if self.adaptive is None:
+            return None
+        out = self.adaptive.describe()
+        if self.draft_lag is not None:
+            out["catch_ups"] = self.draft_lag.num_catch_ups
+            out["stopped_speculating"] = self.draft_lag.num_stale
+        return out
+
+    def _step_seconds(self, batch_size: int, tier: int) -> float | None:
+        graphs = self.worker.graphs
+        return None if graphs is None else graphs.step_seconds(batch_size, tier)
+
     def _launch_decode(self, reqs: list[Request]):
         kv_upper = [r.kv_len + r.inflight_steps * self.worker.max_accept for r in reqs]
-        tier = self.adaptive.pick(len(reqs)) if self.adaptive is not None else 0
-        pending = self.worker.launch_decode(reqs, kv_upper, tier, timed=self.adaptive is not None)
+        tier, lagged = 0, None
+        if self.adaptive is not None:
+            can_speculate = any(r.params.speculative and not r.draft_stale for r in reqs)
+            tier = self.adaptive.pick(len(reqs), can_speculate)
+            if self.draft_lag is not None:
+                lagged = self.draft_lag.plan(
+                    reqs, tier, lambda: self.adaptive.speculation_pays(len(reqs))
+                )
+        pending = self.worker.launch_decode(
+            reqs,
+            kv_upper,
+            tier,
+            timed=self.adaptive is not None,
+            catch_up=lagged is not None and lagged.catch_up,
+        )
+        pending.lagged = lagged
         for r in reqs:
             r.inflight_steps += 1
         self.num_steps += 1
@@ -325,8 +363,15 @@ class EngineCore:
         """Wait for a launched step and apply its results (skipping requests that finished
         or were aborted meanwhile: their outputs were already final)."""
         out = pending.result()
+        lagged = pending.lagged
         if self.adaptive is not None:
-            self.adaptive.observe(pending.tier, out.accept_lens, pending.seconds)
+            speculating = [
+                n
+                for r, n in zip(pending.reqs, out.accept_lens)
+                if r.params.speculative and not (lagged and r.rid in lagged.stale)
+            ]
+            seconds = None if lagged is not None and lagged.catch_up else pending.seconds
+            self.adaptive.observe(pending.tier, len(pending.reqs), speculating, seconds)
         touched = []
         emitted = {}
         logprobs = out.logprobs or [None] * len(pending.reqs)
@@ -334,6 +379,8 @@ class EngineCore:
             req.inflight_steps -= 1
             if req.finished:
                 continue
+            if lagged is not None:
+                DraftLag.applied(lagged, req, n)
             self.scheduler.decode_done(req, n)
             self._append_tokens(req, tokens, lp)
             if self.worker.drafter.observes_tokens:

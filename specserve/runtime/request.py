@@ -73,6 +73,10 @@ class Request:
     cached_tokens: int | None = None
     cache_node: Any = None
     kv_trusted: bool = True  # False after a failed device step: its KV is not cached
+    # load-adaptive speculation (runtime/draft_lag.py)
+    draft_lag: int = 0  # plain steps launched since the draft was last current
+    draft_behind: int = 0  # tokens at the end of the KV without an exact draft entry
+    draft_stale: bool = False  # stopped speculating: its draft fell too far behind
     # speculative decoding statistics (SGLang's names)
     spec_verify_ct: int = 0
     spec_accept_histogram: list[int] = field(default_factory=list)

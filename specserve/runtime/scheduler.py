@@ -72,8 +72,9 @@ class Scheduler:
     # ---- the prefix cache ----------------------------------------------------------------------
     def _cacheable_tokens(self, req: Request) -> int:
         """Positions whose KV (the draft's too) is computed from the request's own tokens: the
-        target's KV of position p is exact for p < kv_len, the draft's pairs p with token p + 1."""
-        return min(req.kv_len, len(req.prompt_ids) + len(req.output_ids) - 1)
+        target's KV of position p is exact for p < kv_len, the draft's pairs p with token p + 1
+        and is exact but for the last draft_behind positions (steps that skipped the draft)."""
+        return min(req.kv_len - req.draft_behind, len(req.prompt_ids) + len(req.output_ids) - 1)
 
     def _cache_prefix(self, req: Request) -> None:
         """Put the request's full computed pages in the cache and lock what it now uses."""
@@ -246,6 +247,8 @@ class Scheduler:
         computed pages cached, so resuming may find them again)."""
         self._release(req)
         req.kv_len = 0
+        req.draft_lag = req.draft_behind = 0  # the resumed prefill rebuilds the draft's KV
+        req.draft_stale = False
         req.num_retractions += 1
         self.num_retractions += 1
         if req in self.running:

@@ -82,6 +82,7 @@ class PendingDecode:
         """timer: the step's own time, known once its results are (`seconds`)."""
         self.reqs = reqs
         self.tier = tier
+        self.lagged = None  # what the step did to lagging drafts (runtime/draft_lag.py)
         self._timer = timer
         self.seconds: float | None = None
         outs = [accept_len, emitted]
@@ -130,6 +131,7 @@ def request_sampling(reqs: list[Request], device: torch.device) -> SamplingTenso
         device,
         logprobs=bool(asking),
         top_logprobs=top_logprobs_bucket(max(asking, default=0)),
+        plain=[r.draft_stale for r in reqs],
     )
 
 
@@ -155,7 +157,7 @@ class Worker:
         self.step = DecodeStep(target, drafter, rows, kernels, simulator, tiers)
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
         self.prefill_graphs = None  # PrefillGraphs, when CUDA graphs are on
-        self._sampling_cache: tuple[tuple[str, ...], SamplingTensors] | None = None
+        self._sampling_cache: tuple[tuple, SamplingTensors] | None = None
 
     # ---- sizes the scheduler must reserve ------------------------------------------------
     @property
@@ -169,12 +171,19 @@ class Worker:
         return self.step.window
 
     @property
+    def slot_width(self) -> int:
+        """Logical positions past kv_len whose slots a decode step may read (>= the window)."""
+        return self.step.slot_width
+
+    @property
     def kv_lookahead(self) -> int:
         """Positions past kv_len that stay owned between steps (a standalone draft's root)."""
         return self.drafter.lookahead
 
     def forget(self, rid: str) -> None:
-        if self._sampling_cache is not None and rid in self._sampling_cache[0]:
+        if self._sampling_cache is not None and any(
+            rid == cached for cached, _ in self._sampling_cache[0]
+        ):
             self._sampling_cache = None
         if self.drafter.observes_tokens:
             self.drafter.release_tokens((rid,))
@@ -236,7 +245,10 @@ class Worker:
         if sampled is None:
             return {}
         rows = self.rows.rows_of([chunks[i].req.rid for i in done])
-        self.rows.set_state(to_device(torch.tensor(rows), dev), sample_pos, sampled, features)
+        # the draft has its entries for the whole prompt: it is exact up to kv_len
+        self.rows.set_state(
+            to_device(torch.tensor(rows), dev), sample_pos, sampled, features, sample_pos
+        )
         values = sampled.tolist()
         first = {chunks[i].req.rid: (values[j], first_logprobs[j]) for j, i in enumerate(done)}
         self.observe_tokens({rid: (t,) for rid, (t, _) in first.items()})
@@ -323,27 +335,35 @@ class Worker:
     # ---- decode -----------------------------------------------------------------------------
     def _sampling_for(self, reqs: list[Request]) -> SamplingTensors:
         """Sampling tensors of a batch, reused while the batch's membership is unchanged."""
-        key = tuple(r.rid for r in reqs)
+        key = tuple((r.rid, r.draft_stale) for r in reqs)
         if self._sampling_cache is None or self._sampling_cache[0] != key:
             self._sampling_cache = (key, request_sampling(reqs, self.device))
         return self._sampling_cache[1]
 
     @torch.inference_mode()
     def launch_decode(
-        self, reqs: list[Request], kv_upper: list[int], tier: int = 0, timed: bool = False
+        self,
+        reqs: list[Request],
+        kv_upper: list[int],
+        tier: int = 0,
+        timed: bool = False,
+        catch_up: bool = False,
     ) -> PendingDecode:
         """One decode step (speculative/step.py) of `reqs` drafting the step's tier `tier`,
         replayed from a CUDA graph when one fits; nothing waits for the device. kv_upper:
-        host bounds of each kv_len. timed: measure the step's own time (adaptive tiers)."""
+        host bounds of each kv_len. timed: measure the step's own time (adaptive tiers).
+        catch_up: the draft first runs over the positions plain steps skipped."""
         self.rows.flush()
         rows = self.rows.rows_of([r.rid for r in reqs])
         sampling = self._sampling_for(reqs)
-        width = max(kv_upper) + self.decode_window
+        width = max(kv_upper) + self.slot_width
         timer = StepTimer(self.device) if timed else None  # around the step alone
-        out = self.graphs.run(rows, sampling, width, tier) if self.graphs is not None else None
+        out = None
+        if self.graphs is not None:
+            out = self.graphs.run(rows, sampling, width, tier, catch_up)
         if out is None:
             rows_dev = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
-            out = self.step.run(rows_dev, sampling, width, kv_upper, tier)
+            out = self.step.run(rows_dev, sampling, width, kv_upper, tier, catch_up)
         elif self.graphs.captured_last:
             timer = None  # a capture's time is not the step's
         if timer is not None:

@@ -7,21 +7,28 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
 
     pick argmax over tiers t of  batch_size * accept_length[t] / step_seconds[t, batch bucket]
 
-- step_seconds: measured on this device while serving (the launched step's device time),
-  per tier and per power-of-two batch bucket, a moving average. The first step of a (tier,
-  bucket) is not counted (it compiles kernels), nor is a step that captured a CUDA graph; a
-  (tier, bucket) not yet measured is tried first, so the table fills itself within a few
-  steps of each new load.
-- accept_length: tokens emitted per request per step, observed per tier (a moving average;
-  under simulated acceptance that is the forced one). Plain decoding's is 1.
-- exploration: while a tier is not picked its acceptance is not observed, so every
-  `explore_every` steps the speculative tier observed longest ago runs once; speculation
-  therefore resumes (or widens) when the draft starts being accepted again.
-A plain step still runs the draft over the one token it decodes, so the draft's KV and root
-state stay exact and speculation can resume at any step.
+- step_seconds: the device time of a step of tier t at a batch bucket, measured on this
+  device the first time the bucket is seen (its CUDA graph replayed on padding rows, so every
+  tier is timed alike). Without CUDA graphs: the launched steps' own time, a moving average;
+  a (tier, bucket) not yet measured is then tried first (its first step, which compiles, is
+  not counted).
+- accept_length: tokens emitted per speculating request per step, observed per tier (a
+  moving average; under simulated acceptance, the forced one). It starts optimistic (all
+  drafted tokens accepted), so speculation is tried before it is judged.
+- exploration: a tier not picked is not observed, so every `explore_every` steps another
+  tier runs once (the one observed longest ago among those that would beat the best if they
+  accepted all they draft), while some request can still speculate; speculation thus
+  resumes, or widens, when the draft starts being accepted again.
+A plain step skips the draft: the target's features and the emitted token are kept in a
+per-request ring, and the next speculative step first runs the draft over them in one pass
+(a catch-up), so its KV and root state are exactly what drafting every step would give. A
+request whose ring fills while speculation does not pay stops speculating (it is decoded
+plainly to its end and never pays for the draft again); see runtime/draft_lag.py.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from specserve.speculative.tree import PLAIN, TreeShape
 
@@ -47,37 +54,86 @@ def batch_bucket(batch_size: int) -> int:
 
 
 class AdaptiveSpeculation:
-    def __init__(self, tiers: list[TreeShape], explore_every: int = 32):
+    def __init__(
+        self,
+        tiers: list[TreeShape],
+        measure: Callable[[int, int], float | None] | None = None,
+        explore_every: int = 32,
+    ):
+        """measure(batch_size, tier): the device seconds of one such step, or None when it
+        cannot be measured apart from serving (then launched steps are timed instead)."""
         assert tiers[0] == PLAIN
         self.tiers = tiers
+        self.measure = measure
         self.explore_every = explore_every
         # the optimistic start: a tier accepts all it drafts until observed otherwise
         self.accept = [float(t.max_depth + 1) for t in tiers]
         self.seconds: dict[tuple[int, int], float] = {}
+        self._measured: set[tuple[int, int]] = set()  # timed apart from serving: fixed
         self._warmed: set[tuple[int, int]] = set()  # (tier, bucket) whose first step ran
         self.picks = 0
         self.counts = [0] * len(tiers)  # steps run per tier (reporting)
         self.last_seen = [0] * len(tiers)  # the pick count when each tier last ran
 
-    def pick(self, batch_size: int) -> int:
-        self.picks += 1
-        bucket = batch_bucket(batch_size)
-        for t in range(len(self.tiers)):  # fill the table first
-            if (t, bucket) not in self.seconds:
+    def _fill(self, bucket: int) -> int | None:
+        """Time every tier at this bucket; returns a tier to try online when it cannot."""
+        for t in range(len(self.tiers)):
+            key = (t, bucket)
+            if key in self.seconds:
+                continue
+            seconds = self.measure(bucket, t) if self.measure is not None else None
+            if seconds is None:
                 return t
-        scores = [
+            self.seconds[key] = seconds
+            self._measured.add(key)
+        return None
+
+    def _scores(self, batch_size: int) -> list[float]:
+        bucket = batch_bucket(batch_size)
+        return [
             batch_size * self.accept[t] / self.seconds[(t, bucket)] for t in range(len(self.tiers))
         ]
+
+    def pick(self, batch_size: int, can_speculate: bool = True) -> int:
+        """The tier of the next step of `batch_size` requests; can_speculate: some of them
+        may still draft (else plain decoding, the only tier that helps them)."""
+        if not can_speculate:
+            return 0
+        self.picks += 1
+        untimed = self._fill(batch_bucket(batch_size))
+        if untimed is not None:
+            return untimed
+        scores = self._scores(batch_size)
         best = max(range(len(self.tiers)), key=scores.__getitem__)
-        if self.picks % self.explore_every == 0 and len(self.tiers) > 1:
-            # the speculative tier observed longest ago, so its acceptance stays current
-            others = [t for t in range(1, len(self.tiers)) if t != best]
-            if others:
-                return min(others, key=self.last_seen.__getitem__)
+        if self.picks % self.explore_every == 0:
+            # the tier observed longest ago among those that could beat the best one if
+            # they accepted all they draft (a wide tree at a large batch never can)
+            bucket = batch_bucket(batch_size)
+            hopeful = [
+                t
+                for t in range(1, len(self.tiers))
+                if t != best
+                and batch_size * (self.tiers[t].max_depth + 1) / self.seconds[(t, bucket)]
+                > scores[best]
+            ]
+            if hopeful:
+                return min(hopeful, key=lambda t: (self.last_seen[t], self.seconds[(t, bucket)]))
         return best
 
-    def observe(self, tier: int, accept_lens: list[int], seconds: float | None) -> None:
-        """A step of `tier` emitted accept_lens (per request) in `seconds` of device time."""
+    def speculation_pays(self, batch_size: int) -> bool:
+        """Whether, by what was observed so far, some speculative tier beats plain decoding
+        at this load (what decides if lagging drafts are caught up or let go)."""
+        if self._fill(batch_bucket(batch_size)) is not None:
+            return True  # not timed yet: keep the draft until it is
+        scores = self._scores(batch_size)
+        return max(scores[1:], default=0.0) > scores[0]
+
+    def observe(
+        self, tier: int, batch_size: int, accept_lens: list[int], seconds: float | None
+    ) -> None:
+        """A step of `tier` over `batch_size` requests emitted accept_lens (per speculating
+        request) in `seconds` of device time (None: not a time of this tier alone, e.g. it
+        also caught up)."""
         self.counts[tier] += 1
         self.last_seen[tier] = self.picks
         if tier > 0 and accept_lens:
@@ -86,7 +142,9 @@ class AdaptiveSpeculation:
             self.accept[tier] = (
                 mean if first else self.accept[tier] + EMA * (mean - self.accept[tier])
             )
-        key = (tier, batch_bucket(len(accept_lens)))
+        key = (tier, batch_bucket(batch_size))
+        if key in self._measured:
+            return
         if key not in self._warmed:  # a first step compiles: its time says nothing
             self._warmed.add(key)
         elif seconds is not None and seconds > 0:

@@ -32,7 +32,7 @@ from specserve.config.kernels import Kernels
 from specserve.device import to_device
 from specserve.kv.pool import KVCache
 from specserve.ops.attention import ForwardContext
-from specserve.ops.attention_metadata import Segment, build_metadata
+from specserve.ops.attention_metadata import Segment, build_device_metadata, build_metadata
 from specserve.ops.triton_draft_frontier import expand_frontier
 from specserve.ops.triton_tree_select import select_tree
 from specserve.speculative.draft_heads import DraftHead
@@ -87,6 +87,7 @@ class TreeDrafter:
         c = self.head.config
         self.table = table
         self.backend = backend
+        self.rows_state = rows
         self.kv = KVCache(
             c.num_layers, num_slots, c.num_kv_heads, c.head_dim, self.dtype, self.device
         )
@@ -108,6 +109,13 @@ class TreeDrafter:
         self.head.release_tokens(request_ids)
 
     # ---- the draft forward ------------------------------------------------------------------
+    def feature_dim(self, target_hidden: int) -> int:
+        """Width of the target features the head reads per position (0: none)."""
+        kind = self.head.target_feature
+        if kind == "none":
+            return 0
+        return target_hidden if kind == "final" else target_hidden * len(self.capture_layers)
+
     def features_of(self, target_out, rows: torch.Tensor | None) -> torch.Tensor | None:
         """The target's outputs the head reads (its final hidden state, or the captured
         layers' inputs), at `rows` (None: all)."""
@@ -285,3 +293,61 @@ class TreeDrafter:
             g, 1, (acc.accept_len - 1)[:, None, None].expand(bsz, 1, g.shape[-1])
         ).squeeze(1)
         return last
+
+    # ---- skipping the draft (load-adaptive speculation) -------------------------------------
+    @torch.inference_mode()
+    def record_skipped(self, batch, target_out, acc, rows: torch.Tensor) -> None:
+        """A plain step that did not run the draft: keep, at ring index kv_len % capacity,
+        what the draft's entry of position kv_len pairs (the target's features there and the
+        token after it), for `catch_up`."""
+        ring = self.rows_state
+        at = batch.kv_lens_dev % ring.lag_capacity
+        ring.ring_tokens[rows, at] = acc.emitted[:, 0]
+        feats = self.features_of(target_out, None)
+        if feats is not None:
+            ring.ring_features[rows, at] = feats.to(ring.ring_features.dtype)
+
+    @torch.inference_mode()
+    def catch_up(self, batch, rows: torch.Tensor) -> torch.Tensor:
+        """Run the draft over the positions [draft_len, kv_len) that plain steps skipped (at
+        most the ring's capacity per request, in one fixed-width pass), so its KV there is
+        what running it every step would have written. Returns the root state [B, H] (the
+        draft's output at kv_len - 1; unchanged for a request with nothing to catch up) and
+        marks the rows caught up."""
+        ring, d = self.rows_state, self.delta
+        cap = ring.lag_capacity
+        bsz, dev = batch.batch_size, self.device
+        draft_lens = torch.minimum(ring.draft_lens[rows], batch.kv_lens_dev)
+        q = draft_lens[:, None] + torch.arange(cap, device=dev)[None, :]  # [B, cap]
+        valid = q < batch.kv_lens_dev[:, None]
+        at = q % cap
+        tokens = ring.ring_tokens[rows[:, None], at]
+        feats = None
+        if self.head.target_feature != "none":
+            feats = ring.ring_features[rows[:, None], at].reshape(bsz * cap, -1)
+        # entries past a request's lag go to the scratch slot (page 0), never to its pages
+        slots = torch.gather(batch.owned_slots, 1, q + d)
+        out_slots = torch.where(valid, slots, 0).reshape(-1)
+        meta = build_catch_up_metadata(batch, draft_lens + d, d, cap, out_slots)
+        g = self.forward(tokens.reshape(-1), feats, (q + d).reshape(-1), meta).view(bsz, cap, -1)
+        lag = batch.kv_lens_dev - draft_lens
+        last = torch.gather(g, 1, (lag - 1).clamp(min=0)[:, None, None].expand(bsz, 1, g.shape[-1]))
+        root_g = torch.where((lag > 0)[:, None], last.squeeze(1), batch.root_g)
+        ring.features[rows] = root_g.to(ring.features.dtype)
+        ring.draft_lens[rows] = batch.kv_lens_dev
+        return root_g
+
+
+def build_catch_up_metadata(batch, starts, delta: int, width: int, out_slots: torch.Tensor):
+    """Each request's `width` catch-up queries at positions starts + j see the draft's KV at
+    [0, starts + j] (causal over the queries); starts <= kv_len + delta."""
+    return build_device_metadata(
+        batch.owned_slots,
+        starts + width,
+        [u + delta + width for u in batch.kv_upper],
+        width,
+        width,
+        out_slots,
+        None,
+        use_kernel=batch.kernels.decode_metadata,
+    )

@@ -82,10 +82,13 @@ def sampling_tensors(
     device: torch.device,
     logprobs: bool = False,
     top_logprobs: int = 0,
+    plain: list[bool] | None = None,
 ) -> SamplingTensors:
     """The batch's sampling parameters as device tensors, one row per request; `logprobs` and
     `top_logprobs` (host values) choose whether a step computes log-probs, and how many
-    alternatives."""
+    alternatives; plain: requests decoded plainly besides those asking so (a draft that
+    stopped speculating)."""
+    plain_rows = [not p.speculative or bool(plain and plain[i]) for i, p in enumerate(params)]
 
     def dev(values, dtype) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=dtype), device)
@@ -100,8 +103,8 @@ def sampling_tensors(
         needs_filter=any(p.needs_filter and not p.greedy for p in params),
         logprobs=logprobs,
         top_logprobs=top_logprobs if logprobs else 0,
-        plain_rows=dev([not p.speculative for p in params], torch.bool),
-        any_plain=any(not p.speculative for p in params),
+        plain_rows=dev(plain_rows, torch.bool),
+        any_plain=any(plain_rows),
     )
 
 
@@ -117,7 +120,8 @@ class DecodeStep:
     ):
         """target: the model runner; drafter: a TreeDrafter or a RootOnlyDrafter; simulator:
         forces acceptance lengths (benchmarking); tiers: the tree shapes a step may draft
-        (speculative/adaptive.py), by default the drafter's own alone."""
+        (speculative/adaptive.py), by default the drafter's own alone. With tiers and a lag
+        ring in `rows`, a plain-tier step skips the draft (its catch-up comes later)."""
         self.tiers = tiers or [drafter.shape]
         self.target = target
         self.drafter = drafter
@@ -125,11 +129,20 @@ class DecodeStep:
         self.kernels = kernels
         self.simulator = simulator
         self.device = rows.device
+        self.skips_draft = drafter.speculative and rows.lag_capacity > 0
 
     @property
     def window(self) -> int:
         """Logical positions past kv_len a step writes (target tree + draft scratch)."""
         return self.drafter.window
+
+    @property
+    def slot_width(self) -> int:
+        """Logical positions past kv_len a step may read slots of: the window, or a catch-up's
+        reach (its entries past a request's lag go to scratch, so it reserves nothing)."""
+        if not self.skips_draft:
+            return self.window
+        return max(self.window, self.drafter.delta + self.rows.lag_capacity)
 
     @property
     def max_accept(self) -> int:
@@ -143,15 +156,25 @@ class DecodeStep:
         width: int,
         kv_upper: list[int],
         tier: int = 0,
+        catch_up: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, StepLogprobs | None]:
         """One step of the requests in `rows` (PAD_ROW: padding, touching only scratch).
         Returns (accept_len [B], emitted [B, max_accept], their log-probs when
-        `sampling.logprobs`, else None); `width` bounds every kv_len + W."""
+        `sampling.logprobs`, else None); `width` bounds every kv_len + slot_width.
+        catch_up: first run the draft over the positions plain steps skipped."""
         batch = self._read(rows, sampling, width, kv_upper)
-        trees = self.drafter.draft(batch, self.tiers[tier])
+        if catch_up:
+            batch.root_g = self.drafter.catch_up(batch, rows)
+        shape = self.tiers[tier]
+        trees = self.drafter.draft(batch, shape)
         acc, target_out, logprobs = self.verify(batch, trees)
-        features = self.drafter.extend_after_verify(batch, trees, acc, target_out)
-        self.rows.set_state(rows, batch.kv_lens_dev + acc.accept_len, acc.bonus, features)
+        new_lens = batch.kv_lens_dev + acc.accept_len
+        if self.skips_draft and shape.tokens == 1:
+            self.drafter.record_skipped(batch, target_out, acc, rows)
+            self.rows.set_state(rows, new_lens, acc.bonus)
+        else:
+            features = self.drafter.extend_after_verify(batch, trees, acc, target_out)
+            self.rows.set_state(rows, new_lens, acc.bonus, features, new_lens)
         return acc.accept_len, acc.emitted, logprobs
 
     def _read(self, rows, sampling, width, kv_upper) -> DecodeBatch:

@@ -1,0 +1,74 @@
+"""Host bookkeeping of decode steps that skipped the draft (load-adaptive speculation).
+
+A plain step of a speculative engine does not run the draft; it leaves what the draft needs
+in the request's lag ring (kv/request_rows.py), which holds `capacity` positions. Before a
+speculative step the draft catches up on every lagging request of the batch, in the step
+itself. A request whose ring is full must catch up before its next plain step, unless
+speculation does not pay at this load: then it stops speculating for good (`draft_stale`;
+decoded plainly, as a request with `speculative: false` is) and costs no draft work again.
+
+Two counts per request: `draft_lag`, plain steps launched since the draft was last current
+(what launch decisions read, under overlap one step ahead of the results), and
+`draft_behind`, tokens at the end of its KV the draft has no exact entry for, as of the
+results applied (what the prefix cache may keep, runtime/scheduler.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specserve.runtime.request import Request
+
+
+@dataclass
+class LaggedStep:
+    """What a launched step did to the draft, applied with its results."""
+
+    catch_up: bool
+    skipped: bool  # a plain step: the draft did not run
+    stale: frozenset[str]  # requests not speculating when it was launched
+
+
+class DraftLag:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.num_catch_ups = 0
+        self.num_stale = 0
+
+    def speculating(self, req: Request) -> bool:
+        return req.params.speculative and not req.draft_stale
+
+    def plan(self, reqs: list[Request], tier: int, speculation_pays) -> LaggedStep:
+        """Whether the step of `tier` over `reqs` first catches the draft up (and which
+        requests stop speculating instead); speculation_pays(): whether keeping drafts
+        current is worth it at this load."""
+        live = [r for r in reqs if not r.draft_stale]
+        if tier > 0:
+            catch_up = any(r.draft_lag > 0 for r in live)
+        else:
+            full = [r for r in live if r.draft_lag >= self.capacity]
+            catch_up = bool(full) and speculation_pays()
+            if full and not catch_up:
+                for r in full:
+                    r.draft_stale = True
+                self.num_stale += len(full)
+        if catch_up:
+            self.num_catch_ups += 1
+        for r in reqs:
+            if catch_up and not r.draft_stale:
+                r.draft_lag = 0
+            if tier == 0:
+                r.draft_lag += 1
+        stale = frozenset(r.rid for r in reqs if r.draft_stale)
+        return LaggedStep(catch_up, tier == 0, stale)
+
+    @staticmethod
+    def applied(step: LaggedStep, req: Request, accept_len: int) -> None:
+        """The step's results for `req`: how far behind its KV the draft now is."""
+        if req.rid in step.stale:
+            req.draft_behind += accept_len
+            return
+        if step.catch_up:
+            req.draft_behind = 0
+        if step.skipped:
+            req.draft_behind += accept_len
