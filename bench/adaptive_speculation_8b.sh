@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Load-adaptive speculation at the Llama-3-8B shape (random weights, a random EAGLE3 head with
-# a 32k draft vocabulary), acceptance forced to 1 (every draft rejected) and to 3: plain
-# decoding, a fixed 3-step chain, and adaptive over a 5-step topk-4 tree of 16 tokens (tiers:
-# plain, a chain of 3, the tree), `specserve bench one-batch` at several batch sizes (512-token
-# prompts, 256 new tokens, greedy, bf16). JSON per configuration under OUT_DIR.
+# a 32k draft vocabulary), acceptance forced to each of ACCEPT_LENGTHS: plain decoding,
+# adaptive over a 5-step topk-4 tree of 16 tokens (tiers: plain, a chain of 3, the tree), the
+# fixed 3-step chain and the fixed tree, `specserve bench one-batch` at several batch sizes
+# (512-token prompts, 256 new tokens, greedy, bf16). A log per configuration under OUT_DIR.
 #   bash bench/adaptive_speculation_8b.sh OUT_DIR [ACCEPT_LENGTHS] [BATCH_SIZES]   # CUDA machine
 set -uo pipefail
 out=${1:-/tmp/adaptive_8b}; accepts=${2:-"1 3"}; sizes=${3:-"1 16 64 256"}
@@ -30,8 +30,10 @@ run() {  # name, flags...
 [ -e "$out/plain.log" ] || run plain
 for acc in $accepts; do
   forced=(--simulate-acc-len "$acc" --simulate-acc-method match-expected)
-  run "chain3-accept$acc" "${EAGLE3[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 \
-    --speculative-num-draft-tokens 4 "${forced[@]}"
   run "adaptive-accept$acc" "${EAGLE3[@]}" --speculative-num-steps 5 --speculative-eagle-topk 4 \
     --speculative-num-draft-tokens 16 --speculative-adaptive "${forced[@]}"
+  run "chain3-accept$acc" "${EAGLE3[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 \
+    --speculative-num-draft-tokens 4 "${forced[@]}"
+  [ -n "${WITH_TREE:-}" ] && run "tree-accept$acc" "${EAGLE3[@]}" --speculative-num-steps 5 \
+    --speculative-eagle-topk 4 --speculative-num-draft-tokens 16 "${forced[@]}"
 done
