@@ -9,16 +9,18 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
 
 - step_seconds: the device time of a step of tier t at a batch bucket, measured on this
   device the first time the bucket is seen (its CUDA graph replayed on padding rows, so every
-  tier is timed alike). Without CUDA graphs: the launched steps' own time, a moving average;
-  a (tier, bucket) not yet measured is then tried first (its first step, which compiles, is
-  not counted).
+  tier is timed alike), then as steps are served (a moving average of the launched steps'
+  own time). Padding rows have no context to attend to: what served steps take beyond their
+  replay is added to the replay of tiers not served yet. Without CUDA graphs a (tier,
+  bucket) not yet timed is tried first (its first step, which compiles, is not counted).
 - accept_length: tokens emitted per speculating request per step, observed per tier (a
   moving average; under simulated acceptance, the forced one). It starts optimistic (all
   drafted tokens accepted), so speculation is tried before it is judged.
 - exploration: a tier not picked is not observed, so every `explore_every` steps another
   tier runs once (the one observed longest ago among those that would beat the best if they
   accepted all they draft), while some request can still speculate; speculation thus
-  resumes, or widens, when the draft starts being accepted again.
+  resumes, or widens, when the draft starts being accepted again. An exploration that finds
+  nothing better doubles the wait for the next one, so rejected drafts cost less and less.
 A plain step skips the draft: the target's features and the emitted token are kept in a
 per-request ring, and the next speculative step first runs the draft over them in one pass
 (a catch-up), so its KV and root state are exactly what drafting every step would give. A
@@ -59,6 +61,7 @@ class AdaptiveSpeculation:
         tiers: list[TreeShape],
         measure: Callable[[int, int], float | None] | None = None,
         explore_every: int = 32,
+        max_explore_gap: int = 1024,
     ):
         """measure(batch_size, tier): the device seconds of one such step, or None when it
         cannot be measured apart from serving (then launched steps are timed instead)."""
@@ -66,33 +69,46 @@ class AdaptiveSpeculation:
         self.tiers = tiers
         self.measure = measure
         self.explore_every = explore_every
+        self.max_explore_gap = max_explore_gap
+        self.explore_gap = explore_every
+        self.next_explore = explore_every
         # the optimistic start: a tier accepts all it drafts until observed otherwise
         self.accept = [float(t.max_depth + 1) for t in tiers]
-        self.seconds: dict[tuple[int, int], float] = {}
-        self._measured: set[tuple[int, int]] = set()  # timed apart from serving: fixed
+        self.replayed: dict[tuple[int, int], float] = {}  # (tier, bucket): a replay's time
+        self.observed: dict[tuple[int, int], float] = {}  # (tier, bucket): steps served
+        # per bucket: what served steps take beyond their replay (attention over real
+        # contexts, which padding rows do not have), carried over to tiers not yet served
+        self.context_cost: dict[int, float] = {}
         self._warmed: set[tuple[int, int]] = set()  # (tier, bucket) whose first step ran
         self.picks = 0
         self.counts = [0] * len(tiers)  # steps run per tier (reporting)
         self.last_seen = [0] * len(tiers)  # the pick count when each tier last ran
+        self._explored: int | None = None  # the tier of an exploring step in flight
+
+    def seconds(self, tier: int, bucket: int) -> float | None:
+        """The expected device time of a step of `tier` at `bucket`."""
+        key = (tier, bucket)
+        if key in self.observed:
+            return self.observed[key]
+        if key in self.replayed:
+            return self.replayed[key] + self.context_cost.get(bucket, 0.0)
+        return None
 
     def _fill(self, bucket: int) -> int | None:
         """Time every tier at this bucket; returns a tier to try online when it cannot."""
         for t in range(len(self.tiers)):
-            key = (t, bucket)
-            if key in self.seconds:
+            if self.seconds(t, bucket) is not None:
                 continue
-            seconds = self.measure(bucket, t) if self.measure is not None else None
-            if seconds is None:
+            replay = self.measure(bucket, t) if self.measure is not None else None
+            if replay is None:
                 return t
-            self.seconds[key] = seconds
-            self._measured.add(key)
+            self.replayed[(t, bucket)] = replay
         return None
 
-    def _scores(self, batch_size: int) -> list[float]:
+    def _scores(self, batch_size: int, accept: list[float] | None = None) -> list[float]:
         bucket = batch_bucket(batch_size)
-        return [
-            batch_size * self.accept[t] / self.seconds[(t, bucket)] for t in range(len(self.tiers))
-        ]
+        accept = accept or self.accept
+        return [batch_size * accept[t] / self.seconds(t, bucket) for t in range(len(self.tiers))]
 
     def pick(self, batch_size: int, can_speculate: bool = True) -> int:
         """The tier of the next step of `batch_size` requests; can_speculate: some of them
@@ -105,19 +121,19 @@ class AdaptiveSpeculation:
             return untimed
         scores = self._scores(batch_size)
         best = max(range(len(self.tiers)), key=scores.__getitem__)
-        if self.picks % self.explore_every == 0:
+        if best > 0:
+            self.explore_gap = self.explore_every  # speculating: keep an eye on the others
+        if self.picks >= self.next_explore:
+            self.next_explore = self.picks + self.explore_gap
             # the tier observed longest ago among those that could beat the best one if
             # they accepted all they draft (a wide tree at a large batch never can)
-            bucket = batch_bucket(batch_size)
+            upper = self._scores(batch_size, [float(t.max_depth + 1) for t in self.tiers])
             hopeful = [
-                t
-                for t in range(1, len(self.tiers))
-                if t != best
-                and batch_size * (self.tiers[t].max_depth + 1) / self.seconds[(t, bucket)]
-                > scores[best]
+                t for t in range(1, len(self.tiers)) if t != best and upper[t] > scores[best]
             ]
             if hopeful:
-                return min(hopeful, key=lambda t: (self.last_seen[t], self.seconds[(t, bucket)]))
+                self._explored = min(hopeful, key=lambda t: (self.last_seen[t], upper[t]))
+                return self._explored
         return best
 
     def speculation_pays(self, batch_size: int) -> bool:
@@ -133,7 +149,7 @@ class AdaptiveSpeculation:
     ) -> None:
         """A step of `tier` over `batch_size` requests emitted accept_lens (per speculating
         request) in `seconds` of device time (None: not a time of this tier alone, e.g. it
-        also caught up)."""
+        also caught up, or captured its graph)."""
         self.counts[tier] += 1
         self.last_seen[tier] = self.picks
         if tier > 0 and accept_lens:
@@ -142,14 +158,25 @@ class AdaptiveSpeculation:
             self.accept[tier] = (
                 mean if first else self.accept[tier] + EMA * (mean - self.accept[tier])
             )
-        key = (tier, batch_bucket(batch_size))
-        if key in self._measured:
-            return
+        bucket = batch_bucket(batch_size)
+        if tier == self._explored:
+            self._explored = None
+            scores = self._scores(batch_size) if self._fill(bucket) is None else None
+            if scores is not None and max(range(len(scores)), key=scores.__getitem__) != tier:
+                # a vain exploration: look again twice as late (what it costs shrinks away)
+                self.explore_gap = min(2 * self.explore_gap, self.max_explore_gap)
+        key = (tier, bucket)
         if key not in self._warmed:  # a first step compiles: its time says nothing
             self._warmed.add(key)
-        elif seconds is not None and seconds > 0:
-            old = self.seconds.get(key)
-            self.seconds[key] = seconds if old is None else old + EMA * (seconds - old)
+            return
+        if seconds is None or seconds <= 0:
+            return
+        old = self.observed.get(key)
+        self.observed[key] = seconds if old is None else old + EMA * (seconds - old)
+        if key in self.replayed:
+            extra = self.observed[key] - self.replayed[key]
+            prev = self.context_cost.get(bucket)
+            self.context_cost[bucket] = extra if prev is None else prev + EMA * (extra - prev)
 
     def describe(self) -> dict:
         """What the policy has seen: steps run per tier, acceptance per tier, and step time
@@ -159,7 +186,7 @@ class AdaptiveSpeculation:
             "steps": list(self.counts),
             "accept_length": [round(a, 3) for a in self.accept],
             "step_ms": {
-                f"{self.tiers[t]}@{b}": round(s * 1e3, 3)
-                for (t, b), s in sorted(self.seconds.items())
+                f"{self.tiers[t]}@{b}": round(self.seconds(t, b) * 1e3, 3)
+                for t, b in sorted(set(self.replayed) | set(self.observed))
             },
         }
