@@ -4,9 +4,11 @@
 # adaptive over a 5-step topk-4 tree of 16 tokens (tiers: plain, a chain of 3, the tree), the
 # fixed 3-step chain and the fixed tree, `specserve bench one-batch` at several batch sizes
 # (512-token prompts, 256 new tokens, greedy, bf16). A log per configuration under OUT_DIR.
-#   bash bench/adaptive_speculation_8b.sh OUT_DIR [ACCEPT_LENGTHS] [BATCH_SIZES]   # CUDA machine
+#   bash bench/adaptive_speculation_8b.sh OUT_DIR [ACCEPT_LENGTHS] [BATCH_SIZES] [CONFIGS]
+# CONFIGS: any of "adaptive chain3 tree" (default "adaptive chain3"); plain always runs.
 set -uo pipefail
 out=${1:-/tmp/adaptive_8b}; accepts=${2:-"1 3"}; sizes=${3:-"1 16 64 256"}
+configs=" ${4:-adaptive chain3} "
 PY=${PY:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 DRAFT=${DRAFT:-/tmp/eagle3-8b-random}
@@ -30,10 +32,11 @@ run() {  # name, flags...
 [ -e "$out/plain.log" ] || run plain
 for acc in $accepts; do
   forced=(--simulate-acc-len "$acc" --simulate-acc-method match-expected)
-  run "adaptive-accept$acc" "${EAGLE3[@]}" --speculative-num-steps 5 --speculative-eagle-topk 4 \
-    --speculative-num-draft-tokens 16 --speculative-adaptive "${forced[@]}"
-  run "chain3-accept$acc" "${EAGLE3[@]}" --speculative-num-steps 3 --speculative-eagle-topk 1 \
-    --speculative-num-draft-tokens 4 "${forced[@]}"
-  [ -n "${WITH_TREE:-}" ] && run "tree-accept$acc" "${EAGLE3[@]}" --speculative-num-steps 5 \
-    --speculative-eagle-topk 4 --speculative-num-draft-tokens 16 "${forced[@]}"
+  [[ $configs == *" adaptive "* ]] && run "adaptive-accept$acc" "${EAGLE3[@]}" \
+    --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 16 \
+    --speculative-adaptive "${forced[@]}"
+  [[ $configs == *" chain3 "* ]] && run "chain3-accept$acc" "${EAGLE3[@]}" \
+    --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 "${forced[@]}"
+  [[ $configs == *" tree "* ]] && run "tree-accept$acc" "${EAGLE3[@]}" \
+    --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 16 "${forced[@]}"
 done
