@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # lm-evaluation-harness against `specserve serve`: its `local-completions` model scores each
-# choice of a multiple-choice task through /v1/completions (echo, logprobs=1, max_tokens=1;
-# it reads choices[0].logprobs.token_logprobs and top_logprobs), on a small local task file.
+# choice of a multiple-choice task through /v1/completions (loglikelihood: echo, logprobs=1,
+# max_tokens=1; it reads choices[0].logprobs.token_logprobs and top_logprobs), and generates
+# short answers to a second task (generate_until: greedy, stop strings), on small local task
+# files.
 #
 # Usage (repo root): bash bench/lm_eval_local.sh
 #   MODEL       model for `specserve serve` (default: the packaged smollm2-135m)
@@ -62,6 +64,27 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 YAML
+cat > "$OUT/tasks/specserve_tiny_gen.yaml" <<YAML
+task: specserve_tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: $OUT/tasks/tiny.jsonl
+test_split: test
+output_type: generate_until
+doc_to_text: "Q: Complete the sentence. {{question}}\\nA:"
+doc_to_target: "{{choices[answer]}}"
+generation_kwargs:
+  until: ["\\n", "."]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    ignore_punctuation: true
+YAML
 
 # 3. the server (killed on exit, by its own pid)
 $PY -m specserve.cli serve --model-path "$MODEL" --port "$PORT" --served-model-name "$MODEL" \
@@ -77,5 +100,5 @@ curl -sf "http://127.0.0.1:$PORT/health"; echo
 # 4. lm-eval
 $LM_EVAL --model local-completions \
   --model_args "model=$MODEL,base_url=http://127.0.0.1:$PORT/v1/completions,tokenizer_backend=huggingface,tokenizer=$OUT/tokenizer,num_concurrent=1,max_retries=1" \
-  --tasks specserve_tiny --include_path "$OUT/tasks" ${LIMIT:+--limit "$LIMIT"} \
+  --tasks specserve_tiny,specserve_tiny_gen --include_path "$OUT/tasks" ${LIMIT:+--limit "$LIMIT"} \
   --output_path "$OUT/results" 2>&1 | tee "$OUT/lm_eval.log" | tail -20
