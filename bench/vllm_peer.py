@@ -1,0 +1,261 @@
+"""vLLM on the workloads of `specserve bench one-batch` and `specserve bench multiturn`, for
+ratios measured in the same device call (see docs/PERFORMANCE.md; how vLLM is brought to the
+GPU machine is in the peers' README). Same random token ids as specserve's benches, random
+weights (`load_format="dummy"`) from a config.json written here, JSON rows and a table.
+
+  python3 bench/vllm_peer.py one-batch --preset llama3-8b --batch-size 1 16 64
+  python3 bench/vllm_peer.py one-batch --preset llama3-8b --eagle3 DRAFT_DIR \
+      --num-speculative-tokens 3 --synthetic-acceptance 3
+  python3 bench/vllm_peer.py multiturn --preset smollm2-135m --conversations 32 --turns 4
+
+Speculation: `--eagle3 DIR` / `--eagle DIR` (a draft folder written by
+`write_random_eagle_checkpoint`, its config re-labelled for vLLM), a chain of
+`--num-speculative-tokens`, and with `--synthetic-acceptance L` vLLM's synthetic rejection
+sampler forces acceptance length L (what `--simulate-acc-len` does in specserve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from specserve.bench.one_batch import dump  # noqa: E402
+
+
+def hf_config(preset: str) -> dict:
+    """The HF config.json of a specserve preset or packaged model's shape."""
+    from specserve.model.config import PRESETS
+
+    c = PRESETS[preset]
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def write_folder(path: str, config: dict) -> str:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return path
+
+
+def vllm_draft_folder(src: str, dst: str) -> str:
+    """A copy of a specserve draft folder whose config vLLM reads (it prefixes the
+    architecture with Eagle / Eagle3 itself)."""
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    write_folder(dst, cfg)
+    for name in os.listdir(src):
+        if name.endswith(".safetensors"):
+            target = os.path.join(dst, name)
+            if not os.path.exists(target):
+                os.symlink(os.path.abspath(os.path.join(src, name)), target)
+    return dst
+
+
+def make_llm(args, prefix_caching: bool):
+    from vllm import LLM
+
+    model = write_folder(os.path.join(args.work, "target"), hf_config(args.preset))
+    kw = dict(
+        model=model,
+        dtype="bfloat16",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=prefix_caching,
+        disable_log_stats=False,
+        seed=0,
+    )
+    draft = args.eagle3 or args.eagle
+    if draft:
+        method = "eagle3" if args.eagle3 else "eagle"
+        spec = {
+            "method": method,
+            "model": vllm_draft_folder(draft, os.path.join(args.work, "draft")),
+            "num_speculative_tokens": args.num_speculative_tokens,
+        }
+        if args.synthetic_acceptance is not None:
+            spec["rejection_sample_method"] = "synthetic"
+            spec["synthetic_acceptance_length"] = args.synthetic_acceptance
+        kw["speculative_config"] = spec
+    return LLM(**kw)
+
+
+def greedy(n: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+
+
+def metric_values(llm) -> dict[str, float]:
+    """Counters (value) and histograms (sum, count) by name."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if hasattr(m, "value") and isinstance(m.value, (int, float)):
+            out[m.name] = out.get(m.name, 0.0) + m.value
+        if hasattr(m, "sum") and hasattr(m, "count"):
+            out[m.name + ":sum"] = out.get(m.name + ":sum", 0.0) + m.sum
+            out[m.name + ":count"] = out.get(m.name + ":count", 0.0) + m.count
+    return out
+
+
+def acceptance(before: dict, after: dict) -> float | None:
+    drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get(
+        "vllm:spec_decode_num_drafts", 0
+    )
+    accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
+        "vllm:spec_decode_num_accepted_tokens", 0
+    )
+    return 1 + accepted / drafts if drafts else None
+
+
+def cmd_one_batch(args) -> list[dict]:
+    """specserve's one-batch method: TTFT of the batch (a max_tokens=1 run of the same
+    prompts, caching off) is the prefill; the rest of a full run is the decode."""
+    llm = make_llm(args, prefix_caching=False)
+    vocab = hf_config(args.preset)["vocab_size"]
+    rows = []
+    for bs in args.batch_size:
+        rng = random.Random(args.seed)
+        prompts = [
+            {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.input_len)]}
+            for _ in range(bs)
+        ]
+        llm.generate(prompts, greedy(args.output_len), use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        llm.generate(prompts, greedy(1), use_tqdm=False)
+        ttft = time.perf_counter() - t0
+        before = metric_values(llm)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, greedy(args.output_len), use_tqdm=False)
+        total = time.perf_counter() - t0
+        gen = sum(len(o.outputs[0].token_ids) for o in outs)
+        decode = max(total - ttft, 1e-9)
+        rows.append(
+            {
+                "system": "vllm",
+                "batch_size": bs,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "prefill_latency_s": ttft,
+                "decode_throughput_tok_s": (gen - bs) / decode,
+                "total_latency_s": total,
+                "output_throughput_tok_s": gen / total,
+                "spec_accept_length": acceptance(before, metric_values(llm)),
+            }
+        )
+    return rows
+
+
+def cmd_multiturn(args) -> list[dict]:
+    """specserve bench multiturn's conversations (same ids), prefix caching on."""
+    from specserve.bench.multiturn import conversations
+
+    llm = make_llm(args, prefix_caching=True)
+    vocab = hf_config(args.preset)["vocab_size"]
+    warm_system, warm_users = conversations(
+        argparse.Namespace(**{**vars(args), "seed": args.seed + 1}), vocab
+    )
+    llm.generate(
+        [{"prompt_token_ids": warm_system + u[0]} for u in warm_users],
+        greedy(args.answer_len),
+        use_tqdm=False,
+    )
+    llm.reset_prefix_cache()
+    system, users = conversations(args, vocab)
+    histories = [list(system) for _ in users]
+    start = metric_values(llm)
+    ttft = {"first": (0.0, 0.0), "later": (0.0, 0.0)}  # (sum, count)
+    tokens, seconds = 0, 0.0
+    for turn in range(args.turns):
+        before = metric_values(llm)
+        prompts = [{"prompt_token_ids": h + u[turn]} for h, u in zip(histories, users)]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, greedy(args.answer_len), use_tqdm=False)
+        seconds += time.perf_counter() - t0
+        after = metric_values(llm)
+        name = "vllm:time_to_first_token_seconds"
+        s = after.get(name + ":sum", 0) - before.get(name + ":sum", 0)
+        c = after.get(name + ":count", 0) - before.get(name + ":count", 0)
+        key = "first" if turn == 0 else "later"
+        ttft[key] = (ttft[key][0] + s, ttft[key][1] + c)
+        for h, u, o in zip(histories, users, outs):
+            h += u[turn] + list(o.outputs[0].token_ids)
+            tokens += len(o.outputs[0].token_ids)
+    end = metric_values(llm)
+    queries = end.get("vllm:prefix_cache_queries", 0) - start.get("vllm:prefix_cache_queries", 0)
+    hits = end.get("vllm:prefix_cache_hits", 0) - start.get("vllm:prefix_cache_hits", 0)
+
+    def mean_ms(key):
+        s, c = ttft[key]
+        return 1e3 * s / c if c else None
+
+    return [
+        {
+            "system": "vllm " + ("spec" if (args.eagle or args.eagle3) else "plain"),
+            "hit_rate": hits / queries if queries else None,
+            "ttft_first_turn_ms": mean_ms("first"),
+            "ttft_later_turns_ms": mean_ms("later"),
+            "output_tok_s": tokens / seconds,
+            "accept_length": acceptance(start, end),
+            "conversations": args.conversations,
+            "turns": args.turns,
+        }
+    ]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("one-batch", "multiturn"):
+        s = sub.add_parser(name)
+        s.add_argument("--preset", default="llama3-8b", help="a specserve model shape")
+        s.add_argument("--eagle3", default=None, help="EAGLE3 draft folder")
+        s.add_argument("--eagle", default=None, help="EAGLE draft folder")
+        s.add_argument("--num-speculative-tokens", type=int, default=3)
+        s.add_argument("--synthetic-acceptance", type=float, default=None)
+        s.add_argument("--max-model-len", type=int, default=4096)
+        s.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--work", default="/tmp/vllm-peer")
+        s.add_argument("--output-json", default=None)
+    one = sub.choices["one-batch"]
+    one.add_argument("--batch-size", type=int, nargs="+", default=[1, 16, 64])
+    one.add_argument("--input-len", type=int, default=512)
+    one.add_argument("--output-len", type=int, default=256)
+    multi = sub.choices["multiturn"]  # the defaults of `specserve bench multiturn`
+    multi.add_argument("--conversations", type=int, default=32)
+    multi.add_argument("--turns", type=int, default=4)
+    multi.add_argument("--system-len", type=int, default=512)
+    multi.add_argument("--user-len", type=int, default=64)
+    multi.add_argument("--answer-len", type=int, default=128)
+    args = p.parse_args()
+    rows = cmd_one_batch(args) if args.cmd == "one-batch" else cmd_multiturn(args)
+    dump(rows, args.output_json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
