@@ -26,7 +26,8 @@ class LaggedStep:
 
     catch_up: bool
     skipped: bool  # a plain step: the draft did not run
-    stale: frozenset[str]  # requests not speculating when it was launched
+    stale: frozenset[str]  # requests not speculating when it was launched (left behind, or
+    # asking for plain decoding): their draft entries are never made exact again
 
 
 class DraftLag:
@@ -42,7 +43,7 @@ class DraftLag:
         """Whether the step of `tier` over `reqs` first catches the draft up (and which
         requests stop speculating instead); speculation_pays(): whether keeping drafts
         current is worth it at this load."""
-        live = [r for r in reqs if not r.draft_stale]
+        live = [r for r in reqs if self.speculating(r)]
         if tier > 0:
             catch_up = any(r.draft_lag > 0 for r in live)
         else:
@@ -55,11 +56,11 @@ class DraftLag:
         if catch_up:
             self.num_catch_ups += 1
         for r in reqs:
-            if catch_up and not r.draft_stale:
+            if catch_up and self.speculating(r):
                 r.draft_lag = 0
             if tier == 0:
                 r.draft_lag += 1
-        stale = frozenset(r.rid for r in reqs if r.draft_stale)
+        stale = frozenset(r.rid for r in reqs if not self.speculating(r))
         return LaggedStep(catch_up, tier == 0, stale)
 
     @staticmethod
