@@ -25,8 +25,10 @@ def run(prompts, params, random_tiers: int | None = None, padded=False, **kw):
         core = e.core
         if random_tiers is not None:  # random, but every tier early on
             rng = random.Random(random_tiers)
-            order = [2, 0, 1]
-            core.adaptive.pick = lambda b, can=True: order.pop() if order else rng.randrange(3)
+            count = len(core.adaptive.tiers)
+            order = list(range(count))
+            rng.shuffle(order)
+            core.adaptive.pick = lambda b, can=True: order.pop() if order else rng.randrange(count)
         if padded:
             core.worker.graphs = DecodeGraphs(core.worker, 4, max_width=4096, capture=False)
         e.step_hooks.append(lambda c: checked.append(assert_kv_matches_plain_prefill(c)))
@@ -41,16 +43,20 @@ def run(prompts, params, random_tiers: int | None = None, padded=False, **kw):
 def test_any_sequence_of_tiers_decodes_as_plain_decoding(page_size, overlap, padded):
     prompts = mixed_prompts(5, 512, seed=page_size)
     kw = dict(page_size=page_size, disable_overlap_schedule=not overlap)
-    plain, _, _ = run(prompts, SP, **kw)
+    params = dict(SP, max_new_tokens=40)  # enough steps for every tier
+    plain, _, _ = run(prompts, params, **kw)
     # the target as its own draft: a drafting tier accepts all it drafts, if and only if the
     # draft's KV and root state stayed exact over the plain steps before it
     spec = spec_args("tiny", 3, 4, 10, speculative_adaptive=True)
-    outs, stats, checked = run(prompts, SP, random_tiers=page_size, padded=padded, **kw, **spec)
+    outs, stats, checked = run(prompts, params, random_tiers=page_size, padded=padded, **kw, **spec)
     assert outs == plain and checked > 0
     adaptive = stats["speculative_adaptive"]
-    assert adaptive["tiers"] == ["plain", "3/1/4", "4/3/10"]
+    # plain, a chain, the tree verifying 2 and 5 of its 10 nodes per request, the tree
+    assert adaptive["tiers"] == ["plain", "3/1/4", "4/3/10@2", "4/3/10@5", "4/3/10"]
     assert all(n > 0 for n in adaptive["steps"]), adaptive  # every tier ran
-    assert adaptive["accept_length"][1:] == [4.0, 5.0]  # never less than all it drafted
+    chain, quarter, half, tree = adaptive["accept_length"][1:]
+    assert (chain, tree) == (4.0, 5.0)  # never less than all it drafted
+    assert 1.0 < quarter <= half <= tree  # pruned trees verify less of the same drafts
 
 
 def test_eagle_with_switches_and_retraction_under_random_tiers(tmp_path):
@@ -71,6 +77,8 @@ def test_tiers_of_a_configuration():
     assert speculation_tiers(TreeShape(6, 8, 64)) == [
         PLAIN,
         TreeShape(3, 1, 4),
+        TreeShape(6, 8, 64, 16),
+        TreeShape(6, 8, 64, 32),
         TreeShape(6, 8, 64),
     ]
     assert speculation_tiers(TreeShape(3, 1, 4)) == [PLAIN, TreeShape(3, 1, 4)]

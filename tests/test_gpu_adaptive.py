@@ -24,20 +24,23 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 def test_random_tiers_under_graphs_decode_as_plain(page_size, lag_tokens):
     """lag_tokens 4: plain stretches fill the draft's ring, so forced catch-ups replay too."""
     prompts = mixed_prompts(6, 512, seed=page_size)
+    params = dict(GREEDY, max_new_tokens=80)  # steps enough for every tier
     with Engine(**GPU, page_size=page_size) as e:
-        plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+        plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
     spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="tiny",
                 speculative_num_steps=4, speculative_eagle_topk=4,
                 speculative_num_draft_tokens=16, speculative_adaptive=True,
                 speculative_adaptive_lag_tokens=lag_tokens)  # fmt: skip
     with Engine(**GPU, page_size=page_size, **spec) as e:
         # every tier, in changing orders, and plain stretches longer than the ring
-        tiers = itertools.cycle([2, 0, 1, 1, 0, 2, 2, 0, 0, 0, 0, 0, 0, 1])
+        tiers = itertools.cycle([4, 2, 0, 1, 3, 1, 0, 2, 4, 0, 0, 0, 0, 0, 0, 3, 1])
         e.core.adaptive.pick = lambda b, can=True: next(tiers)
-        outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+        outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
         adaptive = e.stats()["speculative_adaptive"]
         assert e.core.worker.graphs.num_captures > 0
     assert outs == plain
     assert all(n > 0 for n in adaptive["steps"]), adaptive
     assert (adaptive.get("catch_ups", 0) > 0) == (lag_tokens > 0), adaptive
-    assert adaptive["accept_length"][1:] == [4.0, 5.0]  # the self-draft: all it drafts
+    chain, quarter, half, tree = adaptive["accept_length"][1:]
+    assert (chain, tree) == (4.0, 5.0)  # the self-draft: all it drafts
+    assert 1.0 < quarter <= half <= tree  # ragged steps verify part of the same drafts

@@ -9,6 +9,9 @@
   positions < draft_lens[row]; the decode steps that skipped the draft left, at ring index
   q % lag_capacity, the token after position q and the target's features at q, so the draft
   can catch up on them later in one pass (speculative/drafter.py `catch_up`).
+- `reached[row, d]`, `predicted[row, d]` (ragged verification): how often the request's
+  accepted path reached depth d, and the draft's best path probability there, moving
+  averages that calibrate its share of a step's verified nodes (speculative/verify_budget.py).
 
 A decode step then needs only the rows of its requests from the host: it reads and writes
 everything else by row, on the device, so it can be launched before the host has seen the
@@ -37,6 +40,8 @@ class RequestRows:
         self._feature_spec: tuple[int, torch.dtype] | None = None
         self._ring_spec: tuple[int, int, torch.dtype] | None = None  # (capacity, dim, dtype)
         self.draft_lens = self.ring_tokens = self.ring_features = None
+        self._calibration_depths = 0  # depths 0..D tracked per row (0: none)
+        self.reached = self.predicted = None
         self.version = 0  # bumped when tensors are reallocated (captured graphs go stale)
         self._allocate(max(rows, 2), max(max_pages, 1))
         self._free = list(range(self.num_rows - 1, PAD_ROW, -1))
@@ -57,6 +62,7 @@ class RequestRows:
             dim, dtype = self._feature_spec
             features = torch.zeros(rows, dim, dtype=dtype, device=dev)
         ring = self._new_ring(rows)
+        calibration = self._new_calibration(rows)
         if old is not None:  # keep what is there (a device copy, ordered after launched work)
             r, p = old.shape
             pages[:r, :p] = old
@@ -67,10 +73,35 @@ class RequestRows:
             if ring is not None and self.draft_lens is not None:
                 for new, cur in zip(ring, (self.draft_lens, self.ring_tokens, self.ring_features)):
                     new[:r] = cur
+            if calibration is not None and self.reached is not None:
+                calibration[0][:r], calibration[1][:r] = self.reached, self.predicted
             self.version += 1
         self.pages, self.kv_lens, self.roots, self.features = pages, kv_lens, roots, features
         if ring is not None:
             self.draft_lens, self.ring_tokens, self.ring_features = ring
+        if calibration is not None:
+            self.reached, self.predicted = calibration
+
+    def _new_calibration(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self._calibration_depths:
+            return None
+        shape = (rows, self._calibration_depths + 1)
+        return (
+            torch.ones(shape, dtype=torch.float32, device=self.device),
+            torch.ones(shape, dtype=torch.float32, device=self.device),
+        )
+
+    def add_calibration(self, max_depth: int) -> None:
+        """Track acceptance per depth 0..max_depth for every row (ragged verification)."""
+        self._calibration_depths = max_depth
+        self.reached, self.predicted = self._new_calibration(self.num_rows)
+        self.version += 1
+
+    def reset_calibration(self, rows: torch.Tensor) -> None:
+        """A new request in these rows starts from no evidence (reached = predicted)."""
+        if self.reached is not None:
+            self.reached[rows] = 1.0
+            self.predicted[rows] = 1.0
 
     def _new_ring(self, rows: int) -> tuple[torch.Tensor, ...] | None:
         if self._ring_spec is None:

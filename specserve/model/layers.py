@@ -145,7 +145,7 @@ class Attention(nn.Module):
             k_cache, v_cache = ctx.kv_cache.layer(self.layer_id)
             q = rope_and_write(
                 q, k, v, positions, self.rotary.inv_freq, k_cache, v_cache,
-                ctx.meta.out_cache_loc,
+                ctx.write_slots,
             )  # fmt: skip
             out = ctx.attention(self.layer_id, q, None, None)
         else:

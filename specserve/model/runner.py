@@ -6,7 +6,12 @@ import torch
 
 from specserve.config.kernels import REFERENCE, Kernels
 from specserve.kv.pool import KVCache
-from specserve.ops.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from specserve.ops.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    ForwardContext,
+    PackedQueries,
+)
 
 
 class ModelRunner:
@@ -29,6 +34,10 @@ class ModelRunner:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         capture_layers: tuple[int, ...] = (),
+        packed: PackedQueries | None = None,
     ):
-        ctx = ForwardContext(self.backend, self.kv_cache, meta, capture_layers, self.kernels)
+        """packed: the tokens are some rows of `meta`'s layout (ragged verification)."""
+        ctx = ForwardContext(
+            self.backend, self.kv_cache, meta, capture_layers, self.kernels, packed
+        )
         return self.model(input_ids, positions, ctx)

@@ -70,6 +70,21 @@ class AttentionBackend(ABC):
 
 
 @dataclass
+class PackedQueries:
+    """A forward over some rows of a batch's attention layout (ragged verification: the
+    nodes each request verifies): matmuls run on the packed tokens, attention on the full
+    layout, where the rows left out are zeros no kept query sees."""
+
+    index: torch.Tensor  # [T] the packed tokens' rows in the full layout
+    rows: int  # rows of the full layout
+    write_slots: torch.Tensor  # [T] the packed tokens' KV slots
+
+    def spread(self, t: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros((self.rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        return full.index_copy_(0, self.index, t)
+
+
+@dataclass
 class ForwardContext:
     """Per-forward state handed down the model (no process-wide globals: a draft model and a
     target model in one process each get their own context)."""
@@ -79,12 +94,22 @@ class ForwardContext:
     meta: AttentionMetadata
     capture_layers: tuple[int, ...] = ()  # target layers whose input EAGLE3 reads (may repeat)
     kernels: Kernels = REFERENCE  # which implementation each layer op runs
+    packed: PackedQueries | None = None  # the forward's tokens are some rows of `meta`'s
 
     def attention(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:
-        """k = v = None: this layer's new K/V are already in the cache at out_cache_loc."""
-        return self.backend.forward(layer_id, q, k, v, self.kv_cache, self.meta)
+        """k = v = None: this layer's new K/V are already in the cache at `write_slots`."""
+        if self.packed is None:
+            return self.backend.forward(layer_id, q, k, v, self.kv_cache, self.meta)
+        p = self.packed
+        q, k, v = (None if t is None else p.spread(t) for t in (q, k, v))
+        return self.backend.forward(layer_id, q, k, v, self.kv_cache, self.meta)[p.index]
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        """Where this forward's tokens write their K/V."""
+        return self.meta.out_cache_loc if self.packed is None else self.packed.write_slots
 
     @property
     def fused_rope_write(self) -> bool:

@@ -113,6 +113,26 @@ class SamplingTensors:
             self.any_plain,
         )
 
+    def take(self, rows: torch.Tensor) -> SamplingTensors:
+        """The rows at `rows` (a packed subset of an expanded batch)."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows]
+
+        return SamplingTensors(
+            pick(self.temperatures),
+            pick(self.top_ks),
+            pick(self.top_ps),
+            pick(self.min_ps),
+            pick(self.seeds),
+            self.all_greedy,
+            self.needs_filter,
+            self.logprobs,
+            self.top_logprobs,
+            pick(self.plain_rows),
+            self.any_plain,
+        )
+
 
 def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Set to -inf every token removed by top_k, then top_p (on the renormalised top-k

@@ -89,6 +89,8 @@ class EngineCore:
         # plain step skips the draft, which catches up when speculation resumes
         tiers = speculation_tiers(draft.shape) if cfg.speculative_adaptive else None
         self.adaptive = AdaptiveSpeculation(tiers, self._step_seconds) if tiers else None
+        if tiers and any(t.ragged for t in tiers):  # each request's share of a budget
+            self.rows.add_calibration(draft.shape.max_depth)
         self.draft_lag = None
         if tiers and cfg.speculative_adaptive_lag_tokens > 0:
             self.draft_lag = DraftLag(cfg.speculative_adaptive_lag_tokens)

@@ -246,9 +246,9 @@ class Worker:
             return {}
         rows = self.rows.rows_of([chunks[i].req.rid for i in done])
         # the draft has its entries for the whole prompt: it is exact up to kv_len
-        self.rows.set_state(
-            to_device(torch.tensor(rows), dev), sample_pos, sampled, features, sample_pos
-        )
+        rows_dev = to_device(torch.tensor(rows), dev)
+        self.rows.set_state(rows_dev, sample_pos, sampled, features, sample_pos)
+        self.rows.reset_calibration(rows_dev)
         values = sampled.tolist()
         first = {chunks[i].req.rid: (values[j], first_logprobs[j]) for j, i in enumerate(done)}
         self.observe_tokens({rid: (t,) for rid, (t, _) in first.items()})

@@ -38,11 +38,20 @@ EMA = 0.2  # weight of the newest observation
 
 
 def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
-    """Plain decoding, a short chain, and the configured shape (distinct, smallest first)."""
+    """Plain decoding, a short chain, the configured tree verifying a quarter and a half of
+    its nodes per request on average (ragged: each request as many as they are worth), and
+    the whole configured tree (distinct, smallest first)."""
     chain_steps = min(shape.steps, 3)
     chain = TreeShape(chain_steps, 1, chain_steps + 1)
+    budgets = []
+    if shape.topk > 1:  # a chain has no nodes worth less than others
+        budgets = [
+            TreeShape(shape.steps, shape.topk, shape.tokens, v)
+            for v in (shape.tokens // 4, shape.tokens // 2)
+            if 2 <= v < shape.tokens
+        ]
     tiers = [PLAIN]
-    for t in (chain, shape):
+    for t in (chain, *budgets, shape):
         if t not in tiers and t.tokens <= shape.tokens:
             tiers.append(t)
     return tiers

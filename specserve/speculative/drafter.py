@@ -189,7 +189,7 @@ class TreeDrafter:
     @torch.inference_mode()
     def draft(self, batch, shape: TreeShape | None = None) -> DraftTrees:
         """The trees of `shape` (default: the configured one; a one-token shape: the root)."""
-        shape = shape or self.shape
+        shape = (shape or self.shape).drafted
         if shape.tokens == 1:
             return DraftTrees.root_only(batch.roots)
         # Few, fused kernels per depth: at batch 1 on a small target every launch costs about
@@ -273,16 +273,18 @@ class TreeDrafter:
 
     # ---- after verification ---------------------------------------------------------------------
     @torch.inference_mode()
-    def extend_after_verify(self, batch, trees: DraftTrees, acc, target_out) -> torch.Tensor:
+    def extend_after_verify(
+        self, batch, trees: DraftTrees, acc, target_out, path_rows: torch.Tensor
+    ) -> torch.Tensor:
         """Run the draft over the accepted tokens (fixed width max_depth+1 per request; entries
-        past the accepted length land in scratch positions and are never read). Returns the
+        past the accepted length land in scratch positions and are never read). path_rows
+        [B, max_depth + 1]: the accepted path's rows in the target's outputs. Returns the
         new root state [B, H]: the draft's output at the last accepted token. After a plain
         step (a one-node tree) this is the one token decoded: the draft stays caught up."""
         d, w = self.delta, trees.max_depth + 1
-        bsz, n = trees.tokens.shape
+        bsz = trees.tokens.shape[0]
         tokens = acc.emitted.reshape(-1)
-        rows = (torch.arange(bsz, device=self.device)[:, None] * n + acc.path).reshape(-1)
-        feats = self.features_of(target_out, rows)
+        feats = self.features_of(target_out, path_rows.reshape(-1))
         positions = (
             batch.kv_lens_dev[:, None] + d + torch.arange(w, device=self.device)[None, :]
         ).reshape(-1)

@@ -33,7 +33,7 @@ class RootOnlyDrafter:
     def draft(self, batch, shape=None) -> DraftTrees:
         return DraftTrees.root_only(batch.roots)
 
-    def extend_after_verify(self, batch, trees, acc, target_out) -> None:
+    def extend_after_verify(self, batch, trees, acc, target_out, path_rows) -> None:
         return None
 
     def extend_after_prefill(self, chunks, target_out, done, sampled) -> torch.Tensor | None:

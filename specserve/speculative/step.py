@@ -17,6 +17,7 @@ import torch
 from specserve.config.kernels import Kernels
 from specserve.device import to_device
 from specserve.kv.request_rows import PAD_ROW, RequestRows
+from specserve.ops.attention import PackedQueries
 from specserve.ops.attention_metadata import build_device_metadata
 from specserve.ops.logprobs import token_logprobs
 from specserve.ops.sampling import SamplingTensors, sample
@@ -29,6 +30,14 @@ from specserve.speculative.tree import (
     accept,
     root_only_where,
 )
+from specserve.speculative.verify_budget import (
+    VerifyPlan,
+    node_values,
+    plan_verify,
+    pruned,
+    ranks_by_key,
+)
+from specserve.speculative.verify_budget import observe as observe_acceptance
 
 
 @dataclass
@@ -36,6 +45,7 @@ class DecodeBatch:
     """What drafting and verification share about one decode step. KV lengths and roots are
     read on the device from the requests' rows; the host only knows upper bounds."""
 
+    rows: torch.Tensor  # [B] the requests' rows in RequestRows (PAD_ROW: padding)
     batch_size: int
     kv_upper: list[int]  # host upper bounds of each request's kv_len
     kv_lens_dev: torch.Tensor  # [B] exact, device
@@ -167,13 +177,13 @@ class DecodeStep:
             batch.root_g = self.drafter.catch_up(batch, rows)
         shape = self.tiers[tier]
         trees = self.drafter.draft(batch, shape)
-        acc, target_out, logprobs = self.verify(batch, trees)
+        acc, target_out, logprobs, path_rows = self.verify(batch, trees, shape.verified)
         new_lens = batch.kv_lens_dev + acc.accept_len
         if self.skips_draft and shape.tokens == 1:
             self.drafter.record_skipped(batch, target_out, acc, rows)
             self.rows.set_state(rows, new_lens, acc.bonus)
         else:
-            features = self.drafter.extend_after_verify(batch, trees, acc, target_out)
+            features = self.drafter.extend_after_verify(batch, trees, acc, target_out, path_rows)
             self.rows.set_state(rows, new_lens, acc.bonus, features, new_lens)
         return acc.accept_len, acc.emitted, logprobs
 
@@ -185,6 +195,7 @@ class DecodeStep:
         owned = st.slots(rows, width)
         cols = kv_lens[:, None] + torch.arange(window, device=self.device)[None, :]
         return DecodeBatch(
+            rows=rows,
             batch_size=rows.shape[0],
             kv_upper=kv_upper,
             kv_lens_dev=kv_lens,
@@ -198,28 +209,45 @@ class DecodeStep:
         )
 
     def verify(
-        self, batch: DecodeBatch, trees: DraftTrees
-    ) -> tuple[Acceptance, object, StepLogprobs | None]:
+        self, batch: DecodeBatch, trees: DraftTrees, verified: int = 0
+    ) -> tuple[Acceptance, object, StepLogprobs | None, torch.Tensor]:
         """One target forward over every tree of the batch (node i at position kv_len +
         depth[i], its KV written at kv_len + i, seeing its ancestors); the target draws a token
         per node; acceptance follows the draft where it agrees; the accepted path's KV moves to
-        [kv_len, kv_len + accept_len). Returns (acceptance, the target's outputs, the emitted
-        tokens' log-probs when the batch asks for them)."""
+        [kv_len, kv_len + accept_len). verified > 0 (and below the trees' width): only
+        B * verified nodes are verified, each request's best ones (ragged verification).
+        Returns (acceptance, the target's outputs, the emitted tokens' log-probs when the batch
+        asks for them, the accepted path's rows in the target's outputs)."""
         b, n = trees.tokens.shape
         kernels = self.kernels
         positions = (batch.kv_lens_dev[:, None] + trees.depths).reshape(-1)
         anc = None if n == 1 else trees.ancestors()
         mask = None if anc is None else anc.reshape(-1)
-        meta = batch.metadata(n, n, n, batch.window_slots[:, :n].reshape(-1), mask)
-        out = self.target.forward(
-            trees.tokens.reshape(-1), positions, meta, self.drafter.capture_layers
-        )
+        slots = batch.window_slots[:, :n].reshape(-1)
+        meta = batch.metadata(n, n, n, slots, mask)
+        plan = self._plan(batch, trees, verified) if 1 < verified < n else None
+        tokens, packed = trees.tokens.reshape(-1), None
+        if plan is not None:
+            # pruned nodes' KV slots are zeros: attention never weighs what it masks out, but
+            # 0 * NaN would still be NaN
+            self.target.kv_cache.buffer.index_fill_(2, slots, 0)
+            tokens, positions = tokens[plan.packed], positions[plan.packed]
+            packed = PackedQueries(plan.packed, b * n, slots[plan.packed])
+        out = self.target.forward(tokens, positions, meta, self.drafter.capture_layers, packed)
         st = batch.sampling
         logits = self.target.model.compute_logits(out.hidden, kernels, upcast=not st.all_greedy)
         if n > 1 and not st.all_greedy:  # greedy rows need no per-node sampling parameters
-            st = st.expand(n)
+            st = st.expand(n) if plan is None else st.expand(n).take(plan.packed)
         # each node's draw is for the position after it: kv_len + depth + 1
-        target_tokens = sample(logits, st, positions + 1, kernels).view(b, n)
+        drawn = sample(logits, st, positions + 1, kernels)
+        if plan is None:
+            target_tokens = drawn.view(b, n)
+            node_rows = torch.arange(b * n, device=self.device).view(b, n)
+        else:  # a pruned node has no draw (-2 is no token and no pruned node's -1)
+            target_tokens = torch.full((b * n,), -2, dtype=drawn.dtype, device=self.device)
+            target_tokens = target_tokens.index_copy_(0, plan.packed, drawn).view(b, n)
+            node_rows = plan.row_of
+            trees = pruned(trees, plan.keep)
         if self.simulator is not None and anc is not None:
             acc = self.simulator.accept(trees, target_tokens, anc)
         else:
@@ -230,20 +258,39 @@ class DecodeStep:
             commit_accepted_path(
                 [self.target.kv_cache], batch.window_slots, acc.path, kernels.kv_commit
             )
+            if self.rows.reached is not None:
+                self._calibrate(batch, trees, acc)
+        path_rows = torch.gather(node_rows, 1, acc.path)
         logprobs = (
-            emitted_logprobs(logits.view(b, n, -1), acc, st.top_logprobs) if st.logprobs else None
+            emitted_logprobs(logits, path_rows, acc, st.top_logprobs) if st.logprobs else None
         )
-        return acc, out, logprobs
+        return acc, out, logprobs, path_rows
+
+    def _plan(self, batch: DecodeBatch, trees: DraftTrees, verified: int) -> VerifyPlan:
+        """Which nodes this step verifies: B * verified in all, by their estimated worth."""
+        rows = batch.rows
+        values = node_values(trees, self.rows.reached[rows], self.rows.predicted[rows])
+        plain = batch.sampling.plain_rows if batch.sampling.any_plain else None
+        return plan_verify(trees, values, ranks_by_key(trees), plain, batch.batch_size * verified)
+
+    def _calibrate(self, batch: DecodeBatch, trees: DraftTrees, acc: Acceptance) -> None:
+        rows = batch.rows
+        reached, predicted = observe_acceptance(
+            self.rows.reached[rows], self.rows.predicted[rows], trees, acc.accept_len
+        )
+        self.rows.reached[rows], self.rows.predicted[rows] = reached, predicted
 
 
-def emitted_logprobs(logits: torch.Tensor, acc: Acceptance, k: int) -> StepLogprobs:
-    """logits [B, N, V] of every tree node. The emitted token j is the target's own draw at
-    the accepted path's node j, so its log-prob is read from that node's row (rows past
-    accept_len repeat the last node and are discarded on the host)."""
-    b, width = acc.path.shape
-    vocab = logits.shape[-1]
-    rows = torch.gather(logits, 1, acc.path[:, :, None].expand(b, width, vocab))
-    token, values, ids = token_logprobs(rows.reshape(-1, vocab), acc.emitted.reshape(-1), k)
+def emitted_logprobs(
+    logits: torch.Tensor, path_rows: torch.Tensor, acc: Acceptance, k: int
+) -> StepLogprobs:
+    """logits [R, V] of the verified nodes; path_rows [B, W]: the accepted path's rows. The
+    emitted token j is the target's own draw at the accepted path's node j, so its log-prob
+    is read from that node's row (rows past accept_len repeat the last node and are
+    discarded on the host)."""
+    b, width = path_rows.shape
+    rows = logits[path_rows.reshape(-1)]
+    token, values, ids = token_logprobs(rows, acc.emitted.reshape(-1), k)
     if values is None:
         return StepLogprobs(token.view(b, width), None, None)
     return StepLogprobs(token.view(b, width), values.view(b, width, -1), ids.view(b, width, -1))

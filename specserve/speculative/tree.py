@@ -17,11 +17,23 @@ import torch
 @dataclass(frozen=True)
 class TreeShape:
     """What one step drafts: `steps` draft forwards keeping `topk` children per node, the best
-    `tokens` nodes (the root included) verified. tokens == 1 is plain decoding."""
+    `tokens` nodes (the root included) verified. tokens == 1 is plain decoding. verified > 0:
+    the batch verifies `verified` nodes per request on average, each request as many of its
+    best nodes as they are worth (ragged verification, speculative/verify_budget.py)."""
 
     steps: int
     topk: int
     tokens: int
+    verified: int = 0
+
+    @property
+    def drafted(self) -> TreeShape:
+        """The shape drafting builds (whatever part of it is verified)."""
+        return TreeShape(self.steps, self.topk, self.tokens)
+
+    @property
+    def ragged(self) -> bool:
+        return 0 < self.verified < self.tokens
 
     @property
     def max_depth(self) -> int:
@@ -36,7 +48,10 @@ class TreeShape:
         )
 
     def __str__(self) -> str:
-        return "plain" if self.tokens == 1 else f"{self.steps}/{self.topk}/{self.tokens}"
+        if self.tokens == 1:
+            return "plain"
+        budget = f"@{self.verified}" if self.ragged else ""
+        return f"{self.steps}/{self.topk}/{self.tokens}{budget}"
 
 
 PLAIN = TreeShape(0, 1, 1)
