@@ -207,13 +207,17 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         )
     if c.speculative_adaptive:
         chain = min(steps, 3)
-        tiers = f"plain, a chain of {chain}, the {steps}-step topk-{topk} tree of {ndt} tokens"
+        budgets = [v for v in (ndt // 4, ndt // 2) if 2 <= v < ndt] if topk > 1 else []
+        ragged = "".join(f", the tree verifying {v} of its nodes per request" for v in budgets)
+        tiers = f"plain, a chain of {chain}{ragged}, the {steps}-step topk-{topk} tree of {ndt}"
         decisions.append(
             (
                 "speculative_adaptive",
                 True,
-                f"each step drafts one of: {tiers}, the one emitting the most tokens per second "
-                "at its batch size (step times measured on this device, acceptance observed)",
+                f"each step drafts one of: {tiers} tokens, the one emitting the most tokens "
+                "per second at its batch size (step times measured on this device, acceptance "
+                "observed); a partly verified tree gives each request as many nodes as its "
+                "calibrated draft probabilities say they are worth",
             )
         )
         lag = c.speculative_adaptive_lag_tokens
