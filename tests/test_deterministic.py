@@ -37,7 +37,9 @@ from specserve.ops.triton_kernels.rows import row_attention, token_requests  # n
 from tests.test_triton_attention import LAYER, Req, make_case  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DETERMINISTIC = Kernels(batch_invariant_matmul=True, batch_invariant_attention=True, fused_norms=True)
+DETERMINISTIC = Kernels(
+    batch_invariant_matmul=True, batch_invariant_attention=True, fused_norms=True
+)
 SMALL = InvariantConfig(block_n=16, block_k=32)  # several N tiles and K steps at test sizes
 
 

@@ -184,7 +184,9 @@ def _merge_rows_kernel(
         total = tl.where(valid, total * alpha + w, total)
         m = tl.where(valid, m_new, m)
     out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(Out + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+    tl.store(
+        Out + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask
+    )
 
 
 def token_requests(qo_indptr: torch.Tensor, num_tokens: int) -> torch.Tensor:
