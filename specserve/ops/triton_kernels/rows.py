@@ -57,7 +57,9 @@ def _nth_visible(mrow, extra, k, MASK_CHUNK: tl.constexpr):
     return col
 
 
-@triton.jit
+# One compiled variant for every forward: whether a custom mask is given is a runtime value
+# (not a constexpr), so plain decode and tree verify run the same instructions.
+@triton.jit(do_not_specialize=["has_mask"])
 def _row_split_kernel(
     Q,  # [T, H, D]
     K,  # [num_slots, Hkv, D]
@@ -69,8 +71,9 @@ def _row_split_kernel(
     kv_indptr,
     kv_indices,
     extra_lens,
-    custom_mask,  # uint8 view of the flattened bool blocks (unused without CUSTOM_MASK)
+    custom_mask,  # uint8 view of the flattened bool blocks (read only if has_mask)
     mask_indptr,
+    has_mask,  # 1: custom_mask governs the extra part; 0: causal
     qk_scale,
     stride_qt,
     stride_qh,
@@ -78,7 +81,6 @@ def _row_split_kernel(
     stride_kh,
     stride_vs,
     stride_vh,
-    CUSTOM_MASK: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -101,11 +103,10 @@ def _row_split_kernel(
     kv_len = tl.load(kv_indptr + b + 1).to(tl.int64) - kv_start
     extra = tl.load(extra_lens + b).to(tl.int64)
     prefix = kv_len - extra
-    if CUSTOM_MASK:
-        mrow = custom_mask + tl.load(mask_indptr + b).to(tl.int64) + i * extra
+    n_vis = tl.minimum(tl.maximum(i + extra - q_len + 1, 0), extra)  # causal, aligned at the end
+    mrow = custom_mask + tl.load(mask_indptr + b).to(tl.int64) + i * extra
+    if has_mask != 0:
         n_vis = _visible_extra(mrow, extra, MASK_CHUNK).to(tl.int64)
-    else:  # causal, aligned at the end
-        n_vis = tl.minimum(tl.maximum(i + extra - q_len + 1, 0), extra)
     length = prefix + n_vis  # the row's visible KV
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, length)  # lo >= hi: a split past the row's end
@@ -127,9 +128,8 @@ def _row_split_kernel(
         pos = start + tl.arange(0, BLOCK_N)  # logical positions in the row's visible list
         n_mask = pos < hi
         col = pos - prefix  # column in the extra part (causal: the visible ones come first)
-        if CUSTOM_MASK:
-            if start + BLOCK_N > prefix:
-                col = _nth_visible(mrow, extra, pos - prefix, MASK_CHUNK)
+        if (has_mask != 0) & (start + BLOCK_N > prefix):
+            col = _nth_visible(mrow, extra, pos - prefix, MASK_CHUNK)
         idx = tl.where(pos < prefix, pos, prefix + col)
         slots = tl.load(kv_indices + kv_start + idx, mask=n_mask, other=0).to(tl.int64)
         acc, m_i, l_i = attend_kv_block(
@@ -228,12 +228,14 @@ def row_attention(
     _row_split_kernel[(num_tokens, num_kv_heads, splits)](
         q, k_cache, v_cache, o_part, lse_part, token_request, qo_indptr, kv_indptr, kv_indices,
         extra_lens,
-        custom_mask.view(torch.uint8) if has_mask else qo_indptr,
+        # placeholders of the same types without a mask: one compiled variant
+        (custom_mask if has_mask else qo_indptr).view(torch.uint8),
         mask_indptr if has_mask else qo_indptr,
+        int(has_mask),
         head_dim**-0.5 * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
-        CUSTOM_MASK=has_mask, GROUP=group, HEAD_DIM=head_dim,
+        GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         CHUNK=chunk, MASK_CHUNK=_MASK_CHUNK,
         num_warps=4, num_stages=NUM_STAGES,
