@@ -13,6 +13,12 @@ read + write). Also checked per kernel: the error against an fp32 reference, and
 batch-invariant GEMM that row 0 has the same bits at M as alone (it must).
 Last: the step's matmuls (32 layers x qkv, o, gate_up, down + lm_head) per method and M, as
 time per step and the tok/s that time alone would allow at batch M. JSON, then tables.
+
+    python3 bench/weight_stream_bandwidth.py --tune [--tune-ms 1,16,64] [--shapes qkv,o]
+
+sweeps the batch-invariant GEMM's tile per weight shape (one tile for every M: the score is
+the sum over --tune-ms of each time over the best time at that M) and prints the winners as
+`TUNED` entries for specserve/ops/triton_invariant_linear.py.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.bench.gpu_timing import warm_up_clocks  # noqa: E402
-from specserve.ops.triton_invariant_linear import invariant_linear  # noqa: E402
+from specserve.ops.triton_invariant_linear import InvariantConfig, invariant_linear  # noqa: E402
 from specserve.ops.triton_linear import skinny_linear  # noqa: E402
 
 SHAPES = [  # (name, N, K, layers per step)
@@ -132,6 +138,52 @@ def bench_shape(name, n, k, ms, reps, ceiling) -> list[dict]:
     return rows
 
 
+def tune_candidates(n: int, k: int) -> list[InvariantConfig]:
+    out = []
+    for bn in (16, 32, 64):
+        for bk in (128, 256, 512):
+            for stages in (2, 3, 4, 5):
+                if stages * (bn + 16) * bk * 2 > 160 * 1024:  # W and x tiles in shared memory
+                    continue
+                for warps in (4, 8) if bn * bk >= 64 * 256 else (4,):
+                    out.append(InvariantConfig(bn, bk, warps, stages))
+    return out
+
+
+def tune_shape(name, n, k, ms, reps) -> dict:
+    """Time every candidate tile at every M; the winner is the best summed relative time."""
+    wbytes = n * k * 2
+    copies = max(2, -(-STREAM_BYTES // wbytes))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = [torch.randn(n, k, device="cuda", dtype=DTYPE, generator=g) for _ in range(copies)]
+    out_dtype = torch.float32 if name == "lm_head" else None
+    times: dict[InvariantConfig, dict[int, float]] = {}
+    for m in ms:
+        xs = [torch.randn(m, k, device="cuda", dtype=DTYPE, generator=g) for _ in range(copies)]
+        for cfg in tune_candidates(n, k):
+
+            def fn(x, w, cfg=cfg):
+                return invariant_linear(x, w, out_dtype=out_dtype, config=cfg)
+
+            try:
+                graph, _ = graph_of(fn, xs, ws)
+                times.setdefault(cfg, {})[m] = events_ms(graph.replay, reps) / copies
+            except Exception as e:  # out of shared memory or registers: not a candidate
+                print(f"# {name} M={m} {cfg}: {type(e).__name__}", flush=True)
+                times.setdefault(cfg, {})[m] = float("inf")
+    best_at = {m: min(t[m] for t in times.values()) for m in ms}
+    score = {cfg: sum(t[m] / best_at[m] for m in ms) for cfg, t in times.items()}
+    win = min(score, key=score.get)
+    rec = {
+        "shape": name, "N": n, "K": k, "config": repr(win), "score": score[win],
+        "us": {m: 1e3 * times[win][m] for m in ms},
+        "weight_GBps": {m: wbytes / times[win][m] / 1e6 for m in ms},
+        "best_us_any_config": {m: 1e3 * best_at[m] for m in ms},
+    }  # fmt: skip
+    print(json.dumps(rec), flush=True)
+    return rec
+
+
 def step_totals(rows: list[dict], ms: list[int]) -> list[dict]:
     """The 8B step's matmuls per method and M: time and the tok/s it alone allows."""
     layers = {name: count for name, _, _, count in SHAPES}
@@ -160,6 +212,8 @@ def main() -> int:
     p.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     p.add_argument("--reps", type=int, default=20, help="graph replays timed per case")
     p.add_argument("--json", help="also write everything to this file")
+    p.add_argument("--tune", action="store_true", help="sweep the batch-invariant GEMM's tiles")
+    p.add_argument("--tune-ms", default="1,16,64", help="rows the tile must serve (--tune)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -167,6 +221,15 @@ def main() -> int:
     ms = [int(v) for v in args.ms.split(",")]
     wanted = set(args.shapes.split(","))
     warm_up_clocks()
+    if args.tune:
+        tune_ms = [int(v) for v in args.tune_ms.split(",")]
+        recs = [tune_shape(nm, n, k, tune_ms, args.reps) for nm, n, k, _ in SHAPES if nm in wanted]
+        if args.json:
+            Path(args.json).write_text(json.dumps(recs, indent=2))
+        print("\nTUNED entries for specserve/ops/triton_invariant_linear.py:")
+        for r in recs:
+            print(f"    ({r['N']}, {r['K']}): {r['config']},  # {r['shape']}")
+        return 0
     ceil = read_ceiling(args.reps)
     torch.cuda.empty_cache()  # the 8 GiB of the ceiling's tensors
     print(json.dumps({"read_ceiling": ceil, "device": torch.cuda.get_device_name()}), flush=True)

@@ -20,7 +20,9 @@ widths W comes from L2 after its first read.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import triton
@@ -88,17 +90,30 @@ class InvariantConfig:
     num_warps: int = 4
     num_stages: int = 4
 
+    def __post_init__(self):
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        if min(self.block_n, self.block_k) < 16:
+            raise ValueError("blocks must be >= 16 (tl.dot's smallest shape)")
+
+
+# Measured tiles keyed by the weight's (N, K) (never by M: that would break invariance);
+# `bench/weight_stream_bandwidth.py --tune` prints entries in this form, to be pasted here.
+# Shapes not listed use the heuristic in `invariant_config`.
+TUNED: Mapping[tuple[int, int], InvariantConfig] = MappingProxyType({})
 
 _CONFIGS: dict[tuple[int, int, int], InvariantConfig] = {}
 
 
 def invariant_config(n: int, k: int, num_sms: int) -> InvariantConfig:
     """The tile of a weight [n, k]: a function of the weight's shape and the GPU, never of M.
-    BLOCK_N is the widest of 64 / 32 / 16 that still gives ~2 programs per SM at one M tile
-    (no split-K here, so narrow layers need narrow tiles to fill the GPU); BLOCK_K streams
-    512 bytes of a W row per step."""
+    A TUNED entry, else: BLOCK_N the widest of 64 / 32 / 16 that still gives ~2 programs per
+    SM at one M tile (no split-K here, so narrow layers need narrow tiles to fill the GPU);
+    BLOCK_K streams 512 bytes of a W row per step."""
     key = (n, k, num_sms)
-    cfg = _CONFIGS.get(key)
+    cfg = _CONFIGS.get(key) or TUNED.get((n, k))
     if cfg is None:
         block_n = 16
         for bn in (64, 32):
