@@ -390,22 +390,24 @@ def test_cli_has_the_flag():
 # the engine with the deterministic kernels (interpreter on a CPU; wiring end to end)
 
 
-def test_engine_speculative_equals_plain_and_batch_equals_alone():
+@pytest.mark.parametrize("draft", ["standalone", "eagle"])
+def test_engine_speculative_equals_plain_and_batch_equals_alone(draft, tmp_path):
     from specserve import Engine
-    from tests.engine_utils import TINY, mixed_prompts
+    from specserve.model.config import PRESETS
+    from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+    from tests.engine_utils import TINY, mixed_prompts, spec_args
 
     sp = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
-    spec = dict(
-        speculative_algorithm="STANDALONE", speculative_draft_model_path="tiny",
-        speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4,
-    )  # fmt: skip
+    path = "tiny"
+    if draft == "eagle":
+        path = write_random_eagle_checkpoint(str(tmp_path / "e"), PRESETS["tiny"], "EAGLE")
     prompts = mixed_prompts(3, 512, seed=5, max_len=12)
 
     def run(batch, **kw):
         args = dict(TINY, device=str(DEVICE), attention_backend="triton", kernels=DETERMINISTIC)
-        with Engine(**args, max_total_tokens=2048, **kw) as e:
+        with Engine(**args, max_total_tokens=2048, page_size=2, **kw) as e:
             return [o["output_ids"] for o in e.generate(input_ids=batch, sampling_params=sp)]
 
     plain = run(prompts)
-    assert run(prompts, **spec) == plain
+    assert run(prompts, **spec_args(path, 2, 2, 4)) == plain
     assert run(prompts[1:2]) == plain[1:2]
