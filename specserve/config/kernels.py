@@ -65,7 +65,7 @@ _STEP_KERNELS = (
 _INVARIANT_KERNELS = ("batch_invariant_matmul", "batch_invariant_attention")
 # Why deterministic inference is not the default yet: it becomes the default once it costs at
 # most 3% at batch 1 (SmolLM2 plain and tree, 8B) and 16 (8B) on the H200
-# (bench/deterministic_cost.sh); until then it is asked for.
+# (bench/deterministic_cost.py); until then it is asked for.
 DETERMINISTIC_OFF = (
     "enable_deterministic_inference is off (the default until its decode cost on the H200 is "
     "measured within 3% of the fast kernels): cuBLAS, the skinny GEMM and split-KV attention "
