@@ -31,6 +31,7 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
     ob.add_argument("--batch-size", type=int, nargs="+", default=[1])
     ob.add_argument("--input-len", type=int, default=128)
     ob.add_argument("--output-len", type=int, default=256)
+    ob.add_argument("--output-json", help="also write the rows to this file")
     add_engine_args(ob)
 
     def run_one_batch_cmd(args):
@@ -41,7 +42,7 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
         with Engine(**engine_kwargs(args)) as engine:
             for bs in args.batch_size:
                 rows.append(run_one_batch(engine, bs, args.input_len, args.output_len))
-        dump(rows)
+        dump(rows, args.output_json)
         return 0
 
     ob.set_defaults(func=run_one_batch_cmd)

@@ -51,6 +51,9 @@ class EngineConfig:
     cuda_graph_max_prefill_tokens: int | None = None  # one-chunk prefills replayed up to this
     disable_fused_kernels: bool = False  # the torch reference ops everywhere (debugging)
     disable_radix_cache: bool = False  # no prefix cache: every prompt is prefilled whole
+    # CUDA: batch-invariant kernels, so a request's output is the same alone, in any batch, and
+    # with or without speculation (SGLang's name); off by default until its cost is measured
+    enable_deterministic_inference: bool = False
     kernels: Kernels | None = None  # decided by resolve(); tests and benches may pass their own
     # speculative decoding (SGLang's names)
     no_default_draft: bool = False  # a packaged model's bundled draft stays off
@@ -162,6 +165,18 @@ class EngineConfig:
         ):
             c, part_decisions = resolve_part(c)
             decided.extend(part_decisions)
+        if c.enable_deterministic_inference and on_gpu:
+            require(
+                not c.disable_fused_kernels,
+                "enable_deterministic_inference",
+                "needs the fused kernels on CUDA (not disable_fused_kernels): the torch "
+                "reference ops are not batch-invariant there",
+            )
+            require(
+                c.attention_backend == "triton",
+                "enable_deterministic_inference",
+                f"needs attention_backend 'triton' on CUDA, not {c.attention_backend!r}",
+            )
         if c.kernels is None:
             kernels, kernel_decisions = resolve_kernels(
                 on_gpu,
@@ -169,6 +184,7 @@ class EngineConfig:
                 _triton_available(),
                 c.disable_fused_kernels,
                 _torch_version(),
+                deterministic=c.enable_deterministic_inference,
             )
             c = replace(c, kernels=kernels)
             decided.extend(kernel_decisions)

@@ -27,6 +27,9 @@ class Kernels:
     fused_norms: bool = False  # RMSNorm, add+RMSNorm, SiLU-and-mul, EAGLE's embed+concat
     fp32_logits: bool = False  # cuBLAS writes float32 logits straight from 16-bit operands
     draft_fc_qkv: bool = False  # an EAGLE head's fc and first qkv as one GEMM
+    # deterministic inference: a row's bits do not depend on the rest of the batch
+    batch_invariant_matmul: bool = False  # every matmul (and logits) through one fixed-order GEMM
+    batch_invariant_attention: bool = False  # one reduction order per query row, any forward
     # the decode step (CUDA)
     decode_metadata: bool = False  # a step's attention metadata in one launch
     sampling_reductions: bool = False  # split-row argmax and top-k log-probs
@@ -59,8 +62,24 @@ _STEP_KERNELS = (
 )
 
 
+_INVARIANT_KERNELS = ("batch_invariant_matmul", "batch_invariant_attention")
+# Why deterministic inference is not the default yet: it becomes the default once it costs at
+# most 3% at batch 1 (SmolLM2 plain and tree, 8B) and 16 (8B) on the H200
+# (bench/deterministic_cost.py); until then it is asked for.
+DETERMINISTIC_OFF = (
+    "enable_deterministic_inference is off (the default until its decode cost on the H200 is "
+    "measured within 3% of the fast kernels): cuBLAS, the skinny GEMM and split-KV attention "
+    "pick their reduction order by batch shape, so a row's bf16 bits may change with the batch"
+)
+
+
 def resolve_kernels(
-    on_gpu: bool, half_precision: bool, triton: bool, disabled: bool, torch_version: tuple
+    on_gpu: bool,
+    half_precision: bool,
+    triton: bool,
+    disabled: bool,
+    torch_version: tuple,
+    deterministic: bool = False,
 ) -> tuple[Kernels, list[tuple[str, bool, str]]]:
     """The kernels an engine runs, with a reason per choice."""
     decisions: list[tuple[str, bool, str]] = []
@@ -73,7 +92,19 @@ def resolve_kernels(
             else "Triton is not installed: the torch reference ops"
         )
         decisions.append(("kernels", "reference", why))
+        if deterministic:
+            decisions.append(
+                (
+                    "kernels.batch_invariant_matmul",
+                    False,
+                    f"{why}; deterministic inference in float32 on a CPU runs the torch "
+                    "reference (the batch-invariant Triton kernels are for CUDA; they are "
+                    "tested on a CPU through Triton's interpreter)",
+                )
+            )
         return REFERENCE, decisions
+    if deterministic:
+        return _deterministic(decisions)
     on = dict.fromkeys(_STEP_KERNELS, True)
     step_why = "CUDA: one launch instead of several torch kernels (launch-bound at small batch)"
     for name in _STEP_KERNELS:
@@ -110,4 +141,64 @@ def resolve_kernels(
                 else "torch < 2.8 cannot write float32 from a 16-bit GEMM: logits upcast",
             )
         )
+    for name in _INVARIANT_KERNELS:
+        decisions.append((f"kernels.{name}", False, DETERMINISTIC_OFF))
+    return Kernels(**on), decisions
+
+
+def _deterministic(
+    decisions: list[tuple[str, bool, str]],
+) -> tuple[Kernels, list[tuple[str, bool, str]]]:
+    """enable_deterministic_inference on CUDA: every row of every op reduces in an order that
+    depends only on that row, so decode, tree verify and batching agree bit for bit."""
+    on = dict.fromkeys(_STEP_KERNELS, True)
+    step_why = "CUDA: one launch instead of several torch kernels (launch-bound at small batch)"
+    for name in _STEP_KERNELS:
+        why = step_why
+        if name == "sampling_reductions":
+            why += "; argmax and top-k per row are exact (ties to the lower id): batch-invariant"
+        decisions.append((f"kernels.{name}", True, why))
+    on.update(
+        batch_invariant_matmul=True,
+        batch_invariant_attention=True,
+        fused_norms=True,
+        draft_fc_qkv=True,
+    )
+    decisions += [
+        (
+            "kernels.batch_invariant_matmul",
+            True,
+            "enable_deterministic_inference: qkv, o, gate_up, down and lm_head (float32 "
+            "logits) run one Triton GEMM whose tile depends on the weight shape only (16-row "
+            "tiles, no split-K, K in a fixed order) for every M: decode, tree verify and "
+            "prefill rows get the same bits alone or in any batch",
+        ),
+        (
+            "kernels.batch_invariant_attention",
+            True,
+            "enable_deterministic_inference: decode-step forwards run one kernel per query "
+            "row over its visible KV in logical order, in fixed 64-position blocks and "
+            "256-position splits (set by the row's own length); prefill runs the extend "
+            "kernel unsplit, its blocks aligned to positions",
+        ),
+        (
+            "kernels.fused_norms",
+            True,
+            "enable_deterministic_inference: RMSNorm, add+RMSNorm and SiLU-and-mul reduce "
+            "each row in one program of a fixed width (torch's reductions size their launch "
+            "by the batch)",
+        ),
+        ("kernels.draft_fc_qkv", True, "one GEMM fewer per draft forward (launch-bound)"),
+        (
+            "kernels.skinny_gemm",
+            False,
+            "enable_deterministic_inference: the batch-invariant GEMM runs every matmul (the "
+            "skinny GEMM reduces one-token rows in another order than verify rows)",
+        ),
+        (
+            "kernels.fp32_logits",
+            False,
+            "enable_deterministic_inference: the batch-invariant GEMM writes float32 logits",
+        ),
+    ]
     return Kernels(**on), decisions

@@ -7,6 +7,8 @@ Which variant runs is the caller's `Kernels` (config/kernels.py), carried in the
   residual add after o / down, so a layer runs no elementwise kernel between its matmuls;
 - mode 1: F.linear with the fused Triton RMSNorm, residual-add + RMSNorm and SiLU-and-mul
   (ops/triton_norm.py);
+- mode 3, deterministic inference: every linear layer, for any token count, is the
+  batch-invariant GEMM (ops/triton_invariant_linear.py) with the same fusions as mode 2;
 - mode 0: the plain torch ops below (CPU, training, the reference every kernel is tested
   against).
 Kernels read the parameters at call time, so weights loaded after construction are used as
@@ -26,7 +28,10 @@ from specserve.ops.attention import ForwardContext
 
 
 def fused_mode(x: torch.Tensor, kernels: Kernels) -> int:
-    """0: plain torch ops; 1: F.linear + fused elementwise kernels; 2: skinny GEMM."""
+    """0: plain torch ops; 1: F.linear + fused elementwise kernels; 2: skinny GEMM;
+    3: the batch-invariant GEMM."""
+    if kernels.batch_invariant_matmul:
+        return 3
     rows = x.numel() // max(1, x.shape[-1])
     if kernels.skinny_applies(rows, x.shape[-1]):
         return 2
@@ -71,10 +76,13 @@ def fused_linear(
 ) -> torch.Tensor:
     """[residual +] lin(f(x)), f = norm or SiLU-and-mul or identity; one kernel in mode 2.
     accumulate: the sum may be written into `residual` (mode 1: GEMM with beta = 1)."""
-    if mode == 2 and lin.weight.dtype == x.dtype:
-        from specserve.ops.triton_linear import skinny_linear
+    if mode >= 2 and lin.weight.dtype == x.dtype:
+        if mode == 3:
+            from specserve.ops.triton_invariant_linear import invariant_linear as gemm
+        else:
+            from specserve.ops.triton_linear import skinny_linear as gemm
 
-        return skinny_linear(
+        return gemm(
             x,
             lin.weight,
             lin.bias,

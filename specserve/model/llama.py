@@ -94,10 +94,14 @@ class LlamaForCausalLM(nn.Module):
         one-token decoding. Elsewhere F.linear in the model's dtype, then upcast (upcast=False:
         left in that dtype, for argmax-only callers)."""
         weight = self.lm_head_weight
-        if fused_mode(hidden, kernels) == 2 and weight.dtype == hidden.dtype:
-            from specserve.ops.triton_linear import skinny_linear
+        mode = fused_mode(hidden, kernels)
+        if mode >= 2 and weight.dtype == hidden.dtype:
+            if mode == 3:  # deterministic inference: the batch-invariant GEMM
+                from specserve.ops.triton_invariant_linear import invariant_linear as gemm
+            else:
+                from specserve.ops.triton_linear import skinny_linear as gemm
 
-            return skinny_linear(hidden, weight, out_dtype=torch.float32)  # no bf16 rounding
+            return gemm(hidden, weight, out_dtype=torch.float32)  # no bf16 rounding
         if kernels.fp32_logits and weight.dtype == hidden.dtype != torch.float32:
             flat = torch.mm(hidden.reshape(-1, hidden.shape[-1]), weight.t(), torch.float32)
             return flat.view(*hidden.shape[:-1], weight.shape[0])

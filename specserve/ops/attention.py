@@ -41,6 +41,9 @@ class AttentionMetadata:
     # When KV lengths live on the device (decode steps), host_kv_indptr holds upper bounds:
     # good for sizing launches, never for locating a request's KV.
     host_kv_is_upper_bound: bool = False
+    # A decode step's forward (verify, drafting, draft extend), not a prefill: batch-invariant
+    # attention gives these one reduction order per query row (ops/triton_attention.py).
+    decode_step: bool = False
 
     @property
     def batch_size(self) -> int:

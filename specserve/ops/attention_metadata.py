@@ -67,6 +67,7 @@ def build_device_metadata(
     out_cache_loc: torch.Tensor,
     custom_mask: torch.Tensor | None = None,
     use_kernel: bool = False,
+    decode_step: bool = False,
 ) -> AttentionMetadata:
     """Metadata for requests that each see the logical prefix [0, visible_lens[b]) of their
     slots, with the last `extra_len` of those under the (causal or custom) mask.
@@ -110,6 +111,7 @@ def build_device_metadata(
         host_extra_lens=[extra_len] * bsz,
         host_mask_indptr=mask_ptr if with_mask else None,
         host_kv_is_upper_bound=True,
+        decode_step=decode_step,
     )
 
 

@@ -7,6 +7,12 @@
   `triton_kernels.extend`; when its grid is too small for the GPU (tree verify at small batch)
   the cached prefix is split across programs and merged like decode splits.
 
+Batch-invariant (`batch_invariant=True`, deterministic inference): a decode step's forwards
+(`meta.decode_step`: plain decode, tree verify, drafting) run `triton_kernels.rows`, one
+reduction order per query row set by its own visible KV, so a one-token decode and the same
+token as a verified tree node agree bit for bit; prefill runs the extend kernel unsplit with
+position-aligned blocks, so a prompt's rows do not depend on its batch or chunking.
+
 K/V are written into the cache by the model's fused rope kernel (`fused_rope_write`), or
 with torch indexing here when the caller passes them.
 No host-device synchronisation: launch sizes come from the host lists of the metadata
@@ -24,6 +30,7 @@ from specserve.kv.pool import KVCache
 from specserve.ops.attention import AttentionBackend, AttentionMetadata
 from specserve.ops.triton_kernels import decode_attention, extend_attention
 from specserve.ops.triton_kernels.extend import EXTEND_BLOCK_M
+from specserve.ops.triton_kernels.rows import row_attention, token_requests
 
 _BLOCK_N = 64  # split chunks are whole multiples of the kernels' KV block
 _MAX_SPLITS = 64
@@ -44,6 +51,8 @@ class _LaunchPlan:
     max_q_len: int
     num_splits: int  # KV splits (decode) or cached-prefix splits (extend); 1 = none
     kv_per_split: int
+    rows: torch.Tensor | None = None  # batch-invariant decode step: request of each token
+    max_kv_len: int = 0
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -54,12 +63,16 @@ class TritonAttentionBackend(AttentionBackend):
         num_kv_splits: int | None = None,
         min_kv_per_split: int = 256,
         min_prefix_per_split: int = EXTEND_MIN_PREFIX_PER_SPLIT,
+        batch_invariant: bool = False,
     ):
         """num_kv_splits: force the split count of both paths (tests, benchmarks); None picks
         it from the GPU size and the lengths.
         min_kv_per_split: shortest decode chunk worth its own program (smaller chunks cost
         more in the merge than they save); min_prefix_per_split: the same for an extend's
-        cached prefix (H200: 64 beat 128 and 256 for batch-1 tree verify and drafting)."""
+        cached prefix (H200: 64 beat 128 and 256 for batch-1 tree verify and drafting).
+        batch_invariant: the deterministic kernels (module doc); the split arguments then
+        do not apply."""
+        self.batch_invariant = batch_invariant
         self.num_kv_splits = num_kv_splits
         self.min_kv_per_split = max(1, min_kv_per_split)
         self.min_prefix_per_split = max(1, min_prefix_per_split)
@@ -99,6 +112,11 @@ class TritonAttentionBackend(AttentionBackend):
         q_lens = [qo[i + 1] - qo[i] for i in range(batch)]
         kv_lens = [kv[i + 1] - kv[i] for i in range(batch)]
         max_q_len = max(q_lens, default=0)
+        if self.batch_invariant:
+            if meta.decode_step:
+                rows = token_requests(meta.qo_indptr, qo[-1])
+                return _LaunchPlan(False, max_q_len, 1, 0, rows, max(kv_lens, default=0))
+            return _LaunchPlan(False, max_q_len, 1, 0)
         if meta.custom_mask is None and min(q_lens) == max_q_len == 1:
             splits, per_split = self._splits(
                 batch * kv_heads,
@@ -143,7 +161,13 @@ class TritonAttentionBackend(AttentionBackend):
             self._plan_for = meta
         plan = self._plan
         assert plan is not None
-        if plan.is_decode:
+        if plan.rows is not None:
+            row_attention(
+                q, k_cache, v_cache, out, plan.rows, meta.qo_indptr, meta.kv_indptr,
+                meta.kv_indices, meta.extra_lens, meta.custom_mask, meta.mask_indptr,
+                plan.max_kv_len,
+            )  # fmt: skip
+        elif plan.is_decode:
             decode_attention(
                 q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, out,
                 plan.num_splits, plan.kv_per_split,
@@ -153,5 +177,6 @@ class TritonAttentionBackend(AttentionBackend):
                 q, k_cache, v_cache, out, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
                 meta.extra_lens, meta.custom_mask, meta.mask_indptr,
                 meta.batch_size, plan.max_q_len, plan.num_splits, plan.kv_per_split,
+                aligned=self.batch_invariant,
             )  # fmt: skip
         return out

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from specserve.config import EngineConfig
+from specserve.config import REFERENCE, EngineConfig, Kernels
 from specserve.errors import InvalidArgument
 from specserve.kv.allocator import PageAllocator
 from specserve.kv.pool import KVCache
@@ -32,11 +32,11 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 CPU_DEFAULT_KV_TOKENS = 16384
 
 
-def make_attention_backend(name: str):
+def make_attention_backend(name: str, kernels: Kernels = REFERENCE):
     if name == "triton":
         from specserve.ops.triton_attention import TritonAttentionBackend
 
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(batch_invariant=kernels.batch_invariant_attention)
     return TorchAttentionBackend()
 
 
@@ -82,7 +82,7 @@ class EngineCore:
             rows=cfg.max_running_requests + 8,
         )
         self.table.mirror = self.rows
-        backend = make_attention_backend(cfg.attention_backend)
+        backend = make_attention_backend(cfg.attention_backend, cfg.kernels)
         self.runner = ModelRunner(loaded.model, self.kv_cache, backend, cfg.kernels)
         draft.attach(self.table, num_slots, backend, self.rows)
         # load-adaptive speculation: each step drafts the tier that pays most (or none); a

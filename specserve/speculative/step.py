@@ -68,6 +68,7 @@ class DecodeBatch:
             out_cache_loc,
             mask,
             use_kernel=self.kernels.decode_metadata,
+            decode_step=True,
         )
 
 

@@ -14,6 +14,12 @@ programs (32 for Llama-3-8B), far fewer than the GPU's SMs, each walking the who
 With num_splits > 1 the prefix is cut into chunks handled by separate programs (the last one
 also does the extra part), and `merge_splits_kernel` combines their partial results, as in
 split-KV decoding.
+
+Aligned (deterministic inference, unsplit): the prefix loop stops at the last whole KV block
+of the prefix and the masked loop starts there, so every query walks its KV in blocks
+aligned to logical position 0 whatever the prefix length: a row's result is then the same
+whether its prompt was prefilled in one chunk, in several, after a cached prefix, or
+beside other requests (rows of a tile never mix in tl.dot).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ def _extend_kernel(
     stride_oh,
     CUSTOM_MASK: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1: write partials for merge_splits_kernel
+    ALIGNED: tl.constexpr,  # blocks aligned to position 0 (not with SPLIT)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -88,7 +95,11 @@ def _extend_kernel(
 
     # The grid is sized for the longest request; blocks past this request's rows do no work.
     active = m_block * BLOCK_M < q_len * GROUP
-    if not SPLIT:
+    if ALIGNED:
+        prefix_lo = 0
+        prefix_hi = tl.where(active, prefix - prefix % BLOCK_N, 0)
+        do_extra = active
+    elif not SPLIT:
         prefix_lo = 0
         prefix_hi = tl.where(active, prefix, 0)
         do_extra = active
@@ -104,7 +115,8 @@ def _extend_kernel(
         # query bounds how far into the extra part it needs to go.
         last_q = tl.minimum((m_block + 1) * BLOCK_M, q_len * GROUP) // GROUP - 1
         extra_end = prefix + tl.minimum(extra, tl.maximum(last_q + extra - q_len + 1, 0))
-    extra_end = tl.where(do_extra, extra_end, prefix)
+    extra_lo = prefix_hi if ALIGNED else prefix  # ALIGNED: the prefix's partial block too
+    extra_end = tl.where(do_extra, extra_end, extra_lo)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -120,9 +132,10 @@ def _extend_kernel(
             stride_ks, stride_kh, stride_vs, stride_vh, offs_d, d_mask, n_mask, qk_scale,
         )  # fmt: skip
 
-    # 2) Extra part under the mask. Blocks start at `prefix`, not at a multiple of BLOCK_N:
-    # the gather makes alignment irrelevant.
-    for start in range(prefix, extra_end, BLOCK_N):
+    # 2) Extra part under the mask. Blocks start at `prefix`, not at a multiple of BLOCK_N
+    # (the gather makes alignment irrelevant), except ALIGNED, where they start at the
+    # prefix's last partial block and its prefix columns (j < 0) are visible to all.
+    for start in range(extra_lo, extra_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < extra_end
         slots = tl.load(kv_indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
@@ -130,10 +143,10 @@ def _extend_kernel(
         if CUSTOM_MASK:
             bits = tl.load(
                 custom_mask + mask_start + qi[:, None] * extra + j[None, :],
-                mask=row_mask[:, None] & n_mask[None, :],
+                mask=row_mask[:, None] & (n_mask & (j >= 0))[None, :],
                 other=0,
             )
-            visible = (bits != 0) & n_mask[None, :]
+            visible = ((bits != 0) | (j < 0)[None, :]) & n_mask[None, :]
         else:
             visible = (j[None, :] <= (qi + extra - q_len)[:, None]) & n_mask[None, :]
         acc, m_i, l_i = attend_kv_block(
@@ -172,11 +185,15 @@ def extend_attention(
     num_splits: int = 1,
     prefix_per_split: int = 0,
     config: dict | None = None,
+    aligned: bool = False,
 ) -> None:
     """Host integers (batch size, longest q_len, split plan) size the launch: nothing here
     reads device memory. With num_splits > 1, split s covers prefix positions
     [s * prefix_per_split, (s + 1) * prefix_per_split) and the last split the extra part.
-    config overrides block_m / block_n / num_warps / num_stages (tuning)."""
+    config overrides block_m / block_n / num_warps / num_stages (tuning).
+    aligned: KV blocks aligned to position 0 (module doc), unsplit only."""
+    if aligned and num_splits > 1:
+        raise ValueError("aligned blocks need num_splits == 1")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -206,7 +223,8 @@ def extend_attention(
         head_dim**-0.5 * LOG2E, num_splits, prefix_per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        CUSTOM_MASK=has_mask, SPLIT=num_splits > 1, GROUP=group, HEAD_DIM=head_dim,
+        CUSTOM_MASK=has_mask, SPLIT=num_splits > 1, ALIGNED=aligned,
+        GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=block_d,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
