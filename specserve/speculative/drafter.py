@@ -352,4 +352,5 @@ def build_catch_up_metadata(batch, starts, delta: int, width: int, out_slots: to
         out_slots,
         None,
         use_kernel=batch.kernels.decode_metadata,
+        decode_step=True,
     )
