@@ -19,10 +19,14 @@ LOCALHOST = "127.0.0.1"
 
 def serve_rendezvous(world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
     """Rank 0's store on a free local port (the OS picks it: no race between choosing and
-    binding); the other ranks join it with `TensorParallel.join(..., port=store.port)`."""
+    binding); the other ranks reach it with `connect_rendezvous(store.port, ...)`."""
     return dist.TCPStore(
         LOCALHOST, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
     )
+
+
+def connect_rendezvous(port: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    return dist.TCPStore(LOCALHOST, port, world_size, is_master=False, timeout=timeout)
 
 
 class TensorParallel:
@@ -39,13 +43,10 @@ class TensorParallel:
         size: int,
         device: torch.device,
         timeout: datetime.timedelta,
-        store: dist.Store | None = None,
-        port: int | None = None,
+        store: dist.Store,
     ) -> TensorParallel:
-        """Rank 0 passes its `serve_rendezvous` store, the others its port. A collective
-        waiting longer than `timeout` for a peer raises instead of hanging."""
-        if store is None:
-            store = dist.TCPStore(LOCALHOST, port, size, is_master=False, timeout=timeout)
+        """Every rank of the group calls this with the rendezvous store; it returns once all
+        have. A collective waiting longer than `timeout` for a peer raises instead of hanging."""
         store = dist.PrefixStore("tp", store)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()

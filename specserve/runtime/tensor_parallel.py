@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from specserve.config import EngineConfig
 from specserve.model.loader import locate, read_config
 from specserve.model.sharding import check_shardable
-from specserve.ops.collectives import TensorParallel, serve_rendezvous
+from specserve.ops.collectives import TensorParallel, connect_rendezvous, serve_rendezvous
 from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import PrefillChunk, Request
@@ -59,6 +59,7 @@ def start_engine_core(cfg: EngineConfig) -> EngineCore:
     store = serve_rendezvous(cfg.tp_size, COLLECTIVE_TIMEOUT)
     peers = Peers.spawn(cfg, store)
     try:
+        peers.await_ranks()
         tp = TensorParallel.join(0, cfg.tp_size, _rank_device(cfg, 0), COLLECTIVE_TIMEOUT, store)
         peers.watch(tp)
         core = EngineCore(cfg, tp)
@@ -105,6 +106,16 @@ class Peers:
             procs.append(p)
             conns.append(ours)
         return cls(procs, conns, store)
+
+    def await_ranks(self) -> None:
+        """Wait until every rank has reached the rendezvous, or fail as soon as one died
+        (the group's own rendezvous would wait for it until the timeout)."""
+        keys = [_arrived(rank) for rank in range(1, len(self.procs) + 1)]
+        while not self._store.check(keys):
+            reason = self.failure(wait=0.0)
+            if reason is not None:
+                raise RuntimeError(reason)
+            time.sleep(0.02)
 
     def watch(self, tp: TensorParallel) -> None:
         """Abort the group's collectives when a rank dies (NCCL would wait for it)."""
@@ -353,7 +364,9 @@ def _rank_main(rank: int, cfg: EngineConfig, port: int, conn, parent_pid: int) -
         device = _rank_device(cfg, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        tp = TensorParallel.join(rank, cfg.tp_size, device, COLLECTIVE_TIMEOUT, port=port)
+        store = connect_rendezvous(port, cfg.tp_size, COLLECTIVE_TIMEOUT)
+        store.set(_arrived(rank), "1")
+        tp = TensorParallel.join(rank, cfg.tp_size, device, COLLECTIVE_TIMEOUT, store)
         follower = Follower(EngineCore(replace(cfg, device=str(device)), tp))
         while (message := conn.recv()) is not None:
             reply = follower.apply(message)
@@ -368,6 +381,10 @@ def _rank_main(rank: int, cfg: EngineConfig, port: int, conn, parent_pid: int) -
             pass
         log.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         os._exit(1)
+
+
+def _arrived(rank: int) -> str:
+    return f"arrived/{rank}"
 
 
 def _leave_with_parent(parent_pid: int) -> None:
