@@ -141,8 +141,9 @@ def test_gguf_shards_are_slices_of_the_dequantized_tensors(models, tmp_path):
 
 
 # ---- the engine, ranks as processes ------------------------------------------------------------------
-def _generate(args: dict, prompts, params) -> tuple[list[list[int]], int]:
-    """Outputs, and how many times every rank's replicated state was checked against rank 0's."""
+def _generate(args: dict, prompts, params, waves: int = 1, **options) -> tuple[list, dict]:
+    """Outputs (ids and output log-probs) of `waves` rounds of the prompts (a later round
+    finds the earlier in the prefix cache), and the engine's stats."""
     checks = []
 
     def check_replicas(core) -> None:
@@ -150,21 +151,34 @@ def _generate(args: dict, prompts, params) -> tuple[list[list[int]], int]:
             core.worker.check_replicas(core.table.owners())
             checks.append(1)
 
+    outputs = []
     with Engine(**args, debug_check_invariants=True) as e:
         e.step_hooks.append(check_replicas)
-        outs = e.generate(input_ids=prompts, sampling_params=params)
+        for _ in range(waves):
+            outs = e.generate(input_ids=prompts, sampling_params=params, **options)
+            assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+            outputs += [
+                (o["output_ids"], o["meta_info"].get("output_token_logprobs")) for o in outs
+            ]
+        stats = e.stats()
         procs = e.core.peers.procs if e.core.peers is not None else []
-        assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
     assert not any(p.is_alive() for p in procs)  # shutdown joined every rank
-    return [o["output_ids"] for o in outs], len(checks)
+    if args.get("tp_size", 1) > 1:
+        assert checks, "every rank's state was compared with rank 0's after each step"
+    return outputs, stats
 
 
 CASES = {
-    "plain-overlap": dict(model="llama", page_size=1, overlap=True, spec=None),
+    "plain-overlap-logprobs": dict(
+        model="llama", page_size=1, overlap=True, spec=None, logprobs=True
+    ),
     "plain-no-overlap-tied": dict(model="qwen2", page_size=3, overlap=False, spec=None),
-    "eagle-chain": dict(model="llama", page_size=4, overlap=True, spec=(1, 3, 4)),
+    # a small KV budget (retraction) and a second round from the prefix cache
+    "eagle-chain-retraction-cache": dict(
+        model="llama", page_size=4, overlap=True, spec=(1, 3, 4), kv=96, waves=2
+    ),
     "eagle-tree-tied": dict(model="qwen2", page_size=2, overlap=False, spec=(4, 3, 10)),
-    "standalone-tree": dict(model="llama", page_size=1, overlap=False, spec=(2, 2, 5)),
+    "standalone-tree": dict(model="llama", page_size=1, overlap=True, spec=(2, 2, 5)),
 }
 
 
@@ -177,20 +191,32 @@ def test_tp2_decodes_exactly_what_tp1_decodes(models, eagle, case):
         model_path=models[c["model"]],
         page_size=c["page_size"],
         disable_overlap_schedule=not c["overlap"],
-        max_total_tokens=2048,
+        max_total_tokens=c.get("kv", 2048),
     )
     if c["spec"] is not None:
-        draft = models[c["model"]] if case.startswith("standalone") else eagle[c["model"]]
-        args.update(spec_args(draft, *c["spec"]))
-        if case.startswith("standalone"):
+        standalone = case.startswith("standalone")
+        args.update(spec_args(models[c["model"]] if standalone else eagle[c["model"]], *c["spec"]))
+        if standalone:
             args["speculative_algorithm"] = "STANDALONE"
     vocab = MODELS[c["model"]]["vocab_size"]
-    prompts = mixed_prompts(4, vocab, seed=11, max_len=30)
-    params = [GREEDY, GREEDY, GREEDY, SAMPLED]  # sampled: every rank draws the same token
-    want, _ = _generate(args, prompts, params)
-    got, checks = _generate(dict(args, tp_size=2), prompts, params)
-    assert got == want
-    assert checks > 0
+    prompts = mixed_prompts(6, vocab, seed=11, max_len=24)
+    params = [GREEDY] * 5 + [SAMPLED]  # sampled: every rank must draw the same token
+    options = {}
+    if c.get("logprobs"):  # prompt log-probs: logits of every prompt position, gathered
+        options = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+    want, _ = _generate(args, prompts, params, c.get("waves", 1), **options)
+    got, stats = _generate(dict(args, tp_size=2), prompts, params, c.get("waves", 1), **options)
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    if c.get("logprobs"):
+        for (_, a), (_, b) in zip(got, want):
+            assert [x[1] for x in a] == [x[1] for x in b]  # the same tokens
+            torch.testing.assert_close(
+                torch.tensor([x[0] for x in a]), torch.tensor([x[0] for x in b]), atol=1e-4, rtol=0
+            )
+    if "kv" in c:
+        assert stats["num_retractions"] > 0, "the KV budget was meant to force retraction"
+    if c["spec"] is not None:
+        assert stats["spec_verify_ct"] > 0
 
 
 @pytest.mark.slow

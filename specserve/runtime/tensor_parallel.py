@@ -37,6 +37,7 @@ import torch
 import torch.multiprocessing as mp
 
 from specserve.config import EngineConfig
+from specserve.errors import InvalidArgument
 from specserve.model.loader import locate, read_config
 from specserve.model.sharding import check_shardable
 from specserve.ops.collectives import TensorParallel, connect_rendezvous, serve_rendezvous
@@ -66,7 +67,9 @@ def start_engine_core(cfg: EngineConfig) -> EngineCore:
     except BaseException as e:
         reason = peers.failure()
         peers.stop()
-        if reason is not None:
+        # rank 0's own refusal (every rank refuses alike) stays what it is; a collective that
+        # failed because a rank died says which rank and why
+        if reason is not None and not isinstance(e, InvalidArgument):
             raise RuntimeError(f"tensor parallelism failed to start: {reason}") from e
         raise
     core.peers = peers
