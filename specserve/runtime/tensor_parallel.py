@@ -260,17 +260,16 @@ class LeaderWorker:
     def check_replicas(self, rids: list[str]) -> None:
         """Raise unless every rank holds what rank 0 holds for these requests: pages (host
         table and device rows), KV lengths, roots and draft features (tests, debugging)."""
-        mine = _replica_state(self._worker, rids, [len(self.table.pages(r)) for r in rids])
-        self._peers.send(
-            (list(self._ops), ("state", rids, [len(self.table.pages(r)) for r in rids]))
-        )
+        counts = [len(self.table.pages(r)) for r in rids]
+        mine = _replica_state(self._worker, rids, counts)
+        self._peers.send((list(self._ops), ("state", rids, counts)))
         self._ops.clear()
         for rank, theirs in enumerate(self._peers.receive(), start=1):
-            for key in mine:
+            for key, value in mine.items():
                 same = (
-                    mine[key] == theirs[key]
-                    if not torch.is_tensor(mine[key])
-                    else torch.equal(mine[key], theirs[key])
+                    torch.equal(value, theirs[key])
+                    if torch.is_tensor(value)
+                    else value == theirs[key]
                 )
                 if not same:
                     raise AssertionError(f"rank {rank}'s {key} differs from rank 0's")
