@@ -132,8 +132,12 @@ def test_sharded_logits_equal_the_whole_model_and_every_rank_gets_the_same(model
     assert torch.equal(ranks[0].argmax(-1), want.argmax(-1))
 
 
-def test_gguf_shards_are_slices_of_the_dequantized_tensors(models, tmp_path):
-    path, _ = write_gguf_model(tmp_path / "m.gguf", models["llama"], qtype="Q8_0")
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0"])
+@pytest.mark.parametrize("head_dim", [16, 8])
+def test_gguf_shards_equal_slices_of_the_dequantized_tensors(tmp_path, qtype, head_dim):
+    # head_dim 8: a rank's o_proj columns (16) cut a Q8_0 block (32): dequantized whole, cut
+    folder = write_hf_model(tmp_path / "hf", seed=3, head_dim=head_dim, **MODELS["llama"])
+    path, _ = write_gguf_model(tmp_path / "m.gguf", folder, qtype=qtype)
     tokens = mixed_prompts(1, MODELS["llama"]["vocab_size"], seed=2, min_len=10, max_len=10)[0]
     whole = load_model(path, "auto", torch.float32, torch.device("cpu"), True).model
     want = _prefill_logits(whole, tokens, whole.config.num_kv_heads)

@@ -102,8 +102,7 @@ def build_model(
     if load_format == "dummy" or src.kind == "preset":
         random_init_(model, seed)
     elif src.kind == "gguf":
-        weights = iter_gguf_weights(src.path, cfg)
-        model.load_weights(weights if shard is None else shard.take(weights))
+        model.load_weights(iter_gguf_weights(src.path, cfg, shard=shard))
     else:
         model.load_weights(iter_safetensors(src.path, shard))
     return model.eval().requires_grad_(False)

@@ -15,18 +15,17 @@ Logits are gathered over the vocabulary and the padding cut. Norms and rotary ar
 replicated; so is the draft (`ReplicatedVocab` gives an EAGLE head the full embedding and
 lm_head it shares with the target).
 
-Checkpoints are read shard by shard (`CheckpointShard`): each rank takes only its slices of
-safetensors tensors. GGUF tensors are dequantized whole, one at a time, then sliced (a
-quantized row is whole blocks, so the rows of a column-parallel weight could be sliced before
-dequantizing; the row-parallel columns could not in general, and one tensor at a time bounds
-the extra memory anyway).
+Checkpoints are read shard by shard (`CheckpointShard`): each rank reads only its slices of
+safetensors tensors, and of GGUF tensors dequantizes only its slice's blocks: a quantized row
+is whole blocks, so rows (column-parallel weights, the vocabulary) always slice; columns
+(row-parallel o / down) slice on block boundaries (32 or 256 values), else that one tensor is
+dequantized whole and cut.
 """
 
 from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
 import torch
@@ -230,27 +229,24 @@ class CheckpointShard:
             raise ValueError(f"{name}: a bias on a row-parallel projection is not supported")
         return r
 
+    def part(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of this rank's slice of tensor `name`; None: the whole."""
+        r = self._range(name)
+        return None if r is None else r[:3]
+
+    def pad(self, name: str, part: torch.Tensor) -> torch.Tensor:
+        """The slice padded with zeros to the shard's length (the last vocabulary shard)."""
+        r = self._range(name)
+        return part if r is None else _pad(part, r[0], r[3])
+
     def read(self, name: str, lazy) -> torch.Tensor:
         """This rank's part of a safetensors tensor, reading only that part (`lazy`: the
         object of `safe_open(...).get_slice(name)`)."""
-        r = self._range(name)
+        r = self.part(name)
         if r is None:
             return lazy[:]
-        dim, start, stop, length = r
-        part = lazy[start:stop] if dim == 0 else lazy[:, start:stop]
-        return _pad(part, dim, length)
-
-    def take(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's parts of whole tensors (GGUF: dequantized one at a time)."""
-        for name, tensor in weights:
-            r = self._range(name)
-            if r is None:
-                yield name, tensor
-                continue
-            dim, start, stop, length = r
-            yield name, _pad(tensor.narrow(dim, start, stop - start), dim, length)
+        dim, start, stop = r
+        return self.pad(name, lazy[start:stop] if dim == 0 else lazy[:, start:stop])
 
 
 def _pad(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
