@@ -18,6 +18,8 @@ ENGINE_HELP = {
     "dtype": f"Weight and KV dtype: {' | '.join(DTYPES)} (auto: bfloat16 on GPU, float32 on CPU).",
     "device": "auto | cpu | cuda | cuda:N.",
     "page_size": "KV slots per page (any integer >= 1).",
+    "tp_size": "Tensor parallelism: shard the model over this many processes (one per GPU on "
+    "CUDA, gloo on CPU); attention heads and MLP split Megatron-style, the draft replicated.",
     "max_total_tokens": "KV cache size in tokens (default: from free memory on GPU, 16384 on CPU).",
     "max_running_requests": "Most requests decoding at once.",
     "chunked_prefill_size": "Most prompt tokens per prefill batch (-1: no chunking).",

@@ -21,6 +21,7 @@ from specserve.errors import InvalidArgument
 from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.logprobs import TokenLogprobs, add_logprobs, sglang_logprobs
 from specserve.runtime.request import Request
+from specserve.runtime.tensor_parallel import start_engine_core
 from specserve.sampling_params import INT64_MAX, LOGPROB_FIELDS, SamplingParams, check_logprob_field
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class Engine:
         logging.basicConfig(level=getattr(logging, str(cfg.log_level).upper(), logging.WARNING))
         self.config = cfg.resolve()
         self.config.log_decisions()
-        self.core = EngineCore(self.config)
+        self.core = start_engine_core(self.config)
         self.tokenizer = self.core.tokenizer
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
@@ -271,6 +272,7 @@ class Engine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=30)
+        self.core.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -36,6 +36,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     page_size: int = 1
+    tp_size: int = 1  # tensor parallelism: one process per rank (per GPU on CUDA)
     max_total_tokens: int | None = None  # KV slots; auto from memory
     max_running_requests: int | None = None
     chunked_prefill_size: int | None = None  # tokens per prefill batch; -1 disables chunking
@@ -127,6 +128,7 @@ class EngineConfig:
                 "must be >= 1, or -1 to disable chunking",
             )
         require(0.0 < c.mem_fraction_static < 1.0, "mem_fraction_static", "must be in (0, 1)")
+        _check_int("tp_size", c.tp_size, minimum=1)
 
         if c.device == "auto":
             decide(
@@ -142,6 +144,7 @@ class EngineConfig:
         if c.device.startswith("cuda") and not cuda_available:
             raise InvalidArgument("device", f"{c.device!r} requested but CUDA is not available")
         on_gpu = c.device.startswith("cuda")
+        _resolve_tp_size(c, on_gpu, decided)
         if c.dtype == "auto":
             decide(
                 "dtype",
@@ -277,6 +280,32 @@ def _resolve_cuda_graph(c: EngineConfig, on_gpu: bool, decide) -> None:
             "a prefill of one request's chunk up to this many tokens replays a captured forward "
             "(a short prompt's eager prefill is bound by kernel launches); 0 turns this off",
         )
+
+
+def _resolve_tp_size(c: EngineConfig, on_gpu: bool, decided: list) -> None:
+    """The process layout; whether the model's heads and MLP divide by tp_size is checked
+    once its shape is read (model/sharding.py), before any rank starts."""
+    if c.tp_size == 1:
+        decided.append(("tp_size", 1, "one process, no collectives"))
+        return
+    if on_gpu:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        require(
+            c.tp_size <= gpus,
+            "tp_size",
+            f"{c.tp_size} ranks need as many GPUs; {gpus} visible (allowed: 1..{gpus})",
+        )
+        require(
+            c.device in ("cuda", "cuda:0"),
+            "device",
+            f"with tp_size > 1 rank r runs on cuda:r; give 'cuda', got {c.device!r}",
+        )
+        why = f"one process per GPU (cuda:0..cuda:{c.tp_size - 1}), NCCL collectives"
+    else:
+        why = "one process per rank on the CPU, gloo collectives (float32 tests)"
+    decided.append(("tp_size", c.tp_size, why))
 
 
 def _triton_available() -> bool:

@@ -89,6 +89,21 @@ class KVTable:
         if self.mirror is not None:
             self.mirror.on_release(rid)
 
+    # ---- a replica of another process's table (tensor parallelism) -------------------------
+    # It follows the owner's page changes as its device mirror sees them (no allocation here);
+    # pages the owner truncates stay listed until the owner gives the positions new pages.
+    def follow_added(self, rid: str, first_index: int, pages: list[int]) -> None:
+        owned = self._pages.setdefault(rid, [])
+        del owned[first_index:]
+        owned.extend(pages)
+        if self.mirror is not None:
+            self.mirror.on_pages_added(rid, first_index, pages)
+
+    def follow_released(self, rid: str) -> None:
+        self._pages.pop(rid, None)
+        if self.mirror is not None:
+            self.mirror.on_release(rid)
+
     def owners(self) -> list[str]:
         return list(self._pages)
 

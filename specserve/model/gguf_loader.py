@@ -81,19 +81,36 @@ class GGUFFile:
         flat = np.frombuffer(self._buf, dtype=np.uint8, count=t.nbytes, offset=t.offset)
         return flat.reshape(*t.shape[:-1], row_bytes)
 
-    def tensor_float32(self, t: GGUFTensor) -> np.ndarray:
+    def tensor_float32(
+        self, t: GGUFTensor, part: tuple[int, int, int] | None = None
+    ) -> np.ndarray | None:
+        """The tensor, or with part = (dim, start, stop) only that slice of a 2-D tensor,
+        dequantizing only its blocks (tensor parallelism). A row is whole blocks, so any rows
+        can be taken; columns only on block boundaries: None otherwise."""
         import gguf
         from gguf.quants import dequantize
 
         qtype = gguf.GGMLQuantizationType(t.ggml_type)
         raw = self.tensor_bytes(t)
+        shape = t.shape
+        if part is not None:
+            dim, start, stop = part
+            if dim == 0:
+                raw, shape = raw[start:stop], (stop - start, *shape[1:])
+            else:
+                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+                if start % block or stop % block:
+                    return None
+                raw = raw[:, start // block * type_size : stop // block * type_size]
+                shape = (shape[0], stop - start)
+            raw = np.ascontiguousarray(raw)
         if qtype == gguf.GGMLQuantizationType.F32:
             arr = raw.view(np.float32).copy()  # own the memory: the mmap is read-only
         elif qtype.name in _BLOCK_TYPES:
             arr = _dequantize_blocks(raw, qtype.name)
         else:
             arr = dequantize(raw, qtype)
-        return np.ascontiguousarray(arr, dtype=np.float32).reshape(t.shape)
+        return np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
 
 
 # Block formats whose `gguf.quants` class dequantizes any number of blocks in one call.
@@ -261,34 +278,46 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
+def _hf_name(name: str) -> str:
+    fixed = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    if name in fixed:
+        return fixed[name]
+    if name.startswith("blk."):
+        _, layer, kind, suffix = name.split(".", 3)
+        if kind in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+    raise KeyError(f"unknown GGUF tensor {name!r}")
+
+
 def iter_gguf_weights(
-    path: str, cfg: ModelConfig, gf: GGUFFile | None = None
+    path: str, cfg: ModelConfig, gf: GGUFFile | None = None, shard=None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Hugging Face-named float32 tensors from a GGUF file."""
+    """Hugging Face-named float32 tensors from a GGUF file; with a `CheckpointShard` (tensor
+    parallelism) only this rank's part of each, its quantized blocks alone dequantized where
+    the slice falls on block boundaries (always for rows)."""
     gf = gf or read_gguf(path)
     permute = cfg.architecture == "llama"
     for t in gf.tensors:
-        name = t.name
-        if name == "rope_freqs.weight":
+        if t.name == "rope_freqs.weight":
             continue  # read into the config (RopeScaling.freq_factors)
-        tensor = torch.from_numpy(gf.tensor_float32(t))
-        if name == "token_embd.weight":
-            yield "model.embed_tokens.weight", tensor
-        elif name == "output_norm.weight":
-            yield "model.norm.weight", tensor
-        elif name == "output.weight":
-            yield "lm_head.weight", tensor
-        elif name.startswith("blk."):
-            _, layer, kind, suffix = name.split(".", 3)
-            if kind not in _LAYER_NAMES:
-                raise KeyError(f"unknown GGUF tensor {name!r}")
-            if permute and kind == "attn_q":
-                tensor = _unpermute(tensor, cfg.num_heads)
-            elif permute and kind == "attn_k":
-                tensor = _unpermute(tensor, cfg.num_kv_heads)
-            yield f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", tensor
+        name = _hf_name(t.name)
+        part = shard.part(name) if shard is not None else None
+        array = gf.tensor_float32(t, part) if part is not None else None
+        if array is None:
+            tensor = torch.from_numpy(gf.tensor_float32(t))
+            if part is not None:
+                dim, start, stop = part
+                tensor = tensor.narrow(dim, start, stop - start)
         else:
-            raise KeyError(f"unknown GGUF tensor {name!r}")
+            tensor = torch.from_numpy(array)
+        if permute and t.name.split(".")[2:3] in (["attn_q"], ["attn_k"]):
+            # per-head permutation: a slice of whole heads unpermutes on its own
+            tensor = _unpermute(tensor, tensor.shape[0] // cfg.head_dim)
+        yield name, tensor if shard is None else shard.pad(name, tensor)
 
 
 def gguf_chat_template(path: str) -> str | None:

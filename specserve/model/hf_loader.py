@@ -25,12 +25,16 @@ def load_hf_config(folder: str) -> ModelConfig:
     return ModelConfig.from_hf_dict(read_hf_config(folder))
 
 
-def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of every *.safetensors file in the folder (shards included)."""
+def iter_safetensors(folder: str, shard=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every *.safetensors file in the folder (shards included); with a
+    `CheckpointShard` (tensor parallelism) only this rank's part of each is read."""
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{folder} has no *.safetensors files")
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    yield name, shard.read(name, f.get_slice(name))

@@ -85,17 +85,26 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    tp=None,
 ) -> torch.nn.Module:
+    """tp: a TensorParallel handle: this rank's shard (model/sharding.py)."""
+    shard = None
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        if tp is None:
+            model = LlamaForCausalLM(cfg)
+        else:
+            from specserve.model.sharding import CheckpointShard, ShardedLlamaForCausalLM
+
+            model = ShardedLlamaForCausalLM(cfg, tp)
+            shard = CheckpointShard(cfg, tp)
     # (RotaryEmbedding recomputes its float32 frequencies on the new device itself)
     model = model.to_empty(device=device).to(dtype)
     if load_format == "dummy" or src.kind == "preset":
         random_init_(model, seed)
     elif src.kind == "gguf":
-        model.load_weights(iter_gguf_weights(src.path, cfg))
+        model.load_weights(iter_gguf_weights(src.path, cfg, shard=shard))
     else:
-        model.load_weights(iter_safetensors(src.path))
+        model.load_weights(iter_safetensors(src.path, shard))
     return model.eval().requires_grad_(False)
 
 
@@ -115,10 +124,12 @@ def load_model(
     skip_tokenizer_init: bool = False,
     tokenizer_path: str | None = None,
     seed: int = 0,
+    tp=None,
 ) -> LoadedModel:
+    """tp: a TensorParallel handle: load this rank's shard of the model."""
     src = locate(model_path, load_format)
     cfg = read_config(src)
-    model = build_model(cfg, src, load_format, dtype, device, seed)
+    model = build_model(cfg, src, load_format, dtype, device, seed, tp)
     tokenizer = None
     if not skip_tokenizer_init:
         if tokenizer_path:

@@ -16,6 +16,7 @@ from specserve.kv.request_rows import RequestRows
 from specserve.kv.table import KVTable
 from specserve.model.loader import load_model
 from specserve.model.runner import ModelRunner
+from specserve.model.sharding import draft_target, local_kv_heads
 from specserve.ops.attention import TorchAttentionBackend
 from specserve.runtime.draft_lag import DraftLag
 from specserve.runtime.logprobs import TokenLogprobs
@@ -41,8 +42,12 @@ def make_attention_backend(name: str, kernels: Kernels = REFERENCE):
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, tp=None):
+        """tp: this rank's TensorParallel handle when tp_size > 1 (runtime/tensor_parallel.py
+        builds the ranks): the model and KV cache hold this rank's shard."""
         self.cfg = cfg
+        self.tp = tp
+        self.peers = None  # rank 0 of tp_size > 1: the other ranks' processes
         self.device = torch.device(cfg.device)
         self.dtype = _DTYPES[cfg.dtype]
         torch.manual_seed(cfg.random_seed)
@@ -54,6 +59,7 @@ class EngineCore:
             skip_tokenizer_init=cfg.skip_tokenizer_init,
             tokenizer_path=cfg.tokenizer_path,
             seed=cfg.random_seed,
+            tp=tp,
         )
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -63,15 +69,18 @@ class EngineCore:
         )
         mc = loaded.config
 
-        draft = build_drafter(cfg, loaded, self.device, self.dtype)
-        per_slot = KVCache.bytes_per_slot(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        draft = build_drafter(cfg, draft_target(loaded), self.device, self.dtype)
+        kv_heads = mc.num_kv_heads if tp is None else local_kv_heads(mc, tp.size)
+        per_slot = KVCache.bytes_per_slot(mc.num_layers, kv_heads, mc.head_dim, self.dtype)
         per_slot += draft.kv_bytes_per_slot
         max_tokens = cfg.max_total_tokens or self._auto_kv_tokens(per_slot)
+        if tp is not None:  # every rank's cache holds the same slots
+            max_tokens = tp.min_int(max_tokens)
         num_pages = 1 + -(-max_tokens // cfg.page_size)  # + the scratch page
         num_slots = num_pages * cfg.page_size
         self.max_total_tokens = (num_pages - 1) * cfg.page_size
         self.kv_cache = KVCache(
-            mc.num_layers, num_slots, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+            mc.num_layers, num_slots, kv_heads, mc.head_dim, self.dtype, self.device
         )
         self.table = KVTable(PageAllocator(num_pages, cfg.page_size))
         window = draft.window + draft.lookahead
@@ -88,7 +97,9 @@ class EngineCore:
         # load-adaptive speculation: each step drafts the tier that pays most (or none); a
         # plain step skips the draft, which catches up when speculation resumes
         tiers = speculation_tiers(draft.shape) if cfg.speculative_adaptive else None
-        self.adaptive = AdaptiveSpeculation(tiers, self._step_seconds) if tiers else None
+        # (a graph replayed on rank 0 alone would wait forever in its collectives)
+        measure = self._step_seconds if tp is None or tp.size == 1 else None
+        self.adaptive = AdaptiveSpeculation(tiers, measure) if tiers else None
         if tiers and any(t.ragged for t in tiers):  # each request's share of a budget
             self.rows.add_calibration(draft.shape.max_depth)
         self.draft_lag = None
@@ -425,6 +436,11 @@ class EngineCore:
         for r in done:
             self.worker.forget(r.rid)
         return done
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (the engine is shutting down)."""
+        if self.peers is not None:
+            self.peers.stop()
 
     def flush_cache(self) -> int:
         """Drop every cached page no live request uses; returns how many were dropped."""

@@ -1,0 +1,266 @@
+"""Tensor parallelism on the CPU (gloo, float32): tp_size 2 decodes exactly what tp_size 1
+decodes, plain and speculative, and a broken rank fails requests instead of hanging.
+
+The quick tests run both ranks of a sharded model as threads of this process (two gloo
+groups); the engine tests start real rank processes and are marked slow."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.config import EngineConfig
+from specserve.errors import InvalidArgument
+from specserve.kv.pool import KVCache
+from specserve.model.hf_loader import load_hf_config
+from specserve.model.loader import load_model
+from specserve.model.runner import ModelRunner
+from specserve.model.sharding import local_kv_heads
+from specserve.ops.attention import TorchAttentionBackend
+from specserve.ops.attention_metadata import Segment, build_metadata
+from specserve.ops.collectives import TensorParallel, connect_rendezvous, serve_rendezvous
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+from tests.engine_utils import mixed_prompts, spec_args
+from tests.model_factory import write_gguf_model, write_hf_model
+
+CPU = dict(skip_tokenizer_init=True, dtype="float32", device="cpu")
+GREEDY = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True}
+SAMPLED = {"temperature": 0.8, "top_k": 50, "max_new_tokens": 20, "ignore_eos": True, "seed": 7}
+# odd vocabularies: the last rank's vocabulary shard is padded
+MODELS = {
+    # 4 query heads over 2 KV heads: one KV head per rank
+    "llama": dict(arch="llama", vocab_size=509, num_heads=4, num_kv_heads=2),
+    # 1 KV head for 2 ranks: replicated; q/k/v bias; tied embeddings
+    "qwen2": dict(arch="qwen2", vocab_size=257, num_kv_heads=1, tie_word_embeddings=True),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return {name: write_hf_model(root / name, seed=3, **kw) for name, kw in MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def eagle(models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-eagle")
+    return {
+        name: write_random_eagle_checkpoint(str(root / name), load_hf_config(folder), seed=5)
+        for name, folder in models.items()
+    }
+
+
+# ---- configuration ----------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2"])
+def test_tp_size_must_be_a_positive_integer(bad):
+    with pytest.raises(InvalidArgument) as e:
+        EngineConfig(tp_size=bad, device="cpu").resolve(cuda_available=False)
+    assert e.value.field == "tp_size"
+
+
+def test_tp_size_must_divide_the_heads_before_any_rank_starts(models):
+    started = time.perf_counter()
+    with pytest.raises(InvalidArgument) as e:
+        Engine(model_path=models["llama"], tp_size=3, **CPU)
+    assert e.value.field == "tp_size"
+    assert "4 attention heads" in str(e.value) and "allowed: 1, 2, 4" in str(e.value)
+    assert time.perf_counter() - started < 5  # refused from the config, no process spawned
+
+
+def test_tp_size_is_a_resolved_decision():
+    cfg = EngineConfig(tp_size=2, device="cpu").resolve(cuda_available=False)
+    assert any(f == "tp_size" and "gloo" in why for f, _, why in cfg.decisions)
+
+
+# ---- the sharded model, ranks as threads -------------------------------------------------------------
+def _prefill_logits(model, tokens: list[int], kv_heads: int) -> torch.Tensor:
+    n = len(tokens)
+    cfg = model.config
+    cache = KVCache(cfg.num_layers, n, kv_heads, cfg.head_dim, torch.float32, "cpu")
+    slots = torch.arange(n)
+    meta = build_metadata([Segment(slots, n, n)], slots, torch.device("cpu"))
+    out = ModelRunner(model, cache, TorchAttentionBackend()).forward(
+        torch.tensor(tokens), torch.arange(n), meta
+    )
+    with torch.inference_mode():
+        return model.compute_logits(out.hidden)
+
+
+def _sharded_logits(path: str, tokens: list[int], tp_size: int = 2) -> list[torch.Tensor]:
+    """Each rank's logits of a prefill of `tokens`, the ranks run as threads."""
+    timeout = datetime.timedelta(seconds=60)
+    store = serve_rendezvous(tp_size, timeout)
+    results: dict[int, torch.Tensor | BaseException] = {}
+
+    def rank(r: int) -> None:
+        try:
+            s = store if r == 0 else connect_rendezvous(store.port, tp_size, timeout)
+            tp = TensorParallel.join(r, tp_size, torch.device("cpu"), timeout, s)
+            model = load_model(path, "auto", torch.float32, torch.device("cpu"), True, tp=tp).model
+            results[r] = _prefill_logits(model, tokens, local_kv_heads(model.config, tp_size))
+        except BaseException as e:  # re-raised by the test's thread
+            results[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for r in range(tp_size):
+        if isinstance(results.get(r), BaseException):
+            raise results[r]
+    return [results[r] for r in range(tp_size)]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_sharded_logits_equal_the_whole_model_and_every_rank_gets_the_same(models, name):
+    path = models[name]
+    tokens = mixed_prompts(1, MODELS[name]["vocab_size"], seed=1, min_len=12, max_len=12)[0]
+    whole = load_model(path, "auto", torch.float32, torch.device("cpu"), True).model
+    want = _prefill_logits(whole, tokens, whole.config.num_kv_heads)
+    ranks = _sharded_logits(path, tokens)
+    assert ranks[0].shape == want.shape  # the vocabulary padding is cut
+    assert torch.equal(ranks[0], ranks[1])  # identical bits: ranks decide tokens alike
+    torch.testing.assert_close(ranks[0], want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ranks[0].argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0"])
+@pytest.mark.parametrize("head_dim", [16, 8])
+def test_gguf_shards_equal_slices_of_the_dequantized_tensors(tmp_path, qtype, head_dim):
+    # head_dim 8: a rank's o_proj columns (16) cut a Q8_0 block (32): dequantized whole, cut
+    folder = write_hf_model(tmp_path / "hf", seed=3, head_dim=head_dim, **MODELS["llama"])
+    path, _ = write_gguf_model(tmp_path / "m.gguf", folder, qtype=qtype)
+    tokens = mixed_prompts(1, MODELS["llama"]["vocab_size"], seed=2, min_len=10, max_len=10)[0]
+    whole = load_model(path, "auto", torch.float32, torch.device("cpu"), True).model
+    want = _prefill_logits(whole, tokens, whole.config.num_kv_heads)
+    torch.testing.assert_close(_sharded_logits(path, tokens)[0], want, atol=1e-5, rtol=1e-5)
+
+
+# ---- the engine, ranks as processes ------------------------------------------------------------------
+def _generate(
+    args: dict, prompts, params, waves: int = 1, setup=None, **options
+) -> tuple[list, dict]:
+    """Outputs (ids and output log-probs) of `waves` rounds of the prompts (a later round
+    finds the earlier in the prefix cache), and the engine's stats; setup(engine) first."""
+    checks = []
+
+    def check_replicas(core) -> None:
+        if core.tp is not None:
+            core.worker.check_replicas(core.table.owners())
+            checks.append(1)
+
+    outputs = []
+    with Engine(**args, debug_check_invariants=True) as e:
+        e.step_hooks.append(check_replicas)
+        if setup is not None:
+            setup(e)
+        for _ in range(waves):
+            outs = e.generate(input_ids=prompts, sampling_params=params, **options)
+            assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+            outputs += [
+                (o["output_ids"], o["meta_info"].get("output_token_logprobs")) for o in outs
+            ]
+        stats = e.stats()
+        procs = e.core.peers.procs if e.core.peers is not None else []
+    assert not any(p.is_alive() for p in procs)  # shutdown joined every rank
+    if args.get("tp_size", 1) > 1:
+        assert checks, "every rank's state was compared with rank 0's after each step"
+    return outputs, stats
+
+
+CASES = {
+    "plain-overlap-logprobs": dict(
+        model="llama", page_size=1, overlap=True, spec=None, logprobs=True
+    ),
+    "plain-no-overlap-tied": dict(model="qwen2", page_size=3, overlap=False, spec=None),
+    # a small KV budget (retraction) and a second round from the prefix cache
+    "eagle-chain-retraction-cache": dict(
+        model="llama", page_size=4, overlap=True, spec=(1, 3, 4), kv=96, waves=2
+    ),
+    "eagle-tree-tied": dict(model="qwen2", page_size=2, overlap=False, spec=(4, 3, 10)),
+    "standalone-tree": dict(model="llama", page_size=1, overlap=True, spec=(2, 2, 5)),
+    # every adaptive tier (ragged ones too), drafts skipped, caught up and left behind
+    "eagle-adaptive": dict(model="llama", page_size=2, overlap=True, spec=(4, 3, 10), adaptive=1),
+}
+
+# tiers of the adaptive case: plain, a chain, the tree verifying 2 / 5 of 10 nodes, the tree
+ADAPTIVE_SCRIPT = [0, 0, 2, 0, 4, 3, 0, 1, 0, 0, 0, 0, 0, 2, 3, 4, 1]
+
+
+def _script_tiers(engine) -> None:
+    steps = iter(range(10**6))
+    engine.core.adaptive.pick = lambda b, can=True: ADAPTIVE_SCRIPT[
+        next(steps) % len(ADAPTIVE_SCRIPT)
+    ]
+    # ring full while speculation does not pay: those requests stop speculating
+    engine.core.adaptive.speculation_pays = lambda b: False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_decodes_exactly_what_tp1_decodes(models, eagle, case):
+    c = CASES[case]
+    args = dict(
+        CPU,
+        model_path=models[c["model"]],
+        page_size=c["page_size"],
+        disable_overlap_schedule=not c["overlap"],
+        max_total_tokens=c.get("kv", 2048),
+    )
+    if c["spec"] is not None:
+        standalone = case.startswith("standalone")
+        args.update(spec_args(models[c["model"]] if standalone else eagle[c["model"]], *c["spec"]))
+        if standalone:
+            args["speculative_algorithm"] = "STANDALONE"
+    setup = None
+    if c.get("adaptive"):
+        args.update(speculative_adaptive=True, speculative_adaptive_lag_tokens=3)
+        setup = _script_tiers
+    vocab = MODELS[c["model"]]["vocab_size"]
+    prompts = mixed_prompts(6, vocab, seed=11, max_len=24)
+    params = [GREEDY] * 5 + [SAMPLED]  # sampled: every rank must draw the same token
+    options = {}
+    if c.get("logprobs"):  # prompt log-probs: logits of every prompt position, gathered
+        options = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+    waves = c.get("waves", 1)
+    want, _ = _generate(args, prompts, params, waves, setup, **options)
+    got, stats = _generate(dict(args, tp_size=2), prompts, params, waves, setup, **options)
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    if c.get("logprobs"):
+        for (_, a), (_, b) in zip(got, want):
+            assert [x[1] for x in a] == [x[1] for x in b]  # the same tokens
+            torch.testing.assert_close(
+                torch.tensor([x[0] for x in a]), torch.tensor([x[0] for x in b]), atol=1e-4, rtol=0
+            )
+    if "kv" in c:
+        assert stats["num_retractions"] > 0, "the KV budget was meant to force retraction"
+    if c["spec"] is not None:
+        assert stats["spec_verify_ct"] > 0
+    if c.get("adaptive"):
+        adaptive = stats["speculative_adaptive"]
+        assert all(adaptive["steps"]) and adaptive["catch_ups"] > 0, adaptive
+        assert adaptive["stopped_speculating"] > 0, adaptive
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_requests_with_its_reason(models):
+    with Engine(model_path=models["llama"], tp_size=2, **CPU) as e:
+        prompt = [5, 6, 7, 8]
+        assert len(e.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]) == 20
+        os.kill(e.core.peers.procs[0].pid, signal.SIGKILL)
+        started = time.perf_counter()
+        out = e.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert time.perf_counter() - started < 30
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "rank 1 was killed by SIGKILL" in out["meta_info"]["finish_reason"]["message"]
+        assert "rank 1" in e.failure
+        again = e.generate(input_ids=prompt, sampling_params=GREEDY)  # fails at once, too
+        assert "rank 1" in again["meta_info"]["finish_reason"]["message"]
