@@ -147,6 +147,7 @@ class DecodeGraphs:
         n = len(rows)
         return accept_len[:n], emitted[:n], None if logprobs is None else logprobs.head(n)
 
+    @torch.inference_mode()  # (graph inputs are inference tensors, written in place)
     def step_seconds(self, batch_size: int, tier: int, replays: int = 3) -> float | None:
         """The device time of one greedy step of `tier` at this batch size's bucket (its graph
         replayed on padding rows, captured first if need be): what load-adaptive speculation

@@ -69,7 +69,7 @@ def plan_verify(
     chosen = torch.zeros(b * (n - 1), dtype=torch.bool, device=dev)
     if extra > 0:
         order = torch.argsort(flat, descending=True, stable=True)[:extra]
-        chosen[order] = True
+        chosen.index_fill_(0, order, True)  # (a scalar fill: nothing copied from the host)
     share = 1 + chosen.view(b, n - 1).sum(dim=1)  # [B] nodes verified per request
     keep = rank < share[:, None]
     packed = torch.argsort((~keep).reshape(-1).to(torch.int8), stable=True)[:total]
