@@ -84,3 +84,20 @@ def test_e2e_runs_every_row_and_speculation_keeps_the_tokens(tmp_path):
         assert r["output_tokens"] > 0 and r["tok_s"] > 0
         assert r["same_tokens"] == 1.0  # float32 on the CPU: lossless to the token
     assert all(r["accept_length"] >= 1.0 for r in rows[1:])
+
+
+@pytest.mark.slow
+def test_one_batch_on_chat_prompts_measures_the_bundled_drafts_acceptance(tmp_path):
+    """`bench one-batch --chat`: the packaged prompts as chats, the default model with its
+    bundled draft, so the row reports a real draft's acceptance."""
+    from specserve.cli import main
+
+    out = tmp_path / "rows.json"
+    rc = main(["bench", "one-batch", "--chat", "--device", "cpu", "--batch-size", "1", "3",
+               "--input-len", "7", "--output-len", "12", "--output-json", str(out)])  # fmt: skip
+    assert rc == 0
+    rows = json.loads(out.read_text())
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["input_len"] > 7  # a chat template around a real prompt, not --input-len
+        assert r["decode_throughput_tok_s"] > 0 and r["spec_accept_length"] > 1.0

@@ -32,6 +32,12 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
     ob.add_argument("--input-len", type=int, default=128)
     ob.add_argument("--output-len", type=int, default=256)
     ob.add_argument("--output-json", help="also write the rows to this file")
+    ob.add_argument(
+        "--chat",
+        action="store_true",
+        help="the packaged held-out and bench prompts as chats (needs a tokenizer) instead "
+        "of random ids: a real draft's acceptance",
+    )
     add_engine_args(ob)
 
     def run_one_batch_cmd(args):
@@ -41,7 +47,9 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
         rows = []
         with Engine(**engine_kwargs(args)) as engine:
             for bs in args.batch_size:
-                rows.append(run_one_batch(engine, bs, args.input_len, args.output_len))
+                rows.append(
+                    run_one_batch(engine, bs, args.input_len, args.output_len, chat=args.chat)
+                )
         dump(rows, args.output_json)
         return 0
 

@@ -18,17 +18,48 @@ def random_batch(
     return prompts, {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
 
 
+def chat_batch(
+    engine, batch_size: int, output_len: int, offset: int = 0
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """The packaged held-out and bench prompts as chats (repeated as needed; `offset`: where
+    in that list the batch starts), greedy, output_len tokens each: real text, so a real
+    draft's acceptance is what serving would see."""
+    import json
+    from importlib import resources
+
+    texts = []
+    for name in ("heldout_prompts.jsonl", "bench_prompts.jsonl"):
+        data = resources.files("specserve").joinpath("data", name).read_text()
+        texts += [json.loads(line)["prompt"] for line in data.splitlines() if line.strip()]
+    picked = [texts[(offset + i) % len(texts)] for i in range(batch_size)]
+    prompts = [engine.tokenize_chat([{"role": "user", "content": t}]) for t in picked]
+    return prompts, {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
+
+
 def run_one_batch(
-    engine, batch_size: int, input_len: int, output_len: int, seed: int = 0
+    engine,
+    batch_size: int,
+    input_len: int,
+    output_len: int,
+    seed: int = 0,
+    chat: bool = False,
 ) -> dict[str, Any]:
     """Time the prefill (first token of every request) and the decode of the rest.
 
     Measured through the public API: TTFT of the batch = prefill; the remaining
-    (output_len - 1) tokens per request over the remaining time = decode."""
-    prompts, sp = random_batch(engine, batch_size, input_len, output_len, seed)
-    # Warm-up: the same batch and lengths once, so Triton compiles and every CUDA graph the
-    # timed run needs (batch bucket x context-width bucket) is captured before timing.
-    engine.generate(input_ids=prompts, sampling_params=sp)
+    (output_len - 1) tokens per request over the remaining time = decode. chat: the packaged
+    chat prompts instead of random ids (input_len is then theirs; the warm-up runs other
+    prompts of the list, so acceptance is not learned from the timed ones)."""
+    if chat:
+        prompts, sp = chat_batch(engine, batch_size, output_len)
+        warm, _ = chat_batch(engine, batch_size, output_len, offset=batch_size)
+        input_len = round(sum(map(len, prompts)) / batch_size)
+    else:
+        prompts, sp = random_batch(engine, batch_size, input_len, output_len, seed)
+        warm = prompts
+    # Warm-up: the same batch size and lengths once, so Triton compiles and every CUDA graph
+    # the timed run needs (batch bucket x context-width bucket) is captured before timing.
+    engine.generate(input_ids=warm, sampling_params=sp)
     engine.flush_cache()  # the timed prefill computes its prompts, as a first request would
     t0 = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=sp)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# SmolLM2-135M-Instruct with its bundled EAGLE draft on real prompts (the packaged held-out
+# and bench prompts as chats, repeated as needed), `specserve bench one-batch --chat` at
+# several batch sizes (128 greedy tokens, bf16): plain decoding, fixed chains of 3 and 5, a
+# 4-step topk-4 tree of 16, the served 6/8/64 tree, and adaptive over the served tree. A log
+# per configuration under OUT_DIR, then one table of decode tok/s.
+#   bash bench/adaptive_speculation_smollm2.sh OUT_DIR [BATCH_SIZES] [MODEL]   # CUDA machine
+# MODEL: the packaged model (default) or a path to its GGUF on a machine without the package.
+set -uo pipefail
+out=${1:-/tmp/adaptive_smollm2}; sizes=${2:-"1 4 16 64 128"}; model=${3:-smollm2-135m}
+PY=${PY:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+mkdir -p "$out"
+BASE=(--model-path "$model" --chat --output-len 128 --batch-size $sizes --dtype bfloat16)
+run() {  # name, flags...
+  local name=$1; shift
+  echo "== $name"
+  $PY -m specserve.cli bench one-batch "${BASE[@]}" "$@" --output-json "$out/$name.json" \
+    > "$out/$name.log" 2>&1 || tail -n 5 "$out/$name.log"
+}
+run plain --no-default-draft
+run chain3 --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
+run chain5 --speculative-num-steps 5 --speculative-eagle-topk 1 --speculative-num-draft-tokens 6
+run tree4-4-16 --speculative-num-steps 4 --speculative-eagle-topk 4 --speculative-num-draft-tokens 16
+run served-tree  # the bundled draft's own settings
+run adaptive --speculative-adaptive
+$PY - "$out" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+names = ["plain", "chain3", "chain5", "tree4-4-16", "served-tree", "adaptive"]
+rows = {n: json.load(open(os.path.join(out, n + ".json")))
+        for n in names if os.path.exists(os.path.join(out, n + ".json"))}
+sizes = [r["batch_size"] for r in next(iter(rows.values()))]
+print("batch | " + " | ".join(f"{n} tok/s (accept)" for n in rows))
+print(" | ".join(["---"] * (len(rows) + 1)))
+for i, bs in enumerate(sizes):
+    cells = [f"{r[i]['decode_throughput_tok_s']:.0f} ({r[i].get('spec_accept_length') or 1:.2f})"
+             for r in rows.values()]
+    print(f"{bs} | " + " | ".join(cells))
+PY
