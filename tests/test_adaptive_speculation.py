@@ -4,6 +4,7 @@ plain steps, and the policy picks what pays."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -241,3 +242,40 @@ def test_a_draft_left_behind_stops_speculating_and_outputs_stay_exact():
     assert [o["output_ids"] for o in outs] == plain
     assert adaptive.get("stopped_speculating", 0) == 0
     assert cached > len(prompts[0]) + 10
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_requests_not_speculating_outlag_the_ring_while_others_catch_up(stale):
+    """A request that does not speculate (asked for plain decoding, or left behind) is never
+    caught up: decoded alone over more plain steps than its ring holds, then joined by a
+    request whose draft catches up in the same batch, both decode as plain decoding does."""
+    from specserve.config import EngineConfig
+    from specserve.runtime.engine_core import EngineCore
+    from specserve.runtime.request import Request
+    from specserve.sampling_params import SamplingParams
+
+    def serve(**kw):
+        core = EngineCore(EngineConfig.from_kwargs(**TINY, **kw).resolve())
+        pays = [not stale]  # (while the first request decodes alone)
+        if core.adaptive is not None:
+            script = iter([0] * 6 + [0, 1] * 20)
+            core.adaptive.pick = lambda b, can=True: next(script)
+            core.adaptive.speculation_pays = lambda b: pays[0]
+        sp = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+        first = Request("a", [5, 6, 7], dataclasses.replace(sp, speculative=stale), seed=0)
+        second = Request("b", [8, 9, 10], sp, seed=0)
+        core.add_request(first)
+        for _ in range(6):
+            core.step()
+        core.add_request(second)
+        pays[0] = True
+        while core.has_work():
+            core.step()
+        return first, second
+
+    plain = serve(no_default_draft=True)
+    spec = spec_args("tiny", 1, 2, 3, speculative_adaptive=True)
+    got = serve(**spec, speculative_adaptive_lag_tokens=1, disable_overlap_schedule=True)
+    assert [r.output_ids for r in got] == [r.output_ids for r in plain]
+    assert all(r.finish_reason["type"] == "length" for r in got), [r.finish_reason for r in got]
+    assert got[0].draft_stale == stale

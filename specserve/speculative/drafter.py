@@ -319,7 +319,11 @@ class TreeDrafter:
         ring, d = self.rows_state, self.delta
         cap = ring.lag_capacity
         bsz, dev = batch.batch_size, self.device
-        draft_lens = torch.minimum(ring.draft_lens[rows], batch.kv_lens_dev)
+        kv_lens = batch.kv_lens_dev
+        # A request that is not speculating (asked for plain decoding, or left behind) is
+        # never caught up on purpose, so its lag can outgrow the ring while others in its
+        # batch catch up: bound its pass to the ring (its draft entries are never used).
+        draft_lens = torch.maximum(torch.minimum(ring.draft_lens[rows], kv_lens), kv_lens - cap)
         q = draft_lens[:, None] + torch.arange(cap, device=dev)[None, :]  # [B, cap]
         valid = q < batch.kv_lens_dev[:, None]
         at = q % cap
