@@ -271,7 +271,9 @@ class DecodeStep:
         """Which nodes this step verifies: B * verified in all, by their estimated worth."""
         rows = batch.rows
         values = node_values(trees, self.rows.reached[rows], self.rows.predicted[rows])
-        plain = batch.sampling.plain_rows if batch.sampling.any_plain else None
+        plain = rows == PAD_ROW  # padding rows of a graph's batch verify their root alone
+        if batch.sampling.any_plain:
+            plain = plain | batch.sampling.plain_rows
         return plan_verify(trees, values, ranks_by_key(trees), plain, batch.batch_size * verified)
 
     def _calibrate(self, batch: DecodeBatch, trees: DraftTrees, acc: Acceptance) -> None:

@@ -70,8 +70,12 @@ def plan_verify(
     if extra > 0:
         order = torch.argsort(flat, descending=True, stable=True)[:extra]
         chosen.index_fill_(0, order, True)  # (a scalar fill: nothing copied from the host)
+        # a budget larger than the speculating requests' trees leaves rows over: they are
+        # computed (the forward's shape is fixed) but belong to no request's tree
+        chosen &= flat >= 0
     share = 1 + chosen.view(b, n - 1).sum(dim=1)  # [B] nodes verified per request
     keep = rank < share[:, None]
+    # the kept nodes first, in order; any rows left over are nodes no tree keeps
     packed = torch.argsort((~keep).reshape(-1).to(torch.int8), stable=True)[:total]
     row_of = torch.zeros(b * n, dtype=torch.int64, device=dev)
     row_of[packed] = torch.arange(total, device=dev)
