@@ -379,8 +379,9 @@ def test_parallel_workers_answer_every_job_once(tiny_data, tmp_path):
 
 def test_deadline_cuts_generation_and_keeps_prefixes(tiny_data):
     _, _, target_path = tiny_data
-    # 64 answers of ~250 tokens (the context) at 4 at a time: far more than 2 s of work
-    prompts = mixed_prompts(64, VOCAB, seed=22, max_len=10)
+    # 256 answers of ~250 tokens (the context) at 4 at a time: far more than 2 s of work,
+    # even on an idle fast machine (64 answers could finish in time there)
+    prompts = mixed_prompts(256, VOCAB, seed=22, max_len=10)
     cfg = GenConfig(
         target=target_path, engine_dtype="float32", max_new_tokens=1000, eos=[], dense_batch_size=4
     )
@@ -392,7 +393,7 @@ def test_deadline_cuts_generation_and_keeps_prefixes(tiny_data):
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.time()
             res = generate_answers(
-                cfg, prompts, make_jobs(64, 1, (), 0), [kind], tmp, deadline=t0 + 2.0, log=quiet
+                cfg, prompts, make_jobs(256, 1, (), 0), [kind], tmp, deadline=t0 + 2.0, log=quiet
             )
             assert time.time() - t0 < 20
         assert res and not all(r["complete"] for r in res)
@@ -400,7 +401,7 @@ def test_deadline_cuts_generation_and_keeps_prefixes(tiny_data):
         # the cut answer is the start of the real one (compared over its first tokens: over
         # hundreds of float32 steps batches of other sizes may break a near-tie differently)
         assert len(r["ids"]) >= 16
-        ref = generate_dense(model, [prompts[make_jobs(64, 1, (), 0)[r["job"]][0]]], 16)[0]
+        ref = generate_dense(model, [prompts[make_jobs(256, 1, (), 0)[r["job"]][0]]], 16)[0]
         assert r["ids"][:16] == ref
 
 
