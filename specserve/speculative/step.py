@@ -10,6 +10,7 @@ its shapes depend only on host values, so `DecodeGraphs` captures `DecodeStep.ru
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -155,9 +156,9 @@ class DecodeStep:
             return self.window
         return max(self.window, self.drafter.delta + self.rows.lag_capacity)
 
-    @property
+    @functools.cached_property
     def max_accept(self) -> int:
-        """Most tokens one step can add to a request."""
+        """Most tokens one step can add to a request (read per request per step: cached)."""
         return max(t.max_depth for t in self.tiers) + 1
 
     def run(
