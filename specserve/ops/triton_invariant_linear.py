@@ -33,6 +33,7 @@ from specserve.ops.triton_linear import (
     _load_x,
     _num_sms,
     _row_inv_rms,
+    linear_io,
     linear_reference,
 )
 
@@ -143,36 +144,10 @@ def invariant_linear(
     identity (as `skinny_linear`), each row computed in an order independent of M.
     x [..., K] ([..., 2K] with silu_mul), weight [N, K] with unit stride along K; output
     [..., N] in out_dtype (default x's dtype), fp32 math, one rounding at the end."""
-    n, k = weight.shape
-    kx = 2 * k if silu_mul else k
-    if x.shape[-1] != kx:
-        raise ValueError(f"x has {x.shape[-1]} columns, weight {tuple(weight.shape)} needs {kx}")
-    if norm_weight is not None and silu_mul:
-        raise ValueError("norm_weight and silu_mul do not combine")
-    if weight.stride(1) != 1:
-        raise ValueError("weight needs unit stride along K")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"x is {x.dtype}, weight {weight.dtype}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, kx)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return y.view(*lead, n)
-    if k == 0:
-        y.zero_()
-        if bias is not None:
-            y += bias
-        if residual is not None:
-            y += residual.reshape(m, n)
-        return y.view(*lead, n)
-    r2 = None
-    if residual is not None:
-        r2 = residual.reshape(m, n)
-        if r2.stride(-1) != 1:
-            r2 = r2.contiguous()
+    io = linear_io(x, weight, bias, norm_weight, silu_mul, residual, out_dtype)
+    if isinstance(io, torch.Tensor):
+        return io  # nothing to compute (empty, or K == 0)
+    x2, y, r2, lead, m, n, k = io
     cfg = config or invariant_config(n, k, _num_sms(x.device))
     # (CPU tensors: the Triton interpreter, whose dot has no bf16)
     upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16

@@ -385,21 +385,10 @@ def _tickets(device: torch.device, tiles: int) -> torch.Tensor:
     return t
 
 
-def skinny_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    silu_mul: bool = False,
-    residual: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    config: LinearConfig | None = None,
-) -> torch.Tensor:
-    """y = [residual +] f(x) @ weight^T [+ bias], f = RMSNorm(norm_weight) or SiLU-and-mul or
-    identity; x [..., K] ([..., 2K] with silu_mul), weight [N, K] with unit column stride.
-    Output [..., N] in out_dtype (default x's dtype); math in fp32, one rounding at the end."""
+def linear_io(x, weight, bias, norm_weight, silu_mul, residual, out_dtype):
+    """The checks and the 2-D layout every fused linear kernel shares: (x2 [M, K'], the
+    output y [M, N], residual r2 [M, N] or None, x's leading shape, M, N, K), or the result
+    itself when there is nothing to stream (M or N is 0, or K is 0: an empty sum)."""
     n, k = weight.shape
     kx = 2 * k if silu_mul else k
     if x.shape[-1] != kx:
@@ -418,7 +407,7 @@ def skinny_linear(
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.view(*lead, n)
-    if k == 0:  # nothing to stream: an empty sum
+    if k == 0:
         y.zero_()
         if bias is not None:
             y += bias
@@ -430,6 +419,28 @@ def skinny_linear(
         r2 = residual.reshape(m, n)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
+    return x2, y, r2, lead, m, n, k
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """y = [residual +] f(x) @ weight^T [+ bias], f = RMSNorm(norm_weight) or SiLU-and-mul or
+    identity; x [..., K] ([..., 2K] with silu_mul), weight [N, K] with unit column stride.
+    Output [..., N] in out_dtype (default x's dtype); math in fp32, one rounding at the end."""
+    io = linear_io(x, weight, bias, norm_weight, silu_mul, residual, out_dtype)
+    if isinstance(io, torch.Tensor):
+        return io  # nothing to compute (empty, or K == 0)
+    x2, y, r2, lead, m, n, k = io
     cfg = config or _picked(m, n, k, _num_sms(x.device))
     if cfg.kind == "fma":
         tiles = triton.cdiv(n, cfg.block_n) * m
