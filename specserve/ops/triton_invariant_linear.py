@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from specserve.ops.triton_linear import (
+    _dot_k_step,
     _finish,
-    _load_x,
     _num_sms,
     _row_inv_rms,
     linear_io,
@@ -68,18 +68,8 @@ def _invariant_gemm_kernel(
     w_ptrs = W + offs_wn[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # the one reduction order of every row
-        kk = k0 + offs_k
-        k_mask = kk < K
-        x = _load_x(X, NW, offs_m, m_mask, kk, k_mask, stride_xm, K, inv_rms,
-                    HAS_NORM, SILU_MUL, EVEN_K)  # fmt: skip
-        if EVEN_K:
-            w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
-        else:
-            w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        if DOT_UPCAST:  # the interpreter's tl.dot mishandles bf16: test the logic in fp32
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        acc = _dot_k_step(acc, X, NW, w_ptrs, k0, offs_k, offs_m, m_mask, stride_xm, K, inv_rms,
+                          HAS_NORM, SILU_MUL, EVEN_K, DOT_PRECISION, DOT_UPCAST)  # fmt: skip
     mask = (offs_n < N)[:, None] & m_mask[None, :]
     _finish(acc, Y, B, R, offs_m, offs_n, mask, N, stride_ym, stride_rm, HAS_BIAS, HAS_RES)
 

@@ -117,6 +117,28 @@ def _load_x(
 
 
 @triton.jit
+def _dot_k_step(
+    acc, X, NW, w_ptrs, k0, offs_k, offs_m, m_mask, stride_xm, K, inv_rms,
+    HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):  # fmt: skip
+    """acc [BLOCK_N, BLOCK_M] += W[:, k0:k0+BLOCK_K] @ f(x)[:, k0:k0+BLOCK_K]^T on tensor cores
+    (the skinny dot kernel's K loop and the batch-invariant GEMM's)."""
+    kk = k0 + offs_k
+    k_mask = kk < K
+    x = _load_x(X, NW, offs_m, m_mask, kk, k_mask, stride_xm, K, inv_rms,
+                HAS_NORM, SILU_MUL, EVEN_K)  # fmt: skip
+    if EVEN_K:
+        w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+    if DOT_UPCAST:  # the interpreter's tl.dot mishandles bf16: test the logic in fp32
+        w = w.to(tl.float32)
+        x = x.to(tl.float32)
+    return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _epilogue(
     acc, Y, B, R, P, C, tile, pid_k, offs_m, offs_n, M, N, stride_ym, stride_rm,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -239,18 +261,8 @@ def _skinny_dot_kernel(
     k_begin = pid_k * K_SPLIT
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
-        kk = k0 + offs_k
-        k_mask = kk < K
-        x = _load_x(X, NW, offs_m, m_mask, kk, k_mask, stride_xm, K, inv_rms,
-                    HAS_NORM, SILU_MUL, EVEN_K)  # fmt: skip
-        if EVEN_K:
-            w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
-        else:
-            w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        if DOT_UPCAST:  # the interpreter's tl.dot mishandles bf16: test the logic in fp32
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        acc = _dot_k_step(acc, X, NW, w_ptrs, k0, offs_k, offs_m, m_mask, stride_xm, K, inv_rms,
+                          HAS_NORM, SILU_MUL, EVEN_K, DOT_PRECISION, DOT_UPCAST)  # fmt: skip
     _epilogue(acc, Y, B, R, P, C, tile, pid_k, offs_m, offs_n, M, N, stride_ym, stride_rm,
               HAS_BIAS, HAS_RES, SPLIT_K)  # fmt: skip
 
