@@ -3,7 +3,8 @@
 # a 32k draft vocabulary), acceptance forced to each of ACCEPT_LENGTHS: plain decoding,
 # adaptive over a 5-step topk-4 tree of 16 tokens (tiers: plain, a chain of 3, the tree), the
 # fixed 3-step chain and the fixed tree, `specserve bench one-batch` at several batch sizes
-# (512-token prompts, 256 new tokens, greedy, bf16). A log per configuration under OUT_DIR.
+# (512-token prompts, 256 new tokens, greedy, bf16). A log and a JSON (specserve-NAME.json)
+# per configuration under OUT_DIR.
 #   bash bench/adaptive_speculation_8b.sh OUT_DIR [ACCEPT_LENGTHS] [BATCH_SIZES] [CONFIGS]
 # CONFIGS: any of "adaptive chain3 tree" (default "adaptive chain3"); plain always runs.
 set -uo pipefail
@@ -26,7 +27,8 @@ EAGLE3=(--speculative-algorithm EAGLE3 --speculative-draft-model-path "$DRAFT")
 run() {  # name, flags...
   local name=$1; shift
   echo "== $name"
-  $PY -m specserve.cli bench one-batch "${BASE[@]}" "$@" > "$out/$name.log" 2>&1
+  $PY -m specserve.cli bench one-batch "${BASE[@]}" "$@" --output-json "$out/specserve-$name.json" \
+    > "$out/$name.log" 2>&1
   tail -n $(( $(echo $sizes | wc -w) + 2 )) "$out/$name.log"
 }
 [ -e "$out/plain.log" ] || run plain

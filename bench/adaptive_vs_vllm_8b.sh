@@ -12,25 +12,12 @@ set -uo pipefail
 out=${1:?OUT_DIR}; part=${2:?PART}; sizes=${3:-"1 16 64 128 256"}
 PY=${PY:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-DRAFT=${DRAFT:-/tmp/eagle3-8b-random}
+DRAFT=${DRAFT:-/tmp/eagle3-8b-random}  # the random head both engines draft with
 mkdir -p "$out"
-if [ ! -e "$DRAFT/config.json" ]; then
-  $PY - "$DRAFT" <<'PY'
-import sys
-from specserve.model.config import PRESETS
-from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
-write_random_eagle_checkpoint(sys.argv[1], PRESETS["llama3-8b"], "EAGLE3", draft_vocab_size=32000)
-PY
-fi
-BASE=(--model-path llama3-8b --load-format dummy --input-len 512 --output-len 256 --batch-size $sizes)
-EAGLE3=(--speculative-algorithm EAGLE3 --speculative-draft-model-path "$DRAFT")
-TREE=(--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 16)
-CHAIN=(--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
-ours() {  # name, flags...
-  local name=$1; shift
-  echo "== specserve $name"
-  $PY -m specserve.cli bench one-batch "${BASE[@]}" "$@" --output-json "$out/specserve-$name.json" \
-    > "$out/specserve-$name.log" 2>&1 || tail -n 5 "$out/specserve-$name.log"
+write_draft() {  # (the specserve part writes it too, on a machine that may be a new one)
+  [ -e "$DRAFT/config.json" ] || $PY -c "import sys; from specserve.model.config import PRESETS; \
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint as w; \
+w(sys.argv[1], PRESETS['llama3-8b'], 'EAGLE3', draft_vocab_size=32000)" "$DRAFT"
 }
 theirs() {  # name, flags...
   local name=$1; shift
@@ -40,17 +27,12 @@ theirs() {  # name, flags...
     || tail -n 5 "$out/vllm-$name.log"
 }
 case $part in
-  specserve)
-    ours plain
-    for acc in 1 2 3 4; do
-      forced=(--simulate-acc-len "$acc" --simulate-acc-method match-expected)
-      ours "chain3-accept$acc" "${EAGLE3[@]}" "${CHAIN[@]}" "${forced[@]}"
-      ours "tree-accept$acc" "${EAGLE3[@]}" "${TREE[@]}" "${forced[@]}"
-      ours "adaptive-accept$acc" "${EAGLE3[@]}" "${TREE[@]}" --speculative-adaptive "${forced[@]}"
-    done ;;
+  specserve) DRAFT=$DRAFT bash bench/adaptive_speculation_8b.sh "$out" "1 2 3 4" "$sizes" \
+    "adaptive chain3 tree" ;;
   vllm-plain) theirs plain ;;
   vllm-accept[1-4])
     acc=${part#vllm-accept}
+    write_draft
     theirs "chain3-accept$acc" --eagle3 "$DRAFT" --num-speculative-tokens 3 \
       --synthetic-acceptance "$acc" ;;
   table) $PY bench/plot_throughput.py "$out" --title "Llama-3-8B shape, EAGLE3, forced acceptance" ;;
