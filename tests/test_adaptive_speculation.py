@@ -287,3 +287,25 @@ def test_requests_not_speculating_outlag_the_ring_while_others_catch_up(stale):
     assert [r.output_ids for r in got] == [r.output_ids for r in plain]
     assert all(r.finish_reason["type"] == "length" for r in got), [r.finish_reason for r in got]
     assert got[0].draft_stale == stale
+
+
+def test_tiers_are_timed_at_start_so_serving_never_stops_to_time_a_new_batch_size():
+    """Timing a tier captures its graph (compiling its kernels for that batch shape): done
+    at engine start for every bucket the graphs cover, never in the middle of serving."""
+    tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(5, 4, 16)]
+    calls = []
+
+    def measure(bucket, tier):
+        if bucket > 64:
+            return None  # past the largest graph
+        calls.append((bucket, tier))
+        return (1 + tier) * (1 + bucket / 64) / 1e3
+
+    p = AdaptiveSpeculation(tiers, measure=measure)
+    assert p.prime(48) == 3 * 7  # buckets 1, 2, 4, 8, 16, 32, and 64 (which holds 48)
+    assert sorted(calls) == sorted((b, t) for b in (1, 2, 4, 8, 16, 32, 64) for t in range(3))
+    calls.clear()
+    for bs in (1, 3, 7, 12, 30, 48, 2, 64):
+        p.observe(p.pick(bs), bs, [2] * bs, 1e-3)
+    assert calls == []
+    assert AdaptiveSpeculation(tiers, measure=measure).prime(256) == 3 * 7  # 128+: online

@@ -44,3 +44,14 @@ def test_random_tiers_under_graphs_decode_as_plain(page_size, lag_tokens):
     chain, quarter, half, tree = adaptive["accept_length"][1:]
     assert (chain, tree) == (4.0, 5.0)  # the self-draft: all it drafts
     assert 1.0 < quarter <= half <= tree  # ragged steps verify part of the same drafts
+
+
+def test_every_tier_is_timed_at_every_batch_bucket_before_the_first_request():
+    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="tiny",
+                speculative_num_steps=3, speculative_eagle_topk=2,
+                speculative_num_draft_tokens=6, speculative_adaptive=True)  # fmt: skip
+    with Engine(**GPU, **spec, cuda_graph_max_bs=12) as e:
+        adaptive = e.core.adaptive
+        count = len(adaptive.tiers)
+        assert set(adaptive.replayed) == {(t, b) for t in range(count) for b in (1, 2, 4, 8, 16)}
+        assert all(s > 0 for s in adaptive.replayed.values())

@@ -143,6 +143,17 @@ class EngineCore:
             if cfg.disable_radix_cache
             else PrefixCache(self.table.allocator, draft.draft_kv_reads_next_token),
         )
+        if self.adaptive is not None and measure is not None and self.worker.graphs is not None:
+            # every tier timed at every batch bucket before the first request, not when serving
+            # first meets a bucket (capturing compiles kernels: seconds at a large model)
+            start = time.perf_counter()
+            timed = self.adaptive.prime(cfg.cuda_graph_max_bs)
+            log.info(
+                "adaptive speculation: %d tier steps timed up to batch %d in %.1f s",
+                timed,
+                cfg.cuda_graph_max_bs,
+                time.perf_counter() - start,
+            )
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -347,7 +358,11 @@ class EngineCore:
 
     def _step_seconds(self, batch_size: int, tier: int) -> float | None:
         graphs = self.worker.graphs
-        return None if graphs is None else graphs.step_seconds(batch_size, tier)
+        if graphs is None:
+            return None
+        # a bucket past the largest graph (a cuda_graph_max_bs that is not a power of two)
+        # is served by that graph up to its size
+        return graphs.step_seconds(min(batch_size, graphs.buckets[-1]), tier)
 
     def _launch_decode(self, reqs: list[Request]):
         kv_upper = [r.kv_len + r.inflight_steps * self.worker.max_accept for r in reqs]

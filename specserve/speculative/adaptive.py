@@ -8,8 +8,9 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
     pick argmax over tiers t of  batch_size * accept_length[t] / step_seconds[t, batch bucket]
 
 - step_seconds: the device time of a step of tier t at a batch bucket, measured on this
-  device the first time the bucket is seen (its CUDA graph replayed on padding rows, so every
-  tier is timed alike), then as steps are served (a moving average of the launched steps'
+  device when the engine starts (`prime`: every tier's CUDA graph at every bucket replayed on
+  padding rows, so every tier is timed alike and serving never stops to capture and time a
+  bucket it meets first), then as steps are served (a moving average of the launched steps'
   own time). Padding rows have no context to attend to: what served steps take beyond their
   replay is added to the replay of tiers not served yet. Without CUDA graphs a (tier,
   bucket) not yet timed is tried first (its first step, which compiles, is not counted).
@@ -102,6 +103,21 @@ class AdaptiveSpeculation:
         if key in self.replayed:
             return self.replayed[key] + self.context_cost.get(bucket, 0.0)
         return None
+
+    def prime(self, max_batch_size: int) -> int:
+        """Time every tier at every bucket up to `max_batch_size` now (engine start): capturing
+        a tier's graph compiles its kernels for that batch shape, which would otherwise stall
+        the first step served at that bucket for every tier at once. Returns how many
+        (tier, bucket) were timed; buckets that cannot be replayed are left to serving."""
+        timed = 0
+        bucket = 1
+        while bucket <= batch_bucket(max_batch_size):
+            untimed = self._fill(bucket)
+            timed += sum(1 for t, b in self.replayed if b == bucket)
+            if untimed is not None:
+                break  # past the graphs' largest batch: served steps time the rest
+            bucket *= 2
+        return timed
 
     def _fill(self, bucket: int) -> int | None:
         """Time every tier at this bucket; returns a tier to try online when it cannot."""
