@@ -13,6 +13,8 @@ finishes. An EAGLE draft's KV at the last cached position depends on the token a
 (the draft pairs each token with the target's state one position earlier), which may differ:
 that last cached page is copied into a page of the request's own, and the prefill re-runs its
 last token, so the draft's entry there is computed afresh and no shared page is written.
+Requests arriving together with a prefix not cached yet do not all compute it: the later
+ones wait for the batch that caches it (runtime/prefill_sharing.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 from specserve.kv.prefix_cache import PrefixCache
 from specserve.kv.table import KVTable
+from specserve.runtime.prefill_sharing import PrefillSharing
 from specserve.runtime.request import PrefillChunk, ReqState, Request
 
 log = logging.getLogger(__name__)
@@ -159,6 +162,8 @@ class Scheduler:
         chunks: list[PrefillChunk] = []
         active = len(self.running) + sum(r.state is ReqState.PREFILLING for r in self.waiting)
         headroom = self._decode_headroom_pages()
+        # prompts this batch computes and caches, which later requests may wait for
+        sharing = PrefillSharing(self.table.page_size) if self.cache is not None else None
         for req in list(self.waiting):
             if req.state is ReqState.WAITING and active >= self.limits.max_running_requests:
                 break
@@ -166,6 +171,8 @@ class Scheduler:
             if first is not None and first.state in (ReqState.WAITING, ReqState.PREFILLING):
                 continue  # a sibling sample: it starts from the first one's cached prompt
             fresh = self.cache is not None and req.kv_len == 0 and req.cache_node is None
+            if fresh and sharing.should_wait(req):
+                continue  # it starts from the cache once this batch has put its prefix there
             started = self._try_start(req, budget, headroom, fresh, copy_boundary=True)
             if started is None and fresh:  # a copied boundary page needs one page more
                 started = self._try_start(req, budget, headroom, fresh, copy_boundary=False)
@@ -181,6 +188,8 @@ class Scheduler:
             if copy is not None:  # the cached boundary page into the request's own page
                 copy = (copy[0], self.table.pages(req.rid)[copy[1]])
             chunks.append(PrefillChunk(req, req.kv_len, end, copy, admitted))
+            if sharing is not None:
+                sharing.add(req)
             budget -= end - req.kv_len
             if budget <= 0:
                 break
