@@ -7,6 +7,10 @@ import random
 import time
 from typing import Any
 
+# Warm-up runs at most before timing: enough for adaptive speculation's exploration to have
+# met its tiers' graphs at a batch size, bounded so a bench never spins.
+MAX_WARMUPS = 3
+
 
 def random_batch(
     engine, batch_size: int, input_len: int, output_len: int, seed: int = 0
@@ -57,10 +61,19 @@ def run_one_batch(
     else:
         prompts, sp = random_batch(engine, batch_size, input_len, output_len, seed)
         warm = prompts
-    # Warm-up: the same batch size and lengths once, so Triton compiles and every CUDA graph
-    # the timed run needs (batch bucket x context-width bucket) is captured before timing.
-    engine.generate(input_ids=warm, sampling_params=sp)
-    engine.flush_cache()  # the timed prefill computes its prompts, as a first request would
+    # Warm-up: the same batch size and lengths, so Triton compiles and every CUDA graph the
+    # timed run needs (batch bucket x context-width bucket) is captured before timing. Under
+    # adaptive speculation a run may first meet a (tier, draft catch-up) graph in a later run
+    # (exploration rotates through the tiers), so the warm-up repeats while it captures.
+    warmups = 0
+    while True:
+        captures = engine.stats()["num_graph_captures"]
+        engine.generate(input_ids=warm, sampling_params=sp)
+        engine.flush_cache()  # the timed prefill computes its prompts, as a first request would
+        warmups += 1
+        if engine.stats()["num_graph_captures"] == captures or warmups == MAX_WARMUPS:
+            break
+    captures = engine.stats()["num_graph_captures"]
     t0 = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=sp)
     total = time.perf_counter() - t0
@@ -78,6 +91,9 @@ def run_one_batch(
         "per_token_latency_ms": 1000 * decode_time / max(1, output_len - 1),
         "total_latency_s": total,
         "output_throughput_tok_s": gen_tokens / total,
+        "warmup_runs": warmups,
+        # graphs the timed run still captured: their capture time is in its decode time
+        "graph_captures_timed": engine.stats()["num_graph_captures"] - captures,
     }
     accept = [
         o["meta_info"].get("spec_accept_length")
