@@ -1,14 +1,16 @@
 """What bench/vllm_peer.py hands vLLM for the real SmolLM2 run, checked on a CPU without vLLM:
 the bundled EAGLE draft with its fc bias folded computes what specserve's head computes, the
-GGUF written as an HF folder is the model specserve runs, and vLLM's chat prompts are the
-token ids `specserve bench one-batch --chat` runs."""
+GGUF written as an HF folder is the model specserve runs, vLLM's chat prompts are the token
+ids `specserve bench one-batch --chat` runs, and one-batch --chat passes all of it to vLLM's
+API (a stand-in `vllm` module records the calls)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-from types import SimpleNamespace
+import sys
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -173,3 +175,60 @@ def test_vllm_random_prompts_are_specserves_random_prompts(engine):
     )
     timed, warm = vllm_peer.batch_prompts(args, 4)
     assert timed == warm == random_batch(engine, 4, 20, 8, seed=3)[0]
+
+
+# ---- what one-batch --chat asks of vLLM ----------------------------------------------------
+
+
+class FakeLLM:
+    """vllm.LLM's calls as vllm_peer makes them: every prompt gets max_tokens tokens, and each
+    generate adds 10 drafts with 15 accepted tokens to the spec-decode counters."""
+
+    last: FakeLLM | None = None
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.calls: list[tuple[list[list[int]], SimpleNamespace]] = []
+        FakeLLM.last = self
+
+    def generate(self, prompts, params, use_tqdm=True):
+        self.calls.append(([p["prompt_token_ids"] for p in prompts], params))
+        return [
+            SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7] * params.max_tokens)])
+        ] * len(prompts)
+
+    def get_metrics(self):
+        n = len(self.calls)
+        return [
+            SimpleNamespace(name="vllm:spec_decode_num_drafts", value=10 * n),
+            SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=15 * n),
+        ]
+
+
+def test_one_batch_chat_gives_vllm_the_folder_the_folded_draft_and_the_chat_ids(
+    engine, tmp_path, monkeypatch
+):
+    fake = ModuleType("vllm")
+    fake.LLM = FakeLLM
+    fake.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    model = str(tmp_path / "target")
+    argv = ["one-batch", "--model-folder", model, "--chat", "--eagle", DRAFT]
+    argv += ["--batch-size", "2", "5", "--output-len", "4", "--work", str(tmp_path / "work")]
+    rows = vllm_peer.cmd_one_batch(vllm_peer.parser().parse_args(argv))
+
+    llm = FakeLLM.last
+    assert llm.kwargs["model"] == model and llm.kwargs["load_format"] == "auto"
+    assert llm.kwargs["skip_tokenizer_init"] and llm.kwargs["dtype"] == "bfloat16"
+    spec = llm.kwargs["speculative_config"]
+    assert spec["method"] == "eagle" and spec["num_speculative_tokens"] == 3
+    with safe_open(os.path.join(spec["model"], "model.safetensors"), framework="pt") as st:
+        assert "fc.bias" not in st.keys() and "layers.0.self_attn.o_proj.bias" in st.keys()
+    for i, bs in enumerate((2, 5)):  # per batch size: warm-up, the TTFT run, the timed run
+        (warm, p_warm), (ttft, p_ttft), (timed, p_timed) = llm.calls[3 * i : 3 * i + 3]
+        assert warm == chat_batch(engine, bs, 4, offset=bs)[0]
+        assert ttft == timed == chat_batch(engine, bs, 4)[0]
+        assert (p_warm.max_tokens, p_ttft.max_tokens, p_timed.max_tokens) == (4, 1, 4)
+        assert p_timed.temperature == 0.0 and p_timed.ignore_eos  # as specserve's --chat
+        assert rows[i]["input_len"] == round(sum(map(len, timed)) / bs)
+        assert rows[i]["spec_accept_length"] == 2.5
