@@ -22,21 +22,28 @@ def random_batch(
     return prompts, {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
 
 
-def chat_batch(
-    engine, batch_size: int, output_len: int, offset: int = 0
-) -> tuple[list[list[int]], dict[str, Any]]:
-    """The packaged held-out and bench prompts as chats (repeated as needed; `offset`: where
-    in that list the batch starts), greedy, output_len tokens each: real text, so a real
-    draft's acceptance is what serving would see."""
-    import json
+def chat_prompt_ids(tokenizer, batch_size: int, offset: int = 0) -> list[list[int]]:
+    """The packaged held-out and bench prompts as one-turn chats, tokenized with the model's
+    chat template (repeated as needed; `offset`: where in that list the batch starts). Peers
+    (bench/vllm_peer.py) call this too, so both engines get the same token ids."""
     from importlib import resources
+
+    from specserve.model.tokenizer import apply_chat_template
 
     texts = []
     for name in ("heldout_prompts.jsonl", "bench_prompts.jsonl"):
         data = resources.files("specserve").joinpath("data", name).read_text()
         texts += [json.loads(line)["prompt"] for line in data.splitlines() if line.strip()]
     picked = [texts[(offset + i) % len(texts)] for i in range(batch_size)]
-    prompts = [engine.tokenize_chat([{"role": "user", "content": t}]) for t in picked]
+    return [apply_chat_template(tokenizer, [{"role": "user", "content": t}]) for t in picked]
+
+
+def chat_batch(
+    engine, batch_size: int, output_len: int, offset: int = 0
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """`chat_prompt_ids` with the engine's tokenizer, greedy, output_len tokens each: real
+    text, so a real draft's acceptance is what serving would see."""
+    prompts = chat_prompt_ids(engine.tokenizer, batch_size, offset)
     return prompts, {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
 
 
