@@ -146,8 +146,12 @@ class Engine:
             "prefix_cache_hit_tokens": core.scheduler.prefix_hit_tokens,
             "num_retractions": core.scheduler.num_retractions,
             "num_steps": core.num_steps,
-            # decode graphs captured so far (each capture stalls its step)
-            "num_graph_captures": core.worker.graphs.num_captures if core.worker.graphs else 0,
+            # CUDA graphs captured so far, decode and prefill (each capture stalls its step)
+            "num_graph_captures": sum(
+                g.num_captures
+                for g in (core.worker.graphs, core.worker.prefill_graphs)
+                if g is not None
+            ),
             "spec_verify_ct": verify_ct,
             "speculative_adaptive": core.describe_adaptive(),
             "spec_accept_length": core.spec_totals["accepted"] / verify_ct if verify_ct else None,

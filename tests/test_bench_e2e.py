@@ -105,7 +105,7 @@ def test_one_batch_on_chat_prompts_measures_the_bundled_drafts_acceptance(tmp_pa
 
 
 class _CapturingEngine:
-    """Stands in for an engine whose runs capture a scripted number of new decode graphs."""
+    """Stands in for an engine whose runs capture a scripted number of new CUDA graphs."""
 
     def __init__(self, captures_per_run: list[int]):
         self.script = list(captures_per_run)

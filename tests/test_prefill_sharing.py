@@ -8,7 +8,7 @@ import torch
 
 from specserve import Engine
 from specserve.model.config import PRESETS
-from specserve.runtime.prefill_sharing import SHARE_MIN_TOKENS, PrefillSharing, common_prefix_len
+from specserve.runtime.prefill_sharing import SHARE_MIN_TOKENS, PrefillSharing
 from specserve.runtime.request import Request
 from specserve.sampling_params import SamplingParams
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
@@ -17,44 +17,44 @@ from tests.engine_utils import TINY, spec_args
 SP = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 
 
-def request(rid: str, ids: list[int], cached: int | None = None) -> Request:
-    """(A request that may reuse all but its last token.)"""
-    r = Request(rid=rid, prompt_ids=list(ids), params=SamplingParams(max_new_tokens=4), seed=0)
-    r.cached_tokens = cached
-    return r
+def request(rid: str, ids: list[int]) -> Request:
+    return Request(rid=rid, prompt_ids=list(ids), params=SamplingParams(max_new_tokens=4), seed=0)
 
 
-def test_common_prefix_len_at_every_split_and_limit():
-    g = torch.Generator().manual_seed(0)
-    a = torch.randint(0, 50, (300,), generator=g).tolist()
-    for split in (0, 1, 63, 64, 65, 200, 299):
-        b = a[:split] + [a[split] + 1] + a[split + 1 :]
-        assert common_prefix_len(a, b, 300) == split
-        assert common_prefix_len(a, b, 10) == min(split, 10)
-    assert common_prefix_len(a, list(a), 300) == 300
+def waits(sharing: PrefillSharing, r: Request, limit: int | None = None) -> bool:
+    """(By default a request that may reuse all but its last token.)"""
+    return sharing.should_wait(r, r.fill_len - 1 if limit is None else limit)
 
 
-@pytest.mark.parametrize("page_size", [1, 4, 64])
-def test_a_request_waits_only_for_enough_uncached_shared_tokens(page_size):
+@pytest.mark.parametrize("page_size", [1, 4, 3, 64])
+def test_a_request_waits_only_for_enough_shared_tokens_the_batch_computes(page_size):
     g = torch.Generator().manual_seed(page_size)
     system = torch.randint(0, 1000, (200,), generator=g).tolist()
     sharing = PrefillSharing(page_size)
-    sharing.add(request("first", system + [1, 2, 3], cached=0))
-    gain = max(SHARE_MIN_TOKENS, page_size)
-
-    def waits(sharing, r, limit=None):
-        return sharing.should_wait(r, r.fill_len - 1 if limit is None else limit)
-
+    sharing.add(request("first", system + [1, 2, 3]), start=0)
+    gain = -(-max(SHARE_MIN_TOKENS, page_size) // page_size) * page_size
     assert waits(sharing, request("same system", system + [4, 5]))
-    # the shared part is short, or the cache already holds all but a little of it
+    assert waits(sharing, request("shares just enough", system[:gain] + [9] * 50))
+    # the shared part is short, elsewhere, or the batch computes little of it
     assert not waits(sharing, request("short", system[: gain - 1] + [9] * 50))
     assert not waits(sharing, request("other", [7] + system))
-    # it may not take the shared part from the cache (its prompt log-probs are wanted)
     assert not waits(sharing, request("scoring", system + [4, 5]), limit=gain - 1)
     cached = PrefillSharing(page_size)
-    cached.add(request("first", system + [1, 2, 3], cached=200 - gain + 1))
+    cached.add(request("first", system + [1, 2, 3]), start=200)  # the rest was cached
     assert not waits(cached, request("same system", system + [4, 5]))
     assert not waits(PrefillSharing(page_size), request("alone", system))
+
+
+def test_nobody_in_a_burst_waits_for_a_system_prompt_already_cached():
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(0, 1000, (4000,), generator=g).tolist()
+    reqs = [request(str(i), system + torch.randint(0, 1000, (100,), generator=g).tolist())
+            for i in range(64)]  # fmt: skip
+    sharing = PrefillSharing(1)
+    for r in reqs:
+        assert not waits(sharing, r)
+        sharing.add(r, start=4000)  # each took the system prompt from the cache
+    assert waits(sharing, request("a copy of one", reqs[5].prompt_ids + [1]))
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +85,35 @@ def test_a_burst_sharing_a_system_prompt_computes_it_once(eagle, page_size, spec
     assert cached[0] == 0
     assert all(c >= 96 - 2 * page_size for c in cached[1:]), cached
     assert stats["prefix_cache_hit_tokens"] == sum(cached)
+
+
+def test_a_waiting_request_keeps_its_running_slot():
+    """max_running_requests 2: B waits for A's shared prefix; C, unrelated and later, must not
+    take B's slot (B would then wait for a whole request to finish, not one prefill)."""
+    from specserve.config import EngineConfig
+    from specserve.runtime.engine_core import EngineCore
+
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(3, 500, (96,), generator=g).tolist()
+    other = torch.randint(3, 500, (50,), generator=g).tolist()
+
+    def sp(n):
+        return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+    cfg = EngineConfig.from_kwargs(**TINY, max_running_requests=2, debug_check_invariants=True)
+    core = EngineCore(cfg.resolve())
+    a = Request("A", system + [7, 8], sp(40), seed=0)
+    b = Request("B", system + [9, 10], sp(4), seed=0)
+    c = Request("C", other, sp(40), seed=0)
+    for r in (a, b, c):
+        core.add_request(r)
+    first: dict[str, int] = {}
+    steps = 0
+    while core.has_work():
+        core.step()
+        steps += 1
+        for r in (a, b, c):
+            if r.output_ids:
+                first.setdefault(r.rid, steps)
+    assert b.cached_tokens >= 96 - 1  # it waited, and took the prefix from the cache
+    assert first["B"] < first["C"], first  # and kept its place ahead of C

@@ -115,14 +115,7 @@ class DecodeGraphs:
         shape = self.bucket(len(rows), width)
         if shape is None:
             return None
-        if self.worker.rows.version != self._rows_version:
-            # the row tensors were reallocated (more requests or longer contexts than sized
-            # for): graphs captured the old addresses. A launched replay may still be running:
-            # let it finish before its graph and memory pool are released.
-            if self.capture:
-                torch.cuda.synchronize(self.worker.device)
-            self.graphs.clear()
-            self._rows_version = self.worker.rows.version
+        self._drop_stale_graphs()
         key = (
             *shape,
             sampling.all_greedy,
@@ -147,6 +140,17 @@ class DecodeGraphs:
         n = len(rows)
         return accept_len[:n], emitted[:n], None if logprobs is None else logprobs.head(n)
 
+    def _drop_stale_graphs(self) -> None:
+        """The row tensors were reallocated (more requests or longer contexts than sized
+        for): graphs captured the old addresses. A launched replay may still be running: let
+        it finish before its graph and memory pool are released."""
+        if self.worker.rows.version == self._rows_version:
+            return
+        if self.capture:
+            torch.cuda.synchronize(self.worker.device)
+        self.graphs.clear()
+        self._rows_version = self.worker.rows.version
+
     @torch.inference_mode()  # (graph inputs are inference tensors, written in place)
     def step_seconds(self, batch_size: int, tier: int, replays: int = 3) -> float | None:
         """The device time of one greedy step of `tier` at this batch size's bucket (its graph
@@ -155,6 +159,7 @@ class DecodeGraphs:
         shape = self.bucket(batch_size, MIN_WIDTH)
         if shape is None or not self.capture:
             return None
+        self._drop_stale_graphs()
         key = (*shape, True, False, False, 0, False, tier, False)
         cap = self.graphs.get(key)
         if cap is None:

@@ -24,7 +24,7 @@ from specserve.runtime.request import ReqState, Request
 from specserve.runtime.scheduler import Scheduler, SchedulerLimits
 from specserve.runtime.stop import StopChecker
 from specserve.runtime.worker import Worker
-from specserve.speculative.adaptive import AdaptiveSpeculation, speculation_tiers
+from specserve.speculative.adaptive import AdaptiveSpeculation, batch_bucket, speculation_tiers
 from specserve.speculative.factory import build_drafter
 
 log = logging.getLogger(__name__)
@@ -147,11 +147,12 @@ class EngineCore:
             # every tier timed at every batch bucket before the first request, not when serving
             # first meets a bucket (capturing compiles kernels: seconds at a large model)
             start = time.perf_counter()
-            timed = self.adaptive.prime(cfg.cuda_graph_max_bs)
+            largest = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
+            timed = self.adaptive.prime(largest)
             log.info(
                 "adaptive speculation: %d tier steps timed up to batch %d in %.1f s",
                 timed,
-                cfg.cuda_graph_max_bs,
+                largest,
                 time.perf_counter() - start,
             )
         eos = set(mc.eos_token_ids)
@@ -360,9 +361,13 @@ class EngineCore:
         graphs = self.worker.graphs
         if graphs is None:
             return None
-        # a bucket past the largest graph (a cuda_graph_max_bs that is not a power of two)
-        # is served by that graph up to its size
-        return graphs.step_seconds(min(batch_size, graphs.buckets[-1]), tier)
+        largest = graphs.buckets[-1]
+        if batch_size > largest and batch_bucket(batch_size) == batch_bucket(largest):
+            # the bucket holding the largest graph (a cuda_graph_max_bs that is not a power
+            # of two): served by that graph up to its size; past it, steps run eagerly and
+            # are timed as served
+            batch_size = largest
+        return graphs.step_seconds(batch_size, tier)
 
     def _launch_decode(self, reqs: list[Request]):
         kv_upper = [r.kv_len + r.inflight_steps * self.worker.max_accept for r in reqs]

@@ -1,10 +1,15 @@
 """Requests that arrive together and share a prompt prefix the cache does not hold yet (a
 system prompt, a fan-out of agent calls): prefilled in one batch, each computes the prefix
 again. So while a request of the batch computes a prefix, a later request sharing at least
-SHARE_MIN_TOKENS of it beyond what is cached waits for the next prefill batch, where it starts
-from the cache (the prefix is cached when the computing request completes its prefill). SGLang
-holds such requests back in the same way; vLLM gets part of the effect from caching blocks
-as its chunked prefills complete them.
+SHARE_MIN_TOKENS of it beyond what that request took from the cache waits for the next
+prefill batch, where it starts from the cache (the prefix is cached when the computing
+request completes its prefill). SGLang holds such requests back in the same way; vLLM gets
+part of the effect from caching blocks as its chunked prefills complete them.
+
+A computing request's chunk start stands for what the cache holds of the shared part (the
+same tokens find the same pages). It can be less when that request could not take the
+cache (it wants its prompt's log-probs) or was admitted before the prefix was cached: the
+waiting request then loses one prefill batch, no more.
 """
 
 from __future__ import annotations
@@ -16,47 +21,30 @@ from specserve.runtime.request import Request
 SHARE_MIN_TOKENS = 32
 
 
-def common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
-    """How many leading tokens a and b share, at most `limit` (slices compare at C speed)."""
-    n, step = 0, 64
-    while n < limit:
-        end = min(n + step, limit)
-        if a[n:end] != b[n:end]:
-            while a[n] == b[n]:
-                n += 1
-            return n
-        n = end
-    return limit
-
-
 class PrefillSharing:
-    """The requests of one prefill batch whose prompts will be cached, indexed by their first
-    SHARE_MIN_TOKENS tokens (any prefix worth waiting for starts with them)."""
+    """The requests of one prefill batch whose prompts will be cached, indexed by the
+    prefix a later request must share to gain from waiting: each computing request's chunk
+    start plus SHARE_MIN_TOKENS (whole pages). Lookups hash token slices (no pairwise
+    comparisons: a burst of requests stays linear in its tokens)."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size
-        self.min_gain = max(SHARE_MIN_TOKENS, page_size)
-        self._by_head: dict[tuple[int, ...], list[Request]] = {}
+        self.gain = -(-max(SHARE_MIN_TOKENS, page_size) // page_size) * page_size
+        self._by_length: dict[int, set[tuple[int, ...]]] = {}
 
-    def add(self, req: Request) -> None:
-        """`req` prefills in this batch; its prompt is cached once that prefill completes."""
-        ids = req.all_ids
-        if req.fill_len > SHARE_MIN_TOKENS:
-            self._by_head.setdefault(tuple(ids[:SHARE_MIN_TOKENS]), []).append(req)
+    def add(self, req: Request, start: int) -> None:
+        """`req` prefills from position `start` in this batch; its prompt is cached once that
+        prefill completes (its full pages before its last known token)."""
+        length = start - start % self.page_size + self.gain  # (the cache holds whole pages)
+        if req.fill_len - 1 >= length:
+            self._by_length.setdefault(length, set()).add(tuple(req.all_ids[:length]))
 
     def should_wait(self, req: Request, reuse_limit: int) -> bool:
         """Whether fresh `req`, which may take up to `reuse_limit` tokens from the cache,
-        would find at least `min_gain` more cached after this batch than now. A computing
-        request's own cached start stands for what the cache holds of the shared part (the
-        same tokens find the same pages)."""
-        if reuse_limit < self.min_gain:
-            return False
+        shares with a computing request at least `gain` tokens that request does not have
+        from the cache."""
         ids = req.all_ids
-        for other in self._by_head.get(tuple(ids[:SHARE_MIN_TOKENS]), ()):
-            # what `other` caches: its full pages before its last prompt token
-            limit = min(other.fill_len - 1, reuse_limit)
-            shared = common_prefix_len(ids, other.all_ids, limit)
-            shared -= shared % self.page_size
-            if shared - (other.cached_tokens or 0) >= self.min_gain:
-                return True
-        return False
+        return any(
+            length <= reuse_limit and tuple(ids[:length]) in prefixes
+            for length, prefixes in self._by_length.items()
+        )

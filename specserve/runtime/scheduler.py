@@ -177,7 +177,10 @@ class Scheduler:
                 continue  # a sibling sample: it starts from the first one's cached prompt
             fresh = self.cache is not None and req.kv_len == 0 and req.cache_node is None
             if fresh and sharing.should_wait(req, reuse_limit(req)):
-                continue  # it starts from the cache once this batch has put its prefix there
+                # it starts from the cache once this batch has put its prefix there; its
+                # running slot stays its own (later arrivals must not take it meanwhile)
+                active += req.state is ReqState.WAITING
+                continue
             started = self._try_start(req, budget, headroom, fresh, copy_boundary=True)
             if started is None and fresh:  # a copied boundary page needs one page more
                 started = self._try_start(req, budget, headroom, fresh, copy_boundary=False)
@@ -194,7 +197,7 @@ class Scheduler:
                 copy = (copy[0], self.table.pages(req.rid)[copy[1]])
             chunks.append(PrefillChunk(req, req.kv_len, end, copy, admitted))
             if sharing is not None:
-                sharing.add(req)
+                sharing.add(req, chunks[-1].start)
             budget -= end - req.kv_len
             if budget <= 0:
                 break

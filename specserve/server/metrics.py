@@ -99,8 +99,8 @@ class _EngineCollector:
         yield counter("retractions", "Requests retracted for lack of KV", s["num_retractions"])
         yield counter("engine_steps", "Engine steps (batches) run", s["num_steps"])
         yield counter(
-            "decode_graph_captures",
-            "Decode CUDA graphs captured (each capture stalls the step that needs it)",
+            "graph_captures",
+            "CUDA graphs captured, decode and prefill (each capture stalls its step)",
             s["num_graph_captures"],
         )
         verify = s.get("spec_verify_ct") or 0

@@ -9,8 +9,8 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
 
 - step_seconds: the device time of a step of tier t at a batch bucket, measured on this
   device when the engine starts (`prime`: every tier's CUDA graph at every bucket replayed on
-  padding rows, so every tier is timed alike and serving never stops to capture and time a
-  bucket it meets first), then as steps are served (a moving average of the launched steps'
+  padding rows, so every tier is timed alike, and serving does not stop to capture and time
+  every tier at a bucket it meets first), then as steps are served (a moving average of the launched steps'
   own time). Padding rows have no context to attend to: what served steps take beyond their
   replay is added to the replay of tiers not served yet. Without CUDA graphs a (tier,
   bucket) not yet timed is tried first (its first step, which compiles, is not counted).
