@@ -1,17 +1,24 @@
 """vLLM on the workloads of `specserve bench one-batch` and `specserve bench multiturn`, for
 ratios measured in the same device call (see docs/PERFORMANCE.md; how vLLM is brought to the
-GPU machine is in the peers' README). Same random token ids as specserve's benches, random
-weights (`load_format="dummy"`) from a config.json written here, JSON rows and a table.
+GPU machine is in the peers' README). Same token ids as specserve's benches, JSON rows and a
+table. Weights: random (`load_format="dummy"`) from a config.json of a specserve preset, or a
+real model as an HF folder (`--model-folder`, written by `hf-folder`).
 
   python3 bench/vllm_peer.py one-batch --preset llama3-8b --batch-size 1 16 64
   python3 bench/vllm_peer.py one-batch --preset llama3-8b --eagle3 DRAFT_DIR \
       --num-speculative-tokens 3 --synthetic-acceptance 3
   python3 bench/vllm_peer.py multiturn --preset smollm2-135m --conversations 32 --turns 4
+  python3 bench/vllm_peer.py hf-folder /tmp/smollm2-hf               # CPU is enough
+  python3 bench/vllm_peer.py eagle-draft specserve/data/drafts/smollm2-135m-eagle /tmp/d
+  python3 bench/vllm_peer.py one-batch --model-folder /tmp/smollm2-hf --chat --output-len 128 \
+      --eagle /tmp/d --num-speculative-tokens 3 --batch-size 1 16 64 128
 
-Speculation: `--eagle3 DIR` / `--eagle DIR` (a draft folder written by
-`write_random_eagle_checkpoint`, its config re-labelled for vLLM), a chain of
+Speculation: `--eagle3 DIR` / `--eagle DIR` (a draft folder: `write_random_eagle_checkpoint`'s,
+the bundled one; `vllm_folders.vllm_draft_folder` makes it readable by vLLM), a chain of
 `--num-speculative-tokens`, and with `--synthetic-acceptance L` vLLM's synthetic rejection
 sampler forces acceptance length L (what `--simulate-acc-len` does in specserve).
+`--chat`: the packaged chat prompts with the ids `specserve bench one-batch --chat` gives
+(`specserve.bench.one_batch.chat_prompt_ids`), EOS ignored as there.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from specserve.bench.one_batch import dump  # noqa: E402
+from bench.vllm_folders import vllm_draft_folder, write_hf_folder, write_json  # noqa: E402
+from specserve.bench.one_batch import chat_prompt_ids, dump  # noqa: E402
 
 
 def hf_config(preset: str) -> dict:
@@ -51,36 +59,29 @@ def hf_config(preset: str) -> dict:
     }
 
 
-def write_folder(path: str, config: dict) -> str:
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+def vocab_size(args) -> int:
+    if args.model_folder:
+        with open(os.path.join(args.model_folder, "config.json")) as f:
+            return json.load(f)["vocab_size"]
+    return hf_config(args.preset)["vocab_size"]
+
+
+def dummy_folder(path: str, preset: str) -> str:
+    write_json(path, "config.json", hf_config(preset))
     return path
-
-
-def vllm_draft_folder(src: str, dst: str) -> str:
-    """A copy of a specserve draft folder whose config vLLM reads (it prefixes the
-    architecture with Eagle / Eagle3 itself)."""
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["architectures"] = ["LlamaForCausalLM"]
-    write_folder(dst, cfg)
-    for name in os.listdir(src):
-        if name.endswith(".safetensors"):
-            target = os.path.join(dst, name)
-            if not os.path.exists(target):
-                os.symlink(os.path.abspath(os.path.join(src, name)), target)
-    return dst
 
 
 def make_llm(args, prefix_caching: bool):
     from vllm import LLM
 
-    model = write_folder(os.path.join(args.work, "target"), hf_config(args.preset))
+    if args.model_folder:
+        model, load_format = args.model_folder, "auto"
+    else:
+        model, load_format = dummy_folder(os.path.join(args.work, "target"), args.preset), "dummy"
     kw = dict(
         model=model,
         dtype="bfloat16",
-        load_format="dummy",
+        load_format=load_format,
         skip_tokenizer_init=True,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -131,19 +132,46 @@ def acceptance(before: dict, after: dict) -> float | None:
     return 1 + accepted / drafts if drafts else None
 
 
+def chat_prompts(model: str, batch_size: int, offset: int = 0) -> list[list[int]]:
+    """The token ids `specserve bench one-batch --chat` runs at this batch size (`offset`
+    as there: the warm-up's prompts start at offset batch_size)."""
+    return chat_prompt_ids(model_tokenizer(model), batch_size, offset)
+
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def model_tokenizer(model: str):
+    """The tokenizer specserve's engine loads for `model` (from its GGUF), kept per model."""
+    if model not in _TOKENIZERS:
+        from bench.vllm_folders import gguf_path
+        from specserve.model.tokenizer import load_tokenizer
+
+        _TOKENIZERS[model] = load_tokenizer(gguf_path(model), "gguf")
+    return _TOKENIZERS[model]
+
+
+def batch_prompts(args, bs: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(timed prompts, warm-up prompts) as specserve's one-batch builds them: chat prompts warm
+    up on other prompts of the list, random ones on themselves."""
+    if args.chat:
+        return chat_prompts(args.model, bs), chat_prompts(args.model, bs, offset=bs)
+    rng = random.Random(args.seed)
+    vocab = vocab_size(args)
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(bs)]
+    return prompts, prompts
+
+
 def cmd_one_batch(args) -> list[dict]:
     """specserve's one-batch method: TTFT of the batch (a max_tokens=1 run of the same
     prompts, caching off) is the prefill; the rest of a full run is the decode."""
     llm = make_llm(args, prefix_caching=False)
-    vocab = hf_config(args.preset)["vocab_size"]
     rows = []
     for bs in args.batch_size:
-        rng = random.Random(args.seed)
-        prompts = [
-            {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.input_len)]}
-            for _ in range(bs)
-        ]
-        llm.generate(prompts, greedy(args.output_len), use_tqdm=False)  # warm-up
+        ids, warm_ids = batch_prompts(args, bs)
+        prompts = [{"prompt_token_ids": p} for p in ids]
+        warm = [{"prompt_token_ids": p} for p in warm_ids]
+        llm.generate(warm, greedy(args.output_len), use_tqdm=False)
         t0 = time.perf_counter()
         llm.generate(prompts, greedy(1), use_tqdm=False)
         ttft = time.perf_counter() - t0
@@ -157,7 +185,7 @@ def cmd_one_batch(args) -> list[dict]:
             {
                 "system": "vllm",
                 "batch_size": bs,
-                "input_len": args.input_len,
+                "input_len": round(sum(map(len, ids)) / bs),
                 "output_len": args.output_len,
                 "prefill_latency_s": ttft,
                 "decode_throughput_tok_s": (gen - bs) / decode,
@@ -174,7 +202,7 @@ def cmd_multiturn(args) -> list[dict]:
     from specserve.bench.multiturn import conversations
 
     llm = make_llm(args, prefix_caching=True)
-    vocab = hf_config(args.preset)["vocab_size"]
+    vocab = vocab_size(args)
     warm_system, warm_users = conversations(
         argparse.Namespace(**{**vars(args), "seed": args.seed + 1}), vocab
     )
@@ -226,12 +254,27 @@ def cmd_multiturn(args) -> list[dict]:
     ]
 
 
-def main() -> int:
+def cmd_hf_folder(args) -> None:
+    import torch
+
+    write_hf_folder(args.model, args.dst, getattr(torch, args.dtype))
+    print(f"wrote {args.dst} from {args.model}")
+
+
+def cmd_eagle_draft(args) -> None:
+    vllm_draft_folder(args.src, args.dst)
+    print(f"wrote {args.dst} from {args.src}")
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("one-batch", "multiturn"):
         s = sub.add_parser(name)
         s.add_argument("--preset", default="llama3-8b", help="a specserve model shape")
+        s.add_argument(
+            "--model-folder", default=None, help="real weights: an HF folder (see hf-folder)"
+        )
         s.add_argument("--eagle3", default=None, help="EAGLE3 draft folder")
         s.add_argument("--eagle", default=None, help="EAGLE draft folder")
         s.add_argument("--num-speculative-tokens", type=int, default=3)
@@ -245,13 +288,34 @@ def main() -> int:
     one.add_argument("--batch-size", type=int, nargs="+", default=[1, 16, 64])
     one.add_argument("--input-len", type=int, default=512)
     one.add_argument("--output-len", type=int, default=256)
+    one.add_argument("--chat", action="store_true", help="specserve's packaged chat prompts")
+    one.add_argument(
+        "--model", default="smollm2-135m", help="--chat: the GGUF whose tokenizer makes the ids"
+    )
     multi = sub.choices["multiturn"]  # the defaults of `specserve bench multiturn`
     multi.add_argument("--conversations", type=int, default=32)
     multi.add_argument("--turns", type=int, default=4)
     multi.add_argument("--system-len", type=int, default=512)
     multi.add_argument("--user-len", type=int, default=64)
     multi.add_argument("--answer-len", type=int, default=128)
-    args = p.parse_args()
+    hf = sub.add_parser("hf-folder", help="a GGUF as an HF Llama folder (no vLLM needed)")
+    hf.add_argument("dst")
+    hf.add_argument("--model", default="smollm2-135m", help="a packaged name or a .gguf file")
+    hf.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    draft = sub.add_parser("eagle-draft", help="a draft folder vLLM loads (no vLLM needed)")
+    draft.add_argument("src")
+    draft.add_argument("dst")
+    return p
+
+
+def main() -> int:
+    args = parser().parse_args()
+    if args.cmd == "hf-folder":
+        cmd_hf_folder(args)
+        return 0
+    if args.cmd == "eagle-draft":
+        cmd_eagle_draft(args)
+        return 0
     rows = cmd_one_batch(args) if args.cmd == "one-batch" else cmd_multiturn(args)
     dump(rows, args.output_json)
     return 0

@@ -146,6 +146,8 @@ class Engine:
             "prefix_cache_hit_tokens": core.scheduler.prefix_hit_tokens,
             "num_retractions": core.scheduler.num_retractions,
             "num_steps": core.num_steps,
+            # decode graphs captured so far (each capture stalls its step)
+            "num_graph_captures": core.worker.graphs.num_captures if core.worker.graphs else 0,
             "spec_verify_ct": verify_ct,
             "speculative_adaptive": core.describe_adaptive(),
             "spec_accept_length": core.spec_totals["accepted"] / verify_ct if verify_ct else None,

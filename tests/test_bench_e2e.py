@@ -4,6 +4,7 @@ speculative rows (float32, greedy) reproduce the plain engine's tokens."""
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
@@ -101,3 +102,35 @@ def test_one_batch_on_chat_prompts_measures_the_bundled_drafts_acceptance(tmp_pa
     for r in rows:
         assert r["input_len"] > 7  # a chat template around a real prompt, not --input-len
         assert r["decode_throughput_tok_s"] > 0 and r["spec_accept_length"] > 1.0
+
+
+class _CapturingEngine:
+    """Stands in for an engine whose runs capture a scripted number of new decode graphs."""
+
+    def __init__(self, captures_per_run: list[int]):
+        self.script = list(captures_per_run)
+        self.captures = 0
+        self.core = types.SimpleNamespace(model_config=types.SimpleNamespace(vocab_size=100))
+
+    def generate(self, input_ids, sampling_params):
+        self.captures += self.script.pop(0) if self.script else 0
+        n = sampling_params["max_new_tokens"]
+        meta = {"ttft": 0.01, "completion_tokens": n}
+        return [{"output_ids": [5] * n, "meta_info": meta} for _ in input_ids]
+
+    def flush_cache(self):
+        return 0
+
+    def stats(self):
+        return {"num_graph_captures": self.captures, "speculative_adaptive": None}
+
+
+@pytest.mark.parametrize(
+    "script,warmups,timed",
+    [([0, 0], 1, 0), ([4, 0, 0], 2, 0), ([4, 2, 0, 0], 3, 0), ([4, 2, 1, 1], 3, 1)],
+)
+def test_one_batch_warms_up_until_no_graph_is_captured_and_reports_any_left(script, warmups, timed):
+    from specserve.bench.one_batch import run_one_batch
+
+    row = run_one_batch(_CapturingEngine(script), 2, 8, 4)
+    assert (row["warmup_runs"], row["graph_captures_timed"]) == (warmups, timed)

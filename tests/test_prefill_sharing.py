@@ -18,6 +18,7 @@ SP = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 
 
 def request(rid: str, ids: list[int], cached: int | None = None) -> Request:
+    """(A request that may reuse all but its last token.)"""
     r = Request(rid=rid, prompt_ids=list(ids), params=SamplingParams(max_new_tokens=4), seed=0)
     r.cached_tokens = cached
     return r
@@ -40,14 +41,20 @@ def test_a_request_waits_only_for_enough_uncached_shared_tokens(page_size):
     sharing = PrefillSharing(page_size)
     sharing.add(request("first", system + [1, 2, 3], cached=0))
     gain = max(SHARE_MIN_TOKENS, page_size)
-    assert sharing.should_wait(request("same system", system + [4, 5]))
+
+    def waits(sharing, r, limit=None):
+        return sharing.should_wait(r, r.fill_len - 1 if limit is None else limit)
+
+    assert waits(sharing, request("same system", system + [4, 5]))
     # the shared part is short, or the cache already holds all but a little of it
-    assert not sharing.should_wait(request("short", system[: gain - 1] + [9] * 50))
-    assert not sharing.should_wait(request("other", [7] + system))
+    assert not waits(sharing, request("short", system[: gain - 1] + [9] * 50))
+    assert not waits(sharing, request("other", [7] + system))
+    # it may not take the shared part from the cache (its prompt log-probs are wanted)
+    assert not waits(sharing, request("scoring", system + [4, 5]), limit=gain - 1)
     cached = PrefillSharing(page_size)
     cached.add(request("first", system + [1, 2, 3], cached=200 - gain + 1))
-    assert not cached.should_wait(request("same system", system + [4, 5]))
-    assert not PrefillSharing(page_size).should_wait(request("alone", system))
+    assert not waits(cached, request("same system", system + [4, 5]))
+    assert not waits(PrefillSharing(page_size), request("alone", system))
 
 
 @pytest.fixture(scope="module")

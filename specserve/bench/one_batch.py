@@ -7,6 +7,10 @@ import random
 import time
 from typing import Any
 
+# Warm-up runs at most before timing: enough for adaptive speculation's exploration to have
+# met its tiers' graphs at a batch size, bounded so a bench never spins.
+MAX_WARMUPS = 3
+
 
 def random_batch(
     engine, batch_size: int, input_len: int, output_len: int, seed: int = 0
@@ -18,21 +22,28 @@ def random_batch(
     return prompts, {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
 
 
-def chat_batch(
-    engine, batch_size: int, output_len: int, offset: int = 0
-) -> tuple[list[list[int]], dict[str, Any]]:
-    """The packaged held-out and bench prompts as chats (repeated as needed; `offset`: where
-    in that list the batch starts), greedy, output_len tokens each: real text, so a real
-    draft's acceptance is what serving would see."""
-    import json
+def chat_prompt_ids(tokenizer, batch_size: int, offset: int = 0) -> list[list[int]]:
+    """The packaged held-out and bench prompts as one-turn chats, tokenized with the model's
+    chat template (repeated as needed; `offset`: where in that list the batch starts). Peers
+    (bench/vllm_peer.py) call this too, so both engines get the same token ids."""
     from importlib import resources
+
+    from specserve.model.tokenizer import apply_chat_template
 
     texts = []
     for name in ("heldout_prompts.jsonl", "bench_prompts.jsonl"):
         data = resources.files("specserve").joinpath("data", name).read_text()
         texts += [json.loads(line)["prompt"] for line in data.splitlines() if line.strip()]
     picked = [texts[(offset + i) % len(texts)] for i in range(batch_size)]
-    prompts = [engine.tokenize_chat([{"role": "user", "content": t}]) for t in picked]
+    return [apply_chat_template(tokenizer, [{"role": "user", "content": t}]) for t in picked]
+
+
+def chat_batch(
+    engine, batch_size: int, output_len: int, offset: int = 0
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """`chat_prompt_ids` with the engine's tokenizer, greedy, output_len tokens each: real
+    text, so a real draft's acceptance is what serving would see."""
+    prompts = chat_prompt_ids(engine.tokenizer, batch_size, offset)
     return prompts, {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
 
 
@@ -57,10 +68,19 @@ def run_one_batch(
     else:
         prompts, sp = random_batch(engine, batch_size, input_len, output_len, seed)
         warm = prompts
-    # Warm-up: the same batch size and lengths once, so Triton compiles and every CUDA graph
-    # the timed run needs (batch bucket x context-width bucket) is captured before timing.
-    engine.generate(input_ids=warm, sampling_params=sp)
-    engine.flush_cache()  # the timed prefill computes its prompts, as a first request would
+    # Warm-up: the same batch size and lengths, so Triton compiles and every CUDA graph the
+    # timed run needs (batch bucket x context-width bucket) is captured before timing. Under
+    # adaptive speculation a run may first meet a (tier, draft catch-up) graph in a later run
+    # (exploration rotates through the tiers), so the warm-up repeats while it captures.
+    warmups = 0
+    while True:
+        captures = engine.stats()["num_graph_captures"]
+        engine.generate(input_ids=warm, sampling_params=sp)
+        engine.flush_cache()  # the timed prefill computes its prompts, as a first request would
+        warmups += 1
+        if engine.stats()["num_graph_captures"] == captures or warmups == MAX_WARMUPS:
+            break
+    captures = engine.stats()["num_graph_captures"]
     t0 = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=sp)
     total = time.perf_counter() - t0
@@ -78,6 +98,9 @@ def run_one_batch(
         "per_token_latency_ms": 1000 * decode_time / max(1, output_len - 1),
         "total_latency_s": total,
         "output_throughput_tok_s": gen_tokens / total,
+        "warmup_runs": warmups,
+        # graphs the timed run still captured: their capture time is in its decode time
+        "graph_captures_timed": engine.stats()["num_graph_captures"] - captures,
     }
     accept = [
         o["meta_info"].get("spec_accept_length")

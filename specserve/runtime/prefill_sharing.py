@@ -44,17 +44,17 @@ class PrefillSharing:
         if req.fill_len > SHARE_MIN_TOKENS:
             self._by_head.setdefault(tuple(ids[:SHARE_MIN_TOKENS]), []).append(req)
 
-    def should_wait(self, req: Request) -> bool:
-        """Whether fresh `req` would find at least `min_gain` more tokens cached after this
-        batch than now. A computing request's own cached start stands for what the cache
-        holds of the shared part (the same tokens find the same pages)."""
-        if req.fill_len <= SHARE_MIN_TOKENS:
+    def should_wait(self, req: Request, reuse_limit: int) -> bool:
+        """Whether fresh `req`, which may take up to `reuse_limit` tokens from the cache,
+        would find at least `min_gain` more cached after this batch than now. A computing
+        request's own cached start stands for what the cache holds of the shared part (the
+        same tokens find the same pages)."""
+        if reuse_limit < self.min_gain:
             return False
         ids = req.all_ids
         for other in self._by_head.get(tuple(ids[:SHARE_MIN_TOKENS]), ()):
-            # what `other` caches: its full pages before its last prompt token; what `req`
-            # may take from the cache: all but its own last token
-            limit = min(other.fill_len, req.fill_len) - 1
+            # what `other` caches: its full pages before its last prompt token
+            limit = min(other.fill_len - 1, reuse_limit)
             shared = common_prefix_len(ids, other.all_ids, limit)
             shared -= shared % self.page_size
             if shared - (other.cached_tokens or 0) >= self.min_gain:

@@ -39,6 +39,14 @@ class SchedulerLimits:
     kv_lookahead: int  # positions past kv_len kept between steps
 
 
+def reuse_limit(req: Request) -> int:
+    """The most leading tokens a fresh request may take from the cache."""
+    limit = req.fill_len - 1  # at least one token is prefilled: its logits sample the next
+    if req.wants_prompt_logprobs:  # the target's logits of those positions are needed
+        limit = min(limit, max(0, req.logprob_start_len - 1))
+    return limit
+
+
 class Scheduler:
     def __init__(self, table: KVTable, limits: SchedulerLimits, cache: PrefixCache | None = None):
         self.table = table
@@ -105,10 +113,7 @@ class Scheduler:
         draft KV's last entry belongs to another next token): the request re-runs that one
         position in a copy of its own. copy_boundary False: that page is left out instead
         (the copy needs one page more than computing it would)."""
-        limit = req.fill_len - 1  # at least one token is prefilled: its logits sample the next
-        if req.wants_prompt_logprobs:  # the target's logits of those positions are needed
-            limit = min(limit, max(0, req.logprob_start_len - 1))
-        pages, node, boundary = self.cache.match(req.all_ids, limit)
+        pages, node, boundary = self.cache.match(req.all_ids, reuse_limit(req))
         if boundary and not copy_boundary:
             pages, node, boundary = pages[:-1], node.parent, False
         self.cache.lock(node)
@@ -171,7 +176,7 @@ class Scheduler:
             if first is not None and first.state in (ReqState.WAITING, ReqState.PREFILLING):
                 continue  # a sibling sample: it starts from the first one's cached prompt
             fresh = self.cache is not None and req.kv_len == 0 and req.cache_node is None
-            if fresh and sharing.should_wait(req):
+            if fresh and sharing.should_wait(req, reuse_limit(req)):
                 continue  # it starts from the cache once this batch has put its prefix there
             started = self._try_start(req, budget, headroom, fresh, copy_boundary=True)
             if started is None and fresh:  # a copied boundary page needs one page more

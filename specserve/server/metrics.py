@@ -98,6 +98,11 @@ class _EngineCollector:
         )
         yield counter("retractions", "Requests retracted for lack of KV", s["num_retractions"])
         yield counter("engine_steps", "Engine steps (batches) run", s["num_steps"])
+        yield counter(
+            "decode_graph_captures",
+            "Decode CUDA graphs captured (each capture stalls the step that needs it)",
+            s["num_graph_captures"],
+        )
         verify = s.get("spec_verify_ct") or 0
         accept = s.get("spec_accept_length")
         yield counter("spec_verify_steps", "Speculative verify steps, summed over requests", verify)
