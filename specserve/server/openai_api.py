@@ -232,7 +232,9 @@ async def _completion_chunks(
         if req.logprobs is not None and finish_reason(meta) != "abort":
             builder = builders.setdefault(index, CompletionLogprobs(strings))
             logprobs = builder.part(meta, req.echo and first)
-        if text or (with_ids and ids) or (logprobs and logprobs["tokens"]):
+        # A step's tokens get their chunk even while their text is held back (an incomplete
+        # UTF-8 character, a possible stop string): clients time TTFT and ITL by chunks.
+        if text or ids or (logprobs and logprobs["tokens"]):
             yield chunk(index, text, None, ids if with_ids else None, logprobs)
         if out["finished"]:
             metas[index] = meta
@@ -318,7 +320,8 @@ async def _chat_chunks(
     created: int,
     with_ids: bool,
 ) -> AsyncIterator[str]:
-    """Each choice opens with a role chunk; choices interleave, each chunk naming its index."""
+    """Each choice opens with a role chunk, sent with its first output; choices interleave,
+    each chunk naming its index."""
     include_usage = req.include_usage()
     strings = TokenStrings(state.tokenizer)
 
@@ -328,16 +331,20 @@ async def _chat_chunks(
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return _chunk(cid, "chat.completion.chunk", created, state, choice, ids, include_usage)
 
-    for index in range(_n(req)):
-        yield chunk(index, {"role": "assistant", "content": ""}, None)
     metas: dict[int, dict[str, Any]] = {}
+    opened: set[int] = set()
     async for index, out in run.events():
         text, ids, meta = out["text"], out["output_ids"], out["meta_info"]
+        if index not in opened and finish_reason(meta) != "abort":
+            # With the choice's first output, as vLLM: a client timing the first chunk
+            # measures the time to the first token, not to the response headers.
+            opened.add(index)
+            yield chunk(index, {"role": "assistant", "content": ""}, None)
         logprobs = None
         if req.logprobs and finish_reason(meta) != "abort":
             content = chat_content(meta, strings)
             logprobs = {"content": content, "refusal": None} if content else None
-        if text or (with_ids and ids) or logprobs:
+        if text or ids or logprobs:  # as completions: a chunk for every step's tokens
             yield chunk(index, {"content": text}, None, ids if with_ids else None, logprobs)
         if out["finished"]:
             metas[index] = meta
