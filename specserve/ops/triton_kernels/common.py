@@ -70,3 +70,61 @@ def attend_kv_block(
     # the accumulator stays float32.
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
     return acc, m_new, l_i
+
+
+@triton.jit
+def load_query_heads(
+    Q,
+    token,  # the query token's row in Q
+    stride_qt,
+    stride_qh,
+    kv_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The query heads of one token that read KV head `kv_head` ([BLOCK_H, BLOCK_D], zero past
+    GROUP heads and HEAD_DIM), with their head ids and the masks of both axes."""
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    return q, heads, h_mask, offs_d, d_mask
+
+
+@triton.jit
+def store_split(
+    O_part,  # [T, H, S, D] float32
+    LSE_part,  # [T, H, S] float32, log2 units
+    acc,
+    m_i,
+    l_i,
+    token,
+    heads,
+    h_mask,
+    split,
+    num_splits,
+    num_heads,
+    offs_d,
+    d_mask,
+    HEAD_DIM: tl.constexpr,
+):
+    """One KV split's normalised partial output and its log-sum-exp, for the merge. An empty
+    split (nothing visible) stores output 0 with lse -inf, so the merge gives it no weight."""
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    row = (token * num_heads + heads) * num_splits + split
+    tl.store(LSE_part + row, lse, mask=h_mask)
+    tl.store(
+        O_part + row[:, None] * HEAD_DIM + offs_d[None, :],
+        out,
+        mask=h_mask[:, None] & d_mask[None, :],
+    )

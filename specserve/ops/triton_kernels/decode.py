@@ -14,7 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.ops.triton_kernels.common import LOG2E, NUM_STAGES, attend_kv_block, kv_block_size
+from specserve.ops.triton_kernels.common import (
+    LOG2E,
+    NUM_STAGES,
+    attend_kv_block,
+    kv_block_size,
+    load_query_heads,
+    store_split,
+)
 
 
 @triton.jit
@@ -51,15 +58,8 @@ def _decode_split_kernel(
     lo = split * kv_per_split
     hi = tl.minimum(lo + kv_per_split, kv_len)  # lo >= hi: an empty chunk (shorter request)
 
-    offs_h = tl.arange(0, BLOCK_H)
-    h_mask = offs_h < GROUP
-    heads = kv_head * GROUP + offs_h
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(
-        Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=h_mask[:, None] & d_mask[None, :],
-        other=0.0,
+    q, heads, h_mask, offs_d, d_mask = load_query_heads(
+        Q, b, stride_qt, stride_qh, kv_head, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D
     )
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -74,17 +74,10 @@ def _decode_split_kernel(
             stride_ks, stride_kh, stride_vs, stride_vh, offs_d, d_mask, n_mask, qk_scale,
         )  # fmt: skip
 
-    # Empty chunk: output 0 with lse -inf, so the merge gives it zero weight.
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    row = (b * num_heads + heads) * num_splits + split  # index into [B, H, S]
-    tl.store(LSE_part + row, lse, mask=h_mask)
-    tl.store(
-        O_part + row[:, None] * HEAD_DIM + offs_d[None, :],
-        out,
-        mask=h_mask[:, None] & d_mask[None, :],
-    )
+    store_split(
+        O_part, LSE_part, acc, m_i, l_i, b, heads, h_mask, split, num_splits, num_heads,
+        offs_d, d_mask, HEAD_DIM,
+    )  # fmt: skip
 
 
 @triton.jit

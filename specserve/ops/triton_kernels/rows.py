@@ -24,7 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.ops.triton_kernels.common import LOG2E, NUM_STAGES, attend_kv_block, kv_block_size
+from specserve.ops.triton_kernels.common import (
+    LOG2E,
+    NUM_STAGES,
+    attend_kv_block,
+    kv_block_size,
+    load_query_heads,
+    store_split,
+)
 
 ROW_KV_CHUNK = 256  # KV positions per split: a multiple of every KV block size
 _MASK_CHUNK = 64  # mask columns compacted per step
@@ -111,15 +118,8 @@ def _row_split_kernel(
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, length)  # lo >= hi: a split past the row's end
 
-    offs_h = tl.arange(0, BLOCK_H)
-    h_mask = offs_h < GROUP
-    heads = kv_head * GROUP + offs_h
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(
-        Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=h_mask[:, None] & d_mask[None, :],
-        other=0.0,
+    q, heads, h_mask, offs_d, d_mask = load_query_heads(
+        Q, t, stride_qt, stride_qh, kv_head, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D
     )
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -137,16 +137,10 @@ def _row_split_kernel(
             stride_ks, stride_kh, stride_vs, stride_vh, offs_d, d_mask, n_mask, qk_scale,
         )  # fmt: skip
 
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    row = (t * num_heads + heads) * num_splits + split
-    tl.store(LSE_part + row, lse, mask=h_mask)
-    tl.store(
-        O_part + row[:, None] * HEAD_DIM + offs_d[None, :],
-        out,
-        mask=h_mask[:, None] & d_mask[None, :],
-    )
+    store_split(
+        O_part, LSE_part, acc, m_i, l_i, t, heads, h_mask, split, num_splits, num_heads,
+        offs_d, d_mask, HEAD_DIM,
+    )  # fmt: skip
 
 
 @triton.jit
