@@ -6,7 +6,8 @@
 # writes JSON under OUT_DIR and `table` joins them (ratios against vLLM's best, a plot).
 #   bash bench/adaptive_vs_vllm_8b.sh OUT_DIR PART [BATCH_SIZES]      # CUDA machine
 # PART: specserve (plain, fixed chain 3, fixed tree, adaptive at each accept length),
-#       vllm-plain, vllm-accept1 .. vllm-accept4 (its chain of 3, synthetic acceptance), table.
+#       vllm-plain, vllm-accept1 .. vllm-accept4 (its chain of 3, synthetic acceptance),
+#       vllm-chainK-acceptL (a chain of K, 1..5, at accept length L), table.
 # vLLM must be importable (the peers' README says how to stage it on the GPU machine).
 set -uo pipefail
 out=${1:?OUT_DIR}; part=${2:?PART}; sizes=${3:-"1 16 64 128 256"}
@@ -30,10 +31,11 @@ case $part in
   specserve) DRAFT=$DRAFT bash bench/adaptive_speculation_8b.sh "$out" "1 2 3 4" "$sizes" \
     "adaptive chain3 tree" ;;
   vllm-plain) theirs plain ;;
-  vllm-accept[1-4])
-    acc=${part#vllm-accept}
+  vllm-accept[1-4]|vllm-chain[1-5]-accept[1-4])
+    acc=${part##*-accept}; chain=3
+    [[ $part == vllm-chain* ]] && { chain=${part#vllm-chain}; chain=${chain%%-*}; }
     write_draft
-    theirs "chain3-accept$acc" --eagle3 "$DRAFT" --num-speculative-tokens 3 \
+    theirs "chain$chain-accept$acc" --eagle3 "$DRAFT" --num-speculative-tokens "$chain" \
       --synthetic-acceptance "$acc" ;;
   table) $PY bench/plot_throughput.py "$out" --title "Llama-3-8B shape, EAGLE3, forced acceptance" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;

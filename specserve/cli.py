@@ -33,7 +33,7 @@ ENGINE_HELP = {
     "enable_deterministic_inference": "CUDA: batch-invariant kernels, so an answer is the same bits alone, in any batch and with or without speculation (off by default until its cost is measured).",
     "disable_cuda_graph": "Run decode steps eagerly instead of replaying captured CUDA graphs (CUDA only).",
     "cuda_graph_max_bs": "Largest batch replayed from a CUDA graph; larger batches run eagerly (default: max_running_requests, at most 256).",
-    "speculative_adaptive": "Load-adaptive speculation: each decode step drafts plain, a short chain or the configured tree, whichever emits the most tokens per second at this batch size given the acceptance observed (step times measured on this device).",
+    "speculative_adaptive": "Load-adaptive speculation: each decode step drafts plain, a chain of 1 to 3 steps or the configured tree, whichever emits the most tokens per second at this batch size given the acceptance observed (step times measured on this device).",
     "speculative_adaptive_lag_tokens": "Adaptive speculation: plain steps skip the draft for up to this many tokens per request, caught up in one pass when speculation resumes (0: the draft runs every step; default 32).",
     "disable_radix_cache": "Turn the prefix cache off (on by default: requests reuse the KV of their longest cached prefix).",
     "disable_fused_kernels": "Run the plain torch reference of every fused kernel (debugging numerics).",

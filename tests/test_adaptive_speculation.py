@@ -52,11 +52,19 @@ def test_any_sequence_of_tiers_decodes_as_plain_decoding(page_size, overlap, pad
     outs, stats, checked = run(prompts, params, random_tiers=page_size, padded=padded, **kw, **spec)
     assert outs == plain and checked > 0
     adaptive = stats["speculative_adaptive"]
-    # plain, a chain, the tree verifying 2 and 5 of its 10 nodes per request, the tree
-    assert adaptive["tiers"] == ["plain", "3/1/4", "4/3/10@2", "4/3/10@5", "4/3/10"]
+    # plain, chains of 1..3, the tree verifying 2 and 5 of its 10 nodes per request, the tree
+    assert adaptive["tiers"] == [
+        "plain",
+        "1/1/2",
+        "2/1/3",
+        "3/1/4",
+        "4/3/10@2",
+        "4/3/10@5",
+        "4/3/10",
+    ]
     assert all(n > 0 for n in adaptive["steps"]), adaptive  # every tier ran
-    chain, quarter, half, tree = adaptive["accept_length"][1:]
-    assert (chain, tree) == (4.0, 5.0)  # never less than all it drafted
+    chain1, chain2, chain3, quarter, half, tree = adaptive["accept_length"][1:]
+    assert (chain1, chain2, chain3, tree) == (2.0, 3.0, 4.0, 5.0)  # all they drafted
     assert 1.0 < quarter <= half <= tree  # pruned trees verify less of the same drafts
 
 
@@ -77,12 +85,19 @@ def test_eagle_with_switches_and_retraction_under_random_tiers(tmp_path):
 def test_tiers_of_a_configuration():
     assert speculation_tiers(TreeShape(6, 8, 64)) == [
         PLAIN,
+        TreeShape(1, 1, 2),
+        TreeShape(2, 1, 3),
         TreeShape(3, 1, 4),
         TreeShape(6, 8, 64, 16),
         TreeShape(6, 8, 64, 32),
         TreeShape(6, 8, 64),
     ]
-    assert speculation_tiers(TreeShape(3, 1, 4)) == [PLAIN, TreeShape(3, 1, 4)]
+    assert speculation_tiers(TreeShape(3, 1, 4)) == [
+        PLAIN,
+        TreeShape(1, 1, 2),
+        TreeShape(2, 1, 3),
+        TreeShape(3, 1, 4),
+    ]
     assert speculation_tiers(TreeShape(1, 1, 2)) == [PLAIN, TreeShape(1, 1, 2)]
 
 

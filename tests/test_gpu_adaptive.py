@@ -33,7 +33,8 @@ def test_random_tiers_under_graphs_decode_as_plain(page_size, lag_tokens):
                 speculative_adaptive_lag_tokens=lag_tokens)  # fmt: skip
     with Engine(**GPU, page_size=page_size, **spec) as e:
         # every tier, in changing orders, and plain stretches longer than the ring
-        tiers = itertools.cycle([4, 2, 0, 1, 3, 1, 0, 2, 4, 0, 0, 0, 0, 0, 0, 3, 1])
+        # (tiers: plain, chains of 1, 2, 3, the tree at 4 and 8 nodes per request, the tree)
+        tiers = itertools.cycle([6, 2, 0, 1, 5, 3, 0, 4, 6, 0, 0, 0, 0, 0, 0, 5, 1, 2, 3, 4])
         e.core.adaptive.pick = lambda b, can=True: next(tiers)
         outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
         adaptive = e.stats()["speculative_adaptive"]
@@ -41,8 +42,8 @@ def test_random_tiers_under_graphs_decode_as_plain(page_size, lag_tokens):
     assert outs == plain
     assert all(n > 0 for n in adaptive["steps"]), adaptive
     assert (adaptive.get("catch_ups", 0) > 0) == (lag_tokens > 0), adaptive
-    chain, quarter, half, tree = adaptive["accept_length"][1:]
-    assert (chain, tree) == (4.0, 5.0)  # the self-draft: all it drafts
+    chain1, chain2, chain3, quarter, half, tree = adaptive["accept_length"][1:]
+    assert (chain1, chain2, chain3, tree) == (2.0, 3.0, 4.0, 5.0)  # the self-draft: all it drafts
     assert 1.0 < quarter <= half <= tree  # ragged steps verify part of the same drafts
 
 

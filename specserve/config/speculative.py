@@ -209,7 +209,8 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         chain = min(steps, 3)
         budgets = [v for v in (ndt // 4, ndt // 2) if 2 <= v < ndt] if topk > 1 else []
         ragged = "".join(f", the tree verifying {v} of its nodes per request" for v in budgets)
-        tiers = f"plain, a chain of {chain}{ragged}, the {steps}-step topk-{topk} tree of {ndt}"
+        chains = "a chain of 1" if chain == 1 else f"chains of 1 to {chain} steps"
+        tiers = f"plain, {chains}{ragged}, the {steps}-step topk-{topk} tree of {ndt}"
         decisions.append(
             (
                 "speculative_adaptive",

@@ -39,11 +39,13 @@ EMA = 0.2  # weight of the newest observation
 
 
 def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
-    """Plain decoding, a short chain, the configured tree verifying a quarter and a half of
-    its nodes per request on average (ragged: each request as many as they are worth), and
-    the whole configured tree (distinct, smallest first)."""
-    chain_steps = min(shape.steps, 3)
-    chain = TreeShape(chain_steps, 1, chain_steps + 1)
+    """Plain decoding, chains of 1 to 3 steps, the configured tree verifying a quarter and a
+    half of its nodes per request on average (ragged: each request as many as they are
+    worth), and the whole configured tree (distinct, smallest first). Every chain length is
+    a tier because a step drafting deeper than its requests accept pays for draft steps and
+    verified tokens that emit nothing, which costs most where speculation is marginal: at
+    large batches, where verification is compute-bound."""
+    chains = [TreeShape(d, 1, d + 1) for d in range(1, min(shape.steps, 3) + 1)]
     budgets = []
     if shape.topk > 1:  # a chain has no nodes worth less than others
         budgets = [
@@ -52,7 +54,7 @@ def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
             if 2 <= v < shape.tokens
         ]
     tiers = [PLAIN]
-    for t in (chain, *budgets, shape):
+    for t in (*chains, *budgets, shape):
         if t not in tiers and t.tokens <= shape.tokens:
             tiers.append(t)
     return tiers
