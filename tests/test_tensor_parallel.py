@@ -191,8 +191,9 @@ CASES = {
     "eagle-adaptive": dict(model="llama", page_size=2, overlap=True, spec=(4, 3, 10), adaptive=1),
 }
 
-# tiers of the adaptive case: plain, a chain, the tree verifying 2 / 5 of 10 nodes, the tree
-ADAPTIVE_SCRIPT = [0, 0, 2, 0, 4, 3, 0, 1, 0, 0, 0, 0, 0, 2, 3, 4, 1]
+# tiers of the adaptive case: plain, chains of 1, 2, 3, the tree verifying 2 / 5 of 10 nodes,
+# the tree
+ADAPTIVE_SCRIPT = [0, 0, 4, 0, 6, 5, 0, 1, 0, 0, 0, 0, 0, 4, 5, 6, 2, 3, 1]
 
 
 def _script_tiers(engine) -> None:
