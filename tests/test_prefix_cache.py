@@ -68,6 +68,51 @@ def test_eviction_takes_least_recently_used_leaves_first():
     assert cache.evict(10) == 3 and cache.num_pages == 0  # [1], [1, 3], [4]
 
 
+def _tree(cache: PrefixCache) -> dict:
+    """The cache as nested {key: (page, last use, subtree)}."""
+
+    def walk(node):
+        return {k: (c.page, c.last_use, walk(c)) for k, c in node.children.items()}
+
+    return walk(cache.root)
+
+
+@pytest.mark.parametrize("next_token_in_key", [False, True])
+@pytest.mark.parametrize("page_size", [1, 3])
+def test_an_insert_resumed_from_a_held_node_keeps_what_a_full_walk_keeps(
+    next_token_in_key, page_size
+):
+    """A request's later insert starts at the node it holds; the cache ends up as if it had
+    walked from the root, also when the held node is a boundary (its tokens with another
+    next token, as a match may return) or deeper than what is inserted now."""
+    g = torch.Generator().manual_seed(page_size)
+    shared = torch.randint(0, 50, (7 * page_size,), generator=g).tolist()
+    histories = [shared + torch.randint(0, 50, (9 * page_size,), generator=g).tolist()
+                 for _ in range(3)]  # fmt: skip
+    prompt = 5 * page_size
+    caches = []
+    for resume in (False, True):
+        alloc = PageAllocator(200, page_size)
+        cache = PrefixCache(alloc, next_token_in_key)
+        for h in histories:
+            pages = alloc.alloc(len(h) // page_size + 1)
+            held = cache.insert(h, pages, prompt)
+            cache.lock(held)
+            start = held
+            if next_token_in_key:  # another request's prompt, equal but for the next token
+                other = h[:prompt] + [h[prompt] + 1]
+                start = cache.insert(other, alloc.alloc(5), prompt)
+                assert start.parent is held.parent and start is not held
+            node = cache.insert(h, pages, len(h) - 1, start if resume else None)
+            cache.lock(node)
+            cache.unlock(held)
+            shorter = cache.insert(h, pages, 2 * page_size, node if resume else None)
+            assert shorter.depth == 2  # never deeper than asked
+            cache.unlock(node)
+        caches.append((_tree(cache), cache.num_pages, cache.evictable, list(alloc.refs)))
+    assert caches[0] == caches[1]
+
+
 def test_with_the_next_token_in_the_key_a_page_differing_only_there_is_a_boundary():
     """An EAGLE draft's KV at a page's last position depends on the token after the page:
     pages are exact for a request only if that token is its own too."""

@@ -29,12 +29,13 @@ from specserve.kv.allocator import PageAllocator
 
 
 class _Node:
-    __slots__ = ("key", "page", "parent", "children", "lock", "last_use")
+    __slots__ = ("key", "page", "parent", "children", "lock", "last_use", "depth")
 
     def __init__(self, key: tuple[int, ...] | None, page: int, parent: _Node | None):
         self.key = key
         self.page = page
         self.parent = parent
+        self.depth = 0 if parent is None else parent.depth + 1  # pages from the root
         self.children: dict[tuple[int, ...], _Node] = {}
         self.lock = 0  # requests whose locked path passes through here
         self.last_use = 0
@@ -82,25 +83,54 @@ class PrefixCache:
                 break
         return pages, node, boundary
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], num_tokens: int) -> _Node:
+    def insert(
+        self,
+        tokens: Sequence[int],
+        pages: Sequence[int],
+        num_tokens: int,
+        start: _Node | None = None,
+    ) -> _Node:
         """Keep the full pages among the first num_tokens of a request (`pages[i]` holds
         tokens[i*ps : (i+1)*ps]; with `next_token_in_key` tokens must go one further); a page
-        whose key is cached already stays the request's own. Returns the deepest node."""
+        whose key is cached already stays the request's own. Returns the deepest node.
+        start: a node the request holds locked (its cached prefix, or what it inserted
+        before): when it lies on the tokens' path, the walk resumes there, so a request's
+        inserts cost its new pages only, not its whole history again."""
         node, ps = self.root, self.page_size
+        count = min(num_tokens // ps, len(pages))
         now = next(self._clock)
-        for i in range(min(num_tokens // ps, len(pages))):
+        if start is not None and self._on_path(start, tokens, count):
+            node = start
+            while start is not self.root:  # the prefix resumed over is used now too
+                start.last_use = now
+                start = start.parent
+        added = []
+        for i in range(node.depth, count):
             key = self._key(tokens, i)
             child = node.children.get(key)
             if child is None:
                 child = _Node(key, pages[i], node)
                 node.children[key] = child
-                self.allocator.share([pages[i]])
-                self.num_pages += 1
-                self.evictable += 1
+                added.append(pages[i])
             child.last_use = now
             node = child
+        if added:
+            self.allocator.share(added)
+            self.num_pages += len(added)
+            self.evictable += len(added)
         self._push_if_leaf(node)
         return node
+
+    def _on_path(self, node: _Node, tokens: Sequence[int], count: int) -> bool:
+        """Whether `node` (still cached) spells the first node.depth pages of `tokens`, within
+        `count` pages. Its ancestors were matched or inserted by exact keys, so only its own
+        key can differ: a boundary node found by its tokens but another next token."""
+        return (
+            node is not self.root
+            and node.parent is not None
+            and node.depth <= count
+            and node.key == self._key(tokens, node.depth - 1)
+        )
 
     # ---- locks ---------------------------------------------------------------------------
     def lock(self, node: _Node) -> None:

@@ -92,7 +92,7 @@ class Scheduler:
         if self.cache is None:
             return
         n = self._cacheable_tokens(req)
-        node = self.cache.insert(req.all_ids, self.table.pages(req.rid), n)
+        node = self.cache.insert(req.all_ids, self.table.pages(req.rid), n, req.cache_node)
         self.cache.lock(node)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
