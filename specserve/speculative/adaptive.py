@@ -21,7 +21,8 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   tier runs once (the one observed longest ago among those that would beat the best if they
   accepted all they draft), while some request can still speculate; speculation thus
   resumes, or widens, when the draft starts being accepted again. An exploration that finds
-  nothing better doubles the wait for the next one, so rejected drafts cost less and less.
+  nothing better doubles the wait for the next one (up to `max_explore_gap` steps), so a
+  steady state costs less and less; when the best tier changes the pace starts over.
 A plain step skips the draft: the target's features and the emitted token are kept in a
 per-request ring, and the next speculative step first runs the draft over them in one pass
 (a catch-up), so its KV and root state are exactly what drafting every step would give. A
@@ -96,6 +97,7 @@ class AdaptiveSpeculation:
         self.counts = [0] * len(tiers)  # steps run per tier (reporting)
         self.last_seen = [0] * len(tiers)  # the pick count when each tier last ran
         self._explored: int | None = None  # the tier of an exploring step in flight
+        self._best = 0  # the tier the last pick found best
 
     def seconds(self, tier: int, bucket: int) -> float | None:
         """The expected device time of a step of `tier` at `bucket`."""
@@ -148,8 +150,11 @@ class AdaptiveSpeculation:
             return untimed
         scores = self._scores(batch_size)
         best = max(range(len(self.tiers)), key=scores.__getitem__)
-        if best > 0:
-            self.explore_gap = self.explore_every  # speculating: keep an eye on the others
+        if best != self._best:
+            # the load or the acceptance moved: look around at the first pace again
+            self.explore_gap = self.explore_every
+            self.next_explore = min(self.next_explore, self.picks + self.explore_gap)
+            self._best = best
         if self.picks >= self.next_explore:
             self.next_explore = self.picks + self.explore_gap
             # the tier observed longest ago among those that could beat the best one if
