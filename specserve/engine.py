@@ -19,6 +19,7 @@ from typing import Any
 from specserve.config import EngineConfig
 from specserve.errors import InvalidArgument
 from specserve.runtime.engine_core import EngineCore
+from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 from specserve.runtime.logprobs import TokenLogprobs, add_logprobs, sglang_logprobs
 from specserve.runtime.request import Request
 from specserve.runtime.tensor_parallel import start_engine_core
@@ -109,6 +110,7 @@ class Engine:
         self.config = cfg.resolve()
         self.config.log_decisions()
         self.core = start_engine_core(self.config)
+        freeze_startup_heap()
         self.tokenizer = self.core.tokenizer
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
@@ -279,6 +281,7 @@ class Engine:
         self._wake.set()
         self._thread.join(timeout=30)
         self.core.close()
+        unfreeze_heap()
 
     def __enter__(self) -> Engine:
         return self

@@ -230,3 +230,16 @@ def test_a_failing_step_whose_cleanup_also_fails_still_answers_every_caller(monk
         assert out["meta_info"]["finish_reason"]["type"] == "abort"
         assert "device fault" in out["meta_info"]["finish_reason"]["message"]
     assert again["finished"] and len(again["output_ids"]) == GREEDY["max_new_tokens"]
+
+
+def test_the_collector_skips_the_startup_heap_while_serving_and_gets_it_back_after():
+    """Full garbage collections would otherwise rescan the engine's whole start-up state
+    (modules, model, kernels, graphs) while the device waits on the loop."""
+    import gc
+
+    with Engine(**TINY) as e:
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000  # torch's and the engine's objects, at the very least
+        out = e.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)
+        assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+    assert gc.get_freeze_count() == 0  # a shut-down engine's state can be reclaimed

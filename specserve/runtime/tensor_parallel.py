@@ -42,6 +42,7 @@ from specserve.model.loader import locate, read_config
 from specserve.model.sharding import check_shardable
 from specserve.ops.collectives import TensorParallel, connect_rendezvous, serve_rendezvous
 from specserve.runtime.engine_core import EngineCore
+from specserve.runtime.gc_heap import freeze_startup_heap
 from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import PrefillChunk, Request
 
@@ -382,6 +383,7 @@ def _rank_main(rank: int, cfg: EngineConfig, port: int, conn, parent_pid: int) -
         store.set(_arrived(rank), "1")
         tp = TensorParallel.join(rank, cfg.tp_size, device, COLLECTIVE_TIMEOUT, store)
         follower = Follower(EngineCore(replace(cfg, device=str(device)), tp))
+        freeze_startup_heap()
         while (message := conn.recv()) is not None:
             reply = follower.apply(message)
             if reply is not None:
