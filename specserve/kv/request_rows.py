@@ -24,6 +24,7 @@ all the scratch page 0, so padded tokens read and write only scratch slots.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specserve.device import to_device
@@ -162,9 +163,11 @@ class RequestRows:
         """Apply the page updates since the last flush (one host->device copy)."""
         if not self._pending:
             return
-        host = torch.tensor(
-            [(r, c, p) for (r, c), p in self._pending.items()], dtype=torch.int64
-        ).T.contiguous()
+        # (numpy builds the [3, N] array from the keys' tuples in C: a chat turn's prompt
+        # brings a page per token at page size 1, tens of thousands in one prefill)
+        keys = np.array(list(self._pending), dtype=np.int64).reshape(-1, 2)
+        pages = np.fromiter(self._pending.values(), dtype=np.int64, count=len(self._pending))
+        host = torch.from_numpy(np.concatenate([keys.T, pages[None]]))
         self._pending.clear()
         upd = to_device(host, self.device)
         self.pages[upd[0], upd[1]] = upd[2].to(torch.int32)
