@@ -132,6 +132,36 @@ def test_policy_measures_first_then_picks_what_pays_and_keeps_exploring():
     assert picks[-16:].count(2) >= 14, picks  # (one step in 8 explores another tier)
 
 
+def test_explorations_that_find_nothing_come_ever_more_rarely_until_the_best_changes():
+    """A steady speculative best (a chain of 2 at accept length 3, where deeper tiers emit no
+    more) is explored around at a doubling interval, not every 32 steps; when the best tier
+    changes (the draft stops being accepted) the pace starts over."""
+    tiers = [PLAIN, TreeShape(1, 1, 2), TreeShape(2, 1, 3), TreeShape(3, 1, 4)]
+    seconds = [1.0, 1.1, 1.2, 1.3]
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[t], explore_every=8)
+    accept = 3
+
+    def serve(steps: int) -> list[int]:
+        picks = []
+        for _ in range(steps):
+            t = p.pick(4)
+            picks.append(t)
+            p.observe(t, 4, [min(accept, tiers[t].max_depth + 1)] * 4, seconds[t])
+        return picks
+
+    picks = serve(2000)
+    assert picks[-100:].count(2) >= 99  # the chain of 2 serves
+    explored = [i for i, t in enumerate(picks) if t != 2 and i > 50]
+    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 8 * 16, gaps
+    assert len(explored) <= 12, explored  # at a fixed pace of 8 it would be ~250
+    accept = 1  # drafts rejected: plain becomes best, and explorations start over
+    picks = serve(200)
+    first_plain = picks.index(0)
+    again = [i for i, t in enumerate(picks) if t != 0 and i > first_plain + 4]
+    assert again and again[0] - first_plain <= 2 * 8, picks[:40]
+
+
 def test_policy_weighs_replayed_step_times_plus_what_real_contexts_add():
     """Tiers are timed on graph replays over padding rows, which attend to nothing: once a
     tier is served, what real contexts add to its replay is added to the others' too."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import threading
 
 import pytest
@@ -234,12 +235,34 @@ def test_a_failing_step_whose_cleanup_also_fails_still_answers_every_caller(monk
 
 def test_the_collector_skips_the_startup_heap_while_serving_and_gets_it_back_after():
     """Full garbage collections would otherwise rescan the engine's whole start-up state
-    (modules, model, kernels, graphs) while the device waits on the loop."""
-    import gc
+    (modules, model, kernels, graphs) while the device waits on the loop. Run in a fresh
+    process: engines other tests leave open would keep the heap frozen here."""
+    import subprocess
+    import sys
+    import textwrap
 
-    with Engine(**TINY) as e:
-        frozen = gc.get_freeze_count()
-        assert frozen > 10_000  # torch's and the engine's objects, at the very least
-        out = e.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)
-        assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
-    assert gc.get_freeze_count() == 0  # a shut-down engine's state can be reclaimed
+    script = textwrap.dedent(
+        """
+        import gc
+        from specserve import Engine
+        from tests.engine_utils import TINY
+
+        sp = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
+        with Engine(**TINY) as first:
+            frozen = gc.get_freeze_count()
+            assert frozen > 10_000, frozen  # torch's and the engine's objects at least
+            with Engine(**TINY):
+                assert gc.get_freeze_count() >= frozen
+            # the other engine's shutdown leaves this one's start-up state frozen
+            assert gc.get_freeze_count() >= frozen, gc.get_freeze_count()
+            out = first.generate(input_ids=[1, 2, 3], sampling_params=sp)
+            assert len(out["output_ids"]) == 4
+        # with no engine left, their state can be reclaimed
+        assert gc.get_freeze_count() == 0, gc.get_freeze_count()
+        """
+    )
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

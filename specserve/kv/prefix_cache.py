@@ -95,7 +95,8 @@ class PrefixCache:
         whose key is cached already stays the request's own. Returns the deepest node.
         start: a node the request holds locked (its cached prefix, or what it inserted
         before): when it lies on the tokens' path, the walk resumes there, so a request's
-        inserts cost its new pages only, not its whole history again."""
+        inserts look up its new pages only, not its whole history again (the prefix above
+        `start` only has its last use refreshed, a pointer walk)."""
         node, ps = self.root, self.page_size
         count = min(num_tokens // ps, len(pages))
         now = next(self._clock)

@@ -167,7 +167,7 @@ class RequestRows:
         # brings a page per token at page size 1, tens of thousands in one prefill)
         keys = np.array(list(self._pending), dtype=np.int64).reshape(-1, 2)
         pages = np.fromiter(self._pending.values(), dtype=np.int64, count=len(self._pending))
-        host = torch.from_numpy(np.concatenate([keys.T, pages[None]]))
+        host = torch.from_numpy(np.stack([keys[:, 0], keys[:, 1], pages]))  # [3, N], contiguous
         self._pending.clear()
         upd = to_device(host, self.device)
         self.pages[upd[0], upd[1]] = upd[2].to(torch.int32)

@@ -7,20 +7,36 @@ nothing, which stalls the loop for tens of milliseconds (about 140 ms on a 2-cor
 at the tiny test shape) while the device runs dry. Freezing the heap once start-up is done
 moves them out of the collector's sight; what serving allocates later is collected as
 usual. vLLM freezes its heap after start-up for the same reason.
+
+`gc.unfreeze` thaws everything frozen in the process, so it waits until the last engine of
+the process has shut down: one engine's shutdown must not bring back the pauses of another
+that is still serving.
 """
 
 from __future__ import annotations
 
 import gc
+import threading
+
+_lock = threading.Lock()
+_live_engines = 0  # engines started and not yet shut down in this process
 
 
 def freeze_startup_heap() -> None:
-    """After start-up: collect what start-up left behind, then exempt the survivors."""
-    gc.collect()
-    gc.freeze()
+    """After an engine's start-up: collect what start-up left behind, then exempt the
+    survivors (the state of engines already running included)."""
+    global _live_engines
+    with _lock:
+        _live_engines += 1
+        gc.collect()
+        gc.freeze()
 
 
 def unfreeze_heap() -> None:
-    """At shutdown: hand frozen objects back to the collector, so an engine's state can be
-    reclaimed once nothing refers to it (in a process that starts several engines)."""
-    gc.unfreeze()
+    """At an engine's shutdown: once no engine is left, hand the frozen objects back to the
+    collector, so their state can be reclaimed once nothing refers to it."""
+    global _live_engines
+    with _lock:
+        _live_engines = max(0, _live_engines - 1)
+        if _live_engines == 0:
+            gc.unfreeze()
