@@ -9,6 +9,7 @@ import types
 import pytest
 
 from specserve.bench.e2e import parse_spec
+from tests.engine_utils import TINY
 
 
 def test_spec_values_map_to_engine_arguments():
@@ -134,3 +135,36 @@ def test_one_batch_warms_up_until_no_graph_is_captured_and_reports_any_left(scri
 
     row = run_one_batch(_CapturingEngine(script), 2, 8, 4)
     assert (row["warmup_runs"], row["graph_captures_timed"]) == (warmups, timed)
+
+
+def test_one_batch_reports_the_garbage_collections_of_its_timed_run():
+    """A collection inside the timed run shows up in its row, by generation and pause."""
+    import gc
+
+    from specserve.bench.one_batch import run_one_batch
+
+    class Collecting(_CapturingEngine):
+        def generate(self, input_ids, sampling_params):
+            gc.collect()  # (a full collection, as the loop's own allocations may trigger)
+            return super().generate(input_ids, sampling_params)
+
+    row = run_one_batch(Collecting([0, 0]), 2, 8, 4)
+    assert row["gc_collections"][2] >= 1 and row["gc_pause_ms"] > 0.0
+    quiet = run_one_batch(_CapturingEngine([0, 0]), 2, 8, 4)
+    assert quiet["gc_collections"][2] == 0  # only what ran while timing is counted
+
+
+def test_one_batch_reports_the_adaptive_steps_device_time_of_its_timed_run(tmp_path):
+    """Under adaptive speculation the row gives the timed run's summed step times, to set
+    against its wall time (here on a CPU, where a step's time is the host's clock)."""
+    from specserve import Engine
+    from specserve.bench.one_batch import run_one_batch
+
+    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="tiny",
+                speculative_num_steps=2, speculative_eagle_topk=2,
+                speculative_num_draft_tokens=4, speculative_adaptive=True)  # fmt: skip
+    with Engine(**TINY, **spec) as e:
+        row = run_one_batch(e, 2, 16, 12)
+        total = e.stats()["speculative_adaptive"]["device_seconds"]
+    assert 0.0 < row["adaptive_step_device_s"] <= row["decode_latency_s"] + row["prefill_latency_s"]
+    assert row["adaptive_step_device_s"] < total  # the warm-up's steps are not counted

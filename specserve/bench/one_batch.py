@@ -7,6 +7,8 @@ import random
 import time
 from typing import Any
 
+from specserve.bench.gc_pauses import gc_pauses
+
 # Warm-up runs at most before timing: enough for adaptive speculation's exploration to have
 # met its tiers' graphs at a batch size, bounded so a bench never spins.
 MAX_WARMUPS = 3
@@ -81,9 +83,11 @@ def run_one_batch(
         if engine.stats()["num_graph_captures"] == captures or warmups == MAX_WARMUPS:
             break
     captures = engine.stats()["num_graph_captures"]
-    t0 = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=sp)
-    total = time.perf_counter() - t0
+    device_before = (engine.stats().get("speculative_adaptive") or {}).get("device_seconds")
+    with gc_pauses() as pauses:
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=sp)
+        total = time.perf_counter() - t0
     ttft = max(o["meta_info"]["ttft"] for o in outs)
     gen_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     decode_time = max(total - ttft, 1e-9)
@@ -101,6 +105,7 @@ def run_one_batch(
         "warmup_runs": warmups,
         # graphs the timed run still captured: their capture time is in its decode time
         "graph_captures_timed": engine.stats()["num_graph_captures"] - captures,
+        **pauses.row(),
     }
     accept = [
         o["meta_info"].get("spec_accept_length")
@@ -115,6 +120,9 @@ def run_one_batch(
         result["adaptive_step_ms"] = adaptive["step_ms"]
         result["adaptive_catch_ups"] = adaptive.get("catch_ups")
         result["adaptive_stopped"] = adaptive.get("stopped_speculating")
+        # the timed run's decode steps' own device time (CUDA events around each launch):
+        # well below decode_latency_s where the device waited on the host
+        result["adaptive_step_device_s"] = adaptive["device_seconds"] - (device_before or 0.0)
     return result
 
 

@@ -166,6 +166,9 @@ class EngineCore:
         self.num_launched_ahead = 0  # decode steps launched before the previous was applied
         self.num_steps = 0
         self.spec_totals = {"verify_ct": 0, "accepted": 0}
+        # device seconds of the decode steps timed for the adaptive policy (their own time,
+        # launch to end): against wall time it shows how long the device waited on the host
+        self.timed_step_seconds = 0.0
         log.info(
             "engine ready: %s, %d layers, KV %d tokens (page_size %d), device %s %s",
             cfg.model_path,
@@ -352,6 +355,7 @@ class EngineCore:
         if self.adaptive is None:
             return None
         out = self.adaptive.describe()
+        out["device_seconds"] = self.timed_step_seconds
         if self.draft_lag is not None:
             out["catch_ups"] = self.draft_lag.num_catch_ups
             out["stopped_speculating"] = self.draft_lag.num_stale
@@ -405,6 +409,7 @@ class EngineCore:
             ]
             seconds = None if lagged is not None and lagged.catch_up else pending.seconds
             self.adaptive.observe(pending.tier, len(pending.reqs), speculating, seconds)
+            self.timed_step_seconds += pending.seconds or 0.0
         touched = []
         emitted = {}
         logprobs = out.logprobs or [None] * len(pending.reqs)
