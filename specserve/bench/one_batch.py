@@ -49,6 +49,23 @@ def chat_batch(
     return prompts, {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
 
 
+def warm_up(engine, prompts: list[list[int]], sp: dict) -> int:
+    """Run the batch untimed until a run captures no new CUDA graph (at most MAX_WARMUPS
+    runs), so Triton has compiled and every graph a timed run needs (batch bucket x
+    context-width bucket) is captured. Under adaptive speculation a run may first meet a
+    (tier, draft catch-up) graph in a later run (exploration rotates through the tiers).
+    The prefix cache is flushed after each, so a timed prefill computes its prompts as a
+    first request would. Returns the runs made."""
+    runs = 0
+    while True:
+        captures = engine.stats()["num_graph_captures"]
+        engine.generate(input_ids=prompts, sampling_params=sp)
+        engine.flush_cache()
+        runs += 1
+        if engine.stats()["num_graph_captures"] == captures or runs == MAX_WARMUPS:
+            return runs
+
+
 def run_one_batch(
     engine,
     batch_size: int,
@@ -70,18 +87,7 @@ def run_one_batch(
     else:
         prompts, sp = random_batch(engine, batch_size, input_len, output_len, seed)
         warm = prompts
-    # Warm-up: the same batch size and lengths, so Triton compiles and every CUDA graph the
-    # timed run needs (batch bucket x context-width bucket) is captured before timing. Under
-    # adaptive speculation a run may first meet a (tier, draft catch-up) graph in a later run
-    # (exploration rotates through the tiers), so the warm-up repeats while it captures.
-    warmups = 0
-    while True:
-        captures = engine.stats()["num_graph_captures"]
-        engine.generate(input_ids=warm, sampling_params=sp)
-        engine.flush_cache()  # the timed prefill computes its prompts, as a first request would
-        warmups += 1
-        if engine.stats()["num_graph_captures"] == captures or warmups == MAX_WARMUPS:
-            break
+    warmups = warm_up(engine, warm, sp)
     captures = engine.stats()["num_graph_captures"]
     device_before = (engine.stats().get("speculative_adaptive") or {}).get("device_seconds")
     with gc_pauses() as pauses:

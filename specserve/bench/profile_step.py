@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from specserve.bench.one_batch import dump, random_batch
+from specserve.bench.one_batch import dump, random_batch, warm_up
 
 
 def add_profile_parser(bsub, add_engine_args, engine_kwargs) -> argparse.ArgumentParser:
@@ -95,7 +95,8 @@ def profile_decode(engine, batch_size: int, input_len: int, output_len: int, top
     from torch.profiler import ProfilerActivity, profile
 
     prompts, sp = random_batch(engine, batch_size, input_len, output_len)
-    engine.generate(input_ids=prompts, sampling_params=sp)  # compile, capture graphs
+    # compile and capture every graph first: a capture under the profiler takes minutes
+    warmup_runs = warm_up(engine, prompts, sp)
     before = engine.stats()
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
@@ -157,6 +158,8 @@ def profile_decode(engine, batch_size: int, input_len: int, output_len: int, top
         "idle_fraction": 1.0 - busy / wall if kernels else None,
         "kernels_per_step": len(in_window) / s,
         "decode_tok_s": sum(o["meta_info"]["completion_tokens"] - 1 for o in outs) / (wall / 1e6),
+        "warmup_runs": warmup_runs,
+        "graph_captures_profiled": after["num_graph_captures"] - before["num_graph_captures"],
     }
     middle = _middle_step(in_window)
     if middle:
