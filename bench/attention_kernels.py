@@ -5,6 +5,7 @@
 Cases (32 query heads, 8 KV heads, head_dim 128, bf16, one layer, K/V write included):
 - decode: batch 1/16/64 x context 1k/4k/16k;
 - tree verify: 64 tree nodes (custom mask) per request over a cached context;
+- chain verify: 3 nodes per request at batch 64 / 128 (what a chain of 2 verifies at load);
 - extend: a 64-token causal chunk over a cached context.
 GB/s counts the bytes that must move at least once: the visible K/V (gathered from the cache),
 q, the new k/v and the output. Needs CUDA; times with triton.testing.do_bench (median).
@@ -139,6 +140,7 @@ def main() -> None:
     cases = [("decode", b, c, 1, False) for b in (1, 16, 64) for c in contexts]
     cases += [("tree_verify64", b, c, 64, True) for b in (1, 16) for c in contexts]
     cases += [("extend64", b, c, 64, False) for b in (1, 16) for c in contexts]
+    cases += [("chain_verify3", b, c, 3, True) for b in (64, 128) for c in contexts[:2]]
 
     results = []
     for name, batch, ctx, q_len, tree in cases:
@@ -201,6 +203,9 @@ def tune(page_size: int) -> None:
                 line(f"decode b={batch} ctx={ctx} S={splits}", cfg, ms, nbytes)
 
     extend_cfgs = [
+        # short verifies fill few rows of a tile: 3 nodes x a GQA group of 4 is 12 rows
+        {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 3},
+        {"block_m": 32, "block_n": 64, "num_warps": 4, "num_stages": 3},
         {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
         {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 4},
         {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 3},
@@ -209,7 +214,8 @@ def tune(page_size: int) -> None:
         {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
         {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3},
     ]
-    shapes = [("tree", 16, 4096, 64, True), ("extend", 16, 4096, 64, False)]
+    shapes = [("chain", 64, 1024, 3, True), ("chain", 128, 1024, 4, True)]
+    shapes += [("tree", 16, 4096, 64, True), ("extend", 16, 4096, 64, False)]
     shapes += [("prefill", 1, 0, 4096, False), ("tree", 1, 16384, 64, True)]
     for name, batch, ctx, q_len, tree in shapes:
         q, k, v, cache, meta, nbytes = build(batch, ctx, q_len, tree, page_size)
