@@ -69,10 +69,10 @@ def test_eviction_takes_least_recently_used_leaves_first():
 
 
 def _tree(cache: PrefixCache) -> dict:
-    """The cache as nested {key: (page, last use, subtree)}."""
+    """The cache as nested {first page's key: (tokens, pages, last use, subtree)}."""
 
     def walk(node):
-        return {k: (c.page, c.last_use, walk(c)) for k, c in node.children.items()}
+        return {k: (c.tokens, c.pages, c.last_use, walk(c)) for k, c in node.children.items()}
 
     return walk(cache.root)
 
@@ -111,6 +111,37 @@ def test_an_insert_resumed_from_a_held_node_keeps_what_a_full_walk_keeps(
             cache.unlock(node)
         caches.append((_tree(cache), cache.num_pages, cache.evictable, list(alloc.refs)))
     assert caches[0] == caches[1]
+
+
+@pytest.mark.parametrize("next_token_in_key", [False, True])
+def test_nodes_number_about_the_branch_points_not_the_cached_tokens(next_token_in_key):
+    """A node holds a run of pages: 200 requests of 1,000 tokens sharing a 500-token prefix
+    at page size 1 (a page per token) make about a node each, not 1,000."""
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, 1000, (500,), generator=g).tolist()
+    alloc = PageAllocator(200 * 501 + 600, page_size=1)
+    cache = PrefixCache(alloc, next_token_in_key)
+    for r in range(200):
+        tokens = shared + [1000 + r] + torch.randint(0, 1000, (500,), generator=g).tolist()
+        # As the scheduler does: match, lock, insert, lock the insert's node, unlock.
+        cached, node, boundary = cache.match(tokens, 999)
+        if boundary:  # the shared prefix's last page: its draft KV is computed anew
+            cached, node = cached[:-1], cache.shorter(node)
+        assert len(cached) == (0 if r == 0 else 500 - next_token_in_key)
+        cache.lock(node)
+        pages = cached + alloc.alloc(1000 - len(cached))
+        held = cache.insert(tokens, pages, 1000, node)
+        cache.lock(held)
+        cache.unlock(node)
+        cache.unlock(held)
+        alloc.free(pages[len(cached) :])
+    kept = 500 - next_token_in_key + 200 * (500 + next_token_in_key)
+    assert cache.num_pages == kept
+    # The root, the shared prefix (its last page split off with the next token in the key)
+    # and a leaf per request.
+    assert cache.num_nodes() <= 3 + 200
+    assert cache.evict(250) == 250 and cache.num_pages == kept - 250
+    assert cache.flush() == kept - 250 and cache.num_pages == 0
 
 
 def test_with_the_next_token_in_the_key_a_page_differing_only_there_is_a_boundary():

@@ -1,22 +1,32 @@
 """The radix prefix cache: KV pages of earlier requests, keyed by their tokens, page by page.
 
-A node holds one full page: the KV of `page_size` tokens, whose key is those tokens; its path
-from the root spells the token prefix the page's KV depends on (the KV of position p depends
-on tokens [0, p]). A new request reuses the pages of its longest cached prefix.
+Page i of a request holds the KV of tokens [i*ps, (i+1)*ps) and its key is those tokens; a
+page is reusable for a prefix that spells the same keys from page 0 on (the KV of position p
+depends on tokens [0, p]). A new request reuses the pages of its longest cached prefix.
+
+The tree is compressed (as SGLang's radix cache): a node holds a run of pages, the edge from
+its parent, so nodes number about the branch points, not the cached pages. At page size 1 a
+node per page meant a Python object per cached token: a full garbage collection over a
+million cached pages took about a second, and every lookup walked one node per token. An edge
+is split where a match or insert ends inside it, so the node returned ends exactly there;
+the upper part becomes a new node and the existing one keeps the lower part, so a node a
+request holds keeps spelling the same prefix.
 
 An EAGLE draft's KV at position p pairs the target's state at p with token p + 1, so a page's
-draft KV also depends on the token after it: with `next_token_in_key` a node's key is its
-tokens and the next one, and every matched page is exact for draft and target alike. The
-last page of a prefix may then be found with another next token only (`match`'s boundary):
-its target KV is right, its draft KV's last entry is not, so the scheduler copies it into a
-page of the request's own and re-runs that one position.
+draft KV also depends on the token after it: with `next_token_in_key` a page's key is its
+tokens and the next one (an edge stores its tokens and the one after), and every matched
+page is exact for draft and target alike. The last page of a prefix may then be found with
+another next token only (`match`'s boundary): its target KV is right, its draft KV's last
+entry is not, so the scheduler copies it into a page of the request's own and re-runs that
+one position.
 
 Ownership: the cache holds one reference on every page it keeps (kv/allocator.py), a request
-one on every page of its table. A request that reads cached pages locks the deepest node it
-uses, which locks every ancestor: a locked node is never evicted. Unlocked nodes are exactly
+one on every page of its table. A request that reads cached pages locks the node ending its
+prefix, which locks every ancestor: a locked node is never evicted. Unlocked nodes are exactly
 the evictable ones (a lock on a node also locks its ancestors, so an unlocked node has no
-locked descendant); leaves go first, least recently used first. Eviction runs only when an
-allocation would otherwise fail, so cached pages cost no room a request needs.
+locked descendant); leaves go first, least recently used first, trimmed from their end when
+fewer pages are asked for. Eviction runs only when an allocation would otherwise fail, so
+cached pages cost no room a request needs.
 """
 
 from __future__ import annotations
@@ -29,16 +39,28 @@ from specserve.kv.allocator import PageAllocator
 
 
 class _Node:
-    __slots__ = ("key", "page", "parent", "children", "lock", "last_use", "depth")
+    __slots__ = ("tokens", "pages", "parent", "children", "lock", "last_use", "depth")
 
-    def __init__(self, key: tuple[int, ...] | None, page: int, parent: _Node | None):
-        self.key = key
-        self.page = page
+    def __init__(self, tokens: list[int], pages: list[int], parent: _Node | None):
+        # The edge's pages and their tokens (and, with `next_token_in_key`, the next one).
+        self.tokens = tokens
+        self.pages = pages
         self.parent = parent
-        self.depth = 0 if parent is None else parent.depth + 1  # pages from the root
+        self.depth = len(pages) + (0 if parent is None else parent.depth)  # pages from the root
+        # Keyed by the child's first page's key: siblings differ there (else they'd share it).
         self.children: dict[tuple[int, ...], _Node] = {}
-        self.lock = 0  # requests whose locked path passes through here
+        self.lock = 0  # requests whose locked prefix passes through here
         self.last_use = 0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading elements two lists share (compared in C-speed chunks first)."""
+    n, i, step = min(len(a), len(b)), 0, 64
+    while i + step <= n and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class PrefixCache:
@@ -46,7 +68,8 @@ class PrefixCache:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.next_token_in_key = next_token_in_key
-        self.root = _Node(None, -1, None)
+        self._extra = 1 if next_token_in_key else 0  # tokens a key reads past its page
+        self.root = _Node([], [], None)
         self.root.lock = 1  # never evicted
         self.num_pages = 0  # pages the cache holds
         self.evictable = 0  # of those, unlocked (free for the taking)
@@ -54,32 +77,73 @@ class PrefixCache:
         self._leaves: list[tuple[int, int, _Node]] = []  # heap of (last_use, id, leaf)
         self._ids = itertools.count()
 
-    # ---- lookups ----------------------------------------------------------------------------
-    def _key(self, tokens: Sequence[int], i: int) -> tuple[int, ...]:
+    # ---- keys and edges ---------------------------------------------------------------------
+    def _key(self, tokens: list[int], i: int) -> tuple[int, ...]:
         """Page i's key: its tokens, and the next one with `next_token_in_key`."""
         ps = self.page_size
-        return tuple(tokens[i * ps : (i + 1) * ps + (1 if self.next_token_in_key else 0)])
+        return tuple(tokens[i * ps : (i + 1) * ps + self._extra])
 
+    def _edge_key(self, node: _Node) -> tuple[int, ...]:
+        """The key of a node's first page: its entry in its parent's children."""
+        return tuple(node.tokens[: self.page_size + self._extra])
+
+    def _matching_pages(self, node: _Node, tokens: list[int], i: int, limit: int) -> int:
+        """How many of the node's first `limit` pages have the keys of the tokens' pages i,
+        i + 1, ... (the node's edge starts at page i); with the next token in the key a page
+        matches only if the token after it does too."""
+        ps, x = self.page_size, self._extra
+        n = min(len(node.pages), limit)
+        edge = node.tokens if n == len(node.pages) else node.tokens[: n * ps + x]
+        same = _common_prefix(edge, tokens[i * ps : i * ps + len(edge)])
+        return max(0, same - x) // ps
+
+    def _split(self, node: _Node, k: int) -> _Node:
+        """Cut a node's edge after its first k pages; returns the new upper node. The node
+        keeps the lower part (and its identity: a handle to it still ends where it did), and
+        every lock through it passes through the upper part too."""
+        ps, x = self.page_size, self._extra
+        upper = _Node(node.tokens[: k * ps + x], node.pages[:k], node.parent)
+        upper.lock, upper.last_use = node.lock, node.last_use
+        node.parent.children[self._edge_key(node)] = upper
+        node.tokens, node.pages = node.tokens[k * ps :], node.pages[k:]
+        node.parent = upper
+        upper.children[self._edge_key(node)] = node
+        return upper
+
+    # ---- lookups ----------------------------------------------------------------------------
     def match(self, tokens: Sequence[int], max_tokens: int) -> tuple[list[int], _Node, bool]:
         """The longest cached prefix of `tokens` in whole pages, at most max_tokens tokens
-        (tokens must extend one past them): (its pages, the deepest node matched, the root
-        when none, boundary). boundary: the last page matched its tokens but not the next
+        (tokens must extend one past them): (its pages, the node ending exactly there, the
+        root when none, boundary). boundary: the last page matched its tokens but not the next
         one (only with `next_token_in_key`): its draft KV's last entry is someone else's."""
-        node, pages, ps = self.root, [], self.page_size
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
+        ps, x = self.page_size, self._extra
+        node, pages, boundary = self.root, [], False
         now = next(self._clock)
-        boundary = False
-        for i in range(max_tokens // ps):
+        total = max_tokens // ps
+        while node.depth < total:
+            i = node.depth
             key = self._key(tokens, i)
             child = node.children.get(key)
-            if child is None and self.next_token_in_key:
-                child = next((c for k, c in node.children.items() if k[:-1] == key[:-1]), None)
-                boundary = child is not None
+            if child is not None:
+                k = self._matching_pages(child, tokens, i, total - i)
+                # With the next token in the key, page k may match all but its next token.
+                if x and k < min(len(child.pages), total - i):
+                    j = (i + k) * ps
+                    boundary = child.tokens[k * ps : (k + 1) * ps] == tokens[j : j + ps]
+                    k += boundary
+            elif x:  # a sibling whose first page's tokens match, not its next token
+                child = next((c for kk, c in node.children.items() if kk[:-1] == key[:-1]), None)
+                k, boundary = 1, child is not None
             if child is None:
                 break
+            whole = k == len(child.pages)
+            if not whole:  # the match ends inside this edge: a node must end there
+                child = self._split(child, k)
             child.last_use = now
-            pages.append(child.page)
+            pages.extend(child.pages)
             node = child
-            if boundary:
+            if boundary or not whole:
                 break
         return pages, node, boundary
 
@@ -92,12 +156,14 @@ class PrefixCache:
     ) -> _Node:
         """Keep the full pages among the first num_tokens of a request (`pages[i]` holds
         tokens[i*ps : (i+1)*ps]; with `next_token_in_key` tokens must go one further); a page
-        whose key is cached already stays the request's own. Returns the deepest node.
-        start: a node the request holds locked (its cached prefix, or what it inserted
-        before): when it lies on the tokens' path, the walk resumes there, so a request's
-        inserts look up its new pages only, not its whole history again (the prefix above
-        `start` only has its last use refreshed, a pointer walk)."""
-        node, ps = self.root, self.page_size
+        whose key is cached already stays the request's own. Returns the node ending at the
+        last of those pages. start: a node the request holds locked (its cached prefix, or
+        what it inserted before): when it lies on the tokens' path, the walk resumes there,
+        so a request's inserts look up its new pages only, not its whole history again (the
+        prefix above `start` only has its last use refreshed, a pointer walk)."""
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
+        ps, x = self.page_size, self._extra
+        node = self.root
         count = min(num_tokens // ps, len(pages))
         now = next(self._clock)
         if start is not None and self._on_path(start, tokens, count):
@@ -105,40 +171,53 @@ class PrefixCache:
             while start is not self.root:  # the prefix resumed over is used now too
                 start.last_use = now
                 start = start.parent
-        added = []
-        for i in range(node.depth, count):
+        while node.depth < count:
+            i = node.depth
             key = self._key(tokens, i)
             child = node.children.get(key)
-            if child is None:
-                child = _Node(key, pages[i], node)
+            if child is None:  # the rest is new: one edge, one reference per page
+                added = list(pages[i:count])
+                child = _Node(tokens[i * ps : count * ps + x], added, node)
                 node.children[key] = child
-                added.append(pages[i])
+                self.allocator.share(added)
+                self.num_pages += len(added)
+                self.evictable += len(added)
+            else:
+                k = self._matching_pages(child, tokens, i, count - i)
+                if k < len(child.pages):
+                    child = self._split(child, k)
             child.last_use = now
             node = child
-        if added:
-            self.allocator.share(added)
-            self.num_pages += len(added)
-            self.evictable += len(added)
         self._push_if_leaf(node)
         return node
 
-    def _on_path(self, node: _Node, tokens: Sequence[int], count: int) -> bool:
+    def _on_path(self, node: _Node, tokens: list[int], count: int) -> bool:
         """Whether `node` (still cached) spells the first node.depth pages of `tokens`, within
-        `count` pages. Its ancestors were matched or inserted by exact keys, so only its own
-        key can differ: a boundary node found by its tokens but another next token."""
+        `count` pages. The pages above its last were matched or inserted by exact keys, so
+        only its last page's key can differ: a boundary found by its tokens but another next
+        token."""
+        ps = self.page_size
         return (
             node is not self.root
             and node.parent is not None
             and node.depth <= count
-            and node.key == self._key(tokens, node.depth - 1)
+            and node.tokens[len(node.tokens) - ps - self._extra :]
+            == tokens[(node.depth - 1) * ps : node.depth * ps + self._extra]
         )
+
+    def shorter(self, node: _Node) -> _Node:
+        """The node of `node`'s prefix less its last page (splitting its edge if needed)."""
+        assert node is not self.root and node.parent is not None
+        if len(node.pages) == 1:
+            return node.parent
+        return self._split(node, len(node.pages) - 1)
 
     # ---- locks ---------------------------------------------------------------------------
     def lock(self, node: _Node) -> None:
         while node is not None:
             node.lock += 1
             if node.lock == 1:
-                self.evictable -= 1
+                self.evictable -= len(node.pages)
             node = node.parent
 
     def unlock(self, node: _Node) -> None:
@@ -147,7 +226,7 @@ class PrefixCache:
             node.lock -= 1
             assert node.lock >= 0, "prefix cache: unlocked more often than locked"
             if node.lock == 0:
-                self.evictable += 1
+                self.evictable += len(node.pages)
             node = node.parent
         self._push_if_leaf(leaf)
 
@@ -157,9 +236,10 @@ class PrefixCache:
             heapq.heappush(self._leaves, (node.last_use, next(self._ids), node))
 
     def evict(self, num_pages: int) -> int:
-        """Drop up to num_pages unlocked pages, least recently used leaves first; returns how
-        many went back to the free list."""
-        freed = 0
+        """Drop up to num_pages unlocked pages, least recently used leaves first (the last
+        one trimmed from its end to free no more than asked); returns how many went back to
+        the free list."""
+        freed, ps = 0, self.page_size
         while freed < num_pages and self._leaves:
             last_use, _, node = heapq.heappop(self._leaves)
             if node.children or node.lock or node.parent is None:
@@ -167,23 +247,41 @@ class PrefixCache:
             if last_use != node.last_use:  # used since: it waits its new turn
                 heapq.heappush(self._leaves, (node.last_use, next(self._ids), node))
                 continue
-            parent = node.parent
-            del parent.children[node.key]
-            node.parent = None
-            self.allocator.free([node.page])
-            self.num_pages -= 1
-            self.evictable -= 1
-            freed += 1
-            self._push_if_leaf(parent)
+            n = min(len(node.pages), num_pages - freed)
+            if n < len(node.pages):  # its upper pages stay, still the least recently used
+                dropped = node.pages[-n:]
+                del node.pages[-n:]
+                node.tokens = node.tokens[: len(node.pages) * ps + self._extra]
+                node.depth -= n
+                heapq.heappush(self._leaves, (last_use, next(self._ids), node))
+            else:
+                dropped = node.pages
+                parent = node.parent
+                del parent.children[self._edge_key(node)]
+                node.parent = None
+                self._push_if_leaf(parent)
+            self.allocator.free(dropped)
+            self.num_pages -= n
+            self.evictable -= n
+            freed += n
         return freed
 
     def flush(self) -> int:
         """Drop every unlocked page (with no request live: all of them)."""
         return self.evict(self.num_pages)
 
+    def num_nodes(self) -> int:
+        """Nodes in the tree, the root included."""
+        count, stack = 0, [self.root]
+        while stack:
+            node = stack.pop()
+            count += 1
+            stack.extend(node.children.values())
+        return count
+
     def check_locks(self, locked: list[_Node]) -> None:
         """Every node's lock count is the number of `locked` nodes (one per request holding
-        the cache) at or below it, and `evictable` counts the unlocked nodes."""
+        the cache) at or below it, and `evictable` counts the pages of unlocked nodes."""
         want: dict[int, int] = {id(self.root): 1}
         for node in locked:
             while node is not None:
@@ -195,17 +293,18 @@ class PrefixCache:
             if node.lock != want.get(id(node), 0):
                 raise AssertionError(f"prefix cache: a node locked {node.lock} times, held by "
                                      f"{want.get(id(node), 0)} requests")  # fmt: skip
-            unlocked += node.lock == 0
+            if node.lock == 0:
+                unlocked += len(node.pages)
             stack.extend(node.children.values())
         if unlocked != self.evictable:
             raise AssertionError(
-                f"prefix cache: {unlocked} unlocked nodes, {self.evictable} counted"
+                f"prefix cache: {unlocked} unlocked pages, {self.evictable} counted"
             )
 
     def held_pages(self) -> list[int]:
         out, stack = [], list(self.root.children.values())
         while stack:
             node = stack.pop()
-            out.append(node.page)
+            out.extend(node.pages)
             stack.extend(node.children.values())
         return out

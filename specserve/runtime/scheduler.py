@@ -115,7 +115,7 @@ class Scheduler:
         (the copy needs one page more than computing it would)."""
         pages, node, boundary = self.cache.match(req.all_ids, reuse_limit(req))
         if boundary and not copy_boundary:
-            pages, node, boundary = pages[:-1], node.parent, False
+            pages, node, boundary = pages[:-1], self.cache.shorter(node), False
         self.cache.lock(node)
         req.cache_node = node
         ps = self.table.page_size
@@ -284,10 +284,10 @@ class Scheduler:
             # The boundary page is copied: the request no longer reads the cached one. Holding
             # its lock through a chunked prefill would keep a page the request's remaining
             # chunks may need (a lone request that fits could then never finish).
-            node = req.cache_node
-            self.cache.lock(node.parent)
+            node, shorter = req.cache_node, self.cache.shorter(req.cache_node)
+            self.cache.lock(shorter)
             self.cache.unlock(node)
-            req.cache_node = node.parent
+            req.cache_node = shorter
         if chunk.completes:
             self.waiting.remove(req)
             req.set_state(ReqState.RUNNING)
