@@ -179,6 +179,38 @@ def test_policy_weighs_replayed_step_times_plus_what_real_contexts_add():
     assert abs(p.seconds(2, 256) - (94.4 + 37.0 - 24.3) / 1e3) < 2e-3
 
 
+def test_candidates_are_the_tiers_that_could_ever_beat_plain_decoding_at_a_load():
+    tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(5, 4, 16)]
+    ms = {1: (10.0, 11.0, 13.0), 256: (15.0, 40.0, 160.0)}  # per batch bucket, per tier
+
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: ms[b][t] / 1e3 if b in ms else None)
+    assert p.candidates(1) == (0, 1, 2)  # both beat plain at batch 1, if accepted
+    # at 256 the tree, even accepting all 6 tokens it drafts, emits 6 / 160 < 1 / 15 a ms;
+    # the chain of 3 could (4 / 40 > 1 / 15)
+    assert p.candidates(256) == (0, 1)
+    assert p.candidates(64) == (0, 1, 2)  # not timed (past the graphs): every tier
+
+
+def test_a_new_graph_shape_captures_every_tier_the_policy_may_run_at_once():
+    """Exploration runs tiers the policy rarely picks; were each captured when first run, a
+    shape would stall the loop again each time (an 8B capture outlasts many steps). So the
+    first step of a shape captures every candidate tier with its own."""
+    spec = spec_args("tiny", 3, 4, 10, speculative_adaptive=True)
+    with Engine(**TINY, **spec) as e:
+        graphs = DecodeGraphs(e.core.worker, 4, max_width=4096, capture=False)
+        e.core.worker.graphs = graphs
+        e.generate(input_ids=[[5, 6, 7, 8]], sampling_params=dict(SP, max_new_tokens=6))
+        first = set(graphs.graphs)
+        by_shape = {}
+        for key in first:
+            by_shape.setdefault(key[:-2] + key[-1:], set()).add(key[-2])
+        # each shape (with and without a draft catch-up) holds every tier: none was timed
+        # when it was first met, so all were candidates
+        assert by_shape and all(t == set(range(7)) for t in by_shape.values()), by_shape
+        e.generate(input_ids=[[9, 10, 11, 12]], sampling_params=dict(SP, max_new_tokens=6))
+        assert set(graphs.graphs) == first  # the same shape again: nothing new captured
+
+
 def test_simulated_rejection_switches_speculation_off():
     prompts = mixed_prompts(4, 512, seed=2)
     spec = spec_args(

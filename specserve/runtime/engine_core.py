@@ -375,10 +375,11 @@ class EngineCore:
 
     def _launch_decode(self, reqs: list[Request]):
         kv_upper = [r.kv_len + r.inflight_steps * self.worker.max_accept for r in reqs]
-        tier, lagged = 0, None
+        tier, lagged, siblings = 0, None, ()
         if self.adaptive is not None:
             can_speculate = any(r.params.speculative and not r.draft_stale for r in reqs)
             tier = self.adaptive.pick(len(reqs), can_speculate)
+            siblings = self.adaptive.candidates(len(reqs))
             if self.draft_lag is not None:
                 lagged = self.draft_lag.plan(
                     reqs, tier, lambda: self.adaptive.speculation_pays(len(reqs))
@@ -389,6 +390,7 @@ class EngineCore:
             tier,
             timed=self.adaptive is not None,
             catch_up=lagged is not None and lagged.catch_up,
+            siblings=siblings,
         )
         pending.lagged = lagged
         for r in reqs:

@@ -139,6 +139,10 @@ class AdaptiveSpeculation:
         accept = accept or self.accept
         return [batch_size * accept[t] / self.seconds(t, bucket) for t in range(len(self.tiers))]
 
+    def _upper_scores(self, batch_size: int) -> list[float]:
+        """Each tier's score were all its drafted tokens accepted."""
+        return self._scores(batch_size, [float(t.max_depth + 1) for t in self.tiers])
+
     def pick(self, batch_size: int, can_speculate: bool = True) -> int:
         """The tier of the next step of `batch_size` requests; can_speculate: some of them
         may still draft (else plain decoding, the only tier that helps them)."""
@@ -159,7 +163,7 @@ class AdaptiveSpeculation:
             self.next_explore = self.picks + self.explore_gap
             # the tier observed longest ago among those that could beat the best one if
             # they accepted all they draft (a wide tree at a large batch never can)
-            upper = self._scores(batch_size, [float(t.max_depth + 1) for t in self.tiers])
+            upper = self._upper_scores(batch_size)
             hopeful = [
                 t for t in range(1, len(self.tiers)) if t != best and upper[t] > scores[best]
             ]
@@ -167,6 +171,16 @@ class AdaptiveSpeculation:
                 self._explored = min(hopeful, key=lambda t: (self.last_seen[t], upper[t]))
                 return self._explored
         return best
+
+    def candidates(self, batch_size: int) -> tuple[int, ...]:
+        """The tiers a step at this load may ever run: plain decoding and those that would
+        beat it if they accepted all they draft, by the step times known at this bucket
+        (every tier while the bucket is not timed). A wide tree at a large batch is not one:
+        it is never picked, explored, or captured there."""
+        if self._fill(batch_bucket(batch_size)) is not None:
+            return tuple(range(len(self.tiers)))
+        upper = self._upper_scores(batch_size)
+        return tuple(t for t in range(len(self.tiers)) if t == 0 or upper[t] > upper[0])
 
     def speculation_pays(self, batch_size: int) -> bool:
         """Whether, by what was observed so far, some speculative tier beats plain decoding
