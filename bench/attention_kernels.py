@@ -128,12 +128,20 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="contexts 1k/4k only")
     ap.add_argument("--no-torch", action="store_true", help="skip the (slow) reference timings")
     ap.add_argument("--tune", action="store_true", help="sweep kernel configs instead")
+    ap.add_argument(
+        "--tune-only",
+        nargs="+",
+        choices=["decode", "chain", "tree", "extend", "prefill"],
+        help="with --tune: only these shapes",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/attention_kernels.py needs a CUDA GPU (Triton kernels); none found.")
     warm_up_clocks()
     if args.tune:
-        tune(args.page_size)
+        tune(
+            args.page_size, set(args.tune_only or ["decode", "chain", "tree", "extend", "prefill"])
+        )
         return
 
     contexts = [1024, 4096] if args.quick else [1024, 4096, 16384]
@@ -167,8 +175,9 @@ def main() -> None:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
 
 
-def tune(page_size: int) -> None:
-    """Graph-timed sweep of split counts and tile configs; prints one line per variant."""
+def tune(page_size: int, only: set[str]) -> None:
+    """Graph-timed sweep of split counts and tile configs; prints one line per variant.
+    only: the shape names swept (decode, chain, tree, extend, prefill)."""
     from specserve.ops.triton_attention import TritonAttentionBackend
     from specserve.ops.triton_kernels import decode_attention, extend_attention
 
@@ -189,7 +198,7 @@ def tune(page_size: int) -> None:
         {"block_n": 64, "num_warps": 2, "num_stages": 3},
         {"block_n": 32, "num_warps": 4, "num_stages": 4},
     ]
-    for batch, ctx in [(1, 16384), (1, 4096), (16, 16384), (64, 4096)]:
+    for batch, ctx in [(1, 16384), (1, 4096), (16, 16384), (64, 4096)] if "decode" in only else []:
         q, k, v, cache, meta, nbytes = build(batch, ctx, 1, False, page_size)
         auto = TritonAttentionBackend()
         auto.forward(0, q, k, v, cache, meta)
@@ -214,16 +223,18 @@ def tune(page_size: int) -> None:
         {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
         {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3},
     ]
-    shapes = [("chain", 64, 1024, 3, True), ("chain", 128, 1024, 4, True)]
+    shapes = [("chain", 64, 1024, 3, True), ("chain", 128, 1024, 3, True)]
+    shapes += [("chain", 16, 1024, 3, True), ("chain", 64, 1024, 4, True)]
     shapes += [("tree", 16, 4096, 64, True), ("extend", 16, 4096, 64, False)]
     shapes += [("prefill", 1, 0, 4096, False), ("tree", 1, 16384, 64, True)]
-    for name, batch, ctx, q_len, tree in shapes:
+    for name, batch, ctx, q_len, tree in [s for s in shapes if s[0] in only]:
         q, k, v, cache, meta, nbytes = build(batch, ctx, q_len, tree, page_size)
         auto = TritonAttentionBackend()
         auto.forward(0, q, k, v, cache, meta)
         print(f"{name} b={batch} ctx={ctx} q={q_len}: auto plan {auto._plan}")
         out = torch.empty_like(q)
-        split_opts = sorted({1, auto._plan.num_splits} | ({8, 16} if batch == 1 and ctx else set()))
+        split_opts = {1, auto._plan.num_splits} | ({8, 16} if batch == 1 and ctx else set())
+        split_opts = sorted(split_opts | ({2, 4} if name == "chain" else set()))
         for splits in split_opts:
             per = -(-ctx // splits) if ctx else 0
             for cfg in extend_cfgs:

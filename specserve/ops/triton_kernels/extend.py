@@ -32,6 +32,16 @@ from specserve.ops.triton_kernels.common import LOG2E, NUM_STAGES, attend_kv_blo
 from specserve.ops.triton_kernels.decode import merge_splits_kernel
 
 EXTEND_BLOCK_M = 64  # rows ((query, head) pairs) per program
+MIN_BLOCK_M = 16  # tl.dot's smallest tile
+
+
+def extend_block_m(rows_per_request: int) -> int:
+    """Rows of a program: a short verify (a chain of 2 verifies 3 nodes: 12 rows under a GQA
+    group of 4) takes the smallest tile that holds its rows, so it computes no empty rows and
+    its programs are light; anything longer takes the 64-row tile."""
+    if rows_per_request >= EXTEND_BLOCK_M:
+        return EXTEND_BLOCK_M
+    return max(MIN_BLOCK_M, triton.next_power_of_2(rows_per_request))
 
 
 @triton.jit
@@ -199,9 +209,9 @@ def extend_attention(
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     # 64-row tiles with 3 stages were the best or near it for tree verify, extend and prefill
-    # in the H200 sweep (bench/attention_kernels.py --tune).
+    # in the H200 sweep (bench/attention_kernels.py --tune); short verifies take smaller ones.
     cfg = {
-        "block_m": EXTEND_BLOCK_M,
+        "block_m": extend_block_m(max_q_len * group),
         "block_n": kv_block_size(block_d, max(q.element_size(), k_cache.element_size())),
         "num_warps": 4,
         "num_stages": NUM_STAGES,
