@@ -211,7 +211,9 @@ def extend_attention(
     # 64-row tiles with 3 stages were the best or near it for tree verify, extend and prefill
     # in the H200 sweep (bench/attention_kernels.py --tune); short verifies take smaller ones.
     cfg = {
-        "block_m": extend_block_m(max_q_len * group),
+        # aligned rows keep one tile whatever the query count: Triton picks the MMA
+        # instruction (and so a row's accumulation order) by tile
+        "block_m": EXTEND_BLOCK_M if aligned else extend_block_m(max_q_len * group),
         "block_n": kv_block_size(block_d, max(q.element_size(), k_cache.element_size())),
         "num_warps": 4,
         "num_stages": NUM_STAGES,
