@@ -247,15 +247,15 @@ def test_tree_verify(page_size, group, head_dim):
 @pytest.mark.parametrize("tree", [False, True])
 def test_short_verify_takes_a_small_tile_and_splits_like_decode(q_len, group, tree):
     """A chain's verify (few queries x a GQA group, under 64 rows) runs 16- or 32-row tiles,
-    splitting the cached prefix while the grid is short of ~4 programs per SM."""
+    splitting the cached prefix while the grid is short of a program per SM."""
     from specserve.ops.triton_kernels.extend import extend_block_m
 
     assert extend_block_m(q_len * group) == max(16, 1 << (q_len * group - 1).bit_length())
-    reqs = [Req(q_len, n) for n in (300, 0, 41, 517)]
+    reqs = [Req(q_len, n) for n in (300, 0, 41)]
     backend = TritonAttentionBackend(min_prefix_per_split=64)
     case = make_case(reqs, heads=2 * group, head_dim=32, page_size=3, tree_mask=tree, seed=q_len)
     check(case, backend)
-    # 4 requests x 2 KV heads = 8 programs, under 4 per "SM" of the interpreter's 4
+    # 3 requests x 2 KV heads = 6 programs (16-row tiles), under 2 per "SM" of the 4
     assert backend._plan is not None and backend._plan.num_splits > 1
 
 

@@ -29,7 +29,7 @@ import triton
 from specserve.kv.pool import KVCache
 from specserve.ops.attention import AttentionBackend, AttentionMetadata
 from specserve.ops.triton_kernels import decode_attention, extend_attention
-from specserve.ops.triton_kernels.extend import EXTEND_BLOCK_M, extend_block_m
+from specserve.ops.triton_kernels.extend import extend_block_m
 from specserve.ops.triton_kernels.rows import row_attention, token_requests
 
 _BLOCK_N = 64  # split chunks are whole multiples of the kernels' KV block
@@ -128,18 +128,16 @@ class TritonAttentionBackend(AttentionBackend):
             return _LaunchPlan(True, 1, splits, per_split)
         # Extend: only the cached prefix is split (the masked extra part stays in the last
         # split), and only when the unsplit grid leaves the GPU idle (tree verify at small
-        # batch); big prefills have programs to spare and would pay for the partials. A
-        # short verify's programs are light (a 16- or 32-row tile), and want as many per SM
-        # as decode's.
-        block_m = extend_block_m(max_q_len * group)
-        programs = triton.cdiv(max_q_len * group, block_m) * batch * kv_heads
-        per_sm = _EXTEND_PROGRAMS_PER_SM if block_m == EXTEND_BLOCK_M else _DECODE_PROGRAMS_PER_SM
+        # batch); big prefills have programs to spare and would pay for the partials. (H200,
+        # a chain's 3-node verify with 16-row tiles: 2 splits at batch 16 beat 1 and 4; at
+        # batch 64 and 128 splitting only added merge work.)
+        programs = triton.cdiv(max_q_len * group, extend_block_m(max_q_len * group))
+        programs *= batch * kv_heads
         max_prefix = max(n - e for n, e in zip(kv_lens, extra))
-        wanted = self._sm_count(device) * (1 if block_m == EXTEND_BLOCK_M else per_sm)
-        if self.num_kv_splits is None and programs >= wanted:
+        if self.num_kv_splits is None and programs >= self._sm_count(device):
             return _LaunchPlan(False, max_q_len, 1, 0)
         splits, per_split = self._splits(
-            programs, per_sm, max_prefix, device, self.min_prefix_per_split
+            programs, _EXTEND_PROGRAMS_PER_SM, max_prefix, device, self.min_prefix_per_split
         )
         return _LaunchPlan(False, max_q_len, splits, per_split)
 

@@ -2,7 +2,7 @@
 compaction, draft extend, state write-back) is captured once per shape and replayed.
 
 A step's shapes depend on three host values, which key the graphs:
-- the batch size, padded up to a bucket (1, 2, 4, 8, then multiples of 8); padding rows use
+- the batch size, padded up to a bucket (1, 2, 4, 8, then multiples of 16); padding rows use
   `PAD_ROW`, whose KV is the scratch page;
 - the context width, padded up to a power of two (>= 256): every request's KV indices are
   laid out in a [bs, width] block, and the attention launch plan is sized for it;
@@ -20,6 +20,7 @@ host can prepare step k+1 while step k still runs.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,8 +67,12 @@ def copy_from_host(dst: torch.Tensor, values: list[int]) -> None:
 
 
 def batch_buckets(max_bs: int) -> list[int]:
-    """1, 2, 4, then multiples of 8, and max_bs itself."""
-    sizes = {b for b in (1, 2, 4) if b < max_bs} | set(range(8, max_bs, 8)) | {max_bs}
+    """1, 2, 4, 8, then multiples of 16, and max_bs itself. Triton compiles a kernel anew for
+    integer arguments of another divisibility by 16, so a step at 24, 40 or 56 rows compiled
+    its own variants (1-4 s per tier at the 8B shape, stalling the step that met it); every
+    multiple of 16 shares the variants compiled when the engine started (adaptive
+    speculation times every tier at 16, 32, 64, ...)."""
+    sizes = {b for b in (1, 2, 4, 8) if b < max_bs} | set(range(16, max_bs, 16)) | {max_bs}
     return sorted(sizes)
 
 
@@ -158,6 +163,8 @@ class DecodeGraphs:
             return
         if self.capture:
             torch.cuda.synchronize(self.worker.device)
+        if self.graphs:
+            log.info("request rows reallocated: %d decode graphs dropped", len(self.graphs))
         self.graphs.clear()
         self._rows_version = self.worker.rows.version
 
@@ -240,11 +247,13 @@ class DecodeGraphs:
             return _Captured(None, step, rows, sampling, None)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
         graph, outputs = capture_graph(step, self.pool, dev)
         self.num_captures += 1
         log.info(
-            "captured decode graph: batch %d, width %d, greedy=%s, logprobs=%s (top %d), "
-            "tier %d, catch-up %s",
+            "captured decode graph in %.2f s: batch %d, width %d, greedy=%s, logprobs=%s "
+            "(top %d), tier %d, catch-up %s",
+            time.perf_counter() - start,
             bs,
             width,
             all_greedy,
