@@ -215,7 +215,10 @@ def test_resolver_fills_a_chain_by_default_and_explains():
         "speculative_num_steps",
         "speculative_eagle_topk",
         "speculative_num_draft_tokens",
+        "speculative_adaptive",
     } <= fields
+    adaptive = [(v, r) for f, v, r in c.decisions if f == "speculative_adaptive"]
+    assert adaptive[0][0] is False and "speculative_adaptive turns it on" in adaptive[0][1]
 
 
 def test_accept_walks_the_matching_path():

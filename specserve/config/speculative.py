@@ -238,11 +238,20 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
                     "speculation resumes, and a request further behind stops speculating",
                 )
             )
-    elif c.speculative_adaptive_lag_tokens:
+    else:
         require(
-            False,
+            not c.speculative_adaptive_lag_tokens,
             "speculative_adaptive_lag_tokens",
             "applies to speculative_adaptive only: set speculative_adaptive too",
+        )
+        decisions.append(
+            (
+                "speculative_adaptive",
+                False,
+                "every step drafts the configured shape (the default until adaptive speculation "
+                "is measured on a real draft's acceptance; it also times every tier at start-up, "
+                "87 s at a Llama-3-8B shape on an H200): speculative_adaptive turns it on",
+            )
         )
     return c, decisions
 
