@@ -199,18 +199,18 @@ def cmd_one_batch(args) -> list[dict]:
 
 def cmd_multiturn(args) -> list[dict]:
     """specserve bench multiturn's conversations (same ids), prefix caching on."""
-    from specserve.bench.multiturn import conversations
+    from specserve.bench.multiturn import conversations, warm_up
 
     llm = make_llm(args, prefix_caching=True)
     vocab = vocab_size(args)
-    warm_system, warm_users = conversations(
-        argparse.Namespace(**{**vars(args), "seed": args.seed + 1}), vocab
-    )
-    llm.generate(
-        [{"prompt_token_ids": warm_system + u[0]} for u in warm_users],
-        greedy(args.answer_len),
-        use_tqdm=False,
-    )
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], greedy(args.answer_len), use_tqdm=False
+        )
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    warm_up(args, vocab, generate)  # the same untimed turns as specserve's
     llm.reset_prefix_cache()
     system, users = conversations(args, vocab)
     histories = [list(system) for _ in users]
