@@ -253,10 +253,20 @@ def test_short_verify_takes_a_small_tile_and_splits_like_decode(q_len, group, tr
     assert extend_block_m(q_len * group) == max(16, 1 << (q_len * group - 1).bit_length())
     reqs = [Req(q_len, n) for n in (300, 0, 41)]
     backend = TritonAttentionBackend(min_prefix_per_split=64)
-    case = make_case(reqs, heads=2 * group, head_dim=32, page_size=3, tree_mask=tree, seed=q_len)
+    case = make_case(
+        reqs, heads=group, kv_heads=1, head_dim=32, page_size=3, tree_mask=tree, seed=q_len
+    )
     check(case, backend)
-    # 3 requests x 2 KV heads = 6 programs (16-row tiles), under 2 per "SM" of the 4
+    # 3 requests x 1 KV head = 3 programs, fewer than the interpreter's 4 "SMs": split
     assert backend._plan is not None and backend._plan.num_splits > 1
+
+
+@pytest.mark.parametrize("group,q_len", [(3, 30), (7, 13), (5, 14), (6, 11)])
+def test_causal_extend_with_a_group_that_does_not_divide_the_tile(group, q_len):
+    """With a GQA group of 3, 5, 6 or 7 a 64-row tile ends partway through a query's heads;
+    that query must still see its last causal key."""
+    case = make_case([Req(q_len, 10), Req(q_len, 0)], heads=group, kv_heads=1, head_dim=16)
+    check(case, TritonAttentionBackend(num_kv_splits=1))
 
 
 def test_tree_draft_extra_longer_than_q():

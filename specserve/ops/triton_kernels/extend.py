@@ -122,8 +122,9 @@ def _extend_kernel(
         mask_start = tl.load(mask_indptr + b).to(tl.int64)
     else:
         # Causal: query i sees extra entry j iff j <= i + extra - q_len, so the block's last
-        # query bounds how far into the extra part it needs to go.
-        last_q = tl.minimum((m_block + 1) * BLOCK_M, q_len * GROUP) // GROUP - 1
+        # query bounds how far into the extra part it needs to go (the query of the block's
+        # last row, which may hold only some of its heads when BLOCK_M % GROUP != 0).
+        last_q = (tl.minimum((m_block + 1) * BLOCK_M, q_len * GROUP) - 1) // GROUP
         extra_end = prefix + tl.minimum(extra, tl.maximum(last_q + extra - q_len + 1, 0))
     extra_lo = prefix_hi if ALIGNED else prefix  # ALIGNED: the prefix's partial block too
     extra_end = tl.where(do_extra, extra_end, extra_lo)
