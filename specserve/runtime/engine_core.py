@@ -379,7 +379,8 @@ class EngineCore:
         if self.adaptive is not None:
             can_speculate = any(r.params.speculative and not r.draft_stale for r in reqs)
             tier = self.adaptive.pick(len(reqs), can_speculate)
-            siblings = self.adaptive.candidates(len(reqs))
+            # (a batch that cannot speculate runs plain steps only: nothing else to capture)
+            siblings = self.adaptive.candidates(len(reqs)) if can_speculate else ()
             if self.draft_lag is not None:
                 lagged = self.draft_lag.plan(
                     reqs, tier, lambda: self.adaptive.speculation_pays(len(reqs))
