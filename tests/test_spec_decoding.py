@@ -221,6 +221,14 @@ def test_resolver_fills_a_chain_by_default_and_explains():
     assert adaptive[0][0] is False and "speculative_adaptive turns it on" in adaptive[0][1]
 
 
+def test_adaptive_lag_tokens_without_speculation_are_rejected_by_name():
+    from specserve.config import EngineConfig
+    from specserve.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="speculative_adaptive_lag_tokens"):
+        EngineConfig(speculative_adaptive_lag_tokens=8).resolve(cuda_available=False)
+
+
 def test_accept_walks_the_matching_path():
     # root 0 -> {1: tok 10, 2: tok 11}; 1 -> {3: tok 12}; 2 -> {4: tok 13}
     trees = DraftTrees(

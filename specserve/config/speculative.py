@@ -24,6 +24,7 @@ SPEC_FIELDS = (
     "speculative_num_draft_tokens",
     "speculative_token_map",
     "speculative_token_map_growth",
+    "speculative_adaptive_lag_tokens",
 )
 
 
