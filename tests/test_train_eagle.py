@@ -290,7 +290,8 @@ def test_time_budget_stops_training_and_anneals(tiny_data):
     )
     t0 = time.perf_counter()
     summary = train(target, str(root / "data"), out, args, log=quiet)
-    assert summary["steps"] > 5 and summary["train_seconds"] >= 3.0
+    # (several steps, however loaded the machine: the clock, not a step count, stopped it)
+    assert summary["steps"] >= 3 and summary["train_seconds"] >= 3.0
     assert time.perf_counter() - t0 < 30
     hist = json.load(open(os.path.join(out, "train_curve.json")))["history"]
     assert hist[-1]["lr"] < 0.3 * args.lr  # the schedule ran to its end on the clock
