@@ -54,6 +54,60 @@ def test_cache_matches_whole_pages_and_counts_its_references():
     table.check_invariants(set())
 
 
+def test_a_request_that_computed_cached_pages_again_locks_only_pages_it_holds():
+    """A request computing positions the cache already holds (prompt log-probs limit what it
+    may take from the cache) must not lock the cached copies: it never reads them, and they
+    would stay pinned while it runs. Unread, the cache swaps them for the request's copies;
+    read by another request, the insert stops where the copies part."""
+    alloc = PageAllocator(32, page_size=2)
+    table = KVTable(alloc)
+    cache = PrefixCache(alloc)
+    table.cache = cache
+    tokens = list(range(1, 13))  # 6 full pages
+    assert table.reserve("a", 12)
+    cache.lock(cache.insert(tokens, table.pages("a"), 12))
+    table.release("a")  # a finished: its pages stay cached, its lock is still held
+    cache.unlock(cache.match(tokens, 12)[1])
+    # b computed the same six pages itself: the cache takes b's copies, frees a's
+    assert table.reserve("b", 12)
+    b_node = cache.insert(tokens, table.pages("b"), 12)
+    cache.lock(b_node)
+    assert cache.match(tokens, 12)[0] == table.pages("b") and b_node.depth == 6
+    assert cache.num_pages == 6 and alloc.num_free_pages == 32 - 1 - 6
+    table.check_invariants({"b"})
+    # c reuses the first two pages (b's), then computes the rest again while b runs
+    pages, c_node, _ = cache.match(tokens, 4)
+    cache.lock(c_node)
+    table.adopt("c", pages)
+    assert table.reserve("c", 12)
+    c_last = cache.insert(tokens, table.pages("c"), 12, c_node)
+    assert c_last.depth == 2  # b reads pages 3..6 of the cache: c's copies stay its own
+    cache.lock(c_last)
+    cache.unlock(c_node)
+    table.check_invariants({"b", "c"})
+    cache.unlock(b_node)
+    table.release("b")
+    assert cache.evictable == 4  # b's cached pages: c locks only the two it reads
+    cache.unlock(c_last)
+    table.release("c")
+    assert cache.flush() == 6 and alloc.num_free_pages == alloc.num_usable_pages
+
+
+def test_a_lone_request_computing_cached_pages_again_is_not_cut_short():
+    """Its prompt is cached from an earlier request; asking for prompt log-probs from
+    position 50 it recomputes the rest, and the budget holds it only if the cached copies
+    it does not read can be evicted."""
+    prompt = [3 + (i * 37) % 500 for i in range(200)]
+    sp = {"temperature": 0.0, "max_new_tokens": 30, "ignore_eos": True}
+    with Engine(**TINY, debug_check_invariants=True, max_total_tokens=300) as e:
+        first = e.generate(input_ids=prompt, sampling_params=sp)
+        again = e.generate(
+            input_ids=prompt, sampling_params=sp, return_logprob=True, logprob_start_len=50
+        )
+    assert again["meta_info"]["finish_reason"] == {"type": "length", "length": 30}
+    assert again["output_ids"] == first["output_ids"]
+
+
 def test_eviction_takes_least_recently_used_leaves_first():
     alloc = PageAllocator(8, page_size=1)
     cache = PrefixCache(alloc)
@@ -99,9 +153,10 @@ def test_an_insert_resumed_from_a_held_node_keeps_what_a_full_walk_keeps(
             held = cache.insert(h, pages, prompt)
             cache.lock(held)
             start = held
-            if next_token_in_key:  # another request's prompt, equal but for the next token
+            if next_token_in_key:  # another request's prompt, equal but for the next token:
+                # it reused the cached pages but the last (a boundary: its copy is its own)
                 other = h[:prompt] + [h[prompt] + 1]
-                start = cache.insert(other, alloc.alloc(5), prompt)
+                start = cache.insert(other, pages[:4] + alloc.alloc(1), prompt)
                 assert start.parent is held.parent and start is not held
             node = cache.insert(h, pages, len(h) - 1, start if resume else None)
             cache.lock(node)

@@ -155,9 +155,11 @@ class PrefixCache:
         start: _Node | None = None,
     ) -> _Node:
         """Keep the full pages among the first num_tokens of a request (`pages[i]` holds
-        tokens[i*ps : (i+1)*ps]; with `next_token_in_key` tokens must go one further); a page
-        whose key is cached already stays the request's own. Returns the node ending at the
-        last of those pages. start: a node the request holds locked (its cached prefix, or
+        tokens[i*ps : (i+1)*ps]; with `next_token_in_key` tokens must go one further). Where
+        a key is cached already with another page (the request computed it again), the
+        cache takes the request's page if no live request reads its own, else it keeps its
+        own and the insert stops there. Returns the node ending at the last page kept on the
+        request's path: the pages from the root to it are all ones the request holds. start: a node the request holds locked (its cached prefix, or
         what it inserted before): when it lies on the tokens' path, the walk resumes there,
         so a request's inserts look up its new pages only, not its whole history again (the
         prefix above `start` only has its last use refreshed, a pointer walk)."""
@@ -186,10 +188,35 @@ class PrefixCache:
                 k = self._matching_pages(child, tokens, i, count - i)
                 if k < len(child.pages):
                     child = self._split(child, k)
+                own = list(pages[i : i + len(child.pages)])
+                if child.pages != own:  # the request computed these positions itself
+                    if child.lock == 0:  # no live request reads the cached copy: keep its
+                        self._replace_pages(child, own)
+                    else:
+                        # another request reads the cached copy: keep that, and stop where
+                        # the copies part, so the request locks only pages it reads; its own
+                        # copies past there stay its own (cached when released, if free then)
+                        same = _common_prefix(child.pages, own)
+                        if same == 0:
+                            break
+                        child = self._split(child, same)
+                        child.last_use = now
+                        node = child
+                        break
             child.last_use = now
             node = child
         self._push_if_leaf(node)
         return node
+
+    def _replace_pages(self, node: _Node, pages: list[int]) -> None:
+        """An unlocked node takes a request's copies of its pages (the same tokens, computed
+        again, e.g. for prompt log-probs) and gives up its own: else the request, locking the
+        node, would pin pages it never reads, and a lone request could find no room."""
+        old = [a for a, b in zip(node.pages, pages) if a != b]
+        new = [b for a, b in zip(node.pages, pages) if a != b]
+        self.allocator.share(new)
+        self.allocator.free(old)
+        node.pages = list(pages)
 
     def _on_path(self, node: _Node, tokens: list[int], count: int) -> bool:
         """Whether `node` (still cached) spells the first node.depth pages of `tokens`, within
