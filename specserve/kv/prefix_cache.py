@@ -22,7 +22,8 @@ one position.
 
 Ownership: the cache holds one reference on every page it keeps (kv/allocator.py), a request
 one on every page of its table. A request that reads cached pages locks the node ending its
-prefix, which locks every ancestor: a locked node is never evicted. Unlocked nodes are exactly
+prefix, which locks every ancestor: a locked node is never evicted. A request locks only
+pages it holds (`insert`), so a lock never pins a copy nobody reads. Unlocked nodes are exactly
 the evictable ones (a lock on a node also locks its ancestors, so an unlocked node has no
 locked descendant); leaves go first, least recently used first, trimmed from their end when
 fewer pages are asked for. Eviction runs only when an allocation would otherwise fail, so
