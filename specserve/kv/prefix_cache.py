@@ -160,10 +160,11 @@ class PrefixCache:
         a key is cached already with another page (the request computed it again), the
         cache takes the request's page if no live request reads its own, else it keeps its
         own and the insert stops there. Returns the node ending at the last page kept on the
-        request's path: the pages from the root to it are all ones the request holds. start: a node the request holds locked (its cached prefix, or
-        what it inserted before): when it lies on the tokens' path, the walk resumes there,
-        so a request's inserts look up its new pages only, not its whole history again (the
-        prefix above `start` only has its last use refreshed, a pointer walk)."""
+        request's path: the pages from the root to it are all ones the request holds.
+        start: a node the request holds locked (its cached prefix, or what it inserted
+        before): when it lies on the tokens' path, the walk resumes there, so a request's
+        inserts look up its new pages only, not its whole history again (the prefix above
+        `start` only has its last use refreshed, a pointer walk)."""
         tokens = tokens if isinstance(tokens, list) else list(tokens)
         ps, x = self.page_size, self._extra
         node = self.root
@@ -191,7 +192,7 @@ class PrefixCache:
                     child = self._split(child, k)
                 own = list(pages[i : i + len(child.pages)])
                 if child.pages != own:  # the request computed these positions itself
-                    if child.lock == 0:  # no live request reads the cached copy: keep its
+                    if child.lock == 0:  # no live request reads the cached copy
                         self._replace_pages(child, own)
                     else:
                         # another request reads the cached copy: keep that, and stop where
