@@ -209,6 +209,11 @@ def test_a_new_graph_shape_captures_every_tier_the_policy_may_run_at_once():
         assert by_shape and all(t == set(range(7)) for t in by_shape.values()), by_shape
         e.generate(input_ids=[[9, 10, 11, 12]], sampling_params=dict(SP, max_new_tokens=6))
         assert set(graphs.graphs) == first  # the same shape again: nothing new captured
+        # a batch whose requests all decode plainly captures plain decoding only
+        graphs.graphs.clear()
+        plain = dict(SP, max_new_tokens=6, speculative=False)
+        e.generate(input_ids=[[9, 10, 11, 12]], sampling_params=plain)
+        assert graphs.graphs and {key[-2] for key in graphs.graphs} == {0}
 
 
 def test_simulated_rejection_switches_speculation_off():
