@@ -246,20 +246,27 @@ def candidates(m: int, n: int, k: int, sms: int):
         ]:
             if bk > max(16, triton.next_power_of_2(k)):
                 continue
-            for pf in (True, False):
-                out.append(LinearConfig("fma", bn, bk, 1, w, 1, prefetch=pf))
-                if triton.cdiv(n, bn) < sms and k >= 8 * bk:
-                    out.append(LinearConfig("fma", bn, bk, 4, w, 1, prefetch=pf))
+            out.append(LinearConfig("fma", bn, bk, 1, w, 1))
+            if triton.cdiv(n, bn) < sms and k >= 8 * bk:
+                out.append(LinearConfig("fma", bn, bk, 4, w, 1))
     bm = min(64, max(16, triton.next_power_of_2(m)))
-    stages = [(256, 4), (128, 4)] if m == 1 else [(256, 4), (256, 3), (128, 4), (128, 6)]
-    for bn in (16, 32, 64):
+    # At one row the tensor cores only carry W through a cp.async pipeline: deeper pipelines
+    # (more W bytes in flight per SM) and wider tiles are what may beat cuBLAS there.
+    if m == 1:
+        stages = [(256, 4), (128, 4), (128, 6), (256, 6), (128, 8)]
+        tiles_n = (32, 64, 128)
+    else:
+        stages = [(256, 4), (256, 3), (128, 4), (128, 6)]
+        tiles_n = (16, 32, 64)
+    for bn in tiles_n:
         for bk, st in stages:
             if st * (bn + bm) * bk * 2 > 200 * 1024:
                 continue
-            out.append(LinearConfig("dot", bn, bk, 1, 4, st, bm))
-            if triton.cdiv(n, bn) * triton.cdiv(m, bm) < sms and k >= 8 * bk:
-                for sp in (2, 4):
-                    out.append(LinearConfig("dot", bn, bk, sp, 4, st, bm))
+            for warps in (4, 8) if m == 1 and bn >= 64 else (4,):
+                out.append(LinearConfig("dot", bn, bk, 1, warps, st, bm))
+                if triton.cdiv(n, bn) * triton.cdiv(m, bm) < sms and k >= 8 * bk:
+                    for sp in (2,) if m == 1 else (2, 4):
+                        out.append(LinearConfig("dot", bn, bk, sp, warps, st, bm))
     seen, uniq = set(), []
     for c in out:
         if c not in seen:
