@@ -168,3 +168,17 @@ def test_one_batch_reports_the_adaptive_steps_device_time_of_its_timed_run(tmp_p
         total = e.stats()["speculative_adaptive"]["device_seconds"]
     assert 0.0 < row["adaptive_step_device_s"] <= row["decode_latency_s"] + row["prefill_latency_s"]
     assert row["adaptive_step_device_s"] < total  # the warm-up's steps are not counted
+
+
+def test_one_batch_chat_warm_up_runs_other_prompts_at_the_timed_lengths():
+    """The chat warm-up's prompts differ from the timed ones but have their lengths (cut or
+    repeated), so the timed run meets no prefill shape or context width it has not met."""
+    from specserve.bench.one_batch import same_lengths
+
+    timed = [[1] * 5, [2] * 9, [3] * 2]
+    others = [[7, 8, 9], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [6]]
+    warm = same_lengths(others, timed)
+    assert [len(w) for w in warm] == [5, 9, 2]
+    assert warm[0] == [7, 8, 9, 7, 8] and warm[1] == others[1][:9] and warm[2] == [6, 6]
+    with pytest.raises(ValueError):
+        same_lengths(others[:2], timed)

@@ -49,6 +49,14 @@ def chat_batch(
     return prompts, {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
 
 
+def same_lengths(prompts: list[list[int]], like: list[list[int]]) -> list[list[int]]:
+    """Each of `prompts` cut, or repeated, to the length of the same place in `like`: other
+    text with the timed batch's prompt lengths, so a warm-up on it meets the prefill shapes
+    and context widths of the timed run (and captures their graphs) without running, and
+    calibrating speculation on, the timed prompts themselves."""
+    return [(p * -(-n // len(p)))[:n] for p, n in zip(prompts, map(len, like), strict=True)]
+
+
 def warm_up(engine, prompts: list[list[int]], sp: dict) -> int:
     """Run the batch untimed until a run captures no new CUDA graph (at most MAX_WARMUPS
     runs), so Triton has compiled and every graph a timed run needs (batch bucket x
@@ -79,10 +87,12 @@ def run_one_batch(
     Measured through the public API: TTFT of the batch = prefill; the remaining
     (output_len - 1) tokens per request over the remaining time = decode. chat: the packaged
     chat prompts instead of random ids (input_len is then theirs; the warm-up runs other
-    prompts of the list, so acceptance is not learned from the timed ones)."""
+    prompts of the list at the timed prompts' lengths: the timed run meets shapes the
+    warm-up met, and acceptance is not learned from the timed texts)."""
     if chat:
         prompts, sp = chat_batch(engine, batch_size, output_len)
-        warm, _ = chat_batch(engine, batch_size, output_len, offset=batch_size)
+        others, _ = chat_batch(engine, batch_size, output_len, offset=batch_size)
+        warm = same_lengths(others, prompts)
         input_len = round(sum(map(len, prompts)) / batch_size)
     else:
         prompts, sp = random_batch(engine, batch_size, input_len, output_len, seed)
