@@ -68,7 +68,10 @@ def plot(runs, grouped: dict[str, list[str]], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(grouped), figsize=(5 * len(grouped), 4), squeeze=False)
+    single = list(grouped) == ["-"]  # one panel without an accept length: the title is its own
+    fig, axes = plt.subplots(
+        1, len(grouped), figsize=(max(6, 5 * len(grouped)), 4.5), squeeze=False
+    )
     for ax, (accept, names) in zip(axes[0], grouped.items()):
         for n in names:
             sizes = sorted(runs[n])
@@ -76,9 +79,10 @@ def plot(runs, grouped: dict[str, list[str]], path: str, title: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
         ax.set_ylabel("decode tok/s")
-        ax.set_title(f"accept length {accept}" if accept != "-" else title)
+        if not single:
+            ax.set_title(f"accept length {accept}")
         ax.legend(fontsize=7)
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
