@@ -1,0 +1,79 @@
+"""Streamed text: token by token it adds up to the whole decode, never shows half a
+character, and the Rust streaming path agrees with the rule run through `decode`."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.model.registry import resolve_packaged
+from specserve.model.tokenizer import load_tokenizer
+from specserve.runtime.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Plain English, with punctuation: commas, full stops. And (brackets)!",
+    "Emoji split over byte tokens 🦀🔥👩‍💻, then CJK 中文字符 and accents é à ü ß.",
+    "  leading spaces, tabs\tand\nnew lines\n\n   trailing  ",
+    "<|im_start|>user\nspecial tokens inside<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_packaged("smollm2-135m"), "gguf")
+
+
+def streamed(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    pieces = [detok.append(i) for i in ids]
+    pieces.append(detok.flush())
+    return pieces
+
+
+class _PythonOnly:
+    """The same tokenizer seen only through `decode` (no Rust backend to stream with)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_text_is_the_whole_decode_in_pieces_without_half_characters(tokenizer, text, skip):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    fast = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+    assert fast._stream is not None  # the packaged model's tokenizer streams in Rust
+    pieces = streamed(fast, ids)
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert not any("\ufffd" in p for p in pieces)
+    slow = IncrementalDetokenizer(_PythonOnly(tokenizer), skip_special_tokens=skip)
+    assert slow._stream is None
+    assert streamed(slow, ids) == pieces  # the same pieces, at the same tokens
+
+
+def test_an_incomplete_character_at_the_end_comes_out_at_flush(tokenizer):
+    ids = tokenizer.encode("ok 🦀", add_special_tokens=False)
+    cut = ids[:-1]  # the crab's last byte token is missing
+    for tok in (tokenizer, _PythonOnly(tokenizer)):
+        detok = IncrementalDetokenizer(tok)
+        shown = "".join(detok.append(i) for i in cut)
+        assert "\ufffd" not in shown
+        assert shown + detok.flush() == tokenizer.decode(cut)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_its_own_decode(tokenizer):
+    """Clean-up (transformers' `clean_up_tokenization_spaces`) is the Python tokenizer's own
+    step, which the Rust stream would skip: such a tokenizer is not streamed."""
+
+    class CleaningUp(_PythonOnly):
+        clean_up_tokenization_spaces = True
+
+        @property
+        def backend_tokenizer(self):
+            return self._tok.backend_tokenizer
+
+    assert IncrementalDetokenizer(CleaningUp(tokenizer))._stream is None
+    plain = CleaningUp(tokenizer)
+    plain.clean_up_tokenization_spaces = False
+    assert IncrementalDetokenizer(plain)._stream is not None
