@@ -4,8 +4,9 @@
 finished), the metrics, and the mapping of engine argument errors onto request fields.
 `Run` is one HTTP request's worth of engine requests (several for a batched /v1/completions):
 the engine's callback posts each incremental output onto the run's asyncio queue through
-`loop.call_soon_threadsafe`. Text held back because it could begin a stop string is the
-engine's business (`request_output`): what arrives here can be sent as is.
+the loop's `LoopOutbox` (one event-loop wake-up per burst of outputs). Text held back because
+it could begin a stop string is the engine's business (`request_output`): what arrives here
+can be sent as is.
 
 Tokenization runs on a small thread pool, never on the event loop: one large prompt must not
 stall other clients or /health.
@@ -27,6 +28,7 @@ from specserve.engine import sample_rids
 from specserve.errors import InvalidArgument
 from specserve.runtime.logprobs import add_logprobs
 from specserve.server.metrics import ServerMetrics
+from specserve.server.outbox import LoopOutbox
 from specserve.server.protocol import APIError
 
 log = logging.getLogger(__name__)
@@ -99,6 +101,15 @@ class ServerState:
         self.metrics = ServerMetrics(engine, self._server_state)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specserve-tokenize")
         self._max_prompt_chars: int | None = None
+        self._outbox: LoopOutbox | None = None
+
+    def outbox(self, loop: asyncio.AbstractEventLoop) -> LoopOutbox:
+        """The engine-to-loop hand-over of the server's event loop (a run keeps its own: a new
+        loop, as a test client may start, gets a new one without affecting runs in flight)."""
+        with self._lock:
+            if self._outbox is None or self._outbox.loop is not loop:
+                self._outbox = LoopOutbox(loop)
+            return self._outbox
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the server's thread pool (tokenizing, parsing large bodies)."""
@@ -284,6 +295,7 @@ class Run:
     def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop):
         self.state = state
         self.loop = loop
+        self.outbox = state.outbox(loop)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.rids: list[str] = []  # by choice index
         self.unfinished: set[int] = set()
@@ -301,7 +313,7 @@ class Run:
         logprob_options: dict[str, Any] | None,
     ) -> None:
         """Submit one prompt's n samples as the next n choices."""
-        state, loop, queue = self.state, self.loop, self.queue
+        state, outbox, queue = self.state, self.outbox, self.queue
         base = len(self.rids)
         group = rid or uuid.uuid4().hex
         rids = sample_rids(group, n)
@@ -310,7 +322,7 @@ class Run:
             try:
                 if out.get("finished"):
                     state._finished(rids[j], out)
-                loop.call_soon_threadsafe(queue.put_nowait, (base + j, out))
+                outbox.post(queue, (base + j, out))
             except RuntimeError:  # the event loop is gone (server stopped)
                 pass
             except Exception:
@@ -347,7 +359,7 @@ class Run:
                 },
                 "finished": True,
             }
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
+            self.outbox.post(self.queue, (i, out))
 
     async def events(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """Incremental outputs (index, delta) until every request of the run has finished."""
