@@ -169,7 +169,9 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
             return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
         return {"status": "ok"}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    # (GET as SGLang also takes it; a route per method, so each has its own OpenAPI id)
+    @app.get("/flush_cache", operation_id="flush_cache_get")
+    @app.post("/flush_cache", operation_id="flush_cache")
     async def flush_cache():
         """Empty the prefix cache of every page no running request uses (SGLang's route)."""
         pages = await asyncio.to_thread(engine.flush_cache)
