@@ -33,7 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.vllm_folders import vllm_draft_folder, write_hf_folder, write_json  # noqa: E402
-from specserve.bench.one_batch import chat_prompt_ids, dump  # noqa: E402
+from specserve.bench.one_batch import chat_prompt_ids, dump, same_lengths  # noqa: E402
 
 
 def hf_config(preset: str) -> dict:
@@ -153,9 +153,11 @@ def model_tokenizer(model: str):
 
 def batch_prompts(args, bs: int) -> tuple[list[list[int]], list[list[int]]]:
     """(timed prompts, warm-up prompts) as specserve's one-batch builds them: chat prompts warm
-    up on other prompts of the list, random ones on themselves."""
+    up on other prompts of the list cut or repeated to the timed prompts' lengths, random ones
+    on themselves."""
     if args.chat:
-        return chat_prompts(args.model, bs), chat_prompts(args.model, bs, offset=bs)
+        timed = chat_prompts(args.model, bs)
+        return timed, same_lengths(chat_prompts(args.model, bs, offset=bs), timed)
     rng = random.Random(args.seed)
     vocab = vocab_size(args)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(bs)]

@@ -182,3 +182,4 @@ def test_one_batch_chat_warm_up_runs_other_prompts_at_the_timed_lengths():
     assert warm[0] == [7, 8, 9, 7, 8] and warm[1] == others[1][:9] and warm[2] == [6, 6]
     with pytest.raises(ValueError):
         same_lengths(others[:2], timed)
+    assert same_lengths([[4, 5]], [[]]) == [[]]

@@ -77,3 +77,14 @@ def test_a_tokenizer_that_cleans_up_spaces_decodes_through_its_own_decode(tokeni
     plain = CleaningUp(tokenizer)
     plain.clean_up_tokenization_spaces = False
     assert IncrementalDetokenizer(plain)._stream is not None
+
+
+def test_tokens_after_a_flush_decode_afresh_on_both_paths(tokenizer):
+    ids = tokenizer.encode("ok 🦀 go", add_special_tokens=False)
+    pieces = []
+    for tok in (tokenizer, _PythonOnly(tokenizer)):
+        detok = IncrementalDetokenizer(tok)
+        first = [detok.append(i) for i in ids[:3]] + [detok.flush()]
+        pieces.append(first + [detok.append(i) for i in ids[3:]] + [detok.flush()])
+    assert pieces[0] == pieces[1]
+    assert "".join(pieces[0]).count("🦀") <= 1  # nothing held back comes out twice

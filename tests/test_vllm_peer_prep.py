@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from bench import vllm_peer
 from bench.vllm_folders import vllm_draft_folder, write_hf_folder
 from specserve import Engine
-from specserve.bench.one_batch import chat_batch, random_batch
+from specserve.bench.one_batch import chat_batch, random_batch, same_lengths
 from specserve.kv.pool import KVCache
 from specserve.model.registry import DEFAULT_MODEL, bundled_draft_folder
 from specserve.ops.attention import ForwardContext, TorchAttentionBackend
@@ -165,8 +165,10 @@ def test_vllm_chat_prompts_are_specserves_one_batch_chat_prompts(engine, batch_s
     args = argparse.Namespace(chat=True, model=DEFAULT_MODEL)
     timed, warm = vllm_peer.batch_prompts(args, batch_size)
     assert timed == chat_batch(engine, batch_size, 8)[0]
-    assert warm == chat_batch(engine, batch_size, 8, offset=batch_size)[0]
+    others = chat_batch(engine, batch_size, 8, offset=batch_size)[0]
+    assert warm == same_lengths(others, timed)
     assert timed != warm  # the warm-up runs other prompts, as specserve's does
+    assert list(map(len, warm)) == list(map(len, timed))  # at the timed prompts' lengths
 
 
 def test_vllm_random_prompts_are_specserves_random_prompts(engine):
@@ -226,7 +228,7 @@ def test_one_batch_chat_gives_vllm_the_folder_the_folded_draft_and_the_chat_ids(
         assert "fc.bias" not in st.keys() and "layers.0.self_attn.o_proj.bias" in st.keys()
     for i, bs in enumerate((2, 5)):  # per batch size: warm-up, the TTFT run, the timed run
         (warm, p_warm), (ttft, p_ttft), (timed, p_timed) = llm.calls[3 * i : 3 * i + 3]
-        assert warm == chat_batch(engine, bs, 4, offset=bs)[0]
+        assert warm == same_lengths(chat_batch(engine, bs, 4, offset=bs)[0], timed)
         assert ttft == timed == chat_batch(engine, bs, 4)[0]
         assert (p_warm.max_tokens, p_ttft.max_tokens, p_timed.max_tokens) == (4, 1, 4)
         assert p_timed.temperature == 0.0 and p_timed.ignore_eos  # as specserve's --chat

@@ -54,7 +54,9 @@ def same_lengths(prompts: list[list[int]], like: list[list[int]]) -> list[list[i
     text with the timed batch's prompt lengths, so a warm-up on it meets the prefill shapes
     and context widths of the timed run (and captures their graphs) without running, and
     calibrating speculation on, the timed prompts themselves."""
-    return [(p * -(-n // len(p)))[:n] for p, n in zip(prompts, map(len, like), strict=True)]
+    return [
+        (p * -(-n // len(p)))[:n] if n else [] for p, n in zip(prompts, map(len, like), strict=True)
+    ]
 
 
 def warm_up(engine, prompts: list[list[int]], sp: dict) -> int:

@@ -28,6 +28,10 @@ def _stream_backend(tokenizer):
         return None
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
+    # a model's own tokenizer class may decode its own way (e.g. Whisper's timestamps)
+    decode = getattr(type(tokenizer), "_decode", None)
+    if decode is not None and not decode.__module__.startswith("transformers.tokenization_"):
+        return None
     return backend
 
 
@@ -68,4 +72,6 @@ class IncrementalDetokenizer:
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
+        if self._stream is not None:  # later tokens decode afresh, as the rule above does
+            self._stream = DecodeStream(skip_special_tokens=self.skip)
         return full[len(prefix) :] if len(full) > len(prefix) else ""

@@ -15,9 +15,10 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   replay is added to the replay of tiers not served yet. Without CUDA graphs a (tier,
   bucket) not yet timed is tried first (its first step, which compiles, is not counted).
 - accept_length: tokens emitted per speculating request per step, observed per tier (under
-  simulated acceptance, the forced one). It is a mean over the requests observed; each
-  weighs `ACCEPT_DECAY` less for every request served since, at any tier.
-  - A step of 128 requests, whose mean is precise, mostly replaces the estimate.
+  simulated acceptance, the forced one). It is a mean over the speculating requests
+  observed; each weighs `ACCEPT_DECAY` less for every speculating request served since, at
+  any tier (requests with speculation off neither report nor age the estimate).
+  - A step of 128 speculating requests, whose mean is precise, mostly replaces it.
   - At batch 1 the estimate spans about 50 steps. One request's accept length varies from
     step to step by more than the tiers differ. An estimate moved 20% by each single step
     locked the worse tier in for long runs: in simulation, 0.69 of the best fixed tier's
@@ -101,7 +102,7 @@ class AdaptiveSpeculation:
         # decayed sums behind accept: accept[t] = accept_sum[t] / accept_weight[t]
         self.accept_sum = [a * ACCEPT_PRIOR_WEIGHT for a in self.accept]
         self.accept_weight = [ACCEPT_PRIOR_WEIGHT] * len(tiers)
-        self.requests_seen = 0  # requests over every step observed (the decay's clock)
+        self.requests_seen = 0  # speculating requests over every step observed (the clock)
         self.accept_clock = [0] * len(tiers)  # requests_seen at each tier's last observation
         self.replayed: dict[tuple[int, int], float] = {}  # (tier, bucket): a replay's time
         self.observed: dict[tuple[int, int], float] = {}  # (tier, bucket): steps served
@@ -214,7 +215,7 @@ class AdaptiveSpeculation:
         also caught up, or captured its graph)."""
         self.counts[tier] += 1
         self.last_seen[tier] = self.picks
-        self.requests_seen += batch_size
+        self.requests_seen += len(accept_lens)  # (requests that do not speculate say nothing)
         if tier > 0 and accept_lens:
             # older requests weigh less by every request served since, at any tier: a tier
             # explored rarely is judged on what it does now, not on a regime long gone
