@@ -294,8 +294,7 @@ class ServerState:
 class Run:
     def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop):
         self.state = state
-        self.loop = loop
-        self.outbox = state.outbox(loop)
+        self.outbox = state.outbox(loop)  # every output reaches the run's queue through it
         self.queue: asyncio.Queue = asyncio.Queue()
         self.rids: list[str] = []  # by choice index
         self.unfinished: set[int] = set()
