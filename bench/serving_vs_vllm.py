@@ -9,7 +9,9 @@ client writes mean_ttft_ms, mean_tpot_ms, output_throughput (tok/s), completed, 
 total_output_tokens and, for a vLLM server with speculation, spec_decode_acceptance_length.
 It cannot read specserve's counters, so the script saves them before and after each specserve
 run (SYSTEM-DATASET-cC.before.json / .after.json); the accept length is then tokens emitted
-per verify step, the quantity vLLM reports (1 + accepted drafts per draft).
+per verify step, the quantity vLLM reports (1 + accepted drafts per draft). The same counters
+show how specserve's engine spent the run: decode steps, prefill batches, how many of each
+kept the device busy while the host worked (overlap), and graphs captured while serving.
 """
 
 from __future__ import annotations
@@ -24,8 +26,14 @@ import urllib.request
 
 SYSTEMS = ("specserve", "vllm")
 RESULT_NAME = re.compile(r"^(specserve|vllm)-([a-z0-9_]+)-c(\d+)\.json$")
-COUNTER = re.compile(
-    r"^specserve_spec_(verify_steps|accepted_tokens)_total\s+([0-9.eE+-]+)\s*$", re.M
+COUNTER = re.compile(r"^specserve_([a-z_]+)_total\s+([0-9.eE+-]+)\s*$", re.M)
+# engine counters reported per run: (counter, column title)
+ENGINE_COUNTERS = (
+    ("engine_steps", "engine steps"),
+    ("prefill_batches", "prefill batches"),
+    ("prefill_batches_beside_decode", "of which beside a decode step"),
+    ("decode_steps_launched_ahead", "decode steps launched ahead"),
+    ("graph_captures", "graph captures"),
 )
 # (result key, column title, lower is better)
 METRICS = (
@@ -46,10 +54,18 @@ def fetch_counters(base_url: str) -> dict[str, float]:
 
 
 def accept_length(before: dict[str, float], after: dict[str, float]) -> float | None:
-    steps = after.get("verify_steps", 0.0) - before.get("verify_steps", 0.0)
+    steps = after.get("spec_verify_steps", 0.0) - before.get("spec_verify_steps", 0.0)
     if steps <= 0:
         return None
-    return (after["accepted_tokens"] - before["accepted_tokens"]) / steps
+    return (after["spec_accepted_tokens"] - before["spec_accepted_tokens"]) / steps
+
+
+def engine_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """What specserve's engine did between the two readings (None: a counter it lacks)."""
+    return {
+        key: after[key] - before.get(key, 0.0) if key in after else None
+        for key, _ in ENGINE_COUNTERS
+    }
 
 
 # ---- the table --------------------------------------------------------------------------------
@@ -70,8 +86,10 @@ def load_results(out_dir: str) -> dict[tuple[str, str, int], dict]:
         result = _read(os.path.join(out_dir, name))
         stem = os.path.join(out_dir, name[: -len(".json")])
         before, after = _read(stem + ".before.json"), _read(stem + ".after.json")
-        if result.get("spec_decode_acceptance_length") is None and before and after:
-            result["spec_decode_acceptance_length"] = accept_length(before, after)
+        if before and after:
+            if result.get("spec_decode_acceptance_length") is None:
+                result["spec_decode_acceptance_length"] = accept_length(before, after)
+            result["engine"] = engine_deltas(before, after)
         results[(m[1], m[2], int(m[3]))] = result
     return results
 
@@ -95,6 +113,7 @@ def comparison_rows(results: dict[tuple[str, str, int], dict]) -> list[dict]:
         for s in SYSTEMS:
             row[f"{s}_failed"] = (pair[s] or {}).get("failed")
             row[f"{s}_total_output_tokens"] = (pair[s] or {}).get("total_output_tokens")
+        row["specserve_engine"] = (pair["specserve"] or {}).get("engine")
         rows.append(row)
     return rows
 
@@ -122,7 +141,22 @@ def format_table(rows: list[dict]) -> str:
         cells += [_fmt(r[f"specserve_{acc}"]), _fmt(r[f"vllm_{acc}"])]
         lines.append(" | ".join(cells))
     notes = warnings(rows)
-    return "\n".join(lines + ([""] + notes if notes else []))
+    return "\n".join(lines + engine_table(rows) + ([""] + notes if notes else []))
+
+
+def engine_table(rows: list[dict]) -> list[str]:
+    """specserve's engine counters over each run (warm-up requests included), if saved."""
+    runs = [r for r in rows if r.get("specserve_engine")]
+    if not runs:
+        return []
+    head = ["dataset", "conc"] + [title for _, title in ENGINE_COUNTERS]
+    lines = ["", "specserve's engine during each run:", " | ".join(head)]
+    lines.append(" | ".join("---" for _ in head))
+    for r in runs:
+        cells = [r["dataset"], str(r["concurrency"])]
+        cells += [_fmt(r["specserve_engine"][key]) for key, _ in ENGINE_COUNTERS]
+        lines.append(" | ".join(cells))
+    return lines
 
 
 def warnings(rows: list[dict]) -> list[str]:
@@ -145,7 +179,7 @@ def warnings(rows: list[dict]) -> list[str]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("counters", help="specserve's speculation counters as JSON")
+    c = sub.add_parser("counters", help="specserve's counters as JSON")
     c.add_argument("base_url")
     c.add_argument("out")
     t = sub.add_parser("table", help="specserve against vLLM from the result files")

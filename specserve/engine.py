@@ -148,6 +148,11 @@ class Engine:
             "prefix_cache_hit_tokens": core.scheduler.prefix_hit_tokens,
             "num_retractions": core.scheduler.num_retractions,
             "num_steps": core.num_steps,
+            "num_prefill_batches": core.num_prefill_batches,
+            # prefills queued behind a decode step in flight, and decode steps launched before
+            # the previous one was applied: the rest waited for the host
+            "num_prefill_batches_beside_decode": core.num_prefills_beside,
+            "num_decode_steps_launched_ahead": core.num_launched_ahead,
             # CUDA graphs captured so far, decode and prefill (each capture stalls its step)
             "num_graph_captures": sum(
                 g.num_captures

@@ -14,6 +14,7 @@ import pytest
 from bench.serving_vs_vllm import (
     accept_length,
     comparison_rows,
+    engine_deltas,
     fetch_counters,
     format_table,
     load_results,
@@ -84,10 +85,11 @@ def test_table_compares_each_dataset_and_concurrency(tmp_path):
     write(tmp_path, "specserve-chat-c1.json", vllm_result(12.0, 1.5, 1800.0))
     write(tmp_path, "vllm-chat-c1.json", vllm_result(24.0, 3.0, 600.0))
     # specserve's counters around its random c16 run: 300 tokens in 100 verify steps
-    write(tmp_path, "specserve-random-c16.before.json", {"verify_steps": 50, "accepted_tokens": 90})
-    write(
-        tmp_path, "specserve-random-c16.after.json", {"verify_steps": 150, "accepted_tokens": 390}
-    )
+    before = {"spec_verify_steps": 50, "spec_accepted_tokens": 90, "engine_steps": 10}
+    after = {"spec_verify_steps": 150, "spec_accepted_tokens": 390, "engine_steps": 40}
+    after.update(prefill_batches=7, graph_captures=2)
+    write(tmp_path, "specserve-random-c16.before.json", before)
+    write(tmp_path, "specserve-random-c16.after.json", after)
     # what else lands in the folder: logs, vLLM's optional pytorch-format file
     write(tmp_path, "specserve-random-c1.pytorch.json", {"not": "a result"})
     (tmp_path / "specserve-random-c1.log").write_text("log")
@@ -108,6 +110,8 @@ def test_table_compares_each_dataset_and_concurrency(tmp_path):
     assert "random | 1 | 10 | 20 | 0.5 | 1 | 4 | 0.25 | 2000 | 500 | 4 | - | -" in table
     assert "random | 16 | 30 | 15 | 2 | 2 | 2.5 | 0.8 | 8000 | 6400 | 1.25 | 3 | 2.25" in table
     assert "warning" not in table
+    # the engine's counters over the run, those the server lacked as "-"
+    assert "random | 16 | 30 | 7 | - | - | 2" in table.split("engine during each run")[1]
 
 
 def test_table_shows_a_missing_side_and_flags_unfair_rows(tmp_path):
@@ -144,10 +148,13 @@ def test_counters_give_the_accept_length_of_the_requests_between(spec_server):
     body = {"prompt": [5, 6, 7, 8], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     usage = http.post("/v1/completions", json=body).json()["usage"]
     deadline = time.monotonic() + 10
-    while (after := fetch_counters(url))["verify_steps"] == before["verify_steps"]:
+    while (after := fetch_counters(url))["spec_verify_steps"] == before["spec_verify_steps"]:
         assert time.monotonic() < deadline, "the counters never moved"
         time.sleep(0.05)
-    assert after["verify_steps"] - before["verify_steps"] == usage["spec_verify_ct"]
+    assert after["spec_verify_steps"] - before["spec_verify_steps"] == usage["spec_verify_ct"]
+    steps = engine_deltas(before, after)
+    assert steps["prefill_batches"] == 1 and steps["engine_steps"] >= 2
+    assert steps["decode_steps_launched_ahead"] >= 1  # (overlap is on)
     assert accept_length(before, after) == pytest.approx(usage["spec_accept_length"], abs=0.01)
     assert accept_length(before, after) > 2.0  # its own draft: nearly every token accepted
 

@@ -204,6 +204,38 @@ def test_prefill_graphs_match_eager_prefill(spec, page_size):
     assert graphed == eager
 
 
+@pytest.mark.parametrize(
+    "spec", [{}, dict(SPEC, speculative_eagle_topk=4, speculative_num_draft_tokens=8)]
+)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("prefill_graph_tokens", [0, 64])
+def test_prefills_beside_the_step_in_flight_match_drained_steps(
+    spec, page_size, prefill_graph_tokens
+):
+    """On the device, prompts prefilled while a decode step is still running (queued behind
+    it, graphed or eager, new requests and a long prompt's later chunks, prefixes from the
+    cache) give the tokens of the engine without overlap."""
+    shared = mixed_prompts(1, 512, seed=12, min_len=40, max_len=40)[0]
+    prompts = mixed_prompts(8, 512, seed=13, min_len=2, max_len=150)
+    prompts += [shared + p for p in mixed_prompts(6, 512, seed=14, min_len=1, max_len=20)]
+    sps = [
+        {
+            "max_new_tokens": 6 + 5 * (i % 6),
+            "ignore_eos": True,
+            "temperature": 0.8 * (i % 2),
+            "seed": i,
+        }
+        for i in range(len(prompts))
+    ]
+    kw = dict(page_size=page_size, chunked_prefill_size=48, max_running_requests=4,
+              cuda_graph_max_prefill_tokens=prefill_graph_tokens, debug_check_invariants=True,
+              **spec)  # fmt: skip
+    drained, _, _ = _outputs(prompts, sps, disable_overlap_schedule=True, **kw)
+    beside, _, stats = _outputs(prompts, sps, **kw)
+    assert stats["num_prefill_batches_beside_decode"] > 0
+    assert beside == drained
+
+
 @pytest.mark.parametrize("ndt", [16, 48, 64, 65, 128, 200])
 def test_self_draft_accepts_every_depth_for_every_tree_size(ndt):
     """The target as its own draft (float32) must accept nearly its whole depth at every tree

@@ -59,6 +59,28 @@ def test_speculative_same_with_and_without_overlap(eagle, topk, steps, ndt, page
         assert ahead > 0 and stats["spec_verify_ct"] > 0
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("tree", [None, (1, 3, 4), (4, 3, 10)])
+def test_arrivals_prefilled_beside_the_step_in_flight(eagle, page_size, tree):
+    """Requests admitted while others decode (a slot frees, a long prompt's next chunk, a
+    prefix another request cached) are prefilled behind the decode step in flight instead of
+    draining it; every output equals decoding without overlap."""
+    shared = mixed_prompts(1, 512, seed=25, min_len=24, max_len=24)[0]
+    prompts = mixed_prompts(7, 512, seed=26, min_len=2, max_len=60)
+    prompts += [shared + p for p in mixed_prompts(4, 512, seed=27, min_len=1, max_len=9)]
+    # staggered lengths: requests finish at different steps, so others start meanwhile
+    sp = [dict(SP, max_new_tokens=6 + 5 * (i % 5)) for i in range(len(prompts))]
+    kw = dict(page_size=page_size, max_running_requests=3, chunked_prefill_size=16)
+    spec = spec_args(eagle, *tree) if tree else None
+    off, _, _ = run(prompts, False, spec, sp=sp, **kw)
+    on, stats, _ = run(prompts, True, spec, sp=sp, **kw)
+    assert on == off
+    assert stats["num_prefill_batches_beside_decode"] > 0
+    assert stats["prefix_cache_hit_tokens"] > 0
+    if tree:
+        assert stats["spec_verify_ct"] > 0
+
+
 @pytest.mark.parametrize("topk", [1, 4, 16])
 def test_overlap_with_retraction_and_stops(eagle, topk):
     prompts = mixed_prompts(24, 512, seed=23, min_len=3, max_len=12)

@@ -164,6 +164,8 @@ class EngineCore:
         self.overlap = not cfg.disable_overlap_schedule
         self.pending = None  # a launched decode step whose results the host has not applied
         self.num_launched_ahead = 0  # decode steps launched before the previous was applied
+        self.num_prefill_batches = 0
+        self.num_prefills_beside = 0  # of those, run while a decode step was in flight
         self.num_steps = 0
         self.spec_totals = {"verify_ct": 0, "accepted": 0}
         # device seconds of the decode steps timed for the adaptive policy (their own time,
@@ -279,12 +281,14 @@ class EngineCore:
         Overlap: while a decode step is in flight, the next decode step is launched from
         device-side state *before* the host waits for the one in flight, so the host's
         bookkeeping (stop checks, detokenising, scheduling) runs while the device computes.
-        Anything that changes the batch's shape (a prefill, a retraction) first drains the
-        step in flight and then runs as without overlap."""
+        Waiting prompts are prefilled beside the step launched ahead (queued after it on the
+        device, their host work done while it runs); they join the next step. Only what the
+        step in flight must not see (a retraction, a batch that no longer fits) drains it
+        first and then runs as without overlap."""
         touched = self._reap_finished()
         if self.pending is not None:
             ahead = None
-            if self.overlap and not self.scheduler.waiting:
+            if self.overlap:
                 reqs = self.scheduler.schedule_decode_ahead(self.worker.max_accept)
                 if reqs:
                     ahead = self._launch_decode(reqs)
@@ -293,6 +297,11 @@ class EngineCore:
             self.pending = ahead
             if ahead is not None and all(r.finished for r in ahead.reqs):
                 touched += self.drain()  # nobody left to use it: free their pages now
+            elif ahead is not None:
+                chunks = self.scheduler.schedule_prefill_beside(self.worker.max_accept)
+                if chunks:
+                    touched += self._run_prefill(chunks)
+                    self.num_prefills_beside += 1
         else:
             plan = self.scheduler.schedule()
             touched += self._reap_finished()  # the scheduler may finish a lone request (KV full)
@@ -300,7 +309,6 @@ class EngineCore:
                 kind, batch = plan
                 if kind == "prefill":
                     touched += self._run_prefill(batch)
-                    self.num_steps += 1
                 else:
                     self.pending = self._launch_decode(batch)
                     if not self.overlap:
@@ -320,6 +328,8 @@ class EngineCore:
 
     def _run_prefill(self, chunks) -> list[Request]:
         sampled = self.worker.prefill(chunks)
+        self.num_steps += 1
+        self.num_prefill_batches += 1
         touched = []
         for c in chunks:
             self.scheduler.prefill_done(c)

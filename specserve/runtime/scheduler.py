@@ -2,7 +2,9 @@
 
 Pure CPU bookkeeping. Each step is either a prefill batch (new or resumed requests, chunked
 to `chunked_prefill_size` tokens) or a decode batch (every running request). While both
-kinds have work they alternate, so long prompts cannot starve running requests. Before a
+kinds have work they alternate, so long prompts cannot starve running requests; under
+overlap a prefill runs beside the decode step in flight instead (`schedule_prefill_beside`),
+so arrivals do not stop the pipeline. Before a
 decode step every running request gets `decode_window` logical positions past its KV; if
 pages run out, the newest requests are retracted (KV freed, outputs kept, resumed later by
 re-prefilling), so no request is lost and none changes its output.
@@ -156,17 +158,31 @@ class Scheduler:
                 return ("prefill" if self._last_was_prefill else "decode", batch)
         return None
 
-    def _decode_headroom_pages(self) -> int:
+    def _decode_headroom_pages(self, max_accept: int) -> int:
+        """Pages the running requests' next decode step needs beyond what they hold (each step
+        still in flight may add max_accept tokens first)."""
         w = self.limits.decode_window
-        return sum(self.table.extra_pages_needed(r.rid, r.kv_len + w) for r in self.running)
+        return sum(
+            self.table.extra_pages_needed(r.rid, r.kv_len + r.inflight_steps * max_accept + w)
+            for r in self.running
+            if not r.finished
+        )
 
-    def _schedule_prefill(self) -> list[PrefillChunk]:
+    def schedule_prefill_beside(self, max_accept: int) -> list[PrefillChunk]:
+        """A prefill batch to run while a decode step is in flight (overlap): what fits
+        beside the running requests' next step, never by retracting one (that needs the
+        step in flight applied first). Empty when nothing fits or nothing waits."""
+        if not self.waiting:
+            return []
+        return self._schedule_prefill(max_accept)
+
+    def _schedule_prefill(self, max_accept: int = 0) -> list[PrefillChunk]:
         budget = self.limits.chunked_prefill_size
         if budget <= 0:
             budget = 1 << 62
         chunks: list[PrefillChunk] = []
         active = len(self.running) + sum(r.state is ReqState.PREFILLING for r in self.waiting)
-        headroom = self._decode_headroom_pages()
+        headroom = self._decode_headroom_pages(max_accept)
         # prompts this batch computes and caches, which later requests may wait for
         sharing = PrefillSharing(self.table.page_size) if self.cache is not None else None
         for req in list(self.waiting):

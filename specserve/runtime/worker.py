@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 # Prompt log-probs are computed this many positions at a time: [rows, vocab] float32 logits
 # of a whole long chunk would not fit.
 PROMPT_LOGPROB_ROWS = 256
+# A prefill batch of up to this many chunks that each fit a captured prefill graph replays
+# one graph per chunk: an eager forward costs ~16 ms of host time (kernel launches), and one
+# replay costs a read of the weights (~3.7 ms at the 8B shape, far less for small models).
+# So up to four replays cost no more than one eager batch even at 8B; more run eagerly.
+MAX_GRAPHED_PREFILL_CHUNKS = 4
 
 
 @dataclass
@@ -199,6 +204,11 @@ class Worker:
         """Run the chunks; return the first sampled token of each request whose prefill
         completes, with its log-prob when the request asks for it. Prompt log-probs go to
         the requests' records here (they are never cut by a stop)."""
+        if self._replay_each(chunks):
+            first: dict[str, tuple[int, TokenLogprobs | None]] = {}
+            for c in chunks:
+                first.update(self.prefill([c]))
+            return first
         for c in chunks:
             if c.copy_page is not None:
                 self._copy_page(*c.copy_page)
@@ -253,6 +263,15 @@ class Worker:
         first = {chunks[i].req.rid: (values[j], first_logprobs[j]) for j, i in enumerate(done)}
         self.observe_tokens({rid: (t,) for rid, (t, _) in first.items()})
         return first
+
+    def _replay_each(self, chunks: list[PrefillChunk]) -> bool:
+        """Whether a batch of several chunks runs as one graph replay per chunk."""
+        graphs = self.prefill_graphs
+        return (
+            graphs is not None
+            and 1 < len(chunks) <= MAX_GRAPHED_PREFILL_CHUNKS
+            and all(graphs.bucket(c.start, c.end - c.start) is not None for c in chunks)
+        )
 
     def _copy_page(self, src: int, dst: int) -> None:
         """A cached page's KV (target and draft) into a request's own page."""

@@ -98,6 +98,17 @@ class _EngineCollector:
         )
         yield counter("retractions", "Requests retracted for lack of KV", s["num_retractions"])
         yield counter("engine_steps", "Engine steps (batches) run", s["num_steps"])
+        yield counter("prefill_batches", "Prefill batches run", s["num_prefill_batches"])
+        yield counter(
+            "prefill_batches_beside_decode",
+            "Prefill batches queued behind a decode step in flight (overlap kept)",
+            s["num_prefill_batches_beside_decode"],
+        )
+        yield counter(
+            "decode_steps_launched_ahead",
+            "Decode steps launched before the previous one was applied (overlap kept)",
+            s["num_decode_steps_launched_ahead"],
+        )
         yield counter(
             "graph_captures",
             "CUDA graphs captured, decode and prefill (each capture stalls its step)",
