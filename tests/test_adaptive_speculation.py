@@ -218,16 +218,45 @@ def test_policy_weighs_replayed_step_times_plus_what_real_contexts_add():
     assert abs(p.seconds(2, 256) - (94.4 + 37.0 - 24.3) / 1e3) < 2e-3
 
 
-def test_candidates_are_the_tiers_that_could_ever_beat_plain_decoding_at_a_load():
+def test_candidates_are_plain_the_best_tier_and_those_that_could_beat_it():
     tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(5, 4, 16)]
     ms = {1: (10.0, 11.0, 13.0), 256: (15.0, 40.0, 160.0)}  # per batch bucket, per tier
 
     p = AdaptiveSpeculation(tiers, measure=lambda b, t: ms[b][t] / 1e3 if b in ms else None)
-    assert p.candidates(1) == (0, 1, 2)  # both beat plain at batch 1, if accepted
-    # at 256 the tree, even accepting all 6 tokens it drafts, emits 6 / 160 < 1 / 15 a ms;
-    # the chain of 3 could (4 / 40 > 1 / 15)
+    # batch 1, everything accepted as the prior assumes: the tree emits 6 / 13 a ms, and the
+    # chain even at its best 4 / 11: less, so neither picked nor explored, nor captured
+    assert p.candidates(1) == (0, 2)
+    for _ in range(20):  # the tree turns out to emit 2 tokens a step: the chain could win
+        p.observe(2, 1, [2], 13e-3)
+    assert p.candidates(1) == (0, 1, 2)
+    # at 256 the tree, even accepting all 6 tokens it drafts, emits 6 / 160 < 4 / 40 a ms,
+    # what the chain of 3 (the best there) emits
     assert p.candidates(256) == (0, 1)
     assert p.candidates(64) == (0, 1, 2)  # not timed (past the graphs): every tier
+
+
+def test_a_host_bound_step_makes_the_widest_tier_that_pays_the_best():
+    """Under overlap a step lasts as long as the longer of the host's and the device's work.
+    At a large batch of a small model the host's part dominates: the tree, whose device time
+    hides under it, emits the most per step and is picked; by device time alone the chain
+    would be."""
+    tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(6, 8, 64)]
+    device_ms = (1.1, 1.4, 5.0)  # batch 64 on an H200, SmolLM2 and its bundled draft
+    accept = (1, 2.2, 3.9)
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: device_ms[t] / 1e3)
+    picks = []
+    for _ in range(300):
+        t = p.pick(64)
+        picks.append(t)
+        p.observe(t, 64, [round(accept[t])] * 64 if t else [], device_ms[t] / 1e3)
+    assert picks[-100:].count(1) > 90, picks  # device time alone: the chain (2 / 1.4 > 4 / 5)
+    for _ in range(300):
+        t = p.pick(64)
+        picks.append(t)
+        p.observe(t, 64, [round(accept[t])] * 64 if t else [], device_ms[t] / 1e3)
+        p.observe_host(t, 64, 5.1e-3 + 0.2e-3 * t)  # the host's time per step, all tiers
+    assert picks[-100:].count(2) > 90, picks[-100:]
+    assert p.describe()["host_ms"]["6/8/64@64"] > 5.0
 
 
 def test_a_new_graph_shape_captures_every_tier_the_policy_may_run_at_once():

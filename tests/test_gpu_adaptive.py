@@ -56,3 +56,24 @@ def test_every_tier_is_timed_at_every_batch_bucket_before_the_first_request():
         count = len(adaptive.tiers)
         assert set(adaptive.replayed) == {(t, b) for t in range(count) for b in (1, 2, 4, 8, 16)}
         assert all(s > 0 for s in adaptive.replayed.values())
+
+
+def test_the_hosts_time_per_step_is_measured_while_steps_overlap():
+    """What the host spends per step (applying one, launching the next) is taken from steps
+    that overlapped; it is positive and, at this tiny model, a fraction of a millisecond to a
+    few milliseconds, not the run's wall time (an idle loop or a prefill is never counted)."""
+    import time
+
+    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="tiny",
+                speculative_num_steps=3, speculative_eagle_topk=4,
+                speculative_num_draft_tokens=8, speculative_adaptive=True)  # fmt: skip
+    prompts = mixed_prompts(8, 512, seed=31)
+    with Engine(**GPU, **spec) as e:
+        start = time.perf_counter()
+        e.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=64))
+        time.sleep(0.2)  # the loop idles: the next run's first interval must not count it
+        e.generate(input_ids=prompts[:1], sampling_params=dict(GREEDY, max_new_tokens=64))
+        wall = time.perf_counter() - start
+        host = e.stats()["speculative_adaptive"]["host_ms"]
+    assert host, "no host time measured"
+    assert all(0 < ms < 50 and ms < wall * 1e3 / 10 for ms in host.values()), host

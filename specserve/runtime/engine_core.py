@@ -19,6 +19,7 @@ from specserve.model.runner import ModelRunner
 from specserve.model.sharding import draft_target, local_kv_heads
 from specserve.ops.attention import TorchAttentionBackend
 from specserve.runtime.draft_lag import DraftLag
+from specserve.runtime.host_clock import HostClock
 from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import ReqState, Request
 from specserve.runtime.scheduler import Scheduler, SchedulerLimits
@@ -163,6 +164,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.overlap = not cfg.disable_overlap_schedule
         self.pending = None  # a launched decode step whose results the host has not applied
+        self.host_clock = HostClock()  # the host's time per step (adaptive speculation)
         self.num_launched_ahead = 0  # decode steps launched before the previous was applied
         self.num_prefill_batches = 0
         self.num_prefills_beside = 0  # of those, run while a decode step was in flight
@@ -286,6 +288,8 @@ class EngineCore:
         step in flight must not see (a retraction, a batch that no longer fits) drains it
         first and then runs as without overlap."""
         touched = self._reap_finished()
+        if self.pending is None:
+            self.host_clock.interrupt()  # the loop may have idled: not a step's host time
         if self.pending is not None:
             ahead = None
             if self.overlap:
@@ -327,6 +331,7 @@ class EngineCore:
         return out
 
     def _run_prefill(self, chunks) -> list[Request]:
+        self.host_clock.interrupt()
         sampled = self.worker.prefill(chunks)
         self.num_steps += 1
         self.num_prefill_batches += 1
@@ -395,6 +400,10 @@ class EngineCore:
                 lagged = self.draft_lag.plan(
                     reqs, tier, lambda: self.adaptive.speculation_pays(len(reqs))
                 )
+        host = self.host_clock.launch()
+        # (on a CPU the step's own work runs inside the launch: no separate host time)
+        if host is not None and self.adaptive is not None and self.device.type == "cuda":
+            self.adaptive.observe_host(*host)
         pending = self.worker.launch_decode(
             reqs,
             kv_upper,
@@ -403,6 +412,9 @@ class EngineCore:
             catch_up=lagged is not None and lagged.catch_up,
             siblings=siblings,
         )
+        graphs = self.worker.graphs
+        if graphs is not None and graphs.captured_last:
+            self.host_clock.interrupt()  # the capture's time is nobody's step
         pending.lagged = lagged
         for r in reqs:
             r.inflight_steps += 1
@@ -412,7 +424,9 @@ class EngineCore:
     def _finish_decode(self, pending) -> list[Request]:
         """Wait for a launched step and apply its results (skipping requests that finished
         or were aborted meanwhile: their outputs were already final)."""
+        start = time.perf_counter()
         out = pending.result()
+        self.host_clock.waited(time.perf_counter() - start, pending.tier, len(pending.reqs))
         lagged = pending.lagged
         if self.adaptive is not None:
             speculating = [

@@ -5,8 +5,14 @@ a wide tree wins at small batches (the target's weights are read once for many t
 when the draft is accepted, and loses at large batches (verification turns compute-bound) or
 when drafts are rejected. So every step picks one of a few tiers, plain decoding included:
 
-    pick argmax over tiers t of  batch_size * accept_length[t] / step_seconds[t, batch bucket]
+    pick argmax over tiers t of  batch_size * accept_length[t] / step_cost[t, batch bucket]
+    step_cost = max(step_seconds, host_seconds)
 
+- host_seconds: the host's own time per step of tier t at the bucket (its stop checks,
+  detokenizing, streaming and the next launch), measured as steps are served. Under overlap
+  the host works while the device runs the next step, so a step lasts as long as the longer
+  of the two: at large batches of a small model the host's part is the longer, and a wide
+  tree, whose device time hides under it, costs no more than a chain.
 - step_seconds: the device time of a step of tier t at a batch bucket, measured on this
   device when the engine starts (`prime`: every tier's CUDA graph at every bucket replayed on
   padding rows, so every tier is timed alike, and serving does not stop to capture and time
@@ -109,6 +115,9 @@ class AdaptiveSpeculation:
         # per bucket: what served steps take beyond their replay (attention over real
         # contexts, which padding rows do not have), carried over to tiers not yet served
         self.context_cost: dict[int, float] = {}
+        # the host's time per step: by (tier, bucket), and by bucket for tiers not seen there
+        self.host: dict[tuple[int, int], float] = {}
+        self.host_any: dict[int, float] = {}
         self._warmed: set[tuple[int, int]] = set()  # (tier, bucket) whose first step ran
         self.picks = 0
         self.counts = [0] * len(tiers)  # steps run per tier (reporting)
@@ -124,6 +133,14 @@ class AdaptiveSpeculation:
         if key in self.replayed:
             return self.replayed[key] + self.context_cost.get(bucket, 0.0)
         return None
+
+    def cost(self, tier: int, bucket: int) -> float | None:
+        """The expected wall time of a step of `tier` at `bucket` under overlap: the longer of
+        its device time and the host's time per step."""
+        device = self.seconds(tier, bucket)
+        if device is None:
+            return None
+        return max(device, self.host.get((tier, bucket), self.host_any.get(bucket, 0.0)))
 
     def prime(self, max_batch_size: int) -> int:
         """Time every tier at every bucket up to `max_batch_size` now (engine start): capturing
@@ -154,7 +171,7 @@ class AdaptiveSpeculation:
     def _scores(self, batch_size: int, accept: list[float] | None = None) -> list[float]:
         bucket = batch_bucket(batch_size)
         accept = accept or self.accept
-        return [batch_size * accept[t] / self.seconds(t, bucket) for t in range(len(self.tiers))]
+        return [batch_size * accept[t] / self.cost(t, bucket) for t in range(len(self.tiers))]
 
     def _upper_scores(self, batch_size: int) -> list[float]:
         """Each tier's score were all its drafted tokens accepted."""
@@ -190,14 +207,17 @@ class AdaptiveSpeculation:
         return best
 
     def candidates(self, batch_size: int) -> tuple[int, ...]:
-        """The tiers a step at this load may ever run: plain decoding and those that would
-        beat it if they accepted all they draft, by the step times known at this bucket
-        (every tier while the bucket is not timed). A wide tree at a large batch is not one:
-        it is never picked, explored, or captured there."""
+        """The tiers a step at this load may run next (their graphs are captured together):
+        plain decoding, the best tier, and those that could beat it if they accepted all they
+        draft, as exploration tries (every tier while the bucket is not timed). A tier that
+        cannot is neither picked nor explored here, so it is not captured either: each
+        capture stalls the loop, and a new context width meets every candidate's."""
         if self._fill(batch_bucket(batch_size)) is not None:
             return tuple(range(len(self.tiers)))
+        scores = self._scores(batch_size)
+        best = max(range(len(self.tiers)), key=scores.__getitem__)
         upper = self._upper_scores(batch_size)
-        return tuple(t for t in range(len(self.tiers)) if t == 0 or upper[t] > upper[0])
+        return tuple(t for t in range(len(self.tiers)) if t in (0, best) or upper[t] > scores[best])
 
     def speculation_pays(self, batch_size: int) -> bool:
         """Whether, by what was observed so far, some speculative tier beats plain decoding
@@ -244,9 +264,19 @@ class AdaptiveSpeculation:
             prev = self.context_cost.get(bucket)
             self.context_cost[bucket] = extra if prev is None else prev + EMA * (extra - prev)
 
+    def observe_host(self, tier: int, batch_size: int, seconds: float) -> None:
+        """The host's own time around a step of `tier` over `batch_size` requests (applying
+        its results and launching the next), measured while steps overlapped."""
+        if seconds <= 0:
+            return
+        bucket = batch_bucket(batch_size)
+        for table, key in ((self.host, (tier, bucket)), (self.host_any, bucket)):
+            old = table.get(key)
+            table[key] = seconds if old is None else old + EMA * (seconds - old)
+
     def describe(self) -> dict:
         """What the policy has seen: steps run per tier, acceptance per tier, and step time
-        in ms per tier and batch bucket."""
+        in ms per tier and batch bucket (the device's, and the host's where measured)."""
         return {
             "tiers": [str(t) for t in self.tiers],
             "steps": list(self.counts),
@@ -254,5 +284,8 @@ class AdaptiveSpeculation:
             "step_ms": {
                 f"{self.tiers[t]}@{b}": round(self.seconds(t, b) * 1e3, 3)
                 for t, b in sorted(set(self.replayed) | set(self.observed))
+            },
+            "host_ms": {
+                f"{self.tiers[t]}@{b}": round(v * 1e3, 3) for (t, b), v in self.host.items()
             },
         }

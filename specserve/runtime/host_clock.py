@@ -1,0 +1,41 @@
+"""The host's own time per decode step while steps overlap.
+
+Under overlap the loop launches step k+1, waits for step k, applies its results (stop checks,
+detokenizing, streaming) and comes back to launch k+2. The wall time between two launches,
+less the time spent waiting for the device in between, is what the host itself needed per
+step; load-adaptive speculation weighs tiers by the longer of that and the device's time.
+An interval that also ran a prefill, captured a graph or started from an idle loop says
+nothing about a step and is not reported.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class HostClock:
+    def __init__(self, now=time.perf_counter):
+        self._now = now
+        self._since: float | None = None  # the last launch of a clean interval
+        self._waited = 0.0  # seconds spent waiting for the device since then
+        self._applied: tuple[int, int] | None = None  # (tier, batch size) applied since then
+
+    def launch(self) -> tuple[int, int, float] | None:
+        """A decode step is being launched. Returns (tier, batch size, host seconds) of the
+        step applied since the previous launch, when the interval between was clean."""
+        now = self._now()
+        out = None
+        if self._since is not None and self._applied is not None:
+            out = (*self._applied, now - self._since - self._waited)
+        self._since, self._waited, self._applied = now, 0.0, None
+        return out
+
+    def waited(self, seconds: float, tier: int, batch_size: int) -> None:
+        """A launched step of `tier` over `batch_size` requests was awaited for `seconds`,
+        then applied."""
+        self._waited += seconds
+        self._applied = (tier, batch_size)
+
+    def interrupt(self) -> None:
+        """Something other than a step's own work happened: the interval is not reported."""
+        self._since = None

@@ -1,0 +1,41 @@
+"""The host's time per step under overlap (runtime/host_clock.py): the wall time between two
+launches less the device waits in between, reported for the step applied there, and never
+for an interval that held anything else."""
+
+from __future__ import annotations
+
+from specserve.runtime.host_clock import HostClock
+
+
+class FakeTime:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_an_interval_reports_the_applied_step_less_the_wait():
+    now = FakeTime()
+    clock = HostClock(now)
+    assert clock.launch() is None  # nothing before the first launch
+    now.t = 1.0  # step 1 launched at 0; step 0 awaited 3 s of it, then applied
+    clock.waited(3.0, tier=2, batch_size=16)
+    now.t = 5.0
+    assert clock.launch() == (2, 16, 2.0)  # 5 s between launches, 3 of them waiting
+    now.t = 9.0
+    assert clock.launch() is None  # no step applied in between: nothing to say
+
+
+def test_an_interrupted_interval_is_not_reported():
+    now = FakeTime()
+    clock = HostClock(now)
+    clock.launch()
+    clock.waited(0.5, tier=1, batch_size=4)
+    clock.interrupt()  # a prefill ran, or a graph was captured, or the loop idled
+    now.t = 10.0
+    assert clock.launch() is None
+    now.t = 11.0
+    clock.waited(0.25, tier=0, batch_size=4)
+    now.t = 12.0
+    assert clock.launch() == (0, 4, 1.75)  # clean again from the launch after the interrupt
