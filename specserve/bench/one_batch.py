@@ -136,6 +136,7 @@ def run_one_batch(
     if adaptive:  # what the tier policy saw (steps per tier, their times)
         result["adaptive_steps"] = adaptive["steps"]
         result["adaptive_step_ms"] = adaptive["step_ms"]
+        result["adaptive_host_ms"] = adaptive.get("host_ms")
         result["adaptive_catch_ups"] = adaptive.get("catch_ups")
         result["adaptive_stopped"] = adaptive.get("stopped_speculating")
         # the timed run's decode steps' own device time (CUDA events around each launch):
