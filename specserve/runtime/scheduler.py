@@ -174,7 +174,10 @@ class Scheduler:
         step in flight applied first). Empty when nothing fits or nothing waits."""
         if not self.waiting:
             return []
-        return self._schedule_prefill(max_accept)
+        chunks = self._schedule_prefill(max_accept)
+        if chunks:  # (should the pipeline drain next, decoding comes before more prefill)
+            self._last_was_prefill = True
+        return chunks
 
     def _schedule_prefill(self, max_accept: int = 0) -> list[PrefillChunk]:
         budget = self.limits.chunked_prefill_size
