@@ -135,7 +135,7 @@ def serve(case: dict, speculative: bool) -> list[list[dict]]:
             rng = random.Random(case["tier_seed"])
             count = len(adaptive.tiers)
 
-            def pick(b, can=True):
+            def pick(b, can=True, ready=None):
                 if case["obey_can"] and not can:
                     return 0
                 share = case["plain_share"]

@@ -29,7 +29,9 @@ def run(prompts, params, random_tiers: int | None = None, padded=False, **kw):
             count = len(core.adaptive.tiers)
             order = list(range(count))
             rng.shuffle(order)
-            core.adaptive.pick = lambda b, can=True: order.pop() if order else rng.randrange(count)
+            core.adaptive.pick = lambda b, can=True, ready=None: (
+                order.pop() if order else rng.randrange(count)
+            )
         if padded:
             core.worker.graphs = DecodeGraphs(core.worker, 4, max_width=4096, capture=False)
         e.step_hooks.append(lambda c: checked.append(assert_kv_matches_plain_prefill(c)))
@@ -333,7 +335,7 @@ def test_skipped_drafts_catch_up_to_the_kv_of_drafting_every_step(tmp_path, page
         )
         core = EngineCore(cfg.resolve())
         n = iter(range(10**6))
-        core.adaptive.pick = lambda b, can=True: script[next(n) % len(script)]
+        core.adaptive.pick = lambda b, can=True, ready=None: script[next(n) % len(script)]
         reqs = [Request(str(i), p, SamplingParams(**params), seed=0) for i, p in enumerate(prompts)]
         for r in reqs:
             core.add_request(r)
@@ -383,7 +385,9 @@ def test_a_draft_left_behind_stops_speculating_and_outputs_stay_exact():
     def serve(lag_tokens: int):
         with Engine(**TINY, **spec, speculative_adaptive_lag_tokens=lag_tokens) as e:
             n = iter(range(10**6))
-            e.core.adaptive.pick = lambda b, can=True: script[min(next(n), len(script) - 1)]
+            e.core.adaptive.pick = lambda b, can=True, ready=None: script[
+                min(next(n), len(script) - 1)
+            ]
             e.core.adaptive.speculation_pays = lambda b: False
             outs = e.generate(input_ids=prompts, sampling_params=params)
             history = prompts[0] + outs[0]["output_ids"]
@@ -417,7 +421,7 @@ def test_requests_not_speculating_outlag_the_ring_while_others_catch_up(stale):
         pays = [not stale]  # (while the first request decodes alone)
         if core.adaptive is not None:
             script = iter([0] * 6 + [0, 1] * 20)
-            core.adaptive.pick = lambda b, can=True: next(script)
+            core.adaptive.pick = lambda b, can=True, ready=None: next(script)
             core.adaptive.speculation_pays = lambda b: pays[0]
         sp = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
         first = Request("a", [5, 6, 7], dataclasses.replace(sp, speculative=stale), seed=0)
@@ -459,3 +463,62 @@ def test_tiers_are_timed_at_start_so_serving_never_stops_to_time_a_new_batch_siz
         p.observe(p.pick(bs), bs, [2] * bs, 1e-3)
     assert calls == []
     assert AdaptiveSpeculation(tiers, measure=measure).prime(256) == 3 * 7  # 128+: online
+
+
+def test_exploration_runs_only_tiers_whose_graph_is_captured_at_the_steps_shape():
+    """Exploring a tier whose graph at this shape was never captured would stall every
+    request on the capture: exploration waits for a shape where it is captured."""
+    tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(6, 8, 64)]
+    device_ms = (1.1, 1.4, 5.0)  # batch 64 on an H200, SmolLM2 and its bundled draft
+    accept = (1, 2, 3)  # the chain, accepting all 4 it drafts, would beat the tree
+
+    def serve(p, steps, ready):
+        picks = []
+        for _ in range(steps):
+            t = p.pick(64, ready=ready)
+            picks.append(t)
+            p.observe(t, 64, [round(accept[t])] * 64 if t else [], device_ms[t] / 1e3)
+            p.observe_host(t, 64, 5.1e-3)  # host-bound: the tree is best, the chain hopeful
+        return picks
+
+    anywhere = AdaptiveSpeculation(tiers, measure=lambda b, t: device_ms[t] / 1e3)
+    serve(anywhere, 200, None)
+    assert 1 in serve(anywhere, 600, None)  # explored now and then
+    captured = AdaptiveSpeculation(tiers, measure=lambda b, t: device_ms[t] / 1e3)
+    serve(captured, 200, None)
+    assert set(serve(captured, 600, frozenset({0, 2}))) == {2}
+
+
+def test_a_captured_tier_within_the_margin_runs_instead_of_capturing_the_best():
+    tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(3, 2, 6)]  # both start at accept length 4
+
+    def policy(chain_ms):
+        ms = (1.0, chain_ms, 1.0)
+        return AdaptiveSpeculation(tiers, measure=lambda b, t: ms[t] / 1e3)
+
+    assert policy(1.02).pick(1, ready=frozenset({0, 1})) == 1  # 2% slower: no capture
+    assert policy(1.2).pick(1, ready=frozenset({0, 1})) == 2  # 20%: worth its capture
+    assert policy(1.02).pick(1, ready=frozenset()) == 2  # a new shape: the best is captured
+    assert policy(1.02).pick(1, ready=None) == 2
+
+
+def test_the_engine_asks_which_tiers_are_captured_and_stays_lossless():
+    prompts = mixed_prompts(4, 512, seed=11)
+    params = dict(SP, max_new_tokens=30)
+    plain, _, _ = run(prompts, params)
+    spec = spec_args("tiny", 3, 4, 10, speculative_adaptive=True)
+    seen = []
+    with Engine(**TINY, **spec) as e:
+        core = e.core
+        captured = frozenset({0, 2, len(core.adaptive.tiers) - 1})
+        core.worker.ready_tiers = lambda reqs, kv_upper, tiers, catch_up: captured
+        real_pick = core.adaptive.pick
+
+        def pick(b, can=True, ready=None):
+            seen.append(ready)
+            return real_pick(b, can, ready=ready)
+
+        core.adaptive.pick = pick
+        outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
+    assert outs == plain
+    assert seen and all(r == captured for r in seen)

@@ -35,7 +35,7 @@ def test_random_tiers_under_graphs_decode_as_plain(page_size, lag_tokens):
         # every tier, in changing orders, and plain stretches longer than the ring
         # (tiers: plain, chains of 1, 2, 3, the tree at 4 and 8 nodes per request, the tree)
         tiers = itertools.cycle([6, 2, 0, 1, 5, 3, 0, 4, 6, 0, 0, 0, 0, 0, 0, 5, 1, 2, 3, 4])
-        e.core.adaptive.pick = lambda b, can=True: next(tiers)
+        e.core.adaptive.pick = lambda b, can=True, ready=None: next(tiers)
         outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
         adaptive = e.stats()["speculative_adaptive"]
         assert e.core.worker.graphs.num_captures > 0

@@ -198,7 +198,7 @@ ADAPTIVE_SCRIPT = [0, 0, 4, 0, 6, 5, 0, 1, 0, 0, 0, 0, 0, 4, 5, 6, 2, 3, 1]
 
 def _script_tiers(engine) -> None:
     steps = iter(range(10**6))
-    engine.core.adaptive.pick = lambda b, can=True: ADAPTIVE_SCRIPT[
+    engine.core.adaptive.pick = lambda b, can=True, ready=None: ADAPTIVE_SCRIPT[
         next(steps) % len(ADAPTIVE_SCRIPT)
     ]
     # ring full while speculation does not pay: those requests stop speculating

@@ -124,7 +124,7 @@ def ragged_engine_outputs(prompts, params, seed: int, **kw):
         # the tiers verifying part of the tree, drawn as often as all the others together
         ragged = [names.index("4/3/10@2"), names.index("4/3/10@5")]
         others = [t for t in range(len(names)) if t not in ragged]
-        e.core.adaptive.pick = lambda b, can=True: rng.choice(
+        e.core.adaptive.pick = lambda b, can=True, ready=None: rng.choice(
             ragged if rng.random() < 0.5 else others
         )
         outs = e.generate(input_ids=prompts, sampling_params=params, return_logprob=True)

@@ -126,16 +126,7 @@ class DecodeGraphs:
         if shape is None:
             return None
         self._drop_stale_graphs()
-        key = (
-            *shape,
-            sampling.all_greedy,
-            sampling.needs_filter,
-            sampling.logprobs,
-            sampling.top_logprobs,
-            sampling.any_plain,
-            tier,
-            catch_up,
-        )
+        key = self._key(shape, sampling, tier, catch_up)
         cap = self.graphs.get(key)
         self.captured_last = cap is None  # (this step's time includes the capture)
         if cap is None:
@@ -153,6 +144,35 @@ class DecodeGraphs:
             accept_len, emitted, logprobs = cap.step()
         n = len(rows)
         return accept_len[:n], emitted[:n], None if logprobs is None else logprobs.head(n)
+
+    def ready_tiers(
+        self, batch_size: int, width: int, sampling: SamplingTensors, tiers: int, catch_up
+    ) -> frozenset[int] | None:
+        """Which of `tiers` tiers a step of this shape can replay now, its graph captured
+        (catch_up(tier): whether that tier's step would catch the draft up); a step of any
+        other tier first stalls on its capture. None when no step of this shape is captured
+        (eager steps, or a batch past the largest bucket): every tier starts alike."""
+        shape = self.bucket(batch_size, width)
+        if shape is None or not self.capture:
+            return None
+        if self.worker.rows.version != self._rows_version:
+            return frozenset()  # the next step drops every graph
+        return frozenset(
+            t for t in range(tiers) if self._key(shape, sampling, t, catch_up(t)) in self.graphs
+        )
+
+    @staticmethod
+    def _key(shape: tuple[int, int], sampling: SamplingTensors, tier: int, catch_up: bool):
+        return (
+            *shape,
+            sampling.all_greedy,
+            sampling.needs_filter,
+            sampling.logprobs,
+            sampling.top_logprobs,
+            sampling.any_plain,
+            tier,
+            catch_up,
+        )
 
     def _drop_stale_graphs(self) -> None:
         """The row tensors were reallocated (more requests or longer contexts than sized

@@ -393,7 +393,15 @@ class EngineCore:
         tier, lagged, siblings = 0, None, ()
         if self.adaptive is not None:
             can_speculate = any(r.params.speculative and not r.draft_stale for r in reqs)
-            tier = self.adaptive.pick(len(reqs), can_speculate)
+            ready = None
+            if can_speculate:
+                lagging = self.draft_lag is not None and any(
+                    r.draft_lag > 0 and self.draft_lag.speculating(r) for r in reqs
+                )
+                ready = self.worker.ready_tiers(
+                    reqs, kv_upper, len(self.adaptive.tiers), lambda t: t > 0 and lagging
+                )
+            tier = self.adaptive.pick(len(reqs), can_speculate, ready=ready)
             # (a batch that cannot speculate runs plain steps only: nothing else to capture)
             siblings = self.adaptive.candidates(len(reqs)) if can_speculate else ()
             if self.draft_lag is not None:

@@ -359,6 +359,16 @@ class Worker:
             self._sampling_cache = (key, request_sampling(reqs, self.device))
         return self._sampling_cache[1]
 
+    def ready_tiers(
+        self, reqs: list[Request], kv_upper: list[int], tiers: int, catch_up
+    ) -> frozenset[int] | None:
+        """The tiers whose step over `reqs` replays a graph already captured (None: steps of
+        this batch are not replayed from graphs); see DecodeGraphs.ready_tiers."""
+        if self.graphs is None:
+            return None
+        width = max(kv_upper) + self.slot_width
+        return self.graphs.ready_tiers(len(reqs), width, self._sampling_for(reqs), tiers, catch_up)
+
     @torch.inference_mode()
     def launch_decode(
         self,

@@ -39,6 +39,11 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   resumes, or widens, when the draft starts being accepted again. An exploration that finds
   nothing better doubles the wait for the next one (up to `max_explore_gap` steps), so a
   steady state costs less and less; when the best tier changes the pace starts over.
+- captures: under CUDA graphs a step replays the graph of its shape (batch bucket, context
+  width, tier), captured the first time it is met, which stalls the loop. The tiers a shape
+  may run are captured together when it is first met (`candidates`); later, exploration
+  runs only tiers already captured there (accept lengths are learnt at any shape), and the
+  best tier is swapped for a captured one scoring within `CAPTURE_MARGIN` of it.
 A plain step skips the draft: the target's features and the emitted token are kept in a
 per-request ring, and the next speculative step first runs the draft over them in one pass
 (a catch-up), so its KV and root state are exactly what drafting every step would give. A
@@ -55,6 +60,10 @@ from specserve.speculative.tree import PLAIN, TreeShape
 EMA = 0.2  # weight of the newest step time
 ACCEPT_DECAY = 0.02  # how much less an accept length weighs per request observed after it
 ACCEPT_PRIOR_WEIGHT = 0.1  # the optimistic start counts as this many requests
+# A tier whose CUDA graph at the step's shape is not captured yet is run instead of one that
+# is only if it scores this much better: a capture stalls every request for many steps' time
+# (0.1 s and more at the 8B shape), while tiers this close are within the estimates' noise.
+CAPTURE_MARGIN = 0.03
 
 
 def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
@@ -177,9 +186,12 @@ class AdaptiveSpeculation:
         """Each tier's score were all its drafted tokens accepted."""
         return self._scores(batch_size, [float(t.max_depth + 1) for t in self.tiers])
 
-    def pick(self, batch_size: int, can_speculate: bool = True) -> int:
+    def pick(
+        self, batch_size: int, can_speculate: bool = True, ready: frozenset[int] | None = None
+    ) -> int:
         """The tier of the next step of `batch_size` requests; can_speculate: some of them
-        may still draft (else plain decoding, the only tier that helps them)."""
+        may still draft (else plain decoding, the only tier that helps them); ready: the
+        tiers whose graph at this step's shape is captured (None: every tier starts alike)."""
         if not can_speculate:
             return 0
         self.picks += 1
@@ -199,11 +211,17 @@ class AdaptiveSpeculation:
             # they accepted all they draft (a wide tree at a large batch never can)
             upper = self._upper_scores(batch_size)
             hopeful = [
-                t for t in range(1, len(self.tiers)) if t != best and upper[t] > scores[best]
+                t
+                for t in range(1, len(self.tiers))
+                if t != best and upper[t] > scores[best] and (ready is None or t in ready)
             ]
             if hopeful:
                 self._explored = min(hopeful, key=lambda t: (self.last_seen[t], upper[t]))
                 return self._explored
+        if ready and best not in ready:
+            near = max(ready, key=scores.__getitem__)
+            if scores[near] >= (1.0 - CAPTURE_MARGIN) * scores[best]:
+                return near
         return best
 
     def candidates(self, batch_size: int) -> tuple[int, ...]:
