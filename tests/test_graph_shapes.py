@@ -103,3 +103,33 @@ def test_simulated_acceptance_padded_keeps_kv_consistent(topk, ndt):
     assert sum(checked) > 10
     # the target is its own draft: without simulation every verify would accept 4
     assert 1.5 < stats["spec_accept_length"] < 3.5
+
+
+def test_ready_tiers_are_the_tiers_captured_at_the_steps_shape():
+    """What adaptive speculation is told it can run without a capture: the tiers whose graph
+    at this batch bucket, width bucket, sampling mode and draft catch-up exists."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from specserve.ops.sampling import SamplingTensors
+
+    worker = SimpleNamespace(rows=SimpleNamespace(version=0))
+    graphs = DecodeGraphs(worker, 16, max_width=4096, capture=True)
+    rows = {name: torch.zeros(3) for name in ("temperatures", "top_ks", "top_ps", "min_ps")}
+    greedy = SamplingTensors(**rows, seeds=torch.zeros(3), all_greedy=True, needs_filter=False)
+    sampled = dataclasses.replace(greedy, all_greedy=False)
+    graphs.graphs[graphs._key(graphs.bucket(3, 300), greedy, 2, False)] = object()
+    no_catch_up = lambda tier: False  # noqa: E731
+    assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) == {2}
+    assert graphs.ready_tiers(4, 500, greedy, 4, no_catch_up) == {2}  # the same buckets
+    assert graphs.ready_tiers(5, 300, greedy, 4, no_catch_up) == set()  # batch bucket 8
+    assert graphs.ready_tiers(3, 600, greedy, 4, no_catch_up) == set()  # width bucket 1024
+    assert graphs.ready_tiers(3, 300, sampled, 4, no_catch_up) == set()
+    assert graphs.ready_tiers(3, 300, greedy, 4, lambda tier: tier > 0) == set()
+    assert graphs.ready_tiers(3, 5000, greedy, 4, no_catch_up) is None  # past the widest
+    worker.rows.version = 1  # rows reallocated: the next step drops every graph
+    assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) == set()
+    graphs.capture = False  # eager steps: no capture to avoid
+    assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) is None
