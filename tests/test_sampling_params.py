@@ -12,12 +12,8 @@ import torch
 from specserve.errors import InvalidArgument
 from specserve.ops.sampling import SamplingTensors, sample
 from specserve.sampling_params import SamplingParams, check_field
-from specserve.server.protocol import (
-    APIError,
-    CompletionRequest,
-    GenerateRequest,
-    parse,
-)
+from specserve.server.openai_protocol import CompletionRequest
+from specserve.server.protocol import APIError, GenerateRequest, parse
 
 # field -> values to try (valid and invalid mixed); the checks decide, the test compares them
 JUNK = ["no", "false", "", None, True, False, 1, 0, -1, 2.5, [], {}, [1], {"a": [{"b": None}]}]

@@ -28,7 +28,8 @@ import pytest
 from specserve.engine import Engine
 from specserve.server.app import create_app
 from specserve.server.openai_api import _chat_chunks
-from specserve.server.protocol import ChatCompletionRequest, parse
+from specserve.server.openai_protocol import ChatCompletionRequest
+from specserve.server.protocol import parse
 from specserve.server.state import ServerConfig
 from tests.model_factory import write_hf_model
 from tests.test_server import ServerThread

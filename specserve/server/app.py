@@ -22,12 +22,8 @@ from specserve.server import openai_api
 from specserve.server import schemas as s
 from specserve.server.guard import RequestGuard
 from specserve.server.metrics import CONTENT_TYPE
-from specserve.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-)
+from specserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from specserve.server.protocol import APIError, GenerateRequest
 from specserve.server.state import ServerConfig, ServerState
 
 log = logging.getLogger(__name__)

@@ -13,12 +13,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from specserve.engine import verify_tokens
 from specserve.server.logprobs import CompletionLogprobs, TokenStrings, chat_content
-from specserve.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse,
-)
+from specserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from specserve.server.protocol import APIError, parse
 from specserve.server.state import Run, ServerState, watch_disconnect
 
 # Bodies larger than this are parsed on the server's thread pool, not on the event loop.

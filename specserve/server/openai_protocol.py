@@ -1,0 +1,278 @@
+"""Request bodies of the OpenAI routes, /v1/completions and /v1/chat/completions (pydantic,
+strict; see `protocol`).
+
+The OpenAI routes cap temperature at 2, as OpenAI does. Fields of the OpenAI API that this
+server does not implement are accepted only at their neutral value (e.g. `best_of: 1`), so a
+client never silently gets something other than what it asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from specserve.server.protocol import (
+    APIError,
+    StrictModel,
+    core_check,
+    field_error,
+    is_int,
+    is_token_ids,
+    short,
+)
+
+OPENAI_MAX_TEMPERATURE = 2.0
+
+# Sampling fields checked by the engine's check_field; null = default.
+_OPENAI_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "n",
+    "speculative",
+)
+_NULLABLE = {"temperature", "top_p", "top_k", "min_p", "stop", "seed", "stop_token_ids", "n"}
+# OpenAI's limits on alternatives per position: chat `top_logprobs`, completions `logprobs`.
+CHAT_MAX_TOP_LOGPROBS = 20
+COMPLETION_MAX_LOGPROBS = 5
+
+# OpenAI features this server does not implement: accepted only at their neutral value.
+_NEUTRAL: dict[str, tuple[Any, str]] = {
+    "presence_penalty": (lambda v: v == 0, "is not supported (only 0)"),
+    "frequency_penalty": (lambda v: v == 0, "is not supported (only 0)"),
+    "repetition_penalty": (lambda v: v == 1.0, "is not supported (only 1.0)"),
+    "logit_bias": (lambda v: not v, "is not supported"),
+    "suffix": (lambda v: not v, "is not supported"),
+    "best_of": (lambda v: v == 1, "only best_of=1 is supported"),
+    "tools": (lambda v: not v, "tool calling is not supported"),
+    "tool_choice": (lambda v: v in ("none", "auto"), "tool calling is not supported"),
+    "response_format": (lambda v: v.get("type") == "text", "only {'type': 'text'} is supported"),
+}
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class _CommonRequest(StrictModel):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, json_schema_extra={"minimum": 0})
+    temperature: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 2})
+    top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    top_k: int | None = Field(None, json_schema_extra={"minimum": -1})
+    min_p: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 1})
+    stop: str | list[str] | None = Field(None, json_schema_extra={"maxItems": 16})
+    seed: int | None = Field(None, json_schema_extra={"minimum": 0})
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions (SGLang / vLLM names).
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    speculative: bool = True  # False: this request is decoded without draft tokens
+    return_token_ids: bool = False
+    # OpenAI fields accepted only at their neutral value.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator(*_OPENAI_SAMPLING, mode="before")
+    @classmethod
+    def _sampling(cls, v, info: ValidationInfo):
+        if v is None and info.field_name in _NULLABLE:
+            return None
+        return core_check(info.field_name, v, OPENAI_MAX_TEMPERATURE)
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _max_tokens_check(cls, v, info: ValidationInfo):
+        return None if v is None else core_check("max_tokens", v, 0, "max_new_tokens")
+
+    @field_validator(*_NEUTRAL, check_fields=False)
+    @classmethod
+    def _only_neutral(cls, v, info: ValidationInfo):
+        is_neutral, message = _NEUTRAL[info.field_name]
+        if v is not None and not is_neutral(v):
+            raise field_error(info.field_name, f"{message}, got {short(v)}")
+        return v
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                "stream_options: only allowed when stream is true", param="stream_options"
+            )
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        """Engine (SGLang-named) sampling parameters; OpenAI's defaults where not given."""
+        sp: dict[str, Any] = {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": -1 if self.top_k in (None, 0) else self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "max_new_tokens": max_new_tokens,
+            "stop": list(self.stop or []),
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "speculative": self.speculative,
+        }
+        if self.seed is not None:
+            sp["seed"] = self.seed
+        if self.n is not None:
+            sp["n"] = self.n
+        return sp
+
+    def logprob_options(self) -> dict[str, Any]:
+        """The engine's log-prob options for this request (none by default)."""
+        return {}
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 5})
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is not None and not (is_int(v) and 0 <= v <= COMPLETION_MAX_LOGPROBS):
+            raise field_error(
+                "logprobs",
+                f"must be an integer in [0, {COMPLETION_MAX_LOGPROBS}] or null, got {short(v)}",
+            )
+        return v
+
+    def logprob_options(self) -> dict[str, Any]:
+        """logprobs: N gives each token's log-prob and the N likeliest; echo asks for the
+        prompt's too (its first token has none)."""
+        if self.logprobs is None:
+            return {}
+        return {
+            "return_logprob": True,
+            "top_logprobs_num": self.logprobs,
+            "logprob_start_len": 0 if self.echo else -1,
+        }
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, str) or is_token_ids(v):
+            return v
+        if isinstance(v, list) and v:
+            if all(isinstance(p, str) for p in v) or all(is_token_ids(p) for p in v):
+                return v
+        raise field_error(
+            "prompt",
+            "must be a string, a non-empty list of strings, a non-empty list of token ids, "
+            "or a non-empty list of non-empty lists of token ids",
+        )
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of single prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str) or is_token_ids(p):
+            return [p]
+        return list(p)
+
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] = Field(...)
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v):
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v:
+            parts = []
+            for part in v:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise field_error(
+                        "content", "only text content parts ({'type': 'text', ...}) are supported"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise field_error("content", "a text content part needs a string 'text'")
+                parts.append(part["text"])
+            return "\n".join(parts)
+        raise field_error("content", "must be a string or a non-empty list of text content parts")
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 20})
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _at_least_one(cls, v, info: ValidationInfo):
+        if v is not None and v < 1:
+            raise field_error(info.field_name, f"must be >= 1, got {v}")
+        return v
+
+    @field_validator("max_completion_tokens", mode="before")
+    @classmethod
+    def _max_completion_tokens(cls, v):
+        return None if v is None else core_check("max_completion_tokens", v, 0, "max_new_tokens")
+
+    @field_validator("top_logprobs", mode="before")
+    @classmethod
+    def _top_logprobs(cls, v):
+        if v is not None and not (is_int(v) and 0 <= v <= CHAT_MAX_TOP_LOGPROBS):
+            raise field_error(
+                "top_logprobs",
+                f"must be an integer in [0, {CHAT_MAX_TOP_LOGPROBS}] or null, got {short(v)}",
+            )
+        return v
+
+    def check_logprobs(self) -> None:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(
+                "top_logprobs: needs logprobs to be true (as OpenAI)", param="top_logprobs"
+            )
+
+    def logprob_options(self) -> dict[str, Any]:
+        if not self.logprobs:
+            return {}
+        return {"return_logprob": True, "top_logprobs_num": self.top_logprobs or 0}
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        out = []
+        for m in self.messages:
+            # The chat templates of small models know "system" but not OpenAI's "developer".
+            role = "system" if m.role == "developer" else m.role
+            out.append({"role": role, "content": m.content})
+        return out
