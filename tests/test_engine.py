@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from specserve import Engine, InvalidArgument
-from tests.engine_utils import TINY, mixed_prompts
+from tests.engine_utils import TINY, mixed_prompts, spec_args
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 
@@ -128,6 +128,32 @@ def test_bad_engine_arguments_are_refused():
     with pytest.raises(InvalidArgument) as info:
         Engine(**TINY, not_an_arg=1)
     assert info.value.field == "not_an_arg"
+
+
+def test_a_kv_pool_too_small_for_one_speculative_request_is_refused_with_its_minimum():
+    spec = spec_args("tiny", 4, 4, 16)
+    with pytest.raises(InvalidArgument) as info:
+        Engine(**TINY, **spec, max_total_tokens=8)
+    assert info.value.field == "max_total_tokens"
+    need = int(str(info.value).rsplit("at least ", 1)[1].split()[0])
+    # the minimum it names serves a one-token prompt
+    with Engine(**TINY, **spec, max_total_tokens=need) as engine:
+        out = engine.generate(input_ids=[5], sampling_params={"max_new_tokens": 1})
+    assert len(out["output_ids"]) == 1
+
+
+def test_triton_attention_on_a_cpu_is_refused_outside_the_interpreter(monkeypatch):
+    from specserve.config.engine_config import EngineConfig
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(InvalidArgument) as info:
+        EngineConfig(**TINY, attention_backend="triton").resolve(cuda_available=False)
+    assert info.value.field == "attention_backend"
+    assert "'torch'" in str(info.value)
+    # under Triton's interpreter (how its kernels are tested on a CPU) it is allowed
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    resolved = EngineConfig(**TINY, attention_backend="triton").resolve(cuda_available=False)
+    assert resolved.attention_backend == "triton"
 
 
 def test_abort_frees_the_request_and_its_kv():

@@ -9,6 +9,7 @@ naming the field and the allowed values. Nothing is mutated after resolution.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -157,6 +158,20 @@ class EngineConfig:
             else:
                 reason = "no CUDA device" if not on_gpu else "Triton is not installed"
                 decide("attention_backend", "torch", f"{reason}: the torch reference backend")
+        elif c.attention_backend == "triton":
+            require(
+                _triton_available(),
+                "attention_backend",
+                "'triton' needs Triton installed; use 'torch' or 'auto'",
+            )
+            # Triton compiles for a GPU; on a CPU its kernels run only in its interpreter
+            # (how the test suite checks them), which is Triton's own setting
+            require(
+                on_gpu or _triton_interpreting(),
+                "attention_backend",
+                "'triton' on a CPU runs only under Triton's interpreter (TRITON_INTERPRET=1 "
+                "set before triton is imported); use 'torch' or 'auto' on a CPU",
+            )
         if c.max_running_requests is None:
             decide("max_running_requests", 256 if on_gpu else 64, "default for the device")
         if c.chunked_prefill_size is None:
@@ -312,6 +327,15 @@ def _triton_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("triton") is not None
+
+
+def _triton_interpreting() -> bool:
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:

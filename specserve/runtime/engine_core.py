@@ -144,6 +144,15 @@ class EngineCore:
             if cfg.disable_radix_cache
             else PrefixCache(self.table.allocator, draft.draft_kv_reads_next_token),
         )
+        if self.scheduler.max_prompt_tokens() < 1:
+            # one request needs its prompt, its first token and one step's draft window
+            need = self.max_total_tokens + 1 - self.scheduler.max_prompt_tokens()
+            raise InvalidArgument(
+                "max_total_tokens",
+                f"holds {self.max_total_tokens} tokens, too few for one request with a decode "
+                f"window of {self.worker.decode_window + self.worker.kv_lookahead} tokens: "
+                f"it must be at least {need}",
+            )
         if self.adaptive is not None and measure is not None and self.worker.graphs is not None:
             # every tier timed at every batch bucket before the first request, not when serving
             # first meets a bucket (capturing compiles kernels: seconds at a large model)
