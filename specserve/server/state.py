@@ -96,7 +96,10 @@ class ServerState:
         self.shutting_down = False
         self._lock = threading.Lock()
         self.inflight = 0
-        self.active_rids: set[str] = set()
+        # In flight: the id each request shows its client (the client's rid, or one made up)
+        # -> its engine request id, made up for every submission, so that a rid is free for
+        # reuse as soon as its request finished, and an abort reaches only its own request.
+        self.active_rids: dict[str, str] = {}
         self.runs: weakref.WeakSet[Run] = weakref.WeakSet()
         self.metrics = ServerMetrics(engine, self._server_state)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specserve-tokenize")
@@ -155,9 +158,9 @@ class ServerState:
         with self._lock:
             self.inflight -= n
 
-    def _finished(self, rid: str, out: dict[str, Any]) -> None:
+    def _finished(self, name: str, out: dict[str, Any]) -> None:
         with self._lock:
-            self.active_rids.discard(rid)
+            self.active_rids.pop(name, None)
         self.release(1)
         try:
             self.metrics.observe_finished(out)
@@ -227,7 +230,7 @@ class ServerState:
     def abort_all(self) -> None:
         """Abort every request in flight (graceful-shutdown timeout)."""
         with self._lock:
-            rids = list(self.active_rids)
+            rids = list(self.active_rids.values())
         for rid in rids:
             self.engine.abort(rid)
 
@@ -296,12 +299,13 @@ class Run:
         self.state = state
         self.outbox = state.outbox(loop)  # every output reaches the run's queue through it
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.rids: list[str] = []  # by choice index
+        self.rids: list[str] = []  # engine request ids, by choice index
+        self.names: list[str] = []  # the ids the client sees (meta_info.id), by choice index
         self.unfinished: set[int] = set()
 
     @property
     def id(self) -> str:
-        return self.rids[0]
+        return self.names[0]
 
     def submit(
         self,
@@ -314,13 +318,15 @@ class Run:
         """Submit one prompt's n samples as the next n choices."""
         state, outbox, queue = self.state, self.outbox, self.queue
         base = len(self.rids)
-        group = rid or uuid.uuid4().hex
+        group = uuid.uuid4().hex
         rids = sample_rids(group, n)
+        names = sample_rids(rid, n) if rid else rids
 
         def on_output(j: int, out: dict[str, Any]) -> None:  # runs on the engine's thread
             try:
                 if out.get("finished"):
-                    state._finished(rids[j], out)
+                    state._finished(names[j], out)
+                out["meta_info"]["id"] = names[j]
                 outbox.post(queue, (base + j, out))
             except RuntimeError:  # the event loop is gone (server stopped)
                 pass
@@ -328,21 +334,28 @@ class Run:
                 log.exception("output delivery failed")
 
         with state._lock:
-            taken = next((r for r in rids if r in state.active_rids), None)
+            taken = next((r for r in names if r in state.active_rids), None)
             if taken is not None:
-                raise InvalidArgument("rid", f"request id {taken!r} is already in use")
-            state.active_rids.update(rids)
+                raise InvalidArgument(
+                    "rid",
+                    f"request id {taken!r} is in use by a request still running; choose "
+                    "another id, or reuse it once that request has finished",
+                )
+            state.active_rids.update(zip(names, rids))
         try:
             state.engine.submit_samples(ids, sp, on_output, group, **(logprob_options or {}))
         except BaseException:
             with state._lock:
-                state.active_rids.difference_update(rids)
+                for name in names:
+                    state.active_rids.pop(name, None)
             raise
         self.rids += rids
+        self.names += names
         self.unfinished.update(range(base, base + n))
 
     def abort(self) -> None:
-        """Abort what has not finished (client gone, error, shutdown); frees its KV."""
+        """Abort what has not finished (client gone, error, shutdown); frees its KV. By engine
+        request id: never another run's request, even one that reuses this run's rid."""
         for i in list(self.unfinished):
             self.state.engine.abort(self.rids[i])
 
@@ -353,7 +366,7 @@ class Run:
                 "text": "",
                 "output_ids": [],
                 "meta_info": {
-                    "id": self.rids[i],
+                    "id": self.names[i],
                     "finish_reason": {"type": "abort", "message": message},
                 },
                 "finished": True,

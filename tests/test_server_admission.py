@@ -1,0 +1,138 @@
+"""Who gets in, under which id: a client's rid is free again as soon as its request finished
+and names only that request (a disconnect never aborts another client's request that reuses
+it). A tiny random model with a real tokenizer, served in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from specserve.engine import Engine
+from specserve.server.app import create_app
+from specserve.server.state import ServerConfig, ServerState
+from tests.test_server import Served, ServerThread
+from tests.test_server_hardening import error_of
+
+CONTEXT = 128
+LIMIT = 256
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from tests.model_factory import write_hf_model
+
+    folder = write_hf_model(tmp_path_factory.mktemp("m"), vocab_size=101, with_tokenizer=True)
+    with Engine(model_path=folder, dtype="float32", device="cpu", context_length=CONTEXT) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    app = create_app(engine, ServerConfig(max_queued_requests=LIMIT), owns_engine=False)
+    with ServerThread(app) as srv:
+        s = Served(engine, srv, "m")
+        yield s
+        s.http.close()
+
+
+# ---- request ids ------------------------------------------------------------------------------
+@contextmanager
+def engine_slow_after_each_finish(engine):
+    """After handing out a request's last output the engine's thread waits (up to 2 s) for
+    the next submission, as a thread preempted there would: the finished request is still
+    in the engine's tables while its client, answered, sends its next request."""
+    deliver = engine._deliver
+
+    def slow(req):
+        deliver(req)
+        if req.finished:
+            deadline = time.monotonic() + 2
+            while engine._inbox.empty() and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    engine._deliver = slow
+    try:
+        yield
+    finally:
+        del engine._deliver
+
+
+@contextmanager
+def background_traffic(url: str):
+    """Long requests one after another: the engine keeps decoding a batch around the others."""
+    stop = threading.Event()
+
+    def run():
+        body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
+        with httpx.Client(base_url=url, timeout=60) as http:
+            while not stop.is_set():
+                assert http.post("/generate", json=body).status_code == 200
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+
+
+def test_a_rid_is_free_again_as_soon_as_its_request_has_finished(served, engine):
+    sp = {"max_new_tokens": 3, "ignore_eos": True, "temperature": 0}
+    body = {"input_ids": [5, 6, 7], "rid": "again", "sampling_params": sp}
+    with background_traffic(served.url), engine_slow_after_each_finish(engine):
+        for _ in range(10):
+            r = served.http.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            out = r.json()
+            assert out["meta_info"]["id"] == "again"
+            assert len(out["output_ids"]) == 3
+    served.wait_idle()
+
+
+def test_a_rid_still_running_gets_400_naming_it(served):
+    sp = {"max_new_tokens": 120, "ignore_eos": True}
+    first = {"input_ids": [5, 6], "rid": "busy", "stream": True, "sampling_params": sp}
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        with http.stream("POST", "/generate", json=first) as resp:
+            lines = resp.iter_lines()
+            next(lines)  # admitted and running
+            r = served.http.post("/generate", json={"input_ids": [5, 6], "rid": "busy"})
+            err = error_of(r)
+            assert r.status_code == 400 and err["param"] == "rid", r.text
+            assert "'busy'" in err["message"] and "still running" in err["message"]
+    served.wait_idle()
+
+
+def test_a_disconnect_aborts_only_its_own_request_though_its_rid_was_reused(engine):
+    """Client A's request finished, but A's handler has not read its outputs when client B
+    starts a request under the same rid; then A disconnects, and its handler aborts what it
+    has not seen finish. B's request must run to its end."""
+    state = ServerState(engine, ServerConfig())
+
+    async def scenario():
+        short = {"max_new_tokens": 2, "temperature": 0}
+        a = state.start([[5, 6, 7]], [short], {}, rid="shared")
+        deadline = time.monotonic() + 30
+        while "shared" in state.active_rids:  # the engine finished A's request
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        long = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0}
+        b = state.start([[5, 6, 7]], [long], {}, rid="shared")
+        a.abort()  # A's client went away
+        (out,) = await b.collect()
+        return out
+
+    try:
+        out = asyncio.run(scenario())
+    finally:
+        state.pool.shutdown()
+    assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]
+    assert len(out["output_ids"]) == 40
+    assert out["meta_info"]["id"] == "shared"
