@@ -1,6 +1,8 @@
 """Who gets in, under which id: a client's rid is free again as soon as its request finished
 and names only that request (a disconnect never aborts another client's request that reuses
-it). A tiny random model with a real tokenizer, served in this process.
+it); a request that could never fit (a batch over the admission limit, chat messages over
+the context) is a 400 naming the field before anything is tokenized. A tiny random model
+with a real tokenizer, served in this process.
 """
 
 from __future__ import annotations
@@ -136,3 +138,76 @@ def test_a_disconnect_aborts_only_its_own_request_though_its_rid_was_reused(engi
     assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]
     assert len(out["output_ids"]) == 40
     assert out["meta_info"]["id"] == "shared"
+
+
+# ---- too large to ever be served --------------------------------------------------------------
+@pytest.fixture
+def tokenized(engine, monkeypatch):
+    """The sizes of what the server tokenizes: texts (characters) and chats (messages)."""
+    seen = {"texts": [], "chats": []}
+    encode, tokenize_chat = engine.tokenizer.encode, engine.tokenize_chat
+
+    def spy_encode(text, *args, **kwargs):
+        seen["texts"].append(len(text))
+        return encode(text, *args, **kwargs)
+
+    def spy_chat(messages):
+        seen["chats"].append(len(messages))
+        return tokenize_chat(messages)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", spy_encode)
+    monkeypatch.setattr(engine, "tokenize_chat", spy_chat)
+    return seen
+
+
+def test_a_batch_larger_than_the_admission_limit_gets_400_before_tokenizing(served, tokenized):
+    cases = [  # (route, body, param): every one more requests than max_queued_requests
+        ("/v1/completions", {"prompt": ["hello"] * 300, "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": ["hello"] * 5, "n": 64, "max_tokens": 1}, "n"),
+        ("/v1/completions", {"prompt": [[5, 6]] * 300, "max_tokens": 1}, "prompt"),
+        ("/generate", {"text": ["hello"] * 300}, "text"),
+        (
+            "/generate",
+            {"input_ids": [[5, 6]] * 5, "sampling_params": {"n": 64}},
+            "sampling_params.n",
+        ),
+    ]
+    for route, body, param in cases:
+        r = served.http.post(route, json=body)
+        err = error_of(r)
+        assert r.status_code == 400 and err["param"] == param, (route, param, r.text)
+        assert err["message"].startswith(param) and f"max_queued_requests={LIMIT}" in err["message"]
+    assert tokenized["texts"] == []
+    # n = 64 fits for one prompt (the most each prompt may ask for), and 5 prompts take n = 51
+    r = served.http.post(
+        "/v1/completions", json={"prompt": ["hello"] * 5, "n": 51, "max_tokens": 1}
+    )
+    assert r.status_code == 200 and len(r.json()["choices"]) == 5 * 51, r.text
+    served.wait_idle()
+
+
+def test_chat_messages_that_cannot_fit_are_rejected_before_tokenizing(served, tokenized):
+    for count in (5_000, 200_000):
+        body = {"messages": [{"role": "user", "content": ""}] * count, "max_tokens": 1}
+        r = served.http.post("/v1/chat/completions", json=body)
+        err = error_of(r)
+        assert r.status_code == 400 and err["param"] == "messages", r.text[:300]
+        assert f"{count} messages" in err["message"] and str(CONTEXT) in err["message"]
+    # measuring the template's cost of a message tokenizes a few; no request got there
+    assert max(tokenized["chats"], default=0) <= 3, tokenized["chats"]
+
+
+def test_the_cheap_chat_check_never_rejects_messages_that_fit(served, engine):
+    """Up to the context and past it, with and without content: a chat is rejected exactly
+    when its tokens do not leave room for max_tokens."""
+    roles = ("user", "assistant")
+    for content in ("", "hi", "the quick brown fox"):
+        for count in range(1, 24):
+            messages = [{"role": roles[i % 2], "content": content} for i in range(count)]
+            fits = len(engine.tokenize_chat(messages)) + 1 <= CONTEXT
+            body = {"messages": messages, "max_tokens": 1, "temperature": 0}
+            r = served.http.post("/v1/chat/completions", json=body)
+            assert r.status_code == (200 if fits else 400), (content, count, r.text[:300])
+            if not fits:
+                assert error_of(r)["param"] in ("messages", "max_tokens")
+    served.wait_idle()

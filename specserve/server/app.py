@@ -185,15 +185,18 @@ async def _generate(request: Request, state: ServerState):
     req = await openai_api.parse_body(request, state, GenerateRequest)
     if (req.text is None) == (req.input_ids is None):
         raise APIError("text: give exactly one of text or input_ids", param="text")
+    n = req.sampling_params.n if req.sampling_params else 1
     if req.text is not None:
         single = isinstance(req.text, str)
         texts = [req.text] if single else req.text
+        state.size.check_batch(len(texts), n, "text", "sampling_params.n")
         prompts = [await state.encode(t, "text") for t in texts]
         prompt_param = "text"
     else:
         single = isinstance(req.input_ids[0], int)
         prompts = [list(req.input_ids)] if single else [list(p) for p in req.input_ids]
         prompt_param = "input_ids"
+        state.size.check_batch(len(prompts), n, prompt_param, "sampling_params.n")
     if req.stream and not single:
         raise APIError("stream: streaming takes one prompt at a time", param="stream")
     for ids in prompts:

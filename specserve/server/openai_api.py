@@ -116,6 +116,7 @@ async def completions(request: Request, state: ServerState):
     req = await parse_body(request, state, CompletionRequest)
     _check_common(state, req)
     given = req.prompts()
+    state.size.check_batch(len(given), _n(req), "prompt", "n")
     prompts = [await state.encode(p, "prompt") if isinstance(p, str) else list(p) for p in given]
     max_new = _max_new_tokens(state, req, prompts, "prompt")
     params = [req.sampling_params(m) for m in max_new]
@@ -258,6 +259,7 @@ async def chat_completions(request: Request, state: ServerState):
     req = await parse_body(request, state, ChatCompletionRequest)
     _check_common(state, req)
     req.check_logprobs()
+    state.size.check_batch(1, _n(req), "messages", "n")
     ids = await state.encode_chat(req.chat_messages())
     max_new = _max_new_tokens(state, req, [ids], "messages")
     run = state.start(

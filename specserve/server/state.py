@@ -9,7 +9,8 @@ it could begin a stop string is the engine's business (`request_output`): what a
 can be sent as is.
 
 Tokenization runs on a small thread pool, never on the event loop: one large prompt must not
-stall other clients or /health.
+stall other clients or /health; what cannot fit is rejected before it gets there
+(`request_size`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from specserve.runtime.logprobs import add_logprobs
 from specserve.server.metrics import ServerMetrics
 from specserve.server.outbox import LoopOutbox
 from specserve.server.protocol import APIError
+from specserve.server.request_size import RequestSize
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +83,6 @@ def engine_error(e: InvalidArgument, rename: dict[str, str], prefix: str = "") -
 
 
 T = TypeVar("T")
-# Tokenizing more characters than this per context token cannot fit the context: a token
-# covers at most the longest vocabulary entry; x4 leaves room for normalizers that shrink text.
-_CHARS_SLACK = 4
 
 
 class ServerState:
@@ -103,7 +102,7 @@ class ServerState:
         self.runs: weakref.WeakSet[Run] = weakref.WeakSet()
         self.metrics = ServerMetrics(engine, self._server_state)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specserve-tokenize")
-        self._max_prompt_chars: int | None = None
+        self.size = RequestSize(self.tokenizer, self.context_len, cfg.max_queued_requests)
         self._outbox: LoopOutbox | None = None
 
     def outbox(self, loop: asyncio.AbstractEventLoop) -> LoopOutbox:
@@ -168,21 +167,6 @@ class ServerState:
             log.exception("metrics update failed")
 
     # ---- tokenization -------------------------------------------------------------------------
-    def max_prompt_chars(self) -> int:
-        """Characters beyond which a text cannot fit the context, whatever it says."""
-        if self._max_prompt_chars is None:
-            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
-            self._max_prompt_chars = self.context_len * max(longest, 1) * _CHARS_SLACK
-        return self._max_prompt_chars
-
-    def _check_text_length(self, chars: int, param: str) -> None:
-        if chars > self.max_prompt_chars():
-            raise APIError(
-                f"{param}: the prompt has {chars} characters, more than a context of "
-                f"{self.context_len} tokens can hold (the prompt must be shorter)",
-                param=param,
-            )
-
     async def encode(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError(
@@ -190,7 +174,7 @@ class ServerState:
                 "(skip_tokenizer_init); send token ids",
                 param=param,
             )
-        self._check_text_length(len(text), param)
+        self.size.check_text(len(text), param)
         return await self.off_loop(self._encode, text)
 
     def _encode(self, text: str) -> list[int]:
@@ -198,7 +182,9 @@ class ServerState:
 
     async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if self.tokenizer is not None:
-            self._check_text_length(sum(len(m["content"]) for m in messages), "messages")
+            if self.size.message_tokens is None:
+                await self.off_loop(self.size.measure_message_tokens, self.engine.tokenize_chat)
+            self.size.check_chat(messages)
         try:
             return await self.off_loop(self.engine.tokenize_chat, messages)
         except Exception as e:  # no tokenizer/template, or the template rejected the messages

@@ -8,18 +8,22 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
     pick argmax over tiers t of  batch_size * accept_length[t] / step_cost[t, batch bucket]
     step_cost = max(step_seconds, host_seconds)
 
-- host_seconds: the host's own time per step of tier t at the bucket (its stop checks,
-  detokenizing, streaming and the next launch), measured as steps are served. Under overlap
-  the host works while the device runs the next step, so a step lasts as long as the longer
-  of the two: at large batches of a small model the host's part is the longer, and a wide
-  tree, whose device time hides under it, costs no more than a chain.
+- host_seconds: the host's own time per step at the bucket (its stop checks, detokenizing,
+  streaming and the next launch), measured as steps are served, whatever their tier. Under
+  overlap the host works while the device runs the next step, so a step lasts as long as the
+  longer of the two: at large batches of a small model the host's part is the longer, and a
+  wide tree, whose device time hides under it, costs no more than a chain. It is one value
+  per bucket, not per tier: it is per-request work that hardly depends on the tier, and a
+  tier run rarely would otherwise be judged on the few intervals it happened to run in,
+  any of them slowed by a collection or a burst of arrivals.
 - step_seconds: the device time of a step of tier t at a batch bucket, measured on this
   device when the engine starts (`prime`: every tier's CUDA graph at every bucket replayed on
   padding rows, so every tier is timed alike, and serving does not stop to capture and time
-  every tier at a bucket it meets first), then as steps are served (a moving average of the launched steps'
-  own time). Padding rows have no context to attend to: what served steps take beyond their
-  replay is added to the replay of tiers not served yet. Without CUDA graphs a (tier,
-  bucket) not yet timed is tried first (its first step, which compiles, is not counted).
+  every tier at a bucket it meets first), then as steps are served (a moving average of the
+  launched steps' own time). Padding rows have no context to attend to: what served steps
+  take beyond their replay is added to the replay of tiers not served yet. Without CUDA
+  graphs a (tier, bucket) not yet timed is tried first (its first step, which compiles, is
+  not counted; a replayed graph was compiled when timed, so its first served step counts).
 - accept_length: tokens emitted per speculating request per step, observed per tier (under
   simulated acceptance, the forced one). It is a mean over the speculating requests
   observed; each weighs `ACCEPT_DECAY` less for every speculating request served since, at
@@ -125,7 +129,7 @@ class AdaptiveSpeculation:
         # contexts, which padding rows do not have), carried over to tiers not yet served
         self.context_cost: dict[int, float] = {}
         # the host's time per step: by (tier, bucket), and by bucket for tiers not seen there
-        self.host: dict[tuple[int, int], float] = {}
+        self.host: dict[tuple[int, int], float] = {}  # (reporting)
         self.host_any: dict[int, float] = {}
         self._warmed: set[tuple[int, int]] = set()  # (tier, bucket) whose first step ran
         self.picks = 0
@@ -140,7 +144,9 @@ class AdaptiveSpeculation:
         if key in self.observed:
             return self.observed[key]
         if key in self.replayed:
-            return self.replayed[key] + self.context_cost.get(bucket, 0.0)
+            # (served steps faster than their replay say that replay was pessimistic, not
+            # that other tiers' attention is free: only a positive excess carries over)
+            return self.replayed[key] + max(0.0, self.context_cost.get(bucket, 0.0))
         return None
 
     def cost(self, tier: int, bucket: int) -> float | None:
@@ -149,7 +155,7 @@ class AdaptiveSpeculation:
         device = self.seconds(tier, bucket)
         if device is None:
             return None
-        return max(device, self.host.get((tier, bucket), self.host_any.get(bucket, 0.0)))
+        return max(device, self.host_any.get(bucket, 0.0))
 
     def prime(self, max_batch_size: int) -> int:
         """Time every tier at every bucket up to `max_batch_size` now (engine start): capturing
@@ -270,7 +276,9 @@ class AdaptiveSpeculation:
                 # a vain exploration: look again twice as late (what it costs shrinks away)
                 self.explore_gap = min(2 * self.explore_gap, self.max_explore_gap)
         key = (tier, bucket)
-        if key not in self._warmed:  # a first step compiles: its time says nothing
+        if key not in self._warmed and key not in self.replayed:
+            # an eager first step compiles: its time says nothing (a replayed graph was
+            # compiled when it was timed, so its first served step counts)
             self._warmed.add(key)
             return
         if seconds is None or seconds <= 0:
