@@ -23,8 +23,14 @@ PARSE_OFF_LOOP_BYTES = 64 * 1024
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# JSON leaves these raw, but many clients split lines on them too (str.splitlines, JavaScript
+# line terminators): escaped, every event is exactly one line.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -40,14 +46,18 @@ def matched_stop(meta: dict[str, Any]) -> Any:
 
 
 def usage(metas: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
-    """Summed over the choices; a prompt sampled n times counts its tokens once (as OpenAI)."""
-    prompt = sum(m.get("prompt_tokens", 0) for m in metas) // n
+    """Completion tokens summed over the choices (in choice order: prompt i's samples are
+    i * n ... i * n + n - 1); a prompt sampled n times counts once (as OpenAI), with the
+    cached tokens its first sample found: the others reuse that sample's prefill."""
+    firsts = metas[::n]
+    prompt = sum(m.get("prompt_tokens", 0) for m in firsts)
+    cached = sum(min(m.get("cached_tokens", 0), m.get("prompt_tokens", 0)) for m in firsts)
     completion = sum(m.get("completion_tokens", 0) for m in metas)
     out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(m.get("cached_tokens", 0) for m in metas)},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
     verify = sum(m.get("spec_verify_ct", 0) for m in metas)
     if verify:  # speculative decoding: tokens per verify step
