@@ -64,6 +64,7 @@ BASE = {
 }
 NESTED = {"a": [{"b": [[{"c": None}]]}]}
 BOOL = ["no", "false", 1, 0, None, 1.5, [], NESTED]
+OPENAI_BOOL = [v for v in BOOL if v is not None]  # null is the default on the OpenAI routes
 COUNT = [True, "10", 2.5, -5, 2**70, [], NESTED, "1e309", "NaN"]  # strings in RAW are raw JSON
 NUMBER = ["hot", True, 1e6, -1, [], NESTED, "1e309", "-1e309", "NaN", "Infinity"]
 RAW = {"1e309", "-1e309", "NaN", "Infinity"}
@@ -78,12 +79,12 @@ OPENAI_FIELDS = {
     "stop": STOP,
     "seed": [*COUNT, -1],
     "n": [0, 65, "1", True, 2.5],
-    "stream": BOOL,
+    "stream": OPENAI_BOOL,
     "stream_options": [True, "x", {"include_usage": "yes"}],
-    "ignore_eos": BOOL,
+    "ignore_eos": OPENAI_BOOL,
     "stop_token_ids": IDS,
-    "skip_special_tokens": BOOL,
-    "return_token_ids": BOOL,
+    "skip_special_tokens": OPENAI_BOOL,
+    "return_token_ids": OPENAI_BOOL,
     "logprobs": [6, "x", -1],
     "presence_penalty": [0.5, "x", "NaN"],
     "model": [5, "gpt-17", NESTED],

@@ -1,6 +1,7 @@
-"""What OpenAI clients read: `usage` counts a prompt once whatever `n`, and every SSE event is
-one line for any line-splitting client. A tiny random model with a real tokenizer, served in
-this process.
+"""What OpenAI clients send and read: null is the default for every optional field, fields of
+features the server lacks are a 400 naming them (never silently ignored), `usage` counts a
+prompt once whatever `n`, every SSE event is one line for any line-splitting client, and
+`HEAD /health` answers. A tiny random model with a real tokenizer, served in this process.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from specserve.engine import Engine
 from specserve.server.app import create_app
 from specserve.server.state import ServerConfig
 from tests.test_server import Served, ServerThread
+from tests.test_server_hardening import error_of
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -45,6 +47,79 @@ def events(served, route: str, body: dict) -> list[dict]:
         if line != "data: [DONE]":
             out.append(json.loads(line[6:]))
     return out
+
+
+# ---- null -------------------------------------------------------------------------------------
+NULLABLE = {  # route -> optional fields a client may send as null
+    CHAT: ["logprobs", "stream", "top_logprobs", "stream_options", "max_completion_tokens"],
+    COMPLETIONS: ["echo", "stream", "logprobs", "stream_options", "suffix", "best_of"],
+}
+SHARED_NULLABLE = [
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "n", "user",
+    "ignore_eos", "stop_token_ids", "skip_special_tokens", "speculative", "return_token_ids",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "tools",
+    "tool_choice", "response_format", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS])
+def test_null_means_the_default_for_every_optional_field(served, route):
+    base = {"messages": MESSAGES} if route == CHAT else {"prompt": "the quick brown fox"}
+    base.update(max_tokens=6, seed=3, ignore_eos=True)
+    want = served.http.post(route, json=base).json()["choices"]
+    for field in NULLABLE[route] + SHARED_NULLABLE:
+        r = served.http.post(route, json={**base, field: None})
+        assert r.status_code == 200, (field, r.text)
+        if field not in base:  # as if not sent: the same (seeded) answer, not streamed
+            assert r.json()["choices"] == want, field
+    body = {**base, "stream": True, "stream_options": {"include_usage": None}}
+    assert all("usage" not in event for event in events(served, route, body))
+
+
+# ---- features the server lacks ----------------------------------------------------------------
+UNSUPPORTED = [  # (routes, field, value)
+    ((COMPLETIONS,), "response_format", {"type": "json_object"}),
+    ((CHAT, COMPLETIONS), "response_format", {"type": "json_schema", "json_schema": {}}),
+    ((COMPLETIONS,), "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ((COMPLETIONS,), "tool_choice", "required"),
+    ((CHAT,), "functions", [{"name": "f", "parameters": {}}]),
+    ((CHAT,), "function_call", {"name": "f"}),
+    ((CHAT, COMPLETIONS), "guided_json", {"type": "object"}),
+    ((CHAT, COMPLETIONS), "guided_regex", "[a-z]+"),
+    ((CHAT, COMPLETIONS), "guided_choice", ["yes", "no"]),
+    ((CHAT, COMPLETIONS), "guided_grammar", "root ::= 'a'"),
+    ((CHAT, COMPLETIONS), "structured_outputs", {"choice": ["yes", "no"]}),
+    ((CHAT, COMPLETIONS), "regex", "[a-z]+"),
+    ((CHAT, COMPLETIONS), "ebnf", "root ::= 'a'"),
+    ((CHAT, COMPLETIONS), "json_schema", "{}"),
+]
+
+
+def test_fields_of_features_the_server_lacks_get_400_naming_them(served):
+    for routes, field, value in UNSUPPORTED:
+        for route in routes:
+            base = {"messages": MESSAGES} if route == CHAT else {"prompt": [5, 6]}
+            r = served.http.post(route, json={**base, "max_tokens": 2, field: value})
+            err = error_of(r)
+            assert r.status_code == 400 and err["param"] == field, (route, field, r.text)
+            assert err["message"].startswith(f"{field}: ") and "only" in err["message"], err
+    # their neutral values are no request for the feature
+    for route, field, value in [
+        (COMPLETIONS, "response_format", {"type": "text"}),
+        (COMPLETIONS, "tools", []),
+        (COMPLETIONS, "tool_choice", "none"),
+        (CHAT, "functions", []),
+        (CHAT, "function_call", "auto"),
+    ]:
+        base = {"messages": MESSAGES} if route == CHAT else {"prompt": [5, 6]}
+        r = served.http.post(route, json={**base, "max_tokens": 2, field: value})
+        assert r.status_code == 200, (route, field, r.text)
+
+
+def test_head_health(served):
+    r = served.http.head("/health")
+    assert r.status_code == 200 and r.content == b""
 
 
 # ---- usage ------------------------------------------------------------------------------------

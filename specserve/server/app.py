@@ -152,6 +152,8 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
         }
 
     # ---- operations -------------------------------------------------------------------------
+    # (HEAD too, as load balancers probe; a route per method, so each has its own OpenAPI id)
+    @app.head("/health", operation_id="health_head", include_in_schema=False)
     @app.get(
         "/health",
         response_model=s.Health,

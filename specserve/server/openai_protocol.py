@@ -38,12 +38,14 @@ _OPENAI_SAMPLING = (
     "n",
     "speculative",
 )
-_NULLABLE = {"temperature", "top_p", "top_k", "min_p", "stop", "seed", "stop_token_ids", "n"}
+# Booleans outside those: null is the default too, as OpenAI's and vLLM's servers take it.
+_NULL_IS_DEFAULT = ("stream", "return_token_ids", "echo", "logprobs")
 # OpenAI's limits on alternatives per position: chat `top_logprobs`, completions `logprobs`.
 CHAT_MAX_TOP_LOGPROBS = 20
 COMPLETION_MAX_LOGPROBS = 5
 
-# OpenAI features this server does not implement: accepted only at their neutral value.
+_NO_STRUCTURED_OUTPUT = "structured output is not supported (only null)"
+# Features this server does not implement: accepted only at their neutral value (null always).
 _NEUTRAL: dict[str, tuple[Any, str]] = {
     "presence_penalty": (lambda v: v == 0, "is not supported (only 0)"),
     "frequency_penalty": (lambda v: v == 0, "is not supported (only 0)"),
@@ -51,14 +53,44 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "logit_bias": (lambda v: not v, "is not supported"),
     "suffix": (lambda v: not v, "is not supported"),
     "best_of": (lambda v: v == 1, "only best_of=1 is supported"),
-    "tools": (lambda v: not v, "tool calling is not supported"),
-    "tool_choice": (lambda v: v in ("none", "auto"), "tool calling is not supported"),
-    "response_format": (lambda v: v.get("type") == "text", "only {'type': 'text'} is supported"),
+    "tools": (lambda v: not v, "tool calling is not supported (only null or [])"),
+    "tool_choice": (
+        lambda v: v in ("none", "auto"),
+        "tool calling is not supported (only null, 'none' or 'auto')",
+    ),
+    "functions": (lambda v: not v, "function calling is not supported (only null or [])"),
+    "function_call": (
+        lambda v: v in ("none", "auto"),
+        "function calling is not supported (only null, 'none' or 'auto')",
+    ),
+    "response_format": (
+        lambda v: v.get("type") == "text",
+        "structured output is not supported (only null or {'type': 'text'})",
+    ),
+    # structured output as vLLM (guided_*, structured_outputs) and SGLang (regex, ...) ask
+    **{
+        name: (lambda v: False, _NO_STRUCTURED_OUTPUT)
+        for name in (
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "structured_outputs",
+            "json_schema",
+            "regex",
+            "ebnf",
+        )
+    },
 }
 
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+
+    @field_validator("include_usage", mode="before")
+    @classmethod
+    def _null_is_false(cls, v):
+        return False if v is None else v
 
 
 class _CommonRequest(StrictModel):
@@ -87,13 +119,29 @@ class _CommonRequest(StrictModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
 
     @field_validator(*_OPENAI_SAMPLING, mode="before")
     @classmethod
     def _sampling(cls, v, info: ValidationInfo):
-        if v is None and info.field_name in _NULLABLE:
-            return None
+        if v is None:
+            return cls.model_fields[info.field_name].default
         return core_check(info.field_name, v, OPENAI_MAX_TEMPERATURE)
+
+    @field_validator(*_NULL_IS_DEFAULT, mode="before", check_fields=False)
+    @classmethod
+    def _null_is_default(cls, v, info: ValidationInfo):
+        return cls.model_fields[info.field_name].default if v is None else v
 
     @field_validator("max_tokens", mode="before")
     @classmethod
@@ -227,9 +275,8 @@ class ChatCompletionRequest(_CommonRequest):
     max_completion_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
     logprobs: bool = False
     top_logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 20})
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    functions: list[Any] | None = None  # (OpenAI's deprecated form of tools)
+    function_call: Any = None
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod
