@@ -9,10 +9,10 @@ naming the field and the allowed values. Nothing is mutated after resolution.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from specserve.config.environment import triton_interpreting
 from specserve.config.kernels import Kernels, resolve_kernels
 from specserve.config.speculative import (
     resolve_bundled_draft,
@@ -167,7 +167,7 @@ class EngineConfig:
             # Triton compiles for a GPU; on a CPU its kernels run only in its interpreter
             # (how the test suite checks them), which is Triton's own setting
             require(
-                on_gpu or _triton_interpreting(),
+                on_gpu or triton_interpreting(),
                 "attention_backend",
                 "'triton' on a CPU runs only under Triton's interpreter (TRITON_INTERPRET=1 "
                 "set before triton is imported); use 'torch' or 'auto' on a CPU",
@@ -327,15 +327,6 @@ def _triton_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("triton") is not None
-
-
-def _triton_interpreting() -> bool:
-    import triton
-
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:

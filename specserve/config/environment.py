@@ -3,6 +3,7 @@
 Only aliases of engine arguments live here: `SPECSERVE_SIMULATE_ACC_*` for the simulated-
 acceptance fields (as SGLang's `SGLANG_SIMULATE_ACC_*`), so a benchmark harness can force
 acceptance lengths without changing its command line. An explicit argument always wins.
+Besides them, one fact the resolver checks: whether Triton runs its interpreter.
 """
 
 from __future__ import annotations
@@ -26,3 +27,14 @@ def simulate_acc_aliases() -> dict[str, str]:
         if value is not None:
             out[name] = value
     return out
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (its own setting, TRITON_INTERPRET):
+    the only way its kernels run on a CPU."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
