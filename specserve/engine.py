@@ -51,7 +51,7 @@ def request_output(req: Request, incremental: bool = False, tokenizer=None) -> d
     else:
         text, ids = req.text, list(req.output_ids)
     meta: dict[str, Any] = {
-        "id": req.rid,
+        "id": req.name,
         "prompt_tokens": len(req.prompt_ids),
         "completion_tokens": len(req.output_ids),
         "finish_reason": req.finish_reason,
@@ -461,7 +461,8 @@ class Engine:
                 yield {**out, "index": index}
         finally:
             for i in unfinished:
-                self.abort(reqs[i].rid)
+                self._inbox.put(("abort", reqs[i]))  # that request, whatever its id names now
+            self._wake.set()
 
     def _loop(self) -> None:
         core = self.core

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import threading
+import time
 
 import pytest
 
@@ -154,6 +155,48 @@ def test_triton_attention_on_a_cpu_is_refused_outside_the_interpreter(monkeypatc
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     resolved = EngineConfig(**TINY, attention_backend="triton").resolve(cuda_available=False)
     assert resolved.attention_backend == "triton"
+
+
+def test_a_rid_is_free_again_as_soon_as_its_request_finished():
+    """A finished request keeps its pages until the step launched ahead of it is applied;
+    its id is the caller's again at once (SGLang's rid semantics)."""
+    with Engine(**TINY, **spec_args("tiny", 2, 3, 6)) as engine:
+        deliver = engine._deliver
+
+        def slow(req):  # the loop thread, preempted right after answering, meets the next
+            deliver(req)  # submission before its next step reaps the finished request
+            deadline = time.monotonic() + 2
+            while req.finished and engine._inbox.empty() and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+        engine._deliver = slow
+        # a long request keeps a decode batch going, so steps are launched ahead
+        long = {"max_new_tokens": 100000, "ignore_eos": True}
+        background = engine.generate(input_ids=[9, 9], sampling_params=long, stream=True)
+        next(background)
+        for i in range(12):
+            out = engine.generate(
+                input_ids=[4, 5, 6 + i], sampling_params={"max_new_tokens": 3}, rid="same"
+            )
+            assert out["meta_info"]["id"] == "same"
+            assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]
+            assert len(out["output_ids"]) == 3
+        background.close()
+
+
+def test_a_rid_still_running_is_refused_and_abort_reaches_only_the_running_request():
+    engine = _shared_engine()
+    long = {"max_new_tokens": 100000, "ignore_eos": True}
+    stream = engine.generate(input_ids=[4, 5, 6], sampling_params=long, stream=True, rid="busy")
+    next(stream)
+    second = engine.generate(input_ids=[7, 8], sampling_params={"max_new_tokens": 2}, rid="busy")
+    assert second["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "rid" in second["meta_info"]["finish_reason"]["message"]
+    engine.abort("busy")
+    last = list(stream)[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    again = engine.generate(input_ids=[7, 8], sampling_params={"max_new_tokens": 2}, rid="busy")
+    assert len(again["output_ids"]) == 2
 
 
 def test_abort_frees_the_request_and_its_kv():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -171,6 +172,8 @@ class EngineCore:
         self.eos_token_ids = eos
         self.stop_checker = StopChecker(self.tokenizer, eos, self.context_len)
         self.requests: dict[str, Request] = {}
+        self.by_name: dict[str, Request] = {}  # the latest request of each caller's id
+        self._rekeyed = itertools.count(1)
         self.overlap = not cfg.disable_overlap_schedule
         self.pending = None  # a launched decode step whose results the host has not applied
         self.host_clock = HostClock()  # the host's time per step (adaptive speculation)
@@ -262,16 +265,25 @@ class EngineCore:
             )
 
     def add_request(self, req: Request) -> None:
+        live = self.by_name.get(req.name)
+        if live is not None and not live.finished:
+            raise InvalidArgument(
+                "rid", f"request id {req.name!r} is in use by a request still running"
+            )
         if req.rid in self.requests:
-            raise InvalidArgument("rid", f"request id {req.rid!r} is already in use")
+            # a finished request of this id keeps its pages until no launched step can write
+            # them: the new one is filed under a key of its own, its id stays the caller's
+            req.rid = f"{req.name}#{next(self._rekeyed)}"
         self.requests[req.rid] = req
+        self.by_name[req.name] = req
         if req.params.max_new_tokens == 0 and not req.wants_prompt_logprobs:
             req.finish("length", length=0)  # (with prompt log-probs: prefill, then finish)
             return
         self.scheduler.add(req)
 
-    def abort(self, rid: str, message: str = "aborted by request") -> Request | None:
-        req = self.requests.get(rid)
+    def abort(self, rid: str | Request, message: str = "aborted by request") -> Request | None:
+        """Abort the running request the caller knows as `rid` (or that very request)."""
+        req = rid if isinstance(rid, Request) else self.by_name.get(rid)
         if req is None or req.finished:
             return None
         req.finish("abort", message=message)
@@ -500,6 +512,8 @@ class EngineCore:
         for r in done:
             self.scheduler.remove(r)
             del self.requests[r.rid]
+            if self.by_name.get(r.name) is r:
+                del self.by_name[r.name]
         # after the tables: should freeing a request's worker state fail, no request is left
         # half-removed for the loop's error path to trip over again
         for r in done:

@@ -39,6 +39,8 @@ _ALLOWED = {
 
 @dataclass(eq=False)  # identity: two requests are never 'equal'
 class Request:
+    # the engine's key for the request's pages and rows; it is the caller's id (`name`)
+    # unless a request of that name finished but still holds its pages (reaped a step later)
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -68,6 +70,7 @@ class Request:
     num_retractions: int = 0
     inflight_steps: int = 0  # launched decode steps whose results are not applied yet
     finish_reported: bool = False  # the final output went out (reaping comes later)
+    name: str = ""  # the id the caller knows the request by (rid when not given)
     # prefix cache: prompt tokens served from it at the first admission, and the deepest
     # cache node this request holds locked
     cached_tokens: int | None = None
@@ -86,6 +89,10 @@ class Request:
     stream_sent_chars: int = 0
     stream_sent_input_logprobs: bool = False
     detok: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = self.rid
 
     @property
     def all_ids(self) -> list[int]:
