@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,14 +113,11 @@ class DecodeGraphs:
         width: int,
         tier: int = 0,
         catch_up: bool = False,
-        siblings: Sequence[int] = (),
     ) -> tuple | None:
         """Replay the step for these rows: DecodeStep.run's outputs for the real rows; None
-        when the batch is too large for a graph. siblings: the other tiers a step of this
-        shape may run (load-adaptive speculation); when this step's graph is new, theirs are
-        captured with it, so a shape stalls the loop once, at its first step, and not again
-        each time exploration first runs another tier there (a capture of an 8B step takes
-        far longer than the step)."""
+        when the batch is too large for a graph. A shape met first is captured for this
+        step's tier alone: load-adaptive speculation explores only tiers already captured
+        at a shape (`ready_tiers`), so no other tier's capture is needed to explore."""
         shape = self.bucket(len(rows), width)
         if shape is None:
             return None
@@ -132,10 +128,6 @@ class DecodeGraphs:
         if cap is None:
             cap = self._capture(*key)
             self.graphs[key] = cap
-            for other in siblings:
-                sibling_key = (*key[:-2], other, catch_up)
-                if sibling_key not in self.graphs:
-                    self.graphs[sibling_key] = self._capture(*sibling_key)
         self._copy_inputs(cap, rows, sampling)
         if cap.graph is not None:
             cap.graph.replay()

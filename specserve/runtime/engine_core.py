@@ -411,7 +411,7 @@ class EngineCore:
 
     def _launch_decode(self, reqs: list[Request]):
         kv_upper = [r.kv_len + r.inflight_steps * self.worker.max_accept for r in reqs]
-        tier, lagged, siblings = 0, None, ()
+        tier, lagged = 0, None
         if self.adaptive is not None:
             can_speculate = any(r.params.speculative and not r.draft_stale for r in reqs)
             ready = None
@@ -423,8 +423,6 @@ class EngineCore:
                     reqs, kv_upper, len(self.adaptive.tiers), lambda t: t > 0 and lagging
                 )
             tier = self.adaptive.pick(len(reqs), can_speculate, ready=ready)
-            # (a batch that cannot speculate runs plain steps only: nothing else to capture)
-            siblings = self.adaptive.candidates(len(reqs)) if can_speculate else ()
             if self.draft_lag is not None:
                 lagged = self.draft_lag.plan(
                     reqs, tier, lambda: self.adaptive.speculation_pays(len(reqs))
@@ -439,7 +437,6 @@ class EngineCore:
             tier,
             timed=self.adaptive is not None,
             catch_up=lagged is not None and lagged.catch_up,
-            siblings=siblings,
         )
         graphs = self.worker.graphs
         if graphs is not None and graphs.captured_last:

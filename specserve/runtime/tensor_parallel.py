@@ -30,7 +30,6 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Sequence
 from dataclasses import replace
 from multiprocessing.connection import wait as wait_for
 
@@ -238,15 +237,13 @@ class LeaderWorker:
         tier: int = 0,
         timed: bool = False,
         catch_up: bool = False,
-        siblings: Sequence[int] = (),
     ):
-        # which requests stopped speculating (adaptive speculation) shapes the step too; the
-        # siblings too, since every rank must capture the same graphs (their collectives)
+        # which requests stopped speculating (adaptive speculation) shapes the step too
         stale = [r.rid for r in reqs if r.draft_stale]
         rids = [r.rid for r in reqs]
-        message = ("decode", rids, list(kv_upper), tier, catch_up, stale, list(siblings))
+        message = ("decode", rids, list(kv_upper), tier, catch_up, stale)
         return self._call(
-            message, self._worker.launch_decode, reqs, kv_upper, tier, timed, catch_up, siblings
+            message, self._worker.launch_decode, reqs, kv_upper, tier, timed, catch_up
         )
 
     def forget(self, rid: str) -> None:
@@ -349,11 +346,11 @@ class Follower:
         if kind == "prefill":
             self.worker.prefill([self._chunk(*c) for c in call[1]])
         elif kind == "decode":
-            _, rids, kv_upper, tier, catch_up, stale, siblings = call
+            _, rids, kv_upper, tier, catch_up, stale = call
             reqs = [self.requests[r] for r in rids]
             for r in reqs:
                 r.draft_stale = r.rid in stale
-            self.worker.launch_decode(reqs, kv_upper, tier, catch_up=catch_up, siblings=siblings)
+            self.worker.launch_decode(reqs, kv_upper, tier, catch_up=catch_up)
         else:  # "state"
             return _replica_state(self.worker, call[1], call[2])
         return None

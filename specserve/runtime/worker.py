@@ -377,13 +377,11 @@ class Worker:
         tier: int = 0,
         timed: bool = False,
         catch_up: bool = False,
-        siblings: Sequence[int] = (),
     ) -> PendingDecode:
         """One decode step (speculative/step.py) of `reqs` drafting the step's tier `tier`,
         replayed from a CUDA graph when one fits; nothing waits for the device. kv_upper:
         host bounds of each kv_len. timed: measure the step's own time (adaptive tiers).
-        catch_up: the draft first runs over the positions plain steps skipped. siblings:
-        the other tiers the policy may run at this load (captured with this step's graph)."""
+        catch_up: the draft first runs over the positions plain steps skipped."""
         self.rows.flush()
         rows = self.rows.rows_of([r.rid for r in reqs])
         sampling = self._sampling_for(reqs)
@@ -391,7 +389,7 @@ class Worker:
         timer = StepTimer(self.device) if timed else None  # around the step alone
         out = None
         if self.graphs is not None:
-            out = self.graphs.run(rows, sampling, width, tier, catch_up, siblings)
+            out = self.graphs.run(rows, sampling, width, tier, catch_up)
         if out is None:
             rows_dev = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
             out = self.step.run(rows_dev, sampling, width, kv_upper, tier, catch_up)

@@ -44,10 +44,14 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   nothing better doubles the wait for the next one (up to `max_explore_gap` steps), so a
   steady state costs less and less; when the best tier changes the pace starts over.
 - captures: under CUDA graphs a step replays the graph of its shape (batch bucket, context
-  width, tier), captured the first time it is met, which stalls the loop. The tiers a shape
-  may run are captured together when it is first met (`candidates`); later, exploration
-  runs only tiers already captured there (accept lengths are learnt at any shape), and the
-  best tier is swapped for a captured one scoring within `CAPTURE_MARGIN` of it.
+  width, tier), captured the first time it is met, which stalls the loop. Every tier is
+  captured at every batch bucket at the shortest width when the engine starts (`prime`);
+  past it, a shape is captured for the tier its first step runs. Exploration runs only
+  tiers already captured at the step's shape (accept lengths are learnt at any shape), and
+  the best tier is swapped for a captured one scoring within `CAPTURE_MARGIN` of it. As
+  contexts grow a batch meets a new width every few steps, at each batch bucket its tail
+  shrinks through: capturing every tier there stalls the loop for longer than the few
+  steps at that width can win back.
 A plain step skips the draft: the target's features and the emitted token are kept in a
 per-request ring, and the next speculative step first runs the draft over them in one pass
 (a catch-up), so its KV and root state are exactly what drafting every step would give. A
@@ -71,22 +75,29 @@ CAPTURE_MARGIN = 0.03
 
 
 def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
-    """Plain decoding, chains of 1 to 3 steps, the configured tree verifying a quarter and a
-    half of its nodes per request on average (ragged: each request as many as they are
-    worth), and the whole configured tree (distinct, smallest first). Every chain length is
-    a tier because a step drafting deeper than its requests accept pays for draft steps and
-    verified tokens that emit nothing, which costs most where speculation is marginal: at
-    large batches, where verification is compute-bound."""
+    """Plain decoding, chains of 1 to 3 steps, a small tree (at most 4 steps of topk 4, 16
+    nodes), the configured tree verifying a quarter and a half of its nodes per request on
+    average (ragged: each request as many as they are worth), and the whole configured tree
+    (distinct, smallest first).
+    - Every chain length is a tier because a step drafting deeper than its requests accept
+      pays for draft steps and verified tokens that emit nothing, which costs most where
+      speculation is marginal: at large batches, where verification is compute-bound.
+    - The small tree because drafting a wide tree costs steps x topk frontier nodes per
+      request whatever part of it is verified: at large batches a ragged budget on the
+      configured tree still pays for all of its drafting. (SmolLM2-135M with its 6/8/64
+      draft on an H200: a fixed 4/4/16 tree beat the 6/8/64 one from batch 16 on.)"""
     chains = [TreeShape(d, 1, d + 1) for d in range(1, min(shape.steps, 3) + 1)]
-    budgets = []
+    smaller, budgets = [], []
     if shape.topk > 1:  # a chain has no nodes worth less than others
+        small = TreeShape(min(shape.steps, 4), min(shape.topk, 4), min(shape.tokens, 16))
+        smaller = [small] if small != shape and small.tokens > small.steps + 1 else []
         budgets = [
             TreeShape(shape.steps, shape.topk, shape.tokens, v)
             for v in (shape.tokens // 4, shape.tokens // 2)
             if 2 <= v < shape.tokens
         ]
     tiers = [PLAIN]
-    for t in (*chains, *budgets, shape):
+    for t in (*chains, *smaller, *budgets, shape):
         if t not in tiers and t.tokens <= shape.tokens:
             tiers.append(t)
     return tiers
@@ -229,19 +240,6 @@ class AdaptiveSpeculation:
             if scores[near] >= (1.0 - CAPTURE_MARGIN) * scores[best]:
                 return near
         return best
-
-    def candidates(self, batch_size: int) -> tuple[int, ...]:
-        """The tiers a step at this load may run next (their graphs are captured together):
-        plain decoding, the best tier, and those that could beat it if they accepted all they
-        draft, as exploration tries (every tier while the bucket is not timed). A tier that
-        cannot is neither picked nor explored here, so it is not captured either: each
-        capture stalls the loop, and a new context width meets every candidate's."""
-        if self._fill(batch_bucket(batch_size)) is not None:
-            return tuple(range(len(self.tiers)))
-        scores = self._scores(batch_size)
-        best = max(range(len(self.tiers)), key=scores.__getitem__)
-        upper = self._upper_scores(batch_size)
-        return tuple(t for t in range(len(self.tiers)) if t in (0, best) or upper[t] > scores[best])
 
     def speculation_pays(self, batch_size: int) -> bool:
         """Whether, by what was observed so far, some speculative tier beats plain decoding
