@@ -173,8 +173,9 @@ def test_one_requests_noisy_accept_lengths_do_not_lock_the_policy_out_of_the_bes
     """At batch 1 one request's accept length varies from step to step by more than the tiers
     differ, and real text runs easy and hard in stretches. The policy must still serve close
     to the best fixed tier: an estimate moved 20% by each single step locked the worse tier in
-    for long runs and got 0.69 of the best tier's tokens/s here (0.95 now). Requests that do
-    not speculate (plain_rows: `speculative` off) ride along without diluting the evidence."""
+    for long runs and got 0.69 of the best tier's tokens/s here; one whose decay let a single
+    exploring step decide a tier explored rarely got 0.93 (0.99 now). Requests that do not
+    speculate (plain_rows: `speculative` off) ride along without diluting the evidence."""
     tiers = speculation_tiers(TreeShape(6, 8, 64))
     # step ms per tier at batch 1: SmolLM2-135M with its bundled draft on an H200
     # (the 4/4/16 tree's from its tokens/s and accept length)
@@ -205,7 +206,7 @@ def test_one_requests_noisy_accept_lengths_do_not_lock_the_policy_out_of_the_bes
     for seed in range(8):
         best_fixed = max(tokens_per_ms(seed, t) for t in range(len(tiers)))
         ratios.append(tokens_per_ms(seed) / best_fixed)
-    assert sum(ratios) / len(ratios) >= 0.9, ratios
+    assert sum(ratios) / len(ratios) >= 0.96, ratios
 
 
 def test_policy_weighs_replayed_step_times_plus_what_real_contexts_add():
