@@ -93,6 +93,14 @@ UNSUPPORTED = [  # (routes, field, value)
     ((CHAT, COMPLETIONS), "regex", "[a-z]+"),
     ((CHAT, COMPLETIONS), "ebnf", "root ::= 'a'"),
     ((CHAT, COMPLETIONS), "json_schema", "{}"),
+    ((CHAT, COMPLETIONS), "min_tokens", 5),
+    ((CHAT, COMPLETIONS), "min_new_tokens", 5),
+    ((CHAT, COMPLETIONS), "use_beam_search", True),
+    ((CHAT, COMPLETIONS), "bad_words", ["the"]),
+    ((CHAT, COMPLETIONS), "allowed_token_ids", [5, 6]),
+    ((CHAT, COMPLETIONS), "include_stop_str_in_output", True),
+    ((CHAT, COMPLETIONS), "truncate_prompt_tokens", 4),
+    ((CHAT, COMPLETIONS), "prompt_logprobs", 1),
 ]
 
 
@@ -111,6 +119,10 @@ def test_fields_of_features_the_server_lacks_get_400_naming_them(served):
         (COMPLETIONS, "tool_choice", "none"),
         (CHAT, "functions", []),
         (CHAT, "function_call", "auto"),
+        (CHAT, "min_tokens", 0),
+        (COMPLETIONS, "use_beam_search", False),
+        (CHAT, "bad_words", []),
+        (COMPLETIONS, "include_stop_str_in_output", False),
     ]:
         base = {"messages": MESSAGES} if route == CHAT else {"prompt": [5, 6]}
         r = served.http.post(route, json={**base, "max_tokens": 2, field: value})

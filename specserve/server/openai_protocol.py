@@ -67,6 +67,15 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
         lambda v: v.get("type") == "text",
         "structured output is not supported (only null or {'type': 'text'})",
     ),
+    # sampling extensions of vLLM and SGLang that would change the output
+    "min_tokens": (lambda v: v == 0, "is not supported (only 0)"),
+    "min_new_tokens": (lambda v: v == 0, "is not supported (only 0)"),
+    "use_beam_search": (lambda v: v is False, "beam search is not supported (only false)"),
+    "bad_words": (lambda v: not v, "is not supported (only null or [])"),
+    "allowed_token_ids": (lambda v: False, "is not supported (only null)"),
+    "include_stop_str_in_output": (lambda v: v is False, "is not supported (only false)"),
+    "truncate_prompt_tokens": (lambda v: False, "is not supported (only null)"),
+    "prompt_logprobs": (lambda v: False, "is not supported (only null)"),
     # structured output as vLLM (guided_*, structured_outputs) and SGLang (regex, ...) ask
     **{
         name: (lambda v: False, _NO_STRUCTURED_OUTPUT)
@@ -130,6 +139,14 @@ class _CommonRequest(StrictModel):
     json_schema: Any = None
     regex: Any = None
     ebnf: Any = None
+    min_tokens: Any = None
+    min_new_tokens: Any = None
+    use_beam_search: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
 
     @field_validator(*_OPENAI_SAMPLING, mode="before")
     @classmethod
