@@ -98,6 +98,20 @@ def test_a_rid_is_free_again_as_soon_as_its_request_has_finished(served, engine)
     served.wait_idle()
 
 
+def test_a_batch_names_each_prompt_with_a_list_of_rids_and_never_drops_one(served):
+    sp = {"max_new_tokens": 2, "temperature": 0}
+    batch = {"input_ids": [[5, 6], [7, 8]], "sampling_params": sp}
+    r = served.http.post("/generate", json={**batch, "rid": ["first", "second"]})
+    assert r.status_code == 200, r.text
+    assert [out["meta_info"]["id"] for out in r.json()] == ["first", "second"]
+    for rid in ("one-for-all", ["only-one"], ["same", "same"]):
+        r = served.http.post("/generate", json={**batch, "rid": rid})
+        err = error_of(r)
+        assert r.status_code == 400 and err["param"] == "rid", (rid, r.text)
+    r = served.http.post("/generate", json={"input_ids": [5, 6], "rid": ["a", "b"]})
+    assert r.status_code == 400 and error_of(r)["param"] == "rid", r.text
+
+
 def test_a_rid_still_running_gets_400_naming_it(served):
     sp = {"max_new_tokens": 120, "ignore_eos": True}
     first = {"input_ids": [5, 6], "rid": "busy", "stream": True, "sampling_params": sp}
@@ -120,13 +134,13 @@ def test_a_disconnect_aborts_only_its_own_request_though_its_rid_was_reused(engi
 
     async def scenario():
         short = {"max_new_tokens": 2, "temperature": 0}
-        a = state.start([[5, 6, 7]], [short], {}, rid="shared")
+        a = state.start([[5, 6, 7]], [short], {}, rids=["shared"])
         deadline = time.monotonic() + 30
         while "shared" in state.active_rids:  # the engine finished A's request
             assert time.monotonic() < deadline
             await asyncio.sleep(0.005)
         long = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0}
-        b = state.start([[5, 6, 7]], [long], {}, rid="shared")
+        b = state.start([[5, 6, 7]], [long], {}, rids=["shared"])
         a.abort()  # A's client went away
         (out,) = await b.collect()
         return out

@@ -183,6 +183,29 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
     return app
 
 
+def _rids_per_prompt(rid: str | list[str] | None, count: int, single: bool) -> list[str] | None:
+    """The client's id of each prompt: a string for one prompt, a list of one per prompt for
+    a batch (SGLang's rule); a mismatch is an error, never an id silently dropped."""
+    if rid is None:
+        return None
+    if isinstance(rid, str):
+        if not single:
+            raise APIError(
+                f"rid: a batch of {count} prompts takes a list of {count} ids, got one string",
+                param="rid",
+            )
+        return [rid]
+    if single or len(rid) != count:
+        raise APIError(
+            f"rid: has {len(rid)} ids for {count} prompt(s) (a string for one prompt, a list "
+            "of one id per prompt for a batch)",
+            param="rid",
+        )
+    if len(set(rid)) != len(rid):
+        raise APIError("rid: the ids of a batch must be distinct", param="rid")
+    return list(rid)
+
+
 async def _generate(request: Request, state: ServerState):
     req = await openai_api.parse_body(request, state, GenerateRequest)
     if (req.text is None) == (req.input_ids is None):
@@ -210,6 +233,7 @@ async def _generate(request: Request, state: ServerState):
             )
     sp = req.sampling_params.engine_params() if req.sampling_params else {}
     logprob_options = req.logprob_options()
+    rids = _rids_per_prompt(req.rid, len(prompts), single)
     rename = {
         "input_ids": prompt_param,
         "prompt": prompt_param,
@@ -221,7 +245,7 @@ async def _generate(request: Request, state: ServerState):
         [sp] * len(prompts),
         rename,
         prefix="sampling_params.",
-        rid=req.rid,
+        rids=rids,
         logprob_options=logprob_options,
     )
     if req.stream:

@@ -116,7 +116,7 @@ class GenerateRequest(StrictModel):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: NativeSamplingParams | None = None
     stream: bool = False
-    rid: str | None = None
+    rid: str | list[str] | None = None  # one per prompt (a list for a batch), as SGLang
     # log-probs (SGLang's names), checked by the engine's check_logprob_field
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, **_schema(minimum=0, maximum=20))

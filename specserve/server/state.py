@@ -250,21 +250,20 @@ class ServerState:
         params: list[dict[str, Any]],
         rename: dict[str, str],
         prefix: str = "",
-        rid: str | None = None,
+        rids: list[str] | None = None,
         logprob_options: dict[str, Any] | None = None,
     ) -> Run:
         """Admit and submit each prompt's n samples (sampling parameter `n`) as engine
-        requests; choice i * n + j is prompt i's sample j. Raises APIError (400/503)."""
+        requests; choice i * n + j is prompt i's sample j. rids: the client's id of each
+        prompt. Raises APIError (400/503)."""
         counts = [sp.get("n", 1) if isinstance(sp.get("n", 1), int) else 1 for sp in params]
         total = sum(counts)
         self.reserve(total)
         run = Run(self, asyncio.get_running_loop())
         self.runs.add(run)
         try:
-            for ids, sp, n in zip(prompts, params, counts):
-                run.submit(
-                    ids, sp, n, rid if (rid and len(prompts) == 1) else None, logprob_options
-                )
+            for i, (ids, sp, n) in enumerate(zip(prompts, params, counts)):
+                run.submit(ids, sp, n, rids[i] if rids else None, logprob_options)
         except InvalidArgument as e:
             run.abort()
             self.release(total - len(run.rids))
