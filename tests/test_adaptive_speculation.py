@@ -107,6 +107,25 @@ def test_tiers_of_a_configuration():
     assert speculation_tiers(TreeShape(4, 4, 16))[-1] == TreeShape(4, 4, 16)
 
 
+def test_every_tier_of_every_valid_configuration_fits_what_the_configured_tree_reserves():
+    """A tier drafts no more nodes than its own steps and topk produce, and writes no more
+    positions, accepts no deeper and keeps no wider topk than the configured tree the
+    engine sized its windows and buffers for."""
+    from specserve.config.speculative import MAX_STEPS, MAX_TOPK
+
+    for steps in range(1, MAX_STEPS + 1):
+        for topk in range(1, MAX_TOPK + 1):
+            most = 1 + topk + (steps - 1) * topk * topk
+            for tokens in sorted({2, 3, 5, 6, 9, 16, 17, 33, 64, most // 2, most} - {0, 1}):
+                shape = TreeShape(steps, topk, min(tokens, most))
+                for t in speculation_tiers(shape):
+                    drafted = 1 + t.topk + (t.steps - 1) * t.topk * t.topk
+                    assert t.tokens <= drafted, (shape, t)
+                    assert t.topk <= shape.topk and t.max_depth <= shape.max_depth, (shape, t)
+                    for delta in (0, 1):
+                        assert t.window(delta) <= shape.window(delta), (shape, t)
+
+
 def test_policy_measures_first_then_picks_what_pays_and_keeps_exploring():
     tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(6, 8, 64)]
     p = AdaptiveSpeculation(tiers, explore_every=8)

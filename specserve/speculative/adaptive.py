@@ -93,7 +93,9 @@ def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
     chains = [TreeShape(d, 1, d + 1) for d in range(1, min(shape.steps, 3) + 1)]
     smaller, budgets = [], []
     if shape.topk > 1:  # a chain has no nodes worth less than others
-        small = TreeShape(min(shape.steps, 4), min(shape.topk, 4), min(shape.tokens, 16))
+        steps, topk = min(shape.steps, 4), min(shape.topk, 4)
+        drafted = 1 + topk + (steps - 1) * topk * topk  # the root and every candidate
+        small = TreeShape(steps, topk, min(shape.tokens, 16, drafted))
         smaller = [small] if small != shape and small.tokens > small.steps + 1 else []
         budgets = [
             TreeShape(shape.steps, shape.topk, shape.tokens, v)
