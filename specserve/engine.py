@@ -254,7 +254,7 @@ class Engine:
             req.on_output = self._incremental_callback(on_output, i)
             self._inbox.put(("add", req))
         self._wake.set()
-        return [r.rid for r in reqs]
+        return [r.name for r in reqs]  # (the engine may key them apart: see add_request)
 
     def _incremental_callback(self, on_output, index: int):
         tokenizer = self.tokenizer

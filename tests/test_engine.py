@@ -184,6 +184,33 @@ def test_a_rid_is_free_again_as_soon_as_its_request_finished():
         background.close()
 
 
+def test_a_request_keyed_apart_never_takes_the_key_of_another_callers_request():
+    """While a finished 'x' still holds its pages a new 'x' is keyed apart; a caller may
+    itself run a request named like such a key ('x#1'), which must stay untouched."""
+    from specserve.config import EngineConfig
+    from specserve.runtime.engine_core import EngineCore
+    from specserve.runtime.request import Request
+    from specserve.sampling_params import SamplingParams
+
+    cfg = EngineConfig.from_kwargs(**TINY, no_default_draft=True, debug_check_invariants=True)
+    core = EngineCore(cfg.resolve())
+    sp = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    other, first = Request("x#1", [4, 5, 6], sp, seed=0), Request("x", [7, 8, 9], sp, seed=0)
+    core.add_request(other)
+    core.add_request(first)
+    for _ in range(3):
+        core.step()
+    core.abort("x")
+    assert "x" in core.requests  # finished, still held by the step launched ahead of it
+    second = Request("x", [7, 8], sp, seed=0)
+    core.add_request(second)
+    assert core.requests["x#1"] is other and second.rid not in ("x", "x#1")
+    while core.has_work():
+        core.step()
+    assert len(other.output_ids) == 20 and len(second.output_ids) == 20
+    assert other.finish_reason["type"] == second.finish_reason["type"] == "length"
+
+
 def test_a_rid_still_running_is_refused_and_abort_reaches_only_the_running_request():
     engine = _shared_engine()
     long = {"max_new_tokens": 100000, "ignore_eos": True}

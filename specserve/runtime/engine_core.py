@@ -270,9 +270,10 @@ class EngineCore:
             raise InvalidArgument(
                 "rid", f"request id {req.name!r} is in use by a request still running"
             )
-        if req.rid in self.requests:
-            # a finished request of this id keeps its pages until no launched step can write
-            # them: the new one is filed under a key of its own, its id stays the caller's
+        # a finished request of this id keeps its pages until no launched step can write
+        # them: the new one is filed under a key of its own (one no caller's request holds),
+        # its id stays the caller's
+        while req.rid in self.requests:
             req.rid = f"{req.name}#{next(self._rekeyed)}"
         self.requests[req.rid] = req
         self.by_name[req.name] = req
