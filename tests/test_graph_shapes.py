@@ -129,6 +129,11 @@ def test_ready_tiers_are_the_tiers_captured_at_the_steps_shape():
     assert graphs.ready_tiers(3, 300, sampled, 4, no_catch_up) == set()
     assert graphs.ready_tiers(3, 300, greedy, 4, lambda tier: tier > 0) == set()
     assert graphs.ready_tiers(3, 5000, greedy, 4, no_catch_up) is None  # past the widest
+    # a shape that has served many steps is long-lived: any tier may run (and be captured)
+    graphs.steps_at[graphs._key(graphs.bucket(3, 300), greedy, 0, False)[:-2]] = 64
+    assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) is None
+    assert graphs.ready_tiers(3, 300, sampled, 4, no_catch_up) == set()  # another shape
+    assert graphs.ready_tiers(3, 600, greedy, 4, no_catch_up) == set()
     worker.rows.version = 1  # rows reallocated: the next step drops every graph
     assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) == set()
     graphs.capture = False  # eager steps: no capture to avoid

@@ -19,6 +19,7 @@ host can prepare step k+1 while step k still runs.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ from specserve.ops.sampling import SamplingTensors
 log = logging.getLogger(__name__)
 
 MIN_WIDTH = 256
+# A shape (batch bucket, width bucket, sampling mode) that has served this many steps is
+# long-lived: widths double, so it serves many more, and a tier captured there to be
+# explored pays its capture back. A short-lived shape (a batch's shrinking tail) would not.
+LONG_LIVED_SHAPE_STEPS = 64
 
 
 def pow2_bucket(n: int, minimum: int) -> int:
@@ -95,6 +100,7 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_bs)
         self.max_width = max_width
         self.graphs: dict[tuple, _Captured] = {}
+        self.steps_at: collections.Counter[tuple] = collections.Counter()  # by shape
         self.pool = None
         self._rows_version = worker.rows.version
         self.num_captures = 0
@@ -123,6 +129,7 @@ class DecodeGraphs:
             return None
         self._drop_stale_graphs()
         key = self._key(shape, sampling, tier, catch_up)
+        self.steps_at[key[:-2]] += 1
         cap = self.graphs.get(key)
         self.captured_last = cap is None  # (this step's time includes the capture)
         if cap is None:
@@ -142,13 +149,16 @@ class DecodeGraphs:
     ) -> frozenset[int] | None:
         """Which of `tiers` tiers a step of this shape can replay now, its graph captured
         (catch_up(tier): whether that tier's step would catch the draft up); a step of any
-        other tier first stalls on its capture. None when no step of this shape is captured
-        (eager steps, or a batch past the largest bucket): every tier starts alike."""
+        other tier first stalls on its capture. None when every tier may run alike: no step
+        of this shape is captured (eager steps, or a batch past the largest bucket), or the
+        shape is long-lived (`LONG_LIVED_SHAPE_STEPS`), so a capture there pays."""
         shape = self.bucket(batch_size, width)
         if shape is None or not self.capture:
             return None
         if self.worker.rows.version != self._rows_version:
             return frozenset()  # the next step drops every graph
+        if self.steps_at[self._key(shape, sampling, 0, False)[:-2]] >= LONG_LIVED_SHAPE_STEPS:
+            return None
         return frozenset(
             t for t in range(tiers) if self._key(shape, sampling, t, catch_up(t)) in self.graphs
         )
@@ -178,6 +188,7 @@ class DecodeGraphs:
             log.info("request rows reallocated: %d decode graphs dropped", len(self.graphs))
         self.graphs.clear()
         self._rows_version = self.worker.rows.version
+        self.steps_at.clear()
 
     @torch.inference_mode()  # (graph inputs are inference tensors, written in place)
     def step_seconds(self, batch_size: int, tier: int, replays: int = 3) -> float | None:
