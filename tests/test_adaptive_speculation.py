@@ -126,6 +126,24 @@ def test_every_tier_of_every_valid_configuration_fits_what_the_configured_tree_r
                         assert t.window(delta) <= shape.window(delta), (shape, t)
 
 
+@pytest.mark.parametrize(
+    "steps,topk,ndt", [(6, 8, 64), (4, 4, 16), (1, 8, 9), (5, 2, 16), (3, 1, 4)]
+)
+def test_the_resolver_explains_the_tiers_the_policy_runs(steps, topk, ndt):
+    from specserve.config.engine_config import EngineConfig
+
+    spec = spec_args("tiny", topk, steps, ndt, speculative_adaptive=True)
+    cfg = EngineConfig.from_kwargs(**TINY, **spec).resolve(cuda_available=False)
+    why = next(r for f, _, r in cfg.decisions if f == "speculative_adaptive")
+    shape = TreeShape(steps, topk, ndt)
+    # the trees other than the configured one (the small tree, where there is one)
+    others = [t for t in speculation_tiers(shape) if t.topk > 1 and t.drafted != shape]
+    described = why.split(", the")[0]  # (the configured tree and its budgets come after)
+    assert described.count("-step topk-") == len(others), why
+    for t in others:
+        assert f"a {t.steps}-step topk-{t.topk} tree of {t.tokens}" in described, (t, why)
+
+
 def test_policy_measures_first_then_picks_what_pays_and_keeps_exploring():
     tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(6, 8, 64)]
     p = AdaptiveSpeculation(tiers, explore_every=8)

@@ -211,6 +211,12 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         budgets = [v for v in (ndt // 4, ndt // 2) if 2 <= v < ndt] if topk > 1 else []
         ragged = "".join(f", the tree verifying {v} of its nodes per request" for v in budgets)
         chains = "a chain of 1" if chain == 1 else f"chains of 1 to {chain} steps"
+        # (the small tree as speculative/adaptive.py's speculation_tiers builds it)
+        small_steps, small_topk = min(steps, 4), min(topk, 4)
+        small_ndt = min(ndt, 16, 1 + small_topk + (small_steps - 1) * small_topk**2)
+        small = (small_steps, small_topk, small_ndt)
+        if topk > 1 and small != (steps, topk, ndt) and small_ndt > small_steps + 1:
+            chains += f", a {small_steps}-step topk-{small_topk} tree of {small_ndt}"
         tiers = f"plain, {chains}{ragged}, the {steps}-step topk-{topk} tree of {ndt}"
         decisions.append(
             (
