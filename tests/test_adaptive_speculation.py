@@ -205,6 +205,37 @@ def test_explorations_that_find_nothing_come_ever_more_rarely_until_the_best_cha
     assert again and again[0] - first_plain <= 2 * 8, picks[:40]
 
 
+def test_a_batch_of_new_requests_is_explored_at_once_even_where_no_tier_is_captured():
+    """After a long stretch where drafts did not help (plain best, explorations far apart),
+    new requests are other text: they must be tried before their drafts fall too far behind
+    to catch up, even at a graph shape where only plain decoding is captured."""
+    tiers = [PLAIN, TreeShape(1, 1, 2), TreeShape(3, 1, 4)]
+    seconds = [1.0, 1.1, 1.3]
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[t], explore_every=8)
+    for _ in range(3000):  # drafts rejected: plain serves, explorations ever rarer
+        t = p.pick(4)
+        p.observe(t, 4, [1] * 4 if t else [], seconds[t])
+    assert p.explore_gap == p.max_explore_gap
+    picks = [p.pick(4, ready=frozenset({0})) for _ in range(20)]
+    assert picks == [0] * 20  # only plain captured here: no exploration, no capture
+    p.arrived(3)
+    assert p.explore_gap == p.max_explore_gap  # fewer than a step holds: the same text
+    p.arrived(1)
+    picks = [p.pick(4, ready=frozenset({0})) for _ in range(8)]
+    assert any(t > 0 for t in picks), picks  # tried at the first pace, captured once
+    assert sum(t > 0 for t in picks) == 1, picks
+
+
+def test_the_engine_tells_the_policy_of_each_request_that_starts_decoding():
+    spec = spec_args("tiny", 3, 4, 10, speculative_adaptive=True)
+    with Engine(**TINY, **spec) as e:
+        calls = []
+        arrived = e.core.adaptive.arrived
+        e.core.adaptive.arrived = lambda n=1: (calls.append(n), arrived(n))
+        e.generate(input_ids=mixed_prompts(5, 64, seed=4), sampling_params=SP)
+        assert sum(calls) == 5
+
+
 @pytest.mark.parametrize("plain_rows", [0, 31])
 def test_one_requests_noisy_accept_lengths_do_not_lock_the_policy_out_of_the_best_tier(plain_rows):
     """At batch 1 one request's accept length varies from step to step by more than the tiers

@@ -369,6 +369,8 @@ class EngineCore:
                     req.finish("length", length=0)
                 else:
                     self._append_tokens(req, [token], logprobs)
+                    if self.adaptive is not None:
+                        self.adaptive.arrived()
                 touched.append(req)
         return touched
 

@@ -45,7 +45,8 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   accepted all they draft), while some request can still speculate; speculation thus
   resumes, or widens, when the draft starts being accepted again. An exploration that finds
   nothing better doubles the wait for the next one (up to `max_explore_gap` steps), so a
-  steady state costs less and less; when the best tier changes the pace starts over.
+  steady state costs less and less; when the best tier changes, or a batch's worth of new
+  requests has arrived, the pace starts over.
 - captures: under CUDA graphs a step replays the graph of its shape (batch bucket, context
   width, tier), captured the first time it is met, which stalls the loop. Every tier is
   captured at every batch bucket at the shortest width when the engine starts (`prime`);
@@ -154,6 +155,9 @@ class AdaptiveSpeculation:
         self.last_seen = [0] * len(tiers)  # the pick count when each tier last ran
         self._explored: int | None = None  # the tier of an exploring step in flight
         self._best = 0  # the tier the last pick found best
+        self._batch = 1  # the last pick's batch size
+        self._arrived = 0  # requests that started decoding since the pace last started over
+        self._new_text = False  # a batch's worth arrived since the last exploration
 
     def seconds(self, tier: int, bucket: int) -> float | None:
         """The expected device time of a step of `tier` at `bucket`."""
@@ -218,6 +222,7 @@ class AdaptiveSpeculation:
         if not can_speculate:
             return 0
         self.picks += 1
+        self._batch = batch_size
         untimed = self._fill(batch_bucket(batch_size))
         if untimed is not None:
             return untimed
@@ -236,9 +241,12 @@ class AdaptiveSpeculation:
             hopeful = [
                 t
                 for t in range(1, len(self.tiers))
-                if t != best and upper[t] > scores[best] and (ready is None or t in ready)
+                if t != best
+                and upper[t] > scores[best]
+                and (ready is None or t in ready or self._new_text)
             ]
             if hopeful:
+                self._new_text = False
                 self._explored = min(hopeful, key=lambda t: (self.last_seen[t], upper[t]))
                 return self._explored
         if ready and best not in ready:
@@ -246,6 +254,19 @@ class AdaptiveSpeculation:
             if scores[near] >= (1.0 - CAPTURE_MARGIN) * scores[best]:
                 return near
         return best
+
+    def arrived(self, count: int = 1) -> None:
+        """`count` requests started decoding. Once as many have arrived as a step holds, the
+        batch is other text than the one the explorations found nothing for: they start
+        over at the first pace, and the next one may run a tier not captured at the step's
+        shape (one capture per batch of new requests). Else new requests, after a stretch
+        that drafts could not help, would decode plainly until their drafts fell too far
+        behind to catch up (runtime/draft_lag.py), never tried."""
+        self._arrived += count
+        if self._arrived >= self._batch:
+            self._arrived, self._new_text = 0, True
+            self.explore_gap = self.explore_every
+            self.next_explore = min(self.next_explore, self.picks + self.explore_gap)
 
     def speculation_pays(self, batch_size: int) -> bool:
         """Whether, by what was observed so far, some speculative tier beats plain decoding
