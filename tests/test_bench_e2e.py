@@ -137,6 +137,16 @@ def test_one_batch_warms_up_until_no_graph_is_captured_and_reports_any_left(scri
     assert (row["warmup_runs"], row["graph_captures_timed"]) == (warmups, timed)
 
 
+def test_one_batch_repeats_its_timed_run_and_reports_the_median():
+    from specserve.bench.one_batch import run_one_batch
+
+    row = run_one_batch(_CapturingEngine([0, 0]), 2, 8, 4, repeats=3)
+    runs = row["decode_throughput_runs"]
+    assert len(runs) == 3
+    assert round(row["decode_throughput_tok_s"], 1) == sorted(runs)[1]
+    assert "decode_throughput_runs" not in run_one_batch(_CapturingEngine([0, 0]), 2, 8, 4)
+
+
 def test_one_batch_reports_the_garbage_collections_of_its_timed_run():
     """A collection inside the timed run shows up in its row, by generation and pause."""
     import gc

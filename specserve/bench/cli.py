@@ -33,6 +33,12 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
     ob.add_argument("--output-len", type=int, default=256)
     ob.add_argument("--output-json", help="also write the rows to this file")
     ob.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs per batch size; the row is the median by decode throughput",
+    )
+    ob.add_argument(
         "--chat",
         action="store_true",
         help="the packaged held-out and bench prompts as chats (needs a tokenizer) instead "
@@ -48,7 +54,14 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
         with Engine(**engine_kwargs(args)) as engine:
             for bs in args.batch_size:
                 rows.append(
-                    run_one_batch(engine, bs, args.input_len, args.output_len, chat=args.chat)
+                    run_one_batch(
+                        engine,
+                        bs,
+                        args.input_len,
+                        args.output_len,
+                        chat=args.chat,
+                        repeats=args.repeats,
+                    )
                 )
         dump(rows, args.output_json)
         return 0
