@@ -226,6 +226,27 @@ def test_a_batch_of_new_requests_is_explored_at_once_even_where_no_tier_is_captu
     assert sum(t > 0 for t in picks) == 1, picks
 
 
+def test_new_text_lets_the_next_exploration_capture_there_and_nowhere_later():
+    """Where no tier is worth exploring when the pace comes due (a large batch), the new
+    requests' chance to capture is spent: it does not carry over to a draining tail."""
+    tiers = [PLAIN, TreeShape(1, 1, 2), TreeShape(3, 1, 4)]
+
+    def measure(b, t):  # speculation hopeless at 256, cheap at 2
+        return 1e-3 * (1.0 + 0.1 * t) * (100.0 if b >= 256 and t else 1.0)
+
+    p = AdaptiveSpeculation(tiers, measure=measure, explore_every=8)
+    for t in (1, 2, 1, 2):  # drafts rejected: plain is best at any batch
+        p.observe(t, 2, [1, 1], measure(2, t))
+    for _ in range(200):
+        t = p.pick(256)
+        p.observe(t, 256, [1] * 256 if t else [], measure(256, t))
+    p.arrived(256)
+    for _ in range(20):  # the pace comes due here, with nothing hopeful
+        assert p.pick(256, ready=frozenset({0})) == 0
+    tail = [p.pick(2, ready=frozenset({0})) for _ in range(50)]
+    assert tail == [0] * 50, tail  # only plain is captured at the tail's shape
+
+
 def test_the_engine_tells_the_policy_of_each_request_that_starts_decoding():
     spec = spec_args("tiny", 3, 4, 10, speculative_adaptive=True)
     with Engine(**TINY, **spec) as e:
@@ -233,6 +254,10 @@ def test_the_engine_tells_the_policy_of_each_request_that_starts_decoding():
         arrived = e.core.adaptive.arrived
         e.core.adaptive.arrived = lambda n=1: (calls.append(n), arrived(n))
         e.generate(input_ids=mixed_prompts(5, 64, seed=4), sampling_params=SP)
+        assert sum(calls) == 5
+        # not new text for the drafts: one done at its first token, one decoded plainly
+        e.generate(input_ids=[[5, 6, 7]], sampling_params=dict(SP, max_new_tokens=1))
+        e.generate(input_ids=[[5, 6, 7]], sampling_params=dict(SP, speculative=False))
         assert sum(calls) == 5
 
 

@@ -145,6 +145,8 @@ def test_one_batch_repeats_its_timed_run_and_reports_the_median():
     assert len(runs) == 3
     assert round(row["decode_throughput_tok_s"], 1) == sorted(runs)[1]
     assert "decode_throughput_runs" not in run_one_batch(_CapturingEngine([0, 0]), 2, 8, 4)
+    two = run_one_batch(_CapturingEngine([0, 0]), 2, 8, 4, repeats=2)  # never the best of two
+    assert round(two["decode_throughput_tok_s"], 1) == min(two["decode_throughput_runs"])
 
 
 def test_one_batch_reports_the_garbage_collections_of_its_timed_run():

@@ -130,7 +130,8 @@ def test_ready_tiers_are_the_tiers_captured_at_the_steps_shape():
     assert graphs.ready_tiers(3, 300, greedy, 4, lambda tier: tier > 0) == set()
     assert graphs.ready_tiers(3, 5000, greedy, 4, no_catch_up) is None  # past the widest
     # a shape that has served many steps is long-lived: any tier may run (and be captured)
-    graphs.steps_at[graphs._key(graphs.bucket(3, 300), greedy, 0, False)[:-2]] = 64
+    # a shape that has served many steps in a row is long-lived: any tier may run there
+    graphs.streak = (graphs._key(graphs.bucket(3, 300), greedy, 0, False)[:-2], 64)
     assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) is None
     assert graphs.ready_tiers(3, 300, sampled, 4, no_catch_up) == set()  # another shape
     assert graphs.ready_tiers(3, 600, greedy, 4, no_catch_up) == set()

@@ -19,7 +19,6 @@ host can prepare step k+1 while step k still runs.
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -32,9 +31,10 @@ from specserve.ops.sampling import SamplingTensors
 log = logging.getLogger(__name__)
 
 MIN_WIDTH = 256
-# A shape (batch bucket, width bucket, sampling mode) that has served this many steps is
-# long-lived: widths double, so it serves many more, and a tier captured there to be
-# explored pays its capture back. A short-lived shape (a batch's shrinking tail) would not.
+# A shape (batch bucket, width bucket, sampling mode) that has served this many steps in a
+# row is long-lived: widths double, so it serves many more, and a tier captured there to be
+# explored pays its capture back. A short-lived shape (a batch's shrinking tail, met again
+# and again for a few steps) would not.
 LONG_LIVED_SHAPE_STEPS = 64
 
 
@@ -100,7 +100,7 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_bs)
         self.max_width = max_width
         self.graphs: dict[tuple, _Captured] = {}
-        self.steps_at: collections.Counter[tuple] = collections.Counter()  # by shape
+        self.streak: tuple[tuple | None, int] = (None, 0)  # the last shape, its steps in a row
         self.pool = None
         self._rows_version = worker.rows.version
         self.num_captures = 0
@@ -129,7 +129,8 @@ class DecodeGraphs:
             return None
         self._drop_stale_graphs()
         key = self._key(shape, sampling, tier, catch_up)
-        self.steps_at[key[:-2]] += 1
+        last, steps = self.streak
+        self.streak = (key[:-2], steps + 1 if key[:-2] == last else 1)
         cap = self.graphs.get(key)
         self.captured_last = cap is None  # (this step's time includes the capture)
         if cap is None:
@@ -157,7 +158,8 @@ class DecodeGraphs:
             return None
         if self.worker.rows.version != self._rows_version:
             return frozenset()  # the next step drops every graph
-        if self.steps_at[self._key(shape, sampling, 0, False)[:-2]] >= LONG_LIVED_SHAPE_STEPS:
+        last, steps = self.streak
+        if last == self._key(shape, sampling, 0, False)[:-2] and steps >= LONG_LIVED_SHAPE_STEPS:
             return None
         return frozenset(
             t for t in range(tiers) if self._key(shape, sampling, t, catch_up(t)) in self.graphs
@@ -188,7 +190,7 @@ class DecodeGraphs:
             log.info("request rows reallocated: %d decode graphs dropped", len(self.graphs))
         self.graphs.clear()
         self._rows_version = self.worker.rows.version
-        self.steps_at.clear()
+        self.streak = (None, 0)
 
     @torch.inference_mode()  # (graph inputs are inference tensors, written in place)
     def step_seconds(self, batch_size: int, tier: int, replays: int = 3) -> float | None:

@@ -362,15 +362,18 @@ class EngineCore:
             self.scheduler.prefill_done(c)
             if c.completes:
                 req = c.req
-                if req.first_token_time is None:
+                first = req.first_token_time is None  # (not a resumed retraction)
+                if first:
                     req.first_token_time = time.perf_counter()
                 token, logprobs = sampled[req.rid]
                 if req.params.max_new_tokens == 0:  # prompt scoring: the prefill was all
                     req.finish("length", length=0)
                 else:
                     self._append_tokens(req, [token], logprobs)
-                    if self.adaptive is not None:
-                        self.adaptive.arrived()
+                    # new text for the policy: a request that will decode with drafts
+                    if self.adaptive is not None and first and not req.finished:
+                        if req.params.speculative:
+                            self.adaptive.arrived()
                 touched.append(req)
         return touched
 

@@ -235,6 +235,7 @@ class AdaptiveSpeculation:
             self._best = best
         if self.picks >= self.next_explore:
             self.next_explore = self.picks + self.explore_gap
+            new_text, self._new_text = self._new_text, False  # (used here, or not at all)
             # the tier observed longest ago among those that could beat the best one if
             # they accepted all they draft (a wide tree at a large batch never can)
             upper = self._upper_scores(batch_size)
@@ -243,10 +244,9 @@ class AdaptiveSpeculation:
                 for t in range(1, len(self.tiers))
                 if t != best
                 and upper[t] > scores[best]
-                and (ready is None or t in ready or self._new_text)
+                and (ready is None or t in ready or new_text)
             ]
             if hopeful:
-                self._new_text = False
                 self._explored = min(hopeful, key=lambda t: (self.last_seen[t], upper[t]))
                 return self._explored
         if ready and best not in ready:
