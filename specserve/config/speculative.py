@@ -34,6 +34,22 @@ SPEC_FIELDS = (
 DRAFT_LAG_TOKENS = 32
 
 
+def small_tree(steps: int, topk: int, tokens: int) -> tuple[int, int, int] | None:
+    """(steps, topk, tokens) of the small tree load-adaptive speculation adds to a configured
+    tree: at most 4 steps of topk 4 verifying 16 nodes, no more than those steps and topk
+    draft; None where the configured tree is a chain or no larger (why it is a tier:
+    speculative/adaptive.py's `speculation_tiers`). A leaf here, so the resolver's account
+    of the tiers and the policy build it alike."""
+    if topk == 1:
+        return None
+    small_steps, small_topk = min(steps, 4), min(topk, 4)
+    drafted = 1 + small_topk + (small_steps - 1) * small_topk * small_topk  # root + candidates
+    small = (small_steps, small_topk, min(tokens, 16, drafted))
+    if small == (steps, topk, tokens) or small[2] <= small_steps + 1:
+        return None
+    return small
+
+
 def resolve_bundled_draft(c, on_gpu: bool) -> tuple[Any, list[tuple[str, Any, str]]]:
     """A packaged model runs with its bundled draft unless told otherwise: the draft's own
     serving settings fill every speculative argument the user left unset (one by one), so
@@ -211,12 +227,9 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         budgets = [v for v in (ndt // 4, ndt // 2) if 2 <= v < ndt] if topk > 1 else []
         ragged = "".join(f", the tree verifying {v} of its nodes per request" for v in budgets)
         chains = "a chain of 1" if chain == 1 else f"chains of 1 to {chain} steps"
-        # (the small tree as speculative/adaptive.py's speculation_tiers builds it)
-        small_steps, small_topk = min(steps, 4), min(topk, 4)
-        small_ndt = min(ndt, 16, 1 + small_topk + (small_steps - 1) * small_topk**2)
-        small = (small_steps, small_topk, small_ndt)
-        if topk > 1 and small != (steps, topk, ndt) and small_ndt > small_steps + 1:
-            chains += f", a {small_steps}-step topk-{small_topk} tree of {small_ndt}"
+        small = small_tree(steps, topk, ndt)
+        if small is not None:
+            chains += f", a {small[0]}-step topk-{small[1]} tree of {small[2]}"
         tiers = f"plain, {chains}{ragged}, the {steps}-step topk-{topk} tree of {ndt}"
         decisions.append(
             (

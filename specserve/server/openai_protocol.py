@@ -93,6 +93,12 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
 }
 
 
+def _int_or_null(name: str, v: Any, maximum: int) -> int | None:
+    if v is not None and not (is_int(v) and 0 <= v <= maximum):
+        raise field_error(name, f"must be an integer in [0, {maximum}] or null, got {short(v)}")
+    return v
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
@@ -220,12 +226,7 @@ class CompletionRequest(_CommonRequest):
     @field_validator("logprobs", mode="before")
     @classmethod
     def _logprobs(cls, v):
-        if v is not None and not (is_int(v) and 0 <= v <= COMPLETION_MAX_LOGPROBS):
-            raise field_error(
-                "logprobs",
-                f"must be an integer in [0, {COMPLETION_MAX_LOGPROBS}] or null, got {short(v)}",
-            )
-        return v
+        return _int_or_null("logprobs", v, COMPLETION_MAX_LOGPROBS)
 
     def logprob_options(self) -> dict[str, Any]:
         """logprobs: N gives each token's log-prob and the N likeliest; echo asks for the
@@ -310,12 +311,7 @@ class ChatCompletionRequest(_CommonRequest):
     @field_validator("top_logprobs", mode="before")
     @classmethod
     def _top_logprobs(cls, v):
-        if v is not None and not (is_int(v) and 0 <= v <= CHAT_MAX_TOP_LOGPROBS):
-            raise field_error(
-                "top_logprobs",
-                f"must be an integer in [0, {CHAT_MAX_TOP_LOGPROBS}] or null, got {short(v)}",
-            )
-        return v
+        return _int_or_null("top_logprobs", v, CHAT_MAX_TOP_LOGPROBS)
 
     def check_logprobs(self) -> None:
         if self.top_logprobs and not self.logprobs:

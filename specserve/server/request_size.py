@@ -27,7 +27,7 @@ class RequestSize:
         self.tokenizer = tokenizer
         self.context_len = context_len
         self.max_queued_requests = max_queued_requests
-        self._max_chars: int | None = None
+        self._longest: int | None = None
         # The fewest tokens the chat template spends on a message, whatever its content;
         # measured on the first chat request (tokenizing: off the event loop).
         self.message_tokens: int | None = None
@@ -52,13 +52,15 @@ class RequestSize:
         )
 
     def _longest_token(self) -> int:
-        return max(1, max((len(t) for t in self.tokenizer.get_vocab()), default=1))
+        """Characters of the longest vocabulary entry (the vocabulary read once)."""
+        if self._longest is None:
+            vocab = self.tokenizer.get_vocab()
+            self._longest = max(1, max((len(t) for t in vocab), default=1))
+        return self._longest
 
     def max_chars(self) -> int:
         """Characters beyond which a text cannot fit the context, whatever it says."""
-        if self._max_chars is None:
-            self._max_chars = self.context_len * self._longest_token() * CHARS_SLACK
-        return self._max_chars
+        return self.context_len * self._longest_token() * CHARS_SLACK
 
     def check_text(self, chars: int, param: str) -> None:
         if chars > self.max_chars():

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from specserve.config.speculative import small_tree
 from specserve.speculative.tree import PLAIN, TreeShape
 
 EMA = 0.2  # weight of the newest step time
@@ -92,12 +93,10 @@ def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
       configured tree still pays for all of its drafting. (SmolLM2-135M with its 6/8/64
       draft on an H200: a fixed 4/4/16 tree beat the 6/8/64 one from batch 16 on.)"""
     chains = [TreeShape(d, 1, d + 1) for d in range(1, min(shape.steps, 3) + 1)]
-    smaller, budgets = [], []
+    small = small_tree(shape.steps, shape.topk, shape.tokens)
+    smaller = [TreeShape(*small)] if small is not None else []
+    budgets = []
     if shape.topk > 1:  # a chain has no nodes worth less than others
-        steps, topk = min(shape.steps, 4), min(shape.topk, 4)
-        drafted = 1 + topk + (steps - 1) * topk * topk  # the root and every candidate
-        small = TreeShape(steps, topk, min(shape.tokens, 16, drafted))
-        smaller = [small] if small != shape and small.tokens > small.steps + 1 else []
         budgets = [
             TreeShape(shape.steps, shape.topk, shape.tokens, v)
             for v in (shape.tokens // 4, shape.tokens // 2)
