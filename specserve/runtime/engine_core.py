@@ -371,9 +371,9 @@ class EngineCore:
                 else:
                     self._append_tokens(req, [token], logprobs)
                     # new text for the policy: a request that will decode with drafts
-                    if self.adaptive is not None and first and not req.finished:
-                        if req.params.speculative:
-                            self.adaptive.arrived()
+                    drafts = first and not req.finished and req.params.speculative
+                    if self.adaptive is not None and drafts:
+                        self.adaptive.arrived()
                 touched.append(req)
         return touched
 
