@@ -20,29 +20,49 @@ except ImportError:  # (tokenizers < 0.21: no streaming decoder; the rule runs i
     _RustTokenizer = DecodeStream = None
 
 
-def _stream_backend(tokenizer):
+# Text that transformers' clean-up (`clean_up_tokenization`) changes: spaces before
+# punctuation and contractions.
+_CLEAN_UP_PROBE = "a . b , c ! d ? e n't f 'm g 's h 've i 're"
+
+
+def _cleans_up(tokenizer, backend) -> bool:
+    """Whether `tokenizer.decode` runs a clean-up of its own. The flag alone does not say:
+    transformers 5 skips the clean-up for BPE models whatever the flag (so the packaged
+    model's tokenizer streams on every version), earlier versions apply it."""
+    ids = backend.encode(_CLEAN_UP_PROBE, add_special_tokens=False).ids
+    return tokenizer.decode(ids, skip_special_tokens=False) != backend.decode(
+        ids, skip_special_tokens=False
+    )
+
+
+def stream_backend_of(tokenizer):
     """The Rust tokenizer that decodes exactly as `tokenizer.decode` does, or None: its
     `decode` must add nothing of its own (no clean-up of spaces around punctuation)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if DecodeStream is None or not isinstance(backend, _RustTokenizer):
         return None
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return None
     # a model's own tokenizer class may decode its own way (e.g. Whisper's timestamps)
     decode = getattr(type(tokenizer), "_decode", None)
     if decode is not None and not decode.__module__.startswith("transformers.tokenization_"):
         return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False) and _cleans_up(tokenizer, backend):
+        return None
     return backend
 
 
+_FIND = object()
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stream_backend=_FIND):
+        """stream_backend: `stream_backend(tokenizer)` when the caller already has it (it is
+        one per tokenizer; finding it decodes a probe)."""
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
-        self._backend = _stream_backend(tokenizer)
+        self._backend = stream_backend_of(tokenizer) if stream_backend is _FIND else stream_backend
         self._stream = (
             DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend else None
         )

@@ -6,13 +6,14 @@ the request at that token, and nothing after it is kept.
 
 from __future__ import annotations
 
-from specserve.runtime.detokenizer import IncrementalDetokenizer
+from specserve.runtime.detokenizer import IncrementalDetokenizer, stream_backend_of
 from specserve.runtime.request import Request
 
 
 class StopChecker:
     def __init__(self, tokenizer, eos_token_ids: set[int], context_len: int):
         self.tokenizer = tokenizer
+        self.stream_backend = None if tokenizer is None else stream_backend_of(tokenizer)
         self.eos = eos_token_ids
         self.context_len = context_len
 
@@ -21,7 +22,9 @@ class StopChecker:
         many were kept."""
         p = req.params
         if req.detok is None and self.tokenizer is not None:
-            req.detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
+            req.detok = IncrementalDetokenizer(
+                self.tokenizer, p.skip_special_tokens, self.stream_backend
+            )
         for kept, tok in enumerate(tokens, start=1):
             req.output_ids.append(tok)
             len_before = len(req.text)
