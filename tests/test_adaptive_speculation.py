@@ -636,3 +636,29 @@ def test_the_engine_asks_which_tiers_are_captured_and_stays_lossless():
         outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=params)]
     assert outs == plain
     assert seen and all(r == captured for r in seen)
+
+
+def test_a_ragged_tier_costing_as_much_as_its_whole_tree_is_never_run():
+    """A ragged budget verifies a subset of its tree's nodes, so it never emits more than the
+    whole tree. Where it also costs at least as much (batch 1 on a small model: the budget's
+    selection outweighs the nodes it saves), it must not run, even when its own estimate,
+    learnt on easier text, says it accepts more."""
+    tiers = speculation_tiers(TreeShape(6, 8, 64))
+    assert TreeShape(6, 8, 64) in tiers
+    ragged = [t for t, s in enumerate(tiers) if s.ragged]
+    assert ragged
+    ms = {t: 1.5 for t in range(len(tiers))}
+    ms.update({t: 1.8 for t in ragged})  # SmolLM2 at batch 1 on an H200: 1.78 against 1.51
+    ms[0] = 0.8
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: ms[t] / 1e3)
+    for t in ragged:  # stale estimates from an easy stretch
+        p.observe(t, 1, [7] * 20, ms[t] / 1e3)
+    picks = []
+    for _ in range(300):
+        picks.append(p.pick(1))
+        p.observe(picks[-1], 1, [4], ms[picks[-1]] / 1e3)
+    assert not set(picks) & set(ragged), picks
+    # where the budget does save time (a large batch), it runs on its merits
+    ms.update({t: 1.0 for t in ragged})
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: ms[t] / 1e3)
+    assert p.pick(1) in ragged or any(p.pick(1) in ragged for _ in range(64))

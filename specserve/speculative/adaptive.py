@@ -40,6 +40,10 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
     the tier: in simulation that took the policy from 0.93 to 0.99 of the best fixed tier.
   - It starts optimistic (all drafted tokens accepted, weighing `ACCEPT_PRIOR_WEIGHT`
     requests), so speculation is tried before it is judged.
+- a ragged tier that costs at least as much as verifying its whole tree at the bucket never
+  runs: it verifies a subset of that tree's nodes, so it cannot emit more. (SmolLM2-135M on an
+  H200 at batch 1: the 6/8/64 tree's ragged budgets cost 1.78 ms a step against 1.51 ms
+  whole, and their estimates, learnt on earlier text, kept them running.)
 - exploration: a tier not picked is not observed, so every `explore_every` steps another
   tier runs once (the one observed longest ago among those that would beat the best if they
   accepted all they draft), while some request can still speculate; speculation thus
@@ -128,6 +132,12 @@ class AdaptiveSpeculation:
         cannot be measured apart from serving (then launched steps are timed instead)."""
         assert tiers[0] == PLAIN
         self.tiers = tiers
+        # ragged tiers -> the tier verifying their whole drafted tree
+        self.whole_tree = {
+            t: tiers.index(shape.drafted)
+            for t, shape in enumerate(tiers)
+            if shape.ragged and shape.drafted in tiers
+        }
         self.measure = measure
         self.explore_every = explore_every
         self.max_explore_gap = max_explore_gap
@@ -204,9 +214,17 @@ class AdaptiveSpeculation:
         return None
 
     def _scores(self, batch_size: int, accept: list[float] | None = None) -> list[float]:
+        """Tokens per second of each tier at this load. A ragged tier that costs at least
+        as much as verifying its whole tree scores 0: it verifies a subset of that tree's
+        nodes, so it never emits more (its own estimate, learnt on other text than the
+        served tier's, could say otherwise)."""
         bucket = batch_bucket(batch_size)
         accept = accept or self.accept
-        return [batch_size * accept[t] / self.cost(t, bucket) for t in range(len(self.tiers))]
+        scores = [batch_size * accept[t] / self.cost(t, bucket) for t in range(len(self.tiers))]
+        for t, whole in self.whole_tree.items():
+            if self.cost(t, bucket) >= self.cost(whole, bucket):
+                scores[t] = 0.0
+        return scores
 
     def _upper_scores(self, batch_size: int) -> list[float]:
         """Each tier's score were all its drafted tokens accepted."""
