@@ -29,10 +29,12 @@ def _cleans_up(tokenizer, backend) -> bool:
     """Whether `tokenizer.decode` runs a clean-up of its own. The flag alone does not say:
     transformers 5 skips the clean-up for BPE models whatever the flag (so the packaged
     model's tokenizer streams on every version), earlier versions apply it."""
-    ids = backend.encode(_CLEAN_UP_PROBE, add_special_tokens=False).ids
-    return tokenizer.decode(ids, skip_special_tokens=False) != backend.decode(
-        ids, skip_special_tokens=False
-    )
+    try:
+        ids = backend.encode(_CLEAN_UP_PROBE, add_special_tokens=False).ids
+        ours = tokenizer.decode(ids, skip_special_tokens=False)
+        return ours != backend.decode(ids, skip_special_tokens=False)
+    except Exception:  # a tokenizer that cannot say: its own decode stays the one used
+        return True
 
 
 def stream_backend_of(tokenizer):
