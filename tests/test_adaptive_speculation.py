@@ -226,6 +226,25 @@ def test_a_batch_of_new_requests_is_explored_at_once_even_where_no_tier_is_captu
     assert sum(t > 0 for t in picks) == 1, picks
 
 
+def test_new_requests_are_tried_on_a_captured_tier_without_a_capture():
+    """Where a speculative tier is captured at the step's shape, new requests are tried on it:
+    no capture is paid for new text (one per batch of new requests stalled the first steps of
+    every batch of a benchmark, and of a server under steady arrivals)."""
+    tiers = [PLAIN, TreeShape(1, 1, 2), TreeShape(3, 1, 4)]
+    seconds = [1.0, 1.1, 1.3]
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[t], explore_every=8)
+    for _ in range(3000):  # drafts rejected: plain serves, explorations ever rarer
+        t = p.pick(4)
+        p.observe(t, 4, [1] * 4 if t else [], seconds[t])
+    p.pick(4)
+    p.observe(1, 4, [1] * 4, seconds[1])  # the chain was tried last: the other is due first
+    p.arrived(4)
+    captured = frozenset({0, 1})
+    picks = [p.pick(4, ready=captured) for _ in range(8)]
+    assert any(t > 0 for t in picks), picks  # tried at the first pace
+    assert set(picks) <= captured, picks  # on the captured chain: no capture
+
+
 def test_new_text_lets_the_next_exploration_capture_there_and_nowhere_later():
     """Where no tier is worth exploring when the pace comes due (a large batch), the new
     requests' chance to capture is spent: it does not carry over to a draining tail."""

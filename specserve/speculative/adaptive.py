@@ -253,6 +253,10 @@ class AdaptiveSpeculation:
         if self.picks >= self.next_explore:
             self.next_explore = self.picks + self.explore_gap
             new_text, self._new_text = self._new_text, False  # (used here, or not at all)
+            # (new text may capture only where no speculative tier can run without one: where
+            # one can, exploring it tries the new requests' drafts at no capture's cost)
+            if ready is not None and any(t in ready for t in range(1, len(self.tiers))):
+                new_text = False
             # the tier observed longest ago among those that could beat the best one if
             # they accepted all they draft (a wide tree at a large batch never can)
             upper = self._upper_scores(batch_size)
@@ -276,9 +280,11 @@ class AdaptiveSpeculation:
         """`count` requests started decoding. Once as many have arrived as a step holds, the
         batch is other text than the one the explorations found nothing for: they start
         over at the first pace, and the next one may run a tier not captured at the step's
-        shape (one capture per batch of new requests). Else new requests, after a stretch
-        that drafts could not help, would decode plainly until their drafts fell too far
-        behind to catch up (runtime/draft_lag.py), never tried."""
+        shape where no speculative tier is (one capture per batch of new requests, at most).
+        Else new requests, after a stretch that drafts could not help, would decode plainly
+        until their drafts fell too far behind to catch up (runtime/draft_lag.py), never
+        tried. Where a speculative tier is captured, exploring it tries them without a
+        capture (one per batch of new requests stalled every batch's first steps)."""
         self._arrived += count
         if self._arrived >= self._batch:
             self._arrived, self._new_text = 0, True
