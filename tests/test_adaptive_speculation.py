@@ -245,6 +245,38 @@ def test_new_requests_are_tried_on_a_captured_tier_without_a_capture():
     assert set(picks) <= captured, picks  # on the captured chain: no capture
 
 
+def test_new_requests_are_tried_even_where_only_hopeless_tiers_are_captured():
+    """A captured speculative tier that could not beat plain decoding even accepting all it
+    drafts (a wide tree at a large batch) is no way to try new requests: the new text's
+    exploration then captures a tier that could."""
+    tiers = [PLAIN, TreeShape(1, 1, 2), TreeShape(6, 8, 64)]
+    seconds = [1.0, 1.1, 20.0]
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[t], explore_every=8)
+    for _ in range(3000):  # drafts rejected: plain serves
+        t = p.pick(64)
+        p.observe(t, 64, [1] * 64 if t else [], seconds[t])
+    p.arrived(64)
+    picks = [p.pick(64, ready=frozenset({0, 2})) for _ in range(64)]
+    assert [t for t in picks if t] == [1], picks  # the chain, captured once
+
+
+def test_a_captured_ragged_tier_stands_in_for_its_uncaptured_whole_tree():
+    """A ragged tier never runs as the best tier where it costs as much as its whole tree,
+    but where the whole tree is not captured at the step's shape and the captured ragged
+    tier scores within the capture margin, it runs instead of a capture."""
+    tiers = speculation_tiers(TreeShape(6, 8, 64))
+    whole = tiers.index(TreeShape(6, 8, 64))
+    ragged = [t for t, s in enumerate(tiers) if s.ragged]
+    ms = {t: 3.0 for t in range(len(tiers))}
+    ms[0], ms[whole] = 1.0, 1.5
+    ms.update({t: 1.5 for t in ragged})  # host-bound: the budget saves nothing
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: ms[t] / 1e3, explore_every=10**6)
+    for t in range(1, len(tiers)):
+        p.observe(t, 1, [4] * 16, ms[t] / 1e3)
+    assert p.pick(1) == whole
+    assert p.pick(1, ready=frozenset({0, ragged[-1]})) == ragged[-1]
+
+
 def test_new_text_lets_the_next_exploration_capture_there_and_nowhere_later():
     """Where no tier is worth exploring when the pace comes due (a large batch), the new
     requests' chance to capture is spent: it does not carry over to a draining tail."""
@@ -677,7 +709,7 @@ def test_a_ragged_tier_costing_as_much_as_its_whole_tree_is_never_run():
         picks.append(p.pick(1))
         p.observe(picks[-1], 1, [4], ms[picks[-1]] / 1e3)
     assert not set(picks) & set(ragged), picks
-    # where the budget does save time (a large batch), it runs on its merits
+    # where the budget does save time, it runs on its merits
     ms.update({t: 1.0 for t in ragged})
     p = AdaptiveSpeculation(tiers, measure=lambda b, t: ms[t] / 1e3)
     assert p.pick(1) in ragged or any(p.pick(1) in ragged for _ in range(64))

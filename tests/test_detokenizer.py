@@ -108,3 +108,39 @@ def test_tokens_after_a_flush_decode_afresh_on_both_paths(tokenizer):
         pieces.append(first + [detok.append(i) for i in ids[3:]] + [detok.flush()])
     assert pieces[0] == pieces[1]
     assert "".join(pieces[0]).count("🦀") <= 1  # nothing held back comes out twice
+
+
+def test_a_vocabulary_that_loses_the_probe_keeps_the_tokenizers_own_decode():
+    """The clean-up probe says nothing when the vocabulary cannot spell it (its punctuation
+    becomes unknown tokens): such a tokenizer keeps its own decode, clean-up included."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    rust = Tokenizer(models.WordLevel({"[UNK]": 0, "wait": 1, "...": 2, "ok": 3}, "[UNK]"))
+    rust.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=rust, unk_token="[UNK]", clean_up_tokenization_spaces=True
+    )
+    ids = tok.encode("wait ... ok", add_special_tokens=False)
+    assert tok.decode(ids) == "wait... ok"  # (the clean-up at work)
+    detok = IncrementalDetokenizer(tok)
+    assert detok._stream is None
+    assert "".join(streamed(detok, ids)) == tok.decode(ids)
+
+
+def test_the_stop_checker_looks_for_the_stream_once_per_tokenizer(tokenizer, monkeypatch):
+    """Finding whether a tokenizer streams decodes a probe: once per engine, not per request."""
+    from specserve.runtime import stop
+    from specserve.runtime.request import Request
+    from specserve.sampling_params import SamplingParams
+
+    calls = []
+    real = stop.stream_backend_of
+    monkeypatch.setattr(stop, "stream_backend_of", lambda t: calls.append(t) or real(t))
+    checker = stop.StopChecker(tokenizer, {2}, context_len=1024)
+    ids = tokenizer.encode("Hello there, friend.", add_special_tokens=False)
+    for i in range(3):
+        req = Request(rid=str(i), prompt_ids=[1], params=SamplingParams(max_new_tokens=64), seed=0)
+        checker.append_tokens(req, ids)
+        assert req.text == tokenizer.decode(ids)
+    assert len(calls) == 1

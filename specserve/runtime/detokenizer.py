@@ -13,6 +13,8 @@ this was most of a step's host time. Other tokenizers run the same rule through 
 
 from __future__ import annotations
 
+import logging
+
 try:
     from tokenizers import Tokenizer as _RustTokenizer
     from tokenizers.decoders import DecodeStream
@@ -20,9 +22,12 @@ except ImportError:  # (tokenizers < 0.21: no streaming decoder; the rule runs i
     _RustTokenizer = DecodeStream = None
 
 
+log = logging.getLogger(__name__)
+
 # Text that transformers' clean-up (`clean_up_tokenization`) changes: spaces before
 # punctuation and contractions.
 _CLEAN_UP_PROBE = "a . b , c ! d ? e n't f 'm g 's h 've i 're"
+_CLEAN_UP_PATTERNS = (" .", " ,", " !", " ?", " n't")
 
 
 def _cleans_up(tokenizer, backend) -> bool:
@@ -32,9 +37,13 @@ def _cleans_up(tokenizer, backend) -> bool:
     try:
         ids = backend.encode(_CLEAN_UP_PROBE, add_special_tokens=False).ids
         ours = tokenizer.decode(ids, skip_special_tokens=False)
-        return ours != backend.decode(ids, skip_special_tokens=False)
-    except Exception:  # a tokenizer that cannot say: its own decode stays the one used
+        theirs = backend.decode(ids, skip_special_tokens=False)
+    except Exception as e:  # a tokenizer that cannot say: its own decode stays the one used
+        log.debug("clean-up probe failed (%s): detokenizing through decode", e)
         return True
+    if any(pattern not in theirs for pattern in _CLEAN_UP_PATTERNS):
+        return True  # the vocabulary lost the probe's punctuation: no evidence either way
+    return ours != theirs
 
 
 def stream_backend_of(tokenizer):

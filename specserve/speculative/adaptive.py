@@ -213,15 +213,17 @@ class AdaptiveSpeculation:
             self.replayed[(t, bucket)] = replay
         return None
 
-    def _scores(self, batch_size: int, accept: list[float] | None = None) -> list[float]:
+    def _scores(
+        self, batch_size: int, accept: list[float] | None = None, dominated: bool = True
+    ) -> list[float]:
         """Tokens per second of each tier at this load. A ragged tier that costs at least
-        as much as verifying its whole tree scores 0: it verifies a subset of that tree's
-        nodes, so it never emits more (its own estimate, learnt on other text than the
-        served tier's, could say otherwise)."""
+        as much as verifying its whole tree scores 0 (unless `dominated` is False): it
+        verifies a subset of that tree's nodes, so it never emits more (its own estimate,
+        learnt on other text than the served tier's, could say otherwise)."""
         bucket = batch_bucket(batch_size)
         accept = accept or self.accept
         scores = [batch_size * accept[t] / self.cost(t, bucket) for t in range(len(self.tiers))]
-        for t, whole in self.whole_tree.items():
+        for t, whole in self.whole_tree.items() if dominated else ():
             if self.cost(t, bucket) >= self.cost(whole, bucket):
                 scores[t] = 0.0
         return scores
@@ -253,26 +255,24 @@ class AdaptiveSpeculation:
         if self.picks >= self.next_explore:
             self.next_explore = self.picks + self.explore_gap
             new_text, self._new_text = self._new_text, False  # (used here, or not at all)
-            # (new text may capture only where no speculative tier can run without one: where
-            # one can, exploring it tries the new requests' drafts at no capture's cost)
-            if ready is not None and any(t in ready for t in range(1, len(self.tiers))):
-                new_text = False
             # the tier observed longest ago among those that could beat the best one if
-            # they accepted all they draft (a wide tree at a large batch never can)
+            # they accepted all they draft (a wide tree at a large batch never can), among
+            # those captured at this shape; new text may capture one only where none of them
+            # is (where one is, exploring it tries the new requests at no capture's cost)
             upper = self._upper_scores(batch_size)
-            hopeful = [
-                t
-                for t in range(1, len(self.tiers))
-                if t != best
-                and upper[t] > scores[best]
-                and (ready is None or t in ready or new_text)
-            ]
+            could = [t for t in range(1, len(self.tiers)) if t != best and upper[t] > scores[best]]
+            hopeful = [t for t in could if ready is None or t in ready]
+            if not hopeful and new_text:
+                hopeful = could
             if hopeful:
                 self._explored = min(hopeful, key=lambda t: (self.last_seen[t], upper[t]))
                 return self._explored
         if ready and best not in ready:
-            near = max(ready, key=scores.__getitem__)
-            if scores[near] >= (1.0 - CAPTURE_MARGIN) * scores[best]:
+            # (a ragged tier stands in for its uncaptured whole tree on its own score: close
+            # enough, it saves the capture)
+            own = self._scores(batch_size, dominated=False)
+            near = max(ready, key=own.__getitem__)
+            if own[near] >= (1.0 - CAPTURE_MARGIN) * scores[best]:
                 return near
         return best
 
