@@ -280,10 +280,10 @@ class AdaptiveSpeculation:
         """`count` requests started decoding. Once as many have arrived as a step holds, the
         batch is other text than the one the explorations found nothing for: they start
         over at the first pace, and the next one may run a tier not captured at the step's
-        shape where no speculative tier is (one capture per batch of new requests, at most).
-        Else new requests, after a stretch that drafts could not help, would decode plainly
-        until their drafts fell too far behind to catch up (runtime/draft_lag.py), never
-        tried. Where a speculative tier is captured, exploring it tries them without a
+        shape where none worth exploring is (one capture per batch of new requests, at
+        most). Else new requests, after a stretch that drafts could not help, would decode
+        plainly until their drafts fell too far behind to catch up (runtime/draft_lag.py),
+        never tried. Where such a tier is captured, exploring it tries them without a
         capture (one per batch of new requests stalled every batch's first steps)."""
         self._arrived += count
         if self._arrived >= self._batch:
