@@ -66,7 +66,7 @@ _FIND = object()
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True, stream_backend=_FIND):
-        """stream_backend: `stream_backend(tokenizer)` when the caller already has it (it is
+        """stream_backend: `stream_backend_of(tokenizer)` when the caller already has it (it is
         one per tokenizer; finding it decodes a probe)."""
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
