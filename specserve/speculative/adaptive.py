@@ -79,9 +79,13 @@ ACCEPT_DECAY = 0.02  # how much less an accept length weighs per request observe
 ACCEPT_MIN_WEIGHT = 8.0  # the least weight decay leaves a tier's observed acceptance
 ACCEPT_PRIOR_WEIGHT = 0.1  # the optimistic start counts as this many requests
 # A tier whose CUDA graph at the step's shape is not captured yet is run instead of one that
-# is only if it scores this much better: a capture stalls every request for many steps' time
-# (0.1 s and more at the 8B shape), while tiers this close are within the estimates' noise.
-CAPTURE_MARGIN = 0.03
+# is only if it scores this much better. A capture stalls every request for 10-50 steps'
+# time (on an H200: 0.08-0.1 s for SmolLM2 against 2-5 ms steps; 0.05-0.26 s at the 8B shape
+# against 5-30 ms), and until a shape has served LONG_LIVED_SHAPE_STEPS (64) steps in a row
+# (runtime/cuda_graphs.py: then any tier may capture there) a tier this much better wins
+# back at most 13 steps. (At 0.03, an emulation of the bench's runs at batch 16-128 captured
+# one to two graphs per run to the end; at 0.2, 18-25% more tokens per second.)
+CAPTURE_MARGIN = 0.2
 
 
 def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
