@@ -205,16 +205,23 @@ def test_explorations_that_find_nothing_come_ever_more_rarely_until_the_best_cha
     assert again and again[0] - first_plain <= 2 * 8, picks[:40]
 
 
+def after_a_rejection_stretch(tiers, seconds, batch: int) -> AdaptiveSpeculation:
+    """A policy that served 3,000 steps of `batch` requests whose drafts were all rejected:
+    plain decoding serves, explorations ever rarer."""
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[t], explore_every=8)
+    for _ in range(3000):
+        t = p.pick(batch)
+        p.observe(t, batch, [1] * batch if t else [], seconds[t])
+    return p
+
+
 def test_a_batch_of_new_requests_is_explored_at_once_even_where_no_tier_is_captured():
     """After a long stretch where drafts did not help (plain best, explorations far apart),
     new requests are other text: they must be tried before their drafts fall too far behind
     to catch up, even at a graph shape where only plain decoding is captured."""
     tiers = [PLAIN, TreeShape(1, 1, 2), TreeShape(3, 1, 4)]
     seconds = [1.0, 1.1, 1.3]
-    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[t], explore_every=8)
-    for _ in range(3000):  # drafts rejected: plain serves, explorations ever rarer
-        t = p.pick(4)
-        p.observe(t, 4, [1] * 4 if t else [], seconds[t])
+    p = after_a_rejection_stretch(tiers, seconds, 4)
     assert p.explore_gap == p.max_explore_gap
     picks = [p.pick(4, ready=frozenset({0})) for _ in range(20)]
     assert picks == [0] * 20  # only plain captured here: no exploration, no capture
@@ -232,10 +239,7 @@ def test_new_requests_are_tried_on_a_captured_tier_without_a_capture():
     every batch of a benchmark, and of a server under steady arrivals)."""
     tiers = [PLAIN, TreeShape(1, 1, 2), TreeShape(3, 1, 4)]
     seconds = [1.0, 1.1, 1.3]
-    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[t], explore_every=8)
-    for _ in range(3000):  # drafts rejected: plain serves, explorations ever rarer
-        t = p.pick(4)
-        p.observe(t, 4, [1] * 4 if t else [], seconds[t])
+    p = after_a_rejection_stretch(tiers, seconds, 4)
     p.pick(4)
     p.observe(1, 4, [1] * 4, seconds[1])  # the chain was tried last: the other is due first
     p.arrived(4)
@@ -251,10 +255,7 @@ def test_new_requests_are_tried_even_where_only_hopeless_tiers_are_captured():
     exploration then captures a tier that could."""
     tiers = [PLAIN, TreeShape(1, 1, 2), TreeShape(6, 8, 64)]
     seconds = [1.0, 1.1, 20.0]
-    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[t], explore_every=8)
-    for _ in range(3000):  # drafts rejected: plain serves
-        t = p.pick(64)
-        p.observe(t, 64, [1] * 64 if t else [], seconds[t])
+    p = after_a_rejection_stretch(tiers, seconds, 64)
     p.arrived(64)
     picks = [p.pick(64, ready=frozenset({0, 2})) for _ in range(64)]
     assert [t for t in picks if t] == [1], picks  # the chain, captured once
