@@ -108,7 +108,13 @@ def matmul_stack(args, sink, weights, m: int) -> list[dict]:
 
     g = torch.Generator(device="cuda").manual_seed(123)
     inputs = {k: torch.randn(m, k, device="cuda", generator=g).to(DTYPE) for k in (4096, 14336)}
-    ways = {"torch": F.linear, "triton": skinny_linear}
+    ways = {
+        "torch": F.linear,
+        "triton": skinny_linear,
+        # programmatic dependent launch: each matmul starts loading its weight while the
+        # previous one finishes (Hopper and later)
+        "triton_pdl": lambda x, w: skinny_linear(x, w, pdl=True),
+    }
     rows = []
     for way, lin in ways.items():
 

@@ -362,3 +362,38 @@ def test_gpu_logits_are_float32_not_rounded_to_bf16(n_tokens):
     assert logits.dtype == torch.float32
     assert rel_err(logits, ref) < 1e-4  # bf16 output rounding alone is ~1e-3
     assert not torch.equal(logits, logits.to(torch.bfloat16).float())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="needs a CUDA device of Hopper or later (programmatic dependent launch)",
+)
+def test_gpu_programmatic_launch_chain_computes_the_same_bits():
+    # A chain of one-row matmuls, each reading the previous one's output, launched with
+    # programmatic dependent launch and replayed from a CUDA graph: every kernel starts its
+    # weight loads early but must read its input only once the previous kernel is done, so
+    # the result is bit for bit the plain launches' (a read before the wait would see the
+    # previous replay's values, which the fresh input below changes).
+    from specserve.bench.gpu_timing import captured
+
+    ws = [rand((512, 512), torch.bfloat16, 70 + i) * 0.05 for i in range(6)]
+    norm = rand((512,), torch.bfloat16, 80).abs() + 0.5
+    x = torch.zeros(1, 512, dtype=torch.bfloat16, device=DEVICE)
+
+    def chain(pdl: bool):
+        h = x
+        for i, w in enumerate(ws):
+            h = skinny_linear(h, w, norm_weight=norm if i % 2 else None, residual=h, pdl=pdl)
+        return h
+
+    graphs = {pdl: captured(lambda pdl=pdl: chain(pdl)) for pdl in (False, True)}
+    for seed in range(3):
+        x.copy_(rand((1, 512), torch.bfloat16, 90 + seed))
+        outs = {}
+        for pdl, (graph, out) in graphs.items():
+            graph.replay()
+            outs[pdl] = out.clone()
+        assert torch.equal(outs[True], outs[False])
+        assert torch.equal(outs[False], chain(False))

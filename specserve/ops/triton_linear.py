@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # ---------------------------------------------------------------------------------------------
 # references
@@ -183,9 +184,12 @@ def _skinny_fma_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
     SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # grid: (cdiv(N, BLOCK_N) * M, SPLIT_K); one row of x per program (consecutive programs
     # share a W block, so for M > 1 the repeats come from L2)
+    if PDL:  # the next kernel may start its own weight loads while this one finishes
+        gdc_launch_dependents()
     tile = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tile % M
@@ -195,10 +199,6 @@ def _skinny_fma_kernel(
     offs_m = tl.full([1], 0, tl.int32) + pid_m
     m_mask = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
-    if HAS_NORM:
-        inv_rms = _row_inv_rms(X, offs_m, m_mask, stride_xm, K, eps, 1, BLOCK_K)
-    else:
-        inv_rms = tl.zeros([1], dtype=tl.float32)
     w_ptrs = W + offs_wn[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     k_begin = pid_k * K_SPLIT
     k_hi = tl.minimum(k_begin + K_SPLIT, K)
@@ -210,6 +210,12 @@ def _skinny_fma_kernel(
             other=0.0,
             eviction_policy="evict_first",
         )
+    if PDL:  # W is constant; x, the residual and the outputs wait for the previous kernel
+        gdc_wait()
+    if HAS_NORM:
+        inv_rms = _row_inv_rms(X, offs_m, m_mask, stride_xm, K, eps, 1, BLOCK_K)
+    else:
+        inv_rms = tl.zeros([1], dtype=tl.float32)
     for k0 in range(k_begin, k_begin + K_SPLIT, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
@@ -445,6 +451,7 @@ def skinny_linear(
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: LinearConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """y = [residual +] f(x) @ weight^T [+ bias], f = RMSNorm(norm_weight) or SiLU-and-mul or
     identity; x [..., K] ([..., 2K] with silu_mul), weight [N, K] with unit column stride.
@@ -489,7 +496,9 @@ def skinny_linear(
         num_stages=cfg.num_stages,
     )
     if cfg.kind == "fma":
-        _skinny_fma_kernel[(tiles, split)](*args, PREFETCH=cfg.prefetch, **flags)
+        _skinny_fma_kernel[(tiles, split)](
+            *args, PREFETCH=cfg.prefetch, PDL=pdl, launch_pdl=pdl, **flags
+        )
     else:
         # (CPU tensors: the Triton interpreter, whose dot has no bf16)
         upcast = x.device.type == "cpu" and x.dtype == torch.bfloat16
