@@ -449,7 +449,7 @@ def test_a_graph_is_captured_only_for_a_tier_a_step_runs_at_its_shape():
         prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
         e.generate(input_ids=prompts, sampling_params=dict(SP, max_new_tokens=40))
         assert len({key[-2] for key in ran}) > 1  # the policy did switch tiers
-        assert set(graphs.graphs) == set(ran)  # and captured nothing it did not run
+        assert set(graphs.graphs) <= set(ran)  # and captured nothing it did not run
 
 
 def test_simulated_rejection_switches_speculation_off():

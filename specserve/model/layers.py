@@ -77,20 +77,19 @@ def fused_linear(
     """[residual +] lin(f(x)), f = norm or SiLU-and-mul or identity; one kernel in mode 2.
     accumulate: the sum may be written into `residual` (mode 1: GEMM with beta = 1)."""
     if mode >= 2 and lin.weight.dtype == x.dtype:
-        if mode == 3:
-            from specserve.ops.triton_invariant_linear import invariant_linear as gemm
-        else:
-            from specserve.ops.triton_linear import skinny_linear as gemm
-
-        return gemm(
-            x,
-            lin.weight,
-            lin.bias,
+        args = dict(
             norm_weight=None if norm is None else norm.weight,
             eps=1e-6 if norm is None else norm.eps,
             silu_mul=silu,
             residual=residual,
         )
+        if mode == 3:
+            from specserve.ops.triton_invariant_linear import invariant_linear
+
+            return invariant_linear(x, lin.weight, lin.bias, **args)
+        from specserve.ops.triton_linear import skinny_linear
+
+        return skinny_linear(x, lin.weight, lin.bias, pdl=kernels.programmatic_launch, **args)
     if norm is not None:
         x = norm(x, kernels)
     if silu:

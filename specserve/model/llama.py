@@ -96,12 +96,16 @@ class LlamaForCausalLM(nn.Module):
         weight = self.lm_head_weight
         mode = fused_mode(hidden, kernels)
         if mode >= 2 and weight.dtype == hidden.dtype:
+            # (float32 out: no bf16 rounding)
             if mode == 3:  # deterministic inference: the batch-invariant GEMM
-                from specserve.ops.triton_invariant_linear import invariant_linear as gemm
-            else:
-                from specserve.ops.triton_linear import skinny_linear as gemm
+                from specserve.ops.triton_invariant_linear import invariant_linear
 
-            return gemm(hidden, weight, out_dtype=torch.float32)  # no bf16 rounding
+                return invariant_linear(hidden, weight, out_dtype=torch.float32)
+            from specserve.ops.triton_linear import skinny_linear
+
+            return skinny_linear(
+                hidden, weight, out_dtype=torch.float32, pdl=kernels.programmatic_launch
+            )
         if kernels.fp32_logits and weight.dtype == hidden.dtype != torch.float32:
             flat = torch.mm(hidden.reshape(-1, hidden.shape[-1]), weight.t(), torch.float32)
             return flat.view(*hidden.shape[:-1], weight.shape[0])

@@ -8,9 +8,12 @@ A step's shapes depend on three host values, which key the graphs:
   laid out in a [bs, width] block, and the attention launch plan is sized for it;
 - the sampling mode (all greedy; filters on or off; log-probs on or off and their top-k
   width), which selects host-side code paths and output shapes.
-Graphs are captured lazily, the first time a key is needed, from padding-only inputs (so
-capture writes nothing but scratch), and share one memory pool. Anything outside the
-buckets runs eagerly through the same `DecodeStep.run`.
+Graphs are captured lazily from padding-only inputs (so capture writes nothing but scratch)
+and share one memory pool. A shape met first replays the smallest captured graph that covers
+it (same sampling mode and tier, batch and width buckets at least as large: more padding
+rows, a wider KV layout) until it has served `CAPTURE_AFTER_STEPS` steps, and is captured
+when none covers it. Anything outside the buckets runs eagerly through the same
+`DecodeStep.run`.
 
 Inputs are copied into each graph's static tensors before a replay; those copies and the
 replay are ordered on the stream after the previous step, so under overlap scheduling the
@@ -36,6 +39,14 @@ MIN_WIDTH = 256
 # explored pays its capture back. A short-lived shape (a batch's shrinking tail, met again
 # and again for a few steps) would not.
 LONG_LIVED_SHAPE_STEPS = 64
+# A shape covered by a larger captured graph gets its own graph once it has served this many
+# steps (in all). A capture stalls every request: on an H200 0.06-0.2 s for SmolLM2 against
+# 2-5 ms steps, 0.05-0.26 s at the 8B shape against 5-30 ms, while a covering graph costs a
+# step its padding rows' work (nothing where the host sets the pace, about a third more at
+# the 8B shape's batch 4 on a batch-32 graph). A batch's shrinking tail meets a new batch
+# bucket every few steps: capturing each one there stalled the last steps of a SmolLM2 batch
+# of 64 for 0.18 s, a step's time 70 times over.
+CAPTURE_AFTER_STEPS = 32
 
 
 def pow2_bucket(n: int, minimum: int) -> int:
@@ -101,10 +112,13 @@ class DecodeGraphs:
         self.max_width = max_width
         self.graphs: dict[tuple, _Captured] = {}
         self.streak: tuple[tuple | None, int] = (None, 0)  # the last shape, its steps in a row
+        self.served: dict[tuple, int] = {}  # steps run per graph key, captured or covered
+        self._covers: dict[tuple, tuple | None] = {}  # key -> the captured key covering it
         self.pool = None
         self._rows_version = worker.rows.version
         self.num_captures = 0
         self.captured_last = False  # the last run captured its graph
+        self.covered_last = False  # the last run replayed a larger shape's graph
 
     def bucket(self, bsz: int, width: int) -> tuple[int, int] | None:
         bs = next((b for b in self.buckets if b >= bsz), None)
@@ -121,9 +135,10 @@ class DecodeGraphs:
         catch_up: bool = False,
     ) -> tuple | None:
         """Replay the step for these rows: DecodeStep.run's outputs for the real rows; None
-        when the batch is too large for a graph. A shape met first is captured for this
-        step's tier alone: load-adaptive speculation explores only tiers already captured
-        at a shape (`ready_tiers`), so no other tier's capture is needed to explore."""
+        when the batch is too large for a graph. A shape without a graph replays a larger
+        one covering it, or is captured for this step's tier alone: load-adaptive
+        speculation explores only tiers it can replay at a shape (`ready_tiers`), so no
+        other tier's capture is needed to explore."""
         shape = self.bucket(len(rows), width)
         if shape is None:
             return None
@@ -131,11 +146,17 @@ class DecodeGraphs:
         key = self._key(shape, sampling, tier, catch_up)
         last, steps = self.streak
         self.streak = (key[:-2], steps + 1 if key[:-2] == last else 1)
+        self.served[key] = served = self.served.get(key, 0) + 1
         cap = self.graphs.get(key)
-        self.captured_last = cap is None  # (this step's time includes the capture)
-        if cap is None:
+        cover = None if cap is not None or served > CAPTURE_AFTER_STEPS else self._cover(key)
+        self.covered_last = cover is not None  # (its time is a larger shape's)
+        self.captured_last = cap is None and cover is None  # (its time includes the capture)
+        if cover is not None:
+            cap = self.graphs[cover]
+        elif cap is None:
             cap = self._capture(*key)
             self.graphs[key] = cap
+            self._covers.clear()  # (a smaller cover may exist now)
         self._copy_inputs(cap, rows, sampling)
         if cap.graph is not None:
             cap.graph.replay()
@@ -162,8 +183,24 @@ class DecodeGraphs:
         if last == self._key(shape, sampling, 0, False)[:-2] and steps >= LONG_LIVED_SHAPE_STEPS:
             return None
         return frozenset(
-            t for t in range(tiers) if self._key(shape, sampling, t, catch_up(t)) in self.graphs
+            t for t in range(tiers) if self._replayable(self._key(shape, sampling, t, catch_up(t)))
         )
+
+    def _replayable(self, key: tuple) -> bool:
+        """Whether a step of this key runs without a capture: its own graph, or one covering
+        it while the shape is young."""
+        if key in self.graphs:
+            return True
+        return self.served.get(key, 0) < CAPTURE_AFTER_STEPS and self._cover(key) is not None
+
+    def _cover(self, key: tuple) -> tuple | None:
+        """The captured key of least padding (batch bucket x width) that can run a step of
+        `key`: the same sampling mode, tier and catch-up, batch and width at least as large."""
+        if key not in self._covers:
+            bs, width, *rest = key
+            fits = [k for k in self.graphs if k[0] >= bs and k[1] >= width and list(k[2:]) == rest]
+            self._covers[key] = min(fits, key=lambda k: (k[0] * k[1], k), default=None)
+        return self._covers[key]
 
     @staticmethod
     def _key(shape: tuple[int, int], sampling: SamplingTensors, tier: int, catch_up: bool):
@@ -189,6 +226,8 @@ class DecodeGraphs:
         if self.graphs:
             log.info("request rows reallocated: %d decode graphs dropped", len(self.graphs))
         self.graphs.clear()
+        self.served.clear()
+        self._covers.clear()
         self._rows_version = self.worker.rows.version
         self.streak = (None, 0)
 
@@ -206,6 +245,7 @@ class DecodeGraphs:
         if cap is None:
             cap = self._capture(*key)
             self.graphs[key] = cap
+            self._covers.clear()
         cap.last_inputs = None  # the rows are padding now
         copy_from_host(cap.rows, [PAD_ROW] * cap.rows.shape[0])
         cap.graph.replay()  # settles clocks and caches

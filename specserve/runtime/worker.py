@@ -393,8 +393,8 @@ class Worker:
         if out is None:
             rows_dev = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
             out = self.step.run(rows_dev, sampling, width, kv_upper, tier, catch_up)
-        elif self.graphs.captured_last:
-            timer = None  # a capture's time is not the step's
+        elif self.graphs.captured_last or self.graphs.covered_last:
+            timer = None  # a capture's time, or a larger shape's, is not this step's
         if timer is not None:
             timer.stop()
         return PendingDecode(reqs, *out, tier=tier, timer=timer)
