@@ -9,8 +9,8 @@ Default run (< 2 minutes on an H200):
    random non-zero inputs, max relative error of each against an fp32 reference; GB/s counts
    W + x + y bytes.
 2. the 8B matmul stack (32 x qkv, o, gate_up, down + lm_head), each way, replayed from one
-   CUDA graph: matmul time per decode step and its tok/s equivalent (torch: 4.39 ms at
-   M = 1 on an H200).
+   CUDA graph: matmul time per decode step and its tok/s equivalent (torch: 4.07-4.39 ms
+   at M = 1 on an H200, by machine).
 3. the real model code (specserve.model.llama, 8B preset, random weights, attention replaced
    by a stub) in one CUDA graph per kernel mode (`MODE_NAMES`).
 JSON lines as it goes; tables last.

@@ -469,6 +469,8 @@ class Engine:
         while not self._stop.is_set():
             self._drain_inbox()
             if not core.has_work():
+                if core.idle_work():
+                    continue  # (one graph captured; the inbox is read before the next)
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue

@@ -8,11 +8,13 @@ across buckets, for plain and speculative decoding, sampling, and every page siz
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from specserve import Engine
 from specserve.model.config import PRESETS
-from specserve.runtime.cuda_graphs import CAPTURE_AFTER_STEPS, DecodeGraphs, batch_buckets
+from specserve.runtime.cuda_graphs import DecodeGraphs, batch_buckets
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, mixed_prompts, spec_args
 
@@ -32,7 +34,9 @@ def generate(prompts, sps, padded: bool, max_bs: int = 4, **kw):
         if padded:
             worker.graphs = DecodeGraphs(worker, max_bs, max_width=4096, capture=False)
         outs = e.generate(input_ids=prompts, sampling_params=sps)
-        shapes = sorted(worker.graphs.served) if padded else []  # every shape a step ran at
+        if padded:  # every shape a step ran at, once the idle engine has captured the covered
+            wait_for_idle_captures(worker.graphs)
+        shapes = sorted(worker.graphs.graphs) if padded else []
         assert e.stats()["kv_used_tokens"] == 0
     return [o["output_ids"] for o in outs], shapes
 
@@ -69,36 +73,44 @@ def test_plain_decoding_padded_equals_eager(page_size, overlap):
     assert {s[0] for s in shapes} >= {1, 2, 4}
 
 
-def test_a_shrinking_batch_replays_its_larger_graph_until_a_shape_has_served_long():
-    """A batch's tail meets a smaller batch bucket every few steps: it replays the graph of
-    the larger bucket (padding rows) rather than stalling on a capture at each, and a shape
-    that keeps serving gets its own graph after CAPTURE_AFTER_STEPS steps."""
+def wait_for_idle_captures(graphs, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while graphs.wanted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not graphs.wanted, "the idle engine did not capture the covered shapes"
+
+
+def test_a_shrinking_batch_replays_its_larger_graph_and_captures_its_own_when_idle():
+    """A batch's tail meets a smaller batch bucket every few steps: it replays the larger
+    bucket's graph (padding rows) rather than stalling every request on a capture, and the
+    engine captures those shapes' own graphs once no request is waiting; the same batch
+    then replays them. Outputs equal eager decoding throughout."""
     prompts = mixed_prompts(4, 512, seed=35, min_len=4)
-    lengths = [3, 5, 8, CAPTURE_AFTER_STEPS + 12]  # one request outlives the rest
-    sps = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in lengths]
+    sps = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in (3, 6, 9, 14)]
     eager, _ = generate(prompts, sps, padded=False)
     with Engine(**TINY, debug_check_invariants=True) as e:
         worker = e.core.worker
         graphs = worker.graphs = DecodeGraphs(worker, 4, max_width=4096, capture=False)
-        captured_then = []
+        ran = []
         run = graphs.run
 
         def recording_run(rows, sampling, width, tier=0, catch_up=False):
+            captures = len(graphs.graphs)
             out = run(rows, sampling, width, tier, catch_up)
-            captured_then.append((len(rows), graphs.covered_last, set(graphs.graphs)))
+            ran.append((len(rows), graphs.covered_last, len(graphs.graphs) > captures))
             return out
 
         graphs.run = recording_run
-        outs = e.generate(input_ids=prompts, sampling_params=sps)
-    assert [o["output_ids"] for o in outs] == eager
-    alone = [(covered, keys) for n, covered, keys in captured_then if n == 1]
-    assert {k[0] for k in captured_then[0][2]} == {4}  # the batch of 4's graph
-    # the lone request ran on the batch-of-4 graph for CAPTURE_AFTER_STEPS steps, then its own
-    assert [covered for covered, _ in alone] == [True] * CAPTURE_AFTER_STEPS + [False] * (
-        len(alone) - CAPTURE_AFTER_STEPS
-    )
-    assert all(1 not in {k[0] for k in keys} for _, keys in alone[:CAPTURE_AFTER_STEPS])
-    assert 1 in {k[0] for k in alone[-1][1]}
+        first = e.generate(input_ids=prompts, sampling_params=sps)
+        wait_for_idle_captures(graphs)
+        first_ran, ran[:] = list(ran), []
+        second = e.generate(input_ids=prompts, sampling_params=sps)
+    assert [o["output_ids"] for o in first] == [o["output_ids"] for o in second] == eager
+    # first pass: one capture (the batch of 4), its tail of 2 and 1 on that graph
+    assert [c for _, _, c in first_ran].count(True) == 1
+    assert {n for n, covered, _ in first_ran if covered} == {1, 2}
+    assert {k[0] for k in graphs.graphs} == {1, 2, 4}  # the idle engine captured their own
+    assert ran and not any(covered or captured for _, covered, captured in ran)
 
 
 @pytest.mark.parametrize(
@@ -156,10 +168,8 @@ def test_ready_tiers_are_the_tiers_captured_at_the_steps_shape():
     no_catch_up = lambda tier: False  # noqa: E731
     assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) == {2}
     assert graphs.ready_tiers(4, 500, greedy, 4, no_catch_up) == {2}  # the same buckets
-    # a smaller batch or width replays that graph (covered) until it has its own
+    # a smaller batch or width replays that graph (covers it) until it has its own
     assert graphs.ready_tiers(1, 100, greedy, 4, no_catch_up) == {2}
-    graphs.served[graphs._key(graphs.bucket(1, 100), greedy, 2, False)] = CAPTURE_AFTER_STEPS
-    assert graphs.ready_tiers(1, 100, greedy, 4, no_catch_up) == set()  # due its own capture
     assert graphs.ready_tiers(5, 300, greedy, 4, no_catch_up) == set()  # batch bucket 8
     assert graphs.ready_tiers(3, 600, greedy, 4, no_catch_up) == set()  # width bucket 1024
     assert graphs.ready_tiers(3, 300, sampled, 4, no_catch_up) == set()

@@ -9,11 +9,11 @@ A step's shapes depend on three host values, which key the graphs:
 - the sampling mode (all greedy; filters on or off; log-probs on or off and their top-k
   width), which selects host-side code paths and output shapes.
 Graphs are captured lazily from padding-only inputs (so capture writes nothing but scratch)
-and share one memory pool. A shape met first replays the smallest captured graph that covers
-it (same sampling mode and tier, batch and width buckets at least as large: more padding
-rows, a wider KV layout) until it has served `CAPTURE_AFTER_STEPS` steps, and is captured
-when none covers it. Anything outside the buckets runs eagerly through the same
-`DecodeStep.run`.
+and share one memory pool. A shape without a graph replays the smallest captured graph that
+covers it (same sampling mode and tier, batch and width buckets at least as large: more
+padding rows, a wider KV layout) and gets its own graph when the engine is idle
+(`capture_wanted`); only a shape nothing covers is captured while requests wait. Anything
+outside the buckets runs eagerly through the same `DecodeStep.run`.
 
 Inputs are copied into each graph's static tensors before a replay; those copies and the
 replay are ordered on the stream after the previous step, so under overlap scheduling the
@@ -39,14 +39,6 @@ MIN_WIDTH = 256
 # explored pays its capture back. A short-lived shape (a batch's shrinking tail, met again
 # and again for a few steps) would not.
 LONG_LIVED_SHAPE_STEPS = 64
-# A shape covered by a larger captured graph gets its own graph once it has served this many
-# steps (in all). A capture stalls every request: on an H200 0.06-0.2 s for SmolLM2 against
-# 2-5 ms steps, 0.05-0.26 s at the 8B shape against 5-30 ms, while a covering graph costs a
-# step its padding rows' work (nothing where the host sets the pace, about a third more at
-# the 8B shape's batch 4 on a batch-32 graph). A batch's shrinking tail meets a new batch
-# bucket every few steps: capturing each one there stalled the last steps of a SmolLM2 batch
-# of 64 for 0.18 s, a step's time 70 times over.
-CAPTURE_AFTER_STEPS = 32
 
 
 def pow2_bucket(n: int, minimum: int) -> int:
@@ -112,7 +104,13 @@ class DecodeGraphs:
         self.max_width = max_width
         self.graphs: dict[tuple, _Captured] = {}
         self.streak: tuple[tuple | None, int] = (None, 0)  # the last shape, its steps in a row
-        self.served: dict[tuple, int] = {}  # steps run per graph key, captured or covered
+        # A capture stalls every request: on an H200 0.06-0.3 s for SmolLM2 against 2-5 ms
+        # steps, 0.05-0.26 s at the 8B shape against 5-30 ms. A covering graph costs a step
+        # only its padding rows' work (nothing where the host sets the pace), and a batch's
+        # shrinking tail meets a new batch bucket every few steps: capturing each there
+        # stalled the last steps of a SmolLM2 batch of 64 for 0.18 s, 70 steps' time. So a
+        # covered shape's own graph waits for an idle engine.
+        self.wanted: dict[tuple, None] = {}  # covered keys to capture when idle, in order
         self._covers: dict[tuple, tuple | None] = {}  # key -> the captured key covering it
         self.pool = None
         self._rows_version = worker.rows.version
@@ -146,13 +144,13 @@ class DecodeGraphs:
         key = self._key(shape, sampling, tier, catch_up)
         last, steps = self.streak
         self.streak = (key[:-2], steps + 1 if key[:-2] == last else 1)
-        self.served[key] = served = self.served.get(key, 0) + 1
         cap = self.graphs.get(key)
-        cover = None if cap is not None or served > CAPTURE_AFTER_STEPS else self._cover(key)
+        cover = None if cap is not None else self._cover(key)
         self.covered_last = cover is not None  # (its time is a larger shape's)
         self.captured_last = cap is None and cover is None  # (its time includes the capture)
         if cover is not None:
             cap = self.graphs[cover]
+            self.wanted[key] = None
         elif cap is None:
             cap = self._capture(*key)
             self.graphs[key] = cap
@@ -187,11 +185,24 @@ class DecodeGraphs:
         )
 
     def _replayable(self, key: tuple) -> bool:
-        """Whether a step of this key runs without a capture: its own graph, or one covering
-        it while the shape is young."""
-        if key in self.graphs:
-            return True
-        return self.served.get(key, 0) < CAPTURE_AFTER_STEPS and self._cover(key) is not None
+        """Whether a step of this key runs without a capture: its own graph or a cover."""
+        return key in self.graphs or self._cover(key) is not None
+
+    def capture_wanted(self) -> bool:
+        """Capture the oldest covered shape's own graph (the engine calls this when no request
+        is running or waiting: nobody stalls). Returns whether there was one."""
+        if self.worker.rows.version != self._rows_version:
+            self._drop_stale_graphs()
+        while self.wanted:
+            key = next(iter(self.wanted))
+            captured = key not in self.graphs
+            if captured:
+                self.graphs[key] = self._capture(*key)
+                self._covers.clear()
+            del self.wanted[key]  # (after: a reader seeing none wanted sees every graph)
+            if captured:
+                return True
+        return False
 
     def _cover(self, key: tuple) -> tuple | None:
         """The captured key of least padding (batch bucket x width) that can run a step of
@@ -226,7 +237,7 @@ class DecodeGraphs:
         if self.graphs:
             log.info("request rows reallocated: %d decode graphs dropped", len(self.graphs))
         self.graphs.clear()
-        self.served.clear()
+        self.wanted.clear()
         self._covers.clear()
         self._rows_version = self.worker.rows.version
         self.streak = (None, 0)

@@ -298,6 +298,18 @@ class EngineCore:
             or any(r.finished for r in self.requests.values())
         )
 
+    def idle_work(self) -> bool:
+        """Work for a moment with no request running or waiting: capture a decode graph that
+        steps replayed a larger one for (runtime/cuda_graphs.py). Whether it did any."""
+        if self.has_work():
+            return False
+        try:
+            return self.worker.capture_wanted()
+        except Exception:  # no request depends on it: keep serving on the covering graphs
+            log.exception("capturing a decode graph while idle failed; no more such captures")
+            self.worker.graphs.wanted.clear()
+            return False
+
     def step(self) -> list[Request]:
         """Advance the engine by one batch. Returns the requests with something new (finished
         ones included); finished requests are forgotten here and their KV freed.

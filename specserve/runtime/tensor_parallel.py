@@ -246,6 +246,10 @@ class LeaderWorker:
             message, self._worker.launch_decode, reqs, kv_upper, tier, timed, catch_up
         )
 
+    def capture_wanted(self) -> bool:
+        # every rank captures the same graph: their steps replay the same shapes' graphs
+        return self._call(("capture_wanted",), self._worker.capture_wanted)
+
     def forget(self, rid: str) -> None:
         self._ops.append(("forget", rid))
         self._worker.forget(rid)
@@ -351,6 +355,8 @@ class Follower:
             for r in reqs:
                 r.draft_stale = r.rid in stale
             self.worker.launch_decode(reqs, kv_upper, tier, catch_up=catch_up)
+        elif kind == "capture_wanted":
+            self.worker.capture_wanted()
         else:  # "state"
             return _replica_state(self.worker, call[1], call[2])
         return None

@@ -193,6 +193,11 @@ class Worker:
         if self.drafter.observes_tokens:
             self.drafter.release_tokens((rid,))
 
+    def capture_wanted(self) -> bool:
+        """Capture one decode graph that steps have so far replayed a larger graph for (call
+        only while no step is in flight); whether there was one."""
+        return self.graphs is not None and self.graphs.capture_wanted()
+
     def observe_tokens(self, tokens_by_request: dict[str, Sequence[int]]) -> None:
         """Prompt and output tokens of running requests (a growing draft vocabulary's input)."""
         if self.drafter.observes_tokens:

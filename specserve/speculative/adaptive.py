@@ -52,11 +52,11 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   steady state costs less and less; when the best tier changes, or a batch's worth of new
   requests has arrived, the pace starts over.
 - captures: under CUDA graphs a step replays the graph of its shape (batch bucket, context
-  width, tier), captured the first time it is met, which stalls the loop. Every tier is
-  captured at every batch bucket at the shortest width when the engine starts (`prime`);
-  past it, a shape is captured for the tier its first step runs. Exploration runs only
-  tiers already captured at the step's shape (accept lengths are learnt at any shape), and
-  the best tier is swapped for a captured one scoring within `CAPTURE_MARGIN` of it. As
+  width, tier), or a larger shape's graph of its tier covering it; a shape nothing covers
+  is captured when first met, which stalls the loop. Every tier is captured at every batch
+  bucket at the shortest width when the engine starts (`prime`). Exploration runs only
+  tiers replayable at the step's shape (accept lengths are learnt at any shape), and the
+  best tier is swapped for a replayable one scoring within `CAPTURE_MARGIN` of it. As
   contexts grow a batch meets a new width every few steps, at each batch bucket its tail
   shrinks through: capturing every tier there stalls the loop for longer than the few
   steps at that width can win back.
