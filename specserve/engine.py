@@ -159,6 +159,10 @@ class Engine:
                 for g in (core.worker.graphs, core.worker.prefill_graphs)
                 if g is not None
             ),
+            # decode graphs captured while the engine was idle (no request waited for them)
+            "num_graph_captures_idle": (
+                core.worker.graphs.num_idle_captures if core.worker.graphs is not None else 0
+            ),
             "spec_verify_ct": verify_ct,
             "speculative_adaptive": core.describe_adaptive(),
             "spec_accept_length": core.spec_totals["accepted"] / verify_ct if verify_ct else None,

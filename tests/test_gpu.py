@@ -173,7 +173,7 @@ def test_cuda_graphs_match_eager(spec, page_size):
             time.sleep(0.05)
         assert not graphs.wanted  # the idle engine captured the covered shapes
         own = e.generate(input_ids=prompts, sampling_params=sps)  # every shape its own graph
-        assert graphs.num_captures >= 3
+        assert graphs.num_captures + graphs.num_idle_captures >= 3
     assert [o["output_ids"] for o in covered] == [o["output_ids"] for o in own] == eager
 
 

@@ -114,7 +114,8 @@ class DecodeGraphs:
         self._covers: dict[tuple, tuple | None] = {}  # key -> the captured key covering it
         self.pool = None
         self._rows_version = worker.rows.version
-        self.num_captures = 0
+        self.num_captures = 0  # captured while a step (or engine start) waited
+        self.num_idle_captures = 0  # captured while no request was running or waiting
         self.captured_last = False  # the last run captured its graph
         self.covered_last = False  # the last run replayed a larger shape's graph
 
@@ -197,7 +198,7 @@ class DecodeGraphs:
             key = next(iter(self.wanted))
             captured = key not in self.graphs
             if captured:
-                self.graphs[key] = self._capture(*key)
+                self.graphs[key] = self._capture(*key, idle=True)
                 self._covers.clear()
             del self.wanted[key]  # (after: a reader seeing none wanted sees every graph)
             if captured:
@@ -292,6 +293,7 @@ class DecodeGraphs:
         any_plain: bool,
         tier: int,
         catch_up: bool,
+        idle: bool = False,
     ) -> _Captured:
         worker, dev = self.worker, self.worker.device
         rows = torch.full((bs,), PAD_ROW, dtype=torch.int64, device=dev)
@@ -324,7 +326,10 @@ class DecodeGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
         graph, outputs = capture_graph(step, self.pool, dev)
-        self.num_captures += 1
+        if idle:
+            self.num_idle_captures += 1
+        else:
+            self.num_captures += 1
         log.info(
             "captured decode graph in %.2f s: batch %d, width %d, greedy=%s, logprobs=%s "
             "(top %d), tier %d, catch-up %s",

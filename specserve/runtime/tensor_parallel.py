@@ -247,7 +247,11 @@ class LeaderWorker:
         )
 
     def capture_wanted(self) -> bool:
-        # every rank captures the same graph: their steps replay the same shapes' graphs
+        # every rank captures the same graph: their steps replay the same shapes' graphs.
+        # (Every rank wants what rank 0 wants: the same steps decided it.)
+        graphs = self._worker.graphs
+        if graphs is None or not graphs.wanted:
+            return False  # (no message to the ranks on every idle tick)
         return self._call(("capture_wanted",), self._worker.capture_wanted)
 
     def forget(self, rid: str) -> None:
