@@ -114,6 +114,12 @@ class _EngineCollector:
             "CUDA graphs captured, decode and prefill (each capture stalls its step)",
             s["num_graph_captures"],
         )
+        yield counter(
+            "graph_captures_idle",
+            "Decode CUDA graphs captured while no request was running or waiting (until then "
+            "their steps replayed a larger graph)",
+            s.get("num_graph_captures_idle", 0),
+        )
         verify = s.get("spec_verify_ct") or 0
         accept = s.get("spec_accept_length")
         yield counter("spec_verify_steps", "Speculative verify steps, summed over requests", verify)
