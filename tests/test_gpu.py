@@ -172,6 +172,7 @@ def test_cuda_graphs_match_eager(spec, page_size):
         while graphs.wanted and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not graphs.wanted  # the idle engine captured the covered shapes
+        assert graphs.num_idle_captures > 0  # (so the first pass did run on covers)
         own = e.generate(input_ids=prompts, sampling_params=sps)  # every shape its own graph
         assert graphs.num_captures + graphs.num_idle_captures >= 3
     assert [o["output_ids"] for o in covered] == [o["output_ids"] for o in own] == eager

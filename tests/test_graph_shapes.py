@@ -14,7 +14,7 @@ import pytest
 
 from specserve import Engine
 from specserve.model.config import PRESETS
-from specserve.runtime.cuda_graphs import DecodeGraphs, batch_buckets
+from specserve.runtime.cuda_graphs import LONG_LIVED_SHAPE_STEPS, DecodeGraphs, batch_buckets
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, mixed_prompts, spec_args
 
@@ -185,3 +185,55 @@ def test_ready_tiers_are_the_tiers_captured_at_the_steps_shape():
     assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) == set()
     graphs.capture = False  # eager steps: no capture to avoid
     assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) is None
+
+
+def test_a_request_outliving_its_batch_gets_its_own_graph_once_long_lived():
+    """A lone request left from a batch would otherwise run on the batch's larger graph for
+    as long as the engine is busy: once its shape has served LONG_LIVED_SHAPE_STEPS steps in
+    a row, it is captured there and then."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14], [15, 16, 17, 18]]
+    lengths = (3, 3, 3, LONG_LIVED_SHAPE_STEPS + 20)
+    sps = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in lengths]
+    eager, _ = generate(prompts, sps, padded=False)
+    with Engine(**TINY, debug_check_invariants=True) as e:
+        worker = e.core.worker
+        graphs = worker.graphs = DecodeGraphs(worker, 4, max_width=4096, capture=False)
+        alone = []
+        run = graphs.run
+
+        def recording_run(rows, sampling, width, tier=0, catch_up=False):
+            out = run(rows, sampling, width, tier, catch_up)
+            if len(rows) == 1:
+                alone.append("covered" if graphs.covered_last else
+                             "captured" if graphs.captured_last else "own")  # fmt: skip
+            return out
+
+        graphs.run = recording_run
+        outs = e.generate(input_ids=prompts, sampling_params=sps)
+    assert [o["output_ids"] for o in outs] == eager
+    n = LONG_LIVED_SHAPE_STEPS
+    assert alone[: n - 1] == ["covered"] * (n - 1)
+    assert alone[n - 1] == "captured"
+    assert set(alone[n:]) == {"own"} and len(alone) > n
+
+
+def test_a_ragged_tier_verifies_as_many_nodes_per_request_on_a_larger_graph():
+    """Padding rows must not enlarge the real rows' verify budget: a request decoded on a
+    covering (larger) graph verifies, and so accepts, what it does eagerly."""
+    from tests.engine_utils import spec_args
+
+    prompts = mixed_prompts(4, 512, seed=35, min_len=4)
+    sps = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in (3, 6, 9, 40)]
+    spec = spec_args("tiny", 3, 4, 10, speculative_adaptive=True)
+
+    def serve(padded: bool):
+        with Engine(**TINY, **spec) as e:
+            quarter = next(t for t, s in enumerate(e.core.adaptive.tiers) if s.ragged)
+            e.core.adaptive.pick = lambda b, can=True, ready=None: quarter
+            if padded:
+                worker = e.core.worker
+                worker.graphs = DecodeGraphs(worker, 4, max_width=4096, capture=False)
+            outs = e.generate(input_ids=prompts, sampling_params=sps)
+        return [(o["output_ids"], o["meta_info"]["spec_accept_histogram"]) for o in outs]
+
+    assert serve(padded=True) == serve(padded=False)

@@ -12,8 +12,9 @@ Graphs are captured lazily from padding-only inputs (so capture writes nothing b
 and share one memory pool. A shape without a graph replays the smallest captured graph that
 covers it (same sampling mode and tier, batch and width buckets at least as large: more
 padding rows, a wider KV layout) and gets its own graph when the engine is idle
-(`capture_wanted`); only a shape nothing covers is captured while requests wait. Anything
-outside the buckets runs eagerly through the same `DecodeStep.run`.
+(`capture_wanted`) or once it has served `LONG_LIVED_SHAPE_STEPS` steps in a row (a request
+outliving its batch); a shape nothing covers is captured when first met. Anything outside
+the buckets runs eagerly through the same `DecodeStep.run`.
 
 Inputs are copied into each graph's static tensors before a replay; those copies and the
 replay are ordered on the stream after the previous step, so under overlap scheduling the
@@ -36,8 +37,9 @@ log = logging.getLogger(__name__)
 MIN_WIDTH = 256
 # A shape (batch bucket, width bucket, sampling mode) that has served this many steps in a
 # row is long-lived: widths double, so it serves many more, and a tier captured there to be
-# explored pays its capture back. A short-lived shape (a batch's shrinking tail, met again
-# and again for a few steps) would not.
+# explored, or its own graph where a larger one covered it, pays its capture back. A
+# short-lived shape (a batch's shrinking tail, met again and again for a few steps) would
+# not.
 LONG_LIVED_SHAPE_STEPS = 64
 
 
@@ -109,7 +111,8 @@ class DecodeGraphs:
         # only its padding rows' work (nothing where the host sets the pace), and a batch's
         # shrinking tail meets a new batch bucket every few steps: capturing each there
         # stalled the last steps of a SmolLM2 batch of 64 for 0.18 s, 70 steps' time. So a
-        # covered shape's own graph waits for an idle engine.
+        # covered shape's own graph waits for an idle engine, or for the shape to be
+        # long-lived.
         self.wanted: dict[tuple, None] = {}  # covered keys to capture when idle, in order
         self._covers: dict[tuple, tuple | None] = {}  # key -> the captured key covering it
         self.pool = None
@@ -146,7 +149,8 @@ class DecodeGraphs:
         last, steps = self.streak
         self.streak = (key[:-2], steps + 1 if key[:-2] == last else 1)
         cap = self.graphs.get(key)
-        cover = None if cap is not None else self._cover(key)
+        long_lived = self.streak[1] >= LONG_LIVED_SHAPE_STEPS
+        cover = None if cap is not None or long_lived else self._cover(key)
         self.covered_last = cover is not None  # (its time is a larger shape's)
         self.captured_last = cap is None and cover is None  # (its time includes the capture)
         if cover is not None:
@@ -198,8 +202,14 @@ class DecodeGraphs:
             key = next(iter(self.wanted))
             captured = key not in self.graphs
             if captured:
+                # (simulated acceptance draws from a device counter that the capture's runs
+                # advance: put it back, so its draws do not depend on when the engine idled)
+                sim = getattr(self.worker.step, "simulator", None)
+                counter = sim.counter.clone() if sim is not None else None
                 self.graphs[key] = self._capture(*key, idle=True)
                 self._covers.clear()
+                if counter is not None:
+                    sim.counter.copy_(counter)
             del self.wanted[key]  # (after: a reader seeing none wanted sees every graph)
             if captured:
                 return True

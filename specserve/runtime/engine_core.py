@@ -305,7 +305,8 @@ class EngineCore:
             return False
         try:
             return self.worker.capture_wanted()
-        except Exception:  # no request depends on it: keep serving on the covering graphs
+        except Exception:  # no request depends on it: the covering graphs still serve (a
+            # tensor-parallel group that failed here fails its next step instead)
             log.exception("capturing a decode graph while idle failed; no more such captures")
             self.worker.graphs.wanted.clear()
             return False

@@ -275,7 +275,9 @@ class DecodeStep:
         plain = rows == PAD_ROW  # padding rows of a graph's batch verify their root alone
         if batch.sampling.any_plain:
             plain = plain | batch.sampling.plain_rows
-        return plan_verify(trees, values, ranks_by_key(trees), plain, batch.batch_size * verified)
+        limit = (rows != PAD_ROW).sum() * (verified - 1)  # the real rows' extra nodes
+        total = batch.batch_size * verified
+        return plan_verify(trees, values, ranks_by_key(trees), plain, total, limit)
 
     def _calibrate(self, batch: DecodeBatch, trees: DraftTrees, acc: Acceptance) -> None:
         rows = batch.rows

@@ -53,6 +53,7 @@ def plan_verify(
     rank: torch.Tensor,
     plain_rows: torch.Tensor | None,
     total: int,
+    limit: torch.Tensor | None = None,
 ) -> VerifyPlan:
     """Which nodes to verify: `total` of them, each request's root first. rank [B, N]: each
     node's rank in its request (0: the root; a parent ranks before its children)."""
@@ -69,7 +70,10 @@ def plan_verify(
     chosen = torch.zeros(b * (n - 1), dtype=torch.bool, device=dev)
     if extra > 0:
         order = torch.argsort(flat, descending=True, stable=True)[:extra]
-        chosen.index_fill_(0, order, True)  # (a scalar fill: nothing copied from the host)
+        if limit is None:
+            chosen.index_fill_(0, order, True)  # (a scalar fill: nothing copied from the host)
+        else:  # the real rows' budget (a graph's padding rows take none of it)
+            chosen.scatter_(0, order, torch.arange(extra, device=dev) < limit)
         # a budget larger than the speculating requests' trees leaves rows over: they are
         # computed (the forward's shape is fixed) but belong to no request's tree
         chosen &= flat >= 0
