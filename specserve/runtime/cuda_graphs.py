@@ -195,7 +195,8 @@ class DecodeGraphs:
 
     def capture_wanted(self) -> bool:
         """Capture the oldest covered shape's own graph (the engine calls this when no request
-        is running or waiting: nobody stalls). Returns whether there was one."""
+        is running or waiting; one arriving meanwhile waits for this capture alone). Returns
+        whether there was one."""
         if self.worker.rows.version != self._rows_version:
             self._drop_stale_graphs()
         while self.wanted:

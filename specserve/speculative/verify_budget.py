@@ -56,7 +56,9 @@ def plan_verify(
     limit: torch.Tensor | None = None,
 ) -> VerifyPlan:
     """Which nodes to verify: `total` of them, each request's root first. rank [B, N]: each
-    node's rank in its request (0: the root; a parent ranks before its children)."""
+    node's rank in its request (0: the root; a parent ranks before its children). limit: how
+    many non-root nodes the real rows share, a device count (a graph's padding rows, which
+    verify their root alone, do not enlarge it); None: all of `total - B`."""
     b, n = trees.tokens.shape
     dev = values.device
     by_rank = torch.full((b, n), -1.0, device=dev).scatter(1, rank, values.float())
