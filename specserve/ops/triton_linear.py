@@ -455,7 +455,10 @@ def skinny_linear(
 ) -> torch.Tensor:
     """y = [residual +] f(x) @ weight^T [+ bias], f = RMSNorm(norm_weight) or SiLU-and-mul or
     identity; x [..., K] ([..., 2K] with silu_mul), weight [N, K] with unit column stride.
-    Output [..., N] in out_dtype (default x's dtype); math in fp32, one rounding at the end."""
+    Output [..., N] in out_dtype (default x's dtype); math in fp32, one rounding at the end.
+    pdl: launch the one-row kernel with programmatic dependent launch (Hopper and later): it
+    loads its first W tile before waiting for the previous kernel to finish (no effect on
+    the tensor-core kernel; results are the same bits)."""
     io = linear_io(x, weight, bias, norm_weight, silu_mul, residual, out_dtype)
     if isinstance(io, torch.Tensor):
         return io  # nothing to compute (empty, or K == 0)
