@@ -174,8 +174,14 @@ def test_ready_tiers_are_the_tiers_captured_at_the_steps_shape():
     assert graphs.ready_tiers(3, 600, greedy, 4, no_catch_up) == set()  # width bucket 1024
     assert graphs.ready_tiers(3, 300, sampled, 4, no_catch_up) == set()
     assert graphs.ready_tiers(3, 300, greedy, 4, lambda tier: tier > 0) == set()
+    # a graph at most MAX_COVER_FACTOR times larger covers, a larger one does not (padding
+    # rows cost device time)
+    graphs.graphs[graphs._key(graphs.bucket(16, 300), greedy, 3, False)] = object()
+    graphs._covers.clear()
+    assert graphs.ready_tiers(5, 300, greedy, 4, no_catch_up) == {3}  # 16 covers 8
+    assert graphs.ready_tiers(2, 300, greedy, 4, no_catch_up) == {2}  # 16 > 4 x 2
+    assert graphs.ready_tiers(4, 300, greedy, 4, no_catch_up) == {2, 3}
     assert graphs.ready_tiers(3, 5000, greedy, 4, no_catch_up) is None  # past the widest
-    # a shape that has served many steps is long-lived: any tier may run (and be captured)
     # a shape that has served many steps in a row is long-lived: any tier may run there
     graphs.streak = (graphs._key(graphs.bucket(3, 300), greedy, 0, False)[:-2], 64)
     assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) is None

@@ -10,8 +10,8 @@ A step's shapes depend on three host values, which key the graphs:
   width), which selects host-side code paths and output shapes.
 Graphs are captured lazily from padding-only inputs (so capture writes nothing but scratch)
 and share one memory pool. A shape without a graph replays the smallest captured graph that
-covers it (same sampling mode and tier, batch and width buckets at least as large: more
-padding rows, a wider KV layout) and gets its own graph when the engine is idle
+covers it (same sampling mode and tier, batch and width buckets at least as large, and at
+most `MAX_COVER_FACTOR` times: more padding rows, a wider KV layout) and gets its own graph when the engine is idle
 (`capture_wanted`) or once it has served `LONG_LIVED_SHAPE_STEPS` steps in a row (a request
 outliving its batch); a shape nothing covers is captured when first met. Anything outside
 the buckets runs eagerly through the same `DecodeStep.run`.
@@ -41,6 +41,12 @@ MIN_WIDTH = 256
 # short-lived shape (a batch's shrinking tail, met again and again for a few steps) would
 # not.
 LONG_LIVED_SHAPE_STEPS = 64
+# A graph covers a shape only if its batch and width buckets are at most this many times the
+# shape's: padding rows cost device time where the device sets the pace (SmolLM2's 6/8/64
+# tree on an H200: 1.5 ms a step at batch 1, 5.0 ms at 64; the 8B shape plain: 4.9 ms at
+# batch 1, 15 ms at 256), and until the engine idles or the shape turns long-lived (up to 64
+# steps) a far larger graph could cost more than the capture it saves (0.05-0.3 s).
+MAX_COVER_FACTOR = 4
 
 
 def pow2_bucket(n: int, minimum: int) -> int:
@@ -218,10 +224,16 @@ class DecodeGraphs:
 
     def _cover(self, key: tuple) -> tuple | None:
         """The captured key of least padding (batch bucket x width) that can run a step of
-        `key`: the same sampling mode, tier and catch-up, batch and width at least as large."""
+        `key`: the same sampling mode, tier and catch-up, batch and width at least as large
+        and at most MAX_COVER_FACTOR times as large."""
         if key not in self._covers:
             bs, width, *rest = key
-            fits = [k for k in self.graphs if k[0] >= bs and k[1] >= width and list(k[2:]) == rest]
+            f = MAX_COVER_FACTOR
+            fits = [
+                k
+                for k in self.graphs
+                if bs <= k[0] <= f * bs and width <= k[1] <= f * width and list(k[2:]) == rest
+            ]
             self._covers[key] = min(fits, key=lambda k: (k[0] * k[1], k), default=None)
         return self._covers[key]
 
