@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 
 import torch
 
@@ -203,3 +204,27 @@ def assert_same_draft_prefill(got: list[tuple], want: list[tuple], tol: float = 
         if root_want is not None:
             torch.testing.assert_close(root_got, root_want, rtol=tol, atol=tol)
     assert want[-1][2] is not None  # the prompt's last chunk left a root state
+
+
+def wait_for_idle_captures(graphs, timeout: float = 60.0) -> None:
+    """Until the idle engine has captured every decode graph its steps wanted (covered)."""
+    deadline = time.monotonic() + timeout
+    while graphs.wanted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not graphs.wanted, "the idle engine did not capture the covered shapes"
+
+
+def record_graph_steps(graphs) -> list[tuple[int, str]]:
+    """Wrap `graphs.run`: every decode step appends (its rows, how it ran: "own" graph,
+    "covered" by a larger one, or "captured" on the spot) to the returned list."""
+    steps: list[tuple[int, str]] = []
+    run = graphs.run
+
+    def recording_run(rows, sampling, width, tier=0, catch_up=False):
+        out = run(rows, sampling, width, tier, catch_up)
+        how = "covered" if graphs.covered_last else "captured" if graphs.captured_last else "own"
+        steps.append((len(rows), how))
+        return out
+
+    graphs.run = recording_run
+    return steps

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ from tests.engine_utils import (
     draft_prefill_snapshots,
     mixed_prompts,
     recorded_drafts,
+    wait_for_idle_captures,
 )
 
 pytestmark = [
@@ -168,10 +167,7 @@ def test_cuda_graphs_match_eager(spec, page_size):
     with Engine(**GPU, attention_backend="triton", page_size=page_size, **spec) as e:
         graphs = e.core.worker.graphs
         covered = e.generate(input_ids=prompts, sampling_params=sps)  # the tail on covers
-        deadline = time.monotonic() + 120
-        while graphs.wanted and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not graphs.wanted  # the idle engine captured the covered shapes
+        wait_for_idle_captures(graphs, timeout=120)
         assert graphs.num_idle_captures > 0  # (so the first pass did run on covers)
         own = e.generate(input_ids=prompts, sampling_params=sps)  # every shape its own graph
         assert graphs.num_captures + graphs.num_idle_captures >= 3

@@ -8,15 +8,20 @@ across buckets, for plain and speculative decoding, sampling, and every page siz
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from specserve import Engine
 from specserve.model.config import PRESETS
 from specserve.runtime.cuda_graphs import LONG_LIVED_SHAPE_STEPS, DecodeGraphs, batch_buckets
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
-from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, mixed_prompts, spec_args
+from tests.engine_utils import (
+    TINY,
+    assert_kv_matches_plain_prefill,
+    mixed_prompts,
+    record_graph_steps,
+    spec_args,
+    wait_for_idle_captures,
+)
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +78,6 @@ def test_plain_decoding_padded_equals_eager(page_size, overlap):
     assert {s[0] for s in shapes} >= {1, 2, 4}
 
 
-def wait_for_idle_captures(graphs, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while graphs.wanted and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not graphs.wanted, "the idle engine did not capture the covered shapes"
-
-
 def test_a_shrinking_batch_replays_its_larger_graph_and_captures_its_own_when_idle():
     """A batch's tail meets a smaller batch bucket every few steps: it replays the larger
     bucket's graph (padding rows) rather than stalling every request on a capture, and the
@@ -91,26 +89,17 @@ def test_a_shrinking_batch_replays_its_larger_graph_and_captures_its_own_when_id
     with Engine(**TINY, debug_check_invariants=True) as e:
         worker = e.core.worker
         graphs = worker.graphs = DecodeGraphs(worker, 4, max_width=4096, capture=False)
-        ran = []
-        run = graphs.run
-
-        def recording_run(rows, sampling, width, tier=0, catch_up=False):
-            captures = len(graphs.graphs)
-            out = run(rows, sampling, width, tier, catch_up)
-            ran.append((len(rows), graphs.covered_last, len(graphs.graphs) > captures))
-            return out
-
-        graphs.run = recording_run
+        ran = record_graph_steps(graphs)
         first = e.generate(input_ids=prompts, sampling_params=sps)
         wait_for_idle_captures(graphs)
         first_ran, ran[:] = list(ran), []
         second = e.generate(input_ids=prompts, sampling_params=sps)
     assert [o["output_ids"] for o in first] == [o["output_ids"] for o in second] == eager
     # first pass: one capture (the batch of 4), its tail of 2 and 1 on that graph
-    assert [c for _, _, c in first_ran].count(True) == 1
-    assert {n for n, covered, _ in first_ran if covered} == {1, 2}
+    assert [how for _, how in first_ran].count("captured") == 1
+    assert {n for n, how in first_ran if how == "covered"} == {1, 2}
     assert {k[0] for k in graphs.graphs} == {1, 2, 4}  # the idle engine captured their own
-    assert ran and not any(covered or captured for _, covered, captured in ran)
+    assert ran and all(how == "own" for _, how in ran)
 
 
 @pytest.mark.parametrize(
@@ -204,19 +193,10 @@ def test_a_request_outliving_its_batch_gets_its_own_graph_once_long_lived():
     with Engine(**TINY, debug_check_invariants=True) as e:
         worker = e.core.worker
         graphs = worker.graphs = DecodeGraphs(worker, 4, max_width=4096, capture=False)
-        alone = []
-        run = graphs.run
-
-        def recording_run(rows, sampling, width, tier=0, catch_up=False):
-            out = run(rows, sampling, width, tier, catch_up)
-            if len(rows) == 1:
-                alone.append("covered" if graphs.covered_last else
-                             "captured" if graphs.captured_last else "own")  # fmt: skip
-            return out
-
-        graphs.run = recording_run
+        ran = record_graph_steps(graphs)
         outs = e.generate(input_ids=prompts, sampling_params=sps)
     assert [o["output_ids"] for o in outs] == eager
+    alone = [how for rows, how in ran if rows == 1]
     n = LONG_LIVED_SHAPE_STEPS
     assert alone[: n - 1] == ["covered"] * (n - 1)
     assert alone[n - 1] == "captured"

@@ -78,8 +78,8 @@ EMA = 0.2  # weight of the newest step time
 ACCEPT_DECAY = 0.02  # how much less an accept length weighs per request observed after it
 ACCEPT_MIN_WEIGHT = 8.0  # the least weight decay leaves a tier's observed acceptance
 ACCEPT_PRIOR_WEIGHT = 0.1  # the optimistic start counts as this many requests
-# A tier whose CUDA graph at the step's shape is not captured yet is run instead of one that
-# is only if it scores this much better. A capture stalls every request for 10-50 steps'
+# A tier with no CUDA graph that can run the step's shape (its own or a covering one) is run
+# instead of one that has only if it scores this much better. A capture stalls every request for 10-50 steps'
 # time (on an H200: 0.08-0.1 s for SmolLM2 against 2-5 ms steps; 0.05-0.26 s at the 8B shape
 # against 5-30 ms), and until a shape has served LONG_LIVED_SHAPE_STEPS (64) steps in a row
 # (runtime/cuda_graphs.py: then any tier may capture there) a tier this much better wins
@@ -241,7 +241,8 @@ class AdaptiveSpeculation:
     ) -> int:
         """The tier of the next step of `batch_size` requests; can_speculate: some of them
         may still draft (else plain decoding, the only tier that helps them); ready: the
-        tiers whose graph at this step's shape is captured (None: every tier starts alike)."""
+        tiers a graph can run at this step's shape without a capture (None: every tier starts
+        alike)."""
         if not can_speculate:
             return 0
         self.picks += 1
@@ -261,8 +262,8 @@ class AdaptiveSpeculation:
             new_text, self._new_text = self._new_text, False  # (used here, or not at all)
             # the tier observed longest ago among those that could beat the best one if
             # they accepted all they draft (a wide tree at a large batch never can), among
-            # those captured at this shape; new text may capture one only where none of them
-            # is (where one is, exploring it tries the new requests at no capture's cost)
+            # those replayable at this shape; new text may capture one only where none of
+            # them is (where one is, exploring it tries the new requests at no capture's cost)
             upper = self._upper_scores(batch_size)
             could = [t for t in range(1, len(self.tiers)) if t != best and upper[t] > scores[best]]
             hopeful = [t for t in could if ready is None or t in ready]
@@ -272,7 +273,7 @@ class AdaptiveSpeculation:
                 self._explored = min(hopeful, key=lambda t: (self.last_seen[t], upper[t]))
                 return self._explored
         if ready and best not in ready:
-            # (a ragged tier stands in for its uncaptured whole tree on its own score: close
+            # (a ragged tier stands in for its unreplayable whole tree on its own score: close
             # enough, it saves the capture)
             own = self._scores(batch_size, dominated=False)
             near = max(ready, key=own.__getitem__)
@@ -283,7 +284,7 @@ class AdaptiveSpeculation:
     def arrived(self, count: int = 1) -> None:
         """`count` requests started decoding. Once as many have arrived as a step holds, the
         batch is other text than the one the explorations found nothing for: they start
-        over at the first pace, and the next one may run a tier not captured at the step's
+        over at the first pace, and the next one may run a tier no graph runs at the step's
         shape where none worth exploring is (one capture per batch of new requests, at
         most). Else new requests, after a stretch that drafts could not help, would decode
         plainly until their drafts fell too far behind to catch up (runtime/draft_lag.py),
