@@ -205,6 +205,41 @@ def test_explorations_that_find_nothing_come_ever_more_rarely_until_the_best_cha
     assert again and again[0] - first_plain <= 2 * 8, picks[:40]
 
 
+def test_a_trees_steps_teach_the_chains_it_contains_so_they_need_no_exploring():
+    """A tree step reports how far its accepted path followed the draft's greedy chain: what a
+    chain no deeper than the tree would have accepted. The policy learns those chains from it
+    (a ragged step, whose pruning may cut the chain, teaches nothing) and explores only what
+    it cannot learn that way: the other tree."""
+    tiers = [PLAIN, TreeShape(1, 1, 2), TreeShape(3, 1, 4), TreeShape(4, 4, 16)]
+    tiers += [TreeShape(6, 8, 64, 16), TreeShape(6, 8, 64)]
+    seconds = [1.0, 1.1, 1.2, 1.3, 1.6, 1.5]  # (the ragged tier costs more than its whole tree)
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[t], explore_every=8)
+    big = len(tiers) - 1
+    p.observe(big, 2, [5, 1], 1.5, chain_reach=[4, 0])
+    # chain of 1: 1 + min(1, reach) = [2, 1]; chain of 3: [4, 1]; decayed into the prior
+    for chain, want in ((1, 1.5), (2, 2.5)):
+        assert p.accept[chain] == pytest.approx(want, rel=0.05), p.accept
+    assert p.counts[1] == p.counts[2] == 0  # learnt, not run
+    before = list(p.accept)
+    p.observe(4, 2, [3, 3], 1.4, chain_reach=[0, 0])  # ragged: its chain may have been pruned
+    assert p.accept[1:3] == before[1:3]
+    p.observe(3, 2, [5, 5], 1.3, chain_reach=[2, 3])  # the 4-deep tree teaches chains too
+    assert before[2] < p.accept[2] < 3.5  # toward this step's [3, 4]
+    # serving the big tree, whose side branches are accepted where the greedy chain stops
+    # after a token: the chains, cheap enough that they would pay were all their tokens
+    # accepted, are known not to, so only the small tree is explored
+    seconds[2], seconds[3] = 0.8, 1.0
+    accept = {1: 2, 2: 2, 3: 3, big: 7}
+    picks = []
+    for _ in range(400):
+        t = p.pick(2)
+        picks.append(t)
+        p.observe(t, 2, [accept[t]] * 2, seconds[t], chain_reach=[1] * 2)
+    assert picks[-100:].count(big) >= 95
+    assert set(picks[50:]) == {3, big}, sorted(set(picks[50:]))
+    assert p.accept[2] == pytest.approx(2.0, rel=0.02)  # 1 + min(3, 1)
+
+
 def after_a_rejection_stretch(tiers, seconds, batch: int) -> AdaptiveSpeculation:
     """A policy that served 3,000 steps of `batch` requests whose drafts were all rejected:
     plain decoding serves, explorations ever rarer."""
@@ -767,3 +802,51 @@ def test_a_ragged_tier_costing_as_much_as_its_whole_tree_is_never_run():
     ms.update({t: 1.0 for t in ragged})
     p = AdaptiveSpeculation(tiers, measure=lambda b, t: ms[t] / 1e3)
     assert p.pick(1) in ragged or any(p.pick(1) in ragged for _ in range(64))
+
+
+def steps_of_forced_tier(tier_name: str, prompt: list[int], tokens: int) -> dict[int, tuple]:
+    """SmolLM2 with its bundled draft, every step of one greedy request forced to the tier
+    named `tier_name`: {position the step started at: (accept length, chain reach)}."""
+    steps, position = {}, [len(prompt)]
+    tree = {"speculative_num_steps": 4, "speculative_eagle_topk": 4}
+    with Engine(model_path="smollm2-135m", dtype="float32", speculative_adaptive=True,
+                speculative_num_draft_tokens=16, **tree) as e:  # fmt: skip
+        policy = e.core.adaptive
+        tier = [str(t) for t in policy.tiers].index(tier_name)
+        policy.pick = lambda b, can=True, ready=None: tier
+        observe = policy.observe
+
+        def recording(t, b, accept_lens, seconds, chain_reach=None):
+            (n,) = accept_lens
+            steps[position[0]] = (n, chain_reach[0])
+            position[0] += n
+            return observe(t, b, accept_lens, seconds, chain_reach)
+
+        policy.observe = recording
+        sp = {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True}
+        e.generate(input_ids=prompt, sampling_params=sp)
+    return steps
+
+
+@pytest.mark.slow
+def test_a_trees_chain_reach_is_what_the_chain_accepts_from_the_same_position():
+    """Wherever a step of the 4/4/16 tree and a step of the chain of 3 start at the same
+    position of the same greedy text, the tree's reported chain reach says exactly what the
+    chain accepted there (the bundled draft on real prompts: reaches of every length)."""
+    from specserve.bench.one_batch import chat_prompt_ids
+    from specserve.model.registry import resolve_packaged
+    from specserve.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_packaged("smollm2-135m"), "gguf")
+    matched, reaches = 0, set()
+    for prompt in chat_prompt_ids(tokenizer, 2):
+        tree = steps_of_forced_tier("4/4/16", prompt, 96)
+        chain = steps_of_forced_tier("3/1/4", prompt, 96)
+        for position, (accepted, _) in chain.items():
+            if position in tree:
+                reach = tree[position][1]
+                assert accepted == 1 + min(3, reach), (position, accepted, reach)
+                matched += 1
+                reaches.add(min(3, reach))
+        assert all(0 <= r <= min(4, n - 1) for n, r in tree.values())
+    assert matched >= 8 and len(reaches) >= 3, (matched, reaches)

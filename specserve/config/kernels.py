@@ -39,6 +39,7 @@ class Kernels:
     draft_tree: bool = False  # a drafting depth's bookkeeping and the tree selection
     tree_accept: bool = False  # acceptance from the ancestor mask in one launch
     kv_commit: bool = False  # the accepted path's KV moved in one launch
+    accept_stats: bool = False  # adaptive speculation's per-step acceptance bookkeeping
 
     def as_dict(self) -> dict[str, bool | int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -62,6 +63,7 @@ _STEP_KERNELS = (
     "draft_tree",
     "tree_accept",
     "kv_commit",
+    "accept_stats",
 )
 
 

@@ -31,6 +31,7 @@ import torch
 
 from specserve.kv.request_rows import PAD_ROW
 from specserve.ops.sampling import SamplingTensors
+from specserve.speculative.step import StepOutputs
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class DecodeGraphs:
         width: int,
         tier: int = 0,
         catch_up: bool = False,
-    ) -> tuple | None:
+    ) -> StepOutputs | None:
         """Replay the step for these rows: DecodeStep.run's outputs for the real rows; None
         when the batch is too large for a graph. A shape without a graph replays a larger
         one covering it, or is captured for this step's tier alone: load-adaptive
@@ -169,11 +170,10 @@ class DecodeGraphs:
         self._copy_inputs(cap, rows, sampling)
         if cap.graph is not None:
             cap.graph.replay()
-            accept_len, emitted, logprobs = cap.outputs
+            outputs = cap.outputs
         else:
-            accept_len, emitted, logprobs = cap.step()
-        n = len(rows)
-        return accept_len[:n], emitted[:n], None if logprobs is None else logprobs.head(n)
+            outputs = cap.step()
+        return outputs.head(len(rows))
 
     def ready_tiers(
         self, batch_size: int, width: int, sampling: SamplingTensors, tiers: int, catch_up

@@ -474,13 +474,16 @@ class EngineCore:
         self.host_clock.waited(time.perf_counter() - start, pending.tier, len(pending.reqs))
         lagged = pending.lagged
         if self.adaptive is not None:
-            speculating = [
-                n
-                for r, n in zip(pending.reqs, out.accept_lens)
-                if r.params.speculative and not (lagged and r.rid in lagged.stale)
+            spoke = [
+                r.params.speculative and not (lagged and r.rid in lagged.stale)
+                for r in pending.reqs
             ]
+            speculating = [n for n, s in zip(out.accept_lens, spoke) if s]
+            reach = None
+            if out.chain_reach is not None:
+                reach = [n for n, s in zip(out.chain_reach, spoke) if s]
             seconds = None if lagged is not None and lagged.catch_up else pending.seconds
-            self.adaptive.observe(pending.tier, len(pending.reqs), speculating, seconds)
+            self.adaptive.observe(pending.tier, len(pending.reqs), speculating, seconds, reach)
             self.timed_step_seconds += pending.seconds or 0.0
         touched = []
         emitted = {}

@@ -44,6 +44,8 @@ class DecodeOutput:
     accept_lens: list[int]
     # per request: the emitted tokens' log-probs, for requests that ask for them
     logprobs: list[TokenLogprobs | None] | None = None
+    # per request: accepted draft tokens on the draft's greedy chain (adaptive speculation)
+    chain_reach: list[int] | None = None
 
 
 class StepTimer:
@@ -81,6 +83,7 @@ class PendingDecode:
         accept_len: torch.Tensor,
         emitted: torch.Tensor,
         logprobs: StepLogprobs | None = None,
+        chain_reach: torch.Tensor | None = None,
         tier: int = 0,
         timer: StepTimer | None = None,
     ):
@@ -90,7 +93,10 @@ class PendingDecode:
         self.lagged = None  # what the step did to lagging drafts (runtime/draft_lag.py)
         self._timer = timer
         self.seconds: float | None = None
-        outs = [accept_len, emitted]
+        self._reach = chain_reach is not None
+        # (the reach travels in the accepted lengths' copy: one transfer, not two)
+        outs = [accept_len if chain_reach is None else torch.stack((accept_len, chain_reach))]
+        outs.append(emitted)
         if logprobs is not None:
             outs.append(logprobs.token)
             if logprobs.top_values is not None:
@@ -110,7 +116,10 @@ class PendingDecode:
         if self._timer is not None:
             self.seconds = self._timer.seconds()
         lens, emitted = self._host[0].tolist(), self._host[1].tolist()
-        out = DecodeOutput([e[:n] for e, n in zip(emitted, lens)], lens)
+        reach = None
+        if self._reach:
+            lens, reach = lens
+        out = DecodeOutput([e[:n] for e, n in zip(emitted, lens)], lens, chain_reach=reach)
         if len(self._host) > 2:
             token = self._host[2].tolist()
             values, ids = (h.tolist() for h in self._host[3:5]) if len(self._host) > 3 else ([], [])

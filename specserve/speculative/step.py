@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -29,9 +30,11 @@ from specserve.speculative.tree import (
     DraftTrees,
     TreeShape,
     accept,
+    greedy_chain_reach,
     root_only_where,
 )
 from specserve.speculative.verify_budget import (
+    CALIBRATION_EMA,
     VerifyPlan,
     node_values,
     plan_verify,
@@ -88,6 +91,26 @@ class StepLogprobs:
         return StepLogprobs(self.token[:n], *top)
 
 
+class StepOutputs(NamedTuple):
+    """A decode step's per-request results, on the device ([B] rows, padding included)."""
+
+    accept_len: torch.Tensor  # [B] tokens emitted (accepted draft tokens + the bonus token)
+    emitted: torch.Tensor  # [B, max_accept] the emitted tokens, padded
+    logprobs: StepLogprobs | None  # their log-probs, when the batch asks for them
+    # [B] accepted draft tokens on the draft's greedy chain (`tree.greedy_chain_reach`): what
+    # a chain tier would have accepted; reported to load-adaptive speculation only
+    chain_reach: torch.Tensor | None = None
+
+    def head(self, n: int) -> StepOutputs:
+        """The first n requests' results."""
+        return StepOutputs(
+            self.accept_len[:n],
+            self.emitted[:n],
+            None if self.logprobs is None else self.logprobs.head(n),
+            None if self.chain_reach is None else self.chain_reach[:n],
+        )
+
+
 def sampling_tensors(
     params: list[SamplingParams],
     seeds: list[int],
@@ -142,6 +165,8 @@ class DecodeStep:
         self.simulator = simulator
         self.device = rows.device
         self.skips_draft = drafter.speculative and rows.lag_capacity > 0
+        # several tiers: load-adaptive speculation, which learns from each step's acceptance
+        self.reports_acceptance = drafter.speculative and len(self.tiers) > 1
 
     @property
     def window(self) -> int:
@@ -169,17 +194,16 @@ class DecodeStep:
         kv_upper: list[int],
         tier: int = 0,
         catch_up: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, StepLogprobs | None]:
-        """One step of the requests in `rows` (PAD_ROW: padding, touching only scratch).
-        Returns (accept_len [B], emitted [B, max_accept], their log-probs when
-        `sampling.logprobs`, else None); `width` bounds every kv_len + slot_width.
-        catch_up: first run the draft over the positions plain steps skipped."""
+    ) -> StepOutputs:
+        """One step of the requests in `rows` (PAD_ROW: padding, touching only scratch);
+        `width` bounds every kv_len + slot_width. catch_up: first run the draft over the
+        positions plain steps skipped."""
         batch = self._read(rows, sampling, width, kv_upper)
         if catch_up:
             batch.root_g = self.drafter.catch_up(batch, rows)
         shape = self.tiers[tier]
         trees = self.drafter.draft(batch, shape)
-        acc, target_out, logprobs, path_rows = self.verify(batch, trees, shape.verified)
+        acc, target_out, logprobs, path_rows, reach = self.verify(batch, trees, shape.verified)
         new_lens = batch.kv_lens_dev + acc.accept_len
         if self.skips_draft and shape.tokens == 1:
             self.drafter.record_skipped(batch, target_out, acc, rows)
@@ -187,7 +211,7 @@ class DecodeStep:
         else:
             features = self.drafter.extend_after_verify(batch, trees, acc, target_out, path_rows)
             self.rows.set_state(rows, new_lens, acc.bonus, features, new_lens)
-        return acc.accept_len, acc.emitted, logprobs
+        return StepOutputs(acc.accept_len, acc.emitted, logprobs, reach)
 
     def _read(self, rows, sampling, width, kv_upper) -> DecodeBatch:
         """The batch's state, read by row on the device."""
@@ -212,16 +236,18 @@ class DecodeStep:
 
     def verify(
         self, batch: DecodeBatch, trees: DraftTrees, verified: int = 0
-    ) -> tuple[Acceptance, object, StepLogprobs | None, torch.Tensor]:
+    ) -> tuple[Acceptance, object, StepLogprobs | None, torch.Tensor, torch.Tensor | None]:
         """One target forward over every tree of the batch (node i at position kv_len +
         depth[i], its KV written at kv_len + i, seeing its ancestors); the target draws a token
         per node; acceptance follows the draft where it agrees; the accepted path's KV moves to
         [kv_len, kv_len + accept_len). verified > 0 (and below the trees' width): only
         B * verified nodes are verified, each request's best ones (ragged verification).
         Returns (acceptance, the target's outputs, the emitted tokens' log-probs when the batch
-        asks for them, the accepted path's rows in the target's outputs)."""
+        asks for them, the accepted path's rows in the target's outputs, the greedy chain's
+        reach when `reports_acceptance`)."""
         b, n = trees.tokens.shape
         kernels = self.kernels
+        parents = trees.parents  # (as drafted: pruning keeps them)
         positions = (batch.kv_lens_dev[:, None] + trees.depths).reshape(-1)
         anc = None if n == 1 else trees.ancestors()
         mask = None if anc is None else anc.reshape(-1)
@@ -256,17 +282,18 @@ class DecodeStep:
             acc = accept(trees, target_tokens, anc, use_kernel=kernels.tree_accept)
         if n > 1 and batch.sampling.any_plain:  # requests that asked to decode plainly
             acc = root_only_where(batch.sampling.plain_rows, trees, acc, target_tokens)
+        reach = None
         if n > 1:  # a one-node tree's KV is already where it belongs
             commit_accepted_path(
                 [self.target.kv_cache], batch.window_slots, acc.path, kernels.kv_commit
             )
-            if self.rows.reached is not None:
-                self._calibrate(batch, trees, acc)
+            if self.reports_acceptance:
+                reach = self._acceptance_stats(batch, trees, parents, acc)
         path_rows = torch.gather(node_rows, 1, acc.path)
         logprobs = (
             emitted_logprobs(logits, path_rows, acc, st.top_logprobs) if st.logprobs else None
         )
-        return acc, out, logprobs, path_rows
+        return acc, out, logprobs, path_rows, reach
 
     def _plan(self, batch: DecodeBatch, trees: DraftTrees, verified: int) -> VerifyPlan:
         """Which nodes this step verifies: B * verified in all, by their estimated worth."""
@@ -279,12 +306,32 @@ class DecodeStep:
         total = batch.batch_size * verified
         return plan_verify(trees, values, ranks_by_key(trees), plain, total, limit)
 
-    def _calibrate(self, batch: DecodeBatch, trees: DraftTrees, acc: Acceptance) -> None:
-        rows = batch.rows
-        reached, predicted = observe_acceptance(
-            self.rows.reached[rows], self.rows.predicted[rows], trees, acc.accept_len
-        )
-        self.rows.reached[rows], self.rows.predicted[rows] = reached, predicted
+    def _acceptance_stats(
+        self, batch: DecodeBatch, trees: DraftTrees, parents: torch.Tensor, acc: Acceptance
+    ) -> torch.Tensor:
+        """What adaptive speculation learns from a step: each request's calibration for
+        ragged budgets (updated in its row, when ragged tiers exist) and the greedy chain's
+        reach on the accepted path (returned). Under simulated acceptance the reach is the
+        forced length: a chain would have been forced the same, capped at its depth."""
+        rows = batch.rows if self.rows.reached is not None else None
+        if self.kernels.accept_stats:
+            from specserve.ops.triton_accept_stats import acceptance_stats_triton
+
+            reached, predicted = self.rows.reached, self.rows.predicted
+            reach = acceptance_stats_triton(
+                parents, acc.path, acc.accept_len, trees.depths, trees.scores,
+                reached, predicted, rows, CALIBRATION_EMA,
+            )  # fmt: skip
+        else:
+            reach = greedy_chain_reach(parents, acc.path, acc.accept_len)
+            if rows is not None:
+                reached, predicted = observe_acceptance(
+                    self.rows.reached[rows], self.rows.predicted[rows], trees, acc.accept_len
+                )
+                self.rows.reached[rows], self.rows.predicted[rows] = reached, predicted
+        if self.simulator is not None:
+            reach = acc.accept_len - 1
+        return reach
 
 
 def emitted_logprobs(

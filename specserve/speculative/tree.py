@@ -140,6 +140,29 @@ def accept(
     return acceptance_of_path(trees, accepted, target_tokens)
 
 
+def greedy_chain_reach(
+    parents: torch.Tensor, path: torch.Tensor, accept_len: torch.Tensor
+) -> torch.Tensor:
+    """[B] how many of the accepted path's draft tokens lie on the draft's own greedy chain
+    (top-1 of the top-1 ...): what a chain drafted from the same root would have accepted,
+    capped at its depth, had it been run instead. Exact, not an estimate: the drafter writes
+    a node's children in the draft's rank order and keeps the greedy chain in every tree
+    (speculative/drafter.py), so a node's greedy child is its child of lowest id; a chain's
+    token is accepted iff the target's draw at its parent equals it, and the tree's path,
+    following that same draw (the same seeded draw under sampling), takes that child.
+    parents [B, N] (-1: the root); path [B, D + 1] the accepted node per depth, repeats past
+    accept_len [B]."""
+    b, n = parents.shape
+    ids = torch.arange(n, device=parents.device).expand(b, n)
+    # each node's child of lowest id (n: none); the root's -1 goes to a spare column
+    first = torch.full((b, n + 1), n, dtype=torch.int64, device=parents.device)
+    first.scatter_reduce_(1, torch.where(parents >= 0, parents, n), ids, reduce="amin")
+    on_chain = path[:, 1:] == torch.gather(first, 1, path[:, :-1])
+    depth = torch.arange(1, path.shape[1], device=parents.device)
+    on_chain &= depth[None, :] < accept_len[:, None]
+    return torch.cumprod(on_chain.long(), dim=1).sum(dim=1)
+
+
 def root_only_where(
     plain: torch.Tensor, trees: DraftTrees, acc: Acceptance, target_tokens: torch.Tensor
 ) -> Acceptance:
