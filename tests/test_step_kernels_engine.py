@@ -75,3 +75,45 @@ def test_trees_with_the_kernels_decode_as_plain_decoding(kernel_calls, page_size
     assert spec == plain
     assert accept_len > 3.0  # the paths really were accepted through the kernels
     assert len(kernel_calls) == 3 and min(kernel_calls.values()) > 0, kernel_calls
+
+
+def test_adaptive_speculation_learns_chains_through_the_acceptance_kernel(monkeypatch):
+    """Load-adaptive speculation with the kernels: the step's acceptance statistics (ragged
+    calibration and the greedy chain's reach) come from one kernel, outputs stay plain
+    decoding's, and with the target as its own draft (greedy chain always accepted) every
+    chain is learnt to accept all it drafts, whichever tiers ran."""
+    from specserve.ops import triton_accept_stats
+
+    calls = []
+    real = triton_accept_stats.acceptance_stats_triton
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("rows", args[7]) is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_accept_stats, "acceptance_stats_triton", counted)
+    prompts = mixed_prompts(3, 512, seed=5, max_len=20)
+    plain, _ = outputs(prompts)
+    args = dict(TINY, device=DEVICE, max_total_tokens=4096, debug_check_invariants=True)
+    kernels = Kernels(**{**STEP_KERNELS.as_dict(), "accept_stats": True})
+    with Engine(
+        **args,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path="tiny",
+        speculative_num_steps=4,
+        speculative_eagle_topk=4,
+        speculative_num_draft_tokens=16,
+        speculative_adaptive=True,
+        kernels=kernels,
+    ) as e:
+        policy = e.core.adaptive
+        tree = len(policy.tiers) - 1
+        policy.pick = lambda b, can=True, ready=None: tree  # the whole tree every step
+        spec = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=SP)]
+    assert spec == plain
+    assert calls and all(calls)  # the kernel ran, with the ragged tiers' calibration
+    chains = [t for t, s in enumerate(policy.tiers) if s.topk == 1 and s.tokens > 1]
+    assert chains and all(policy.counts[c] == 0 for c in chains)
+    for c in chains:  # learnt from many requests' steps (the optimistic prior weighs 0.1)
+        assert policy.accept_weight[c] > 5, policy.accept_weight
+        assert policy.accept[c] == pytest.approx(policy.tiers[c].max_depth + 1, rel=0.01)

@@ -21,8 +21,6 @@ whichever write lands, the scratch row is never read for a real request.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -114,14 +112,13 @@ def acceptance_stats_triton(
     score = scores.contiguous() if scores is not None else depths  # (unread without scores)
     np_ = max(16, triton.next_power_of_2(n))
     wp = max(2, triton.next_power_of_2(w))
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
     _accept_stats_kernel[(bsz,)](
         parents, path, accept_len, depths, score, reached, predicted, rows, out,
         n, p, w, reached.stride(0), reached.stride(1), predicted.stride(0), predicted.stride(1),
         float(ema),
         NP=np_, WP=wp, BLOCK_N=max(16, min(np_, 4096 // wp)),
         HAS_SCORES=scores is not None, CALIBRATE=calibrate,
-        LIBDEVICE_EXP=parents.is_cuda and not interpreted,
+        LIBDEVICE_EXP=parents.is_cuda,  # (CPU tensors: the interpreter, which has no libdevice)
         # a * x + y rounded twice, as torch's separate kernels round it
         enable_fp_fusion=False, num_warps=4,
     )  # fmt: skip

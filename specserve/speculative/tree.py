@@ -149,7 +149,8 @@ def greedy_chain_reach(
     a node's children in the draft's rank order and keeps the greedy chain in every tree
     (speculative/drafter.py), so a node's greedy child is its child of lowest id; a chain's
     token is accepted iff the target's draw at its parent equals it, and the tree's path,
-    following that same draw (the same seeded draw under sampling), takes that child.
+    following that same draw (the same seeded draw under sampling), takes that child. (Of a
+    ragged step's pruned tree it is a lower bound: pruning may cut the chain.)
     parents [B, N] (-1: the root); path [B, D + 1] the accepted node per depth, repeats past
     accept_len [B]."""
     b, n = parents.shape
