@@ -269,11 +269,12 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
                 "speculative_adaptive",
                 False,
                 "every step drafts the configured shape (the default: with the bundled draft "
-                "on chat prompts on an H200 adaptive speculation ran 0.95x the served tree "
-                "at batch 1, 2,382 against 2,501 tok/s, though 1.07-1.47x it at batch "
-                "16-128; and it captures and times every tier at start-up, 84 s for "
-                "SmolLM2-135M and 87 s at a Llama-3-8B shape on a fresh machine): "
-                "speculative_adaptive turns it on",
+                "on chat prompts on an H200 adaptive speculation ran 0.98-0.99x the served "
+                "tree at batch 1 and 1.04-1.61x it at 16-128, but 0.92x the 4/4/16 tree at "
+                "16 and, where the host's time per step doubled, 0.58x it at 128; and it "
+                "captures and times every tier at start-up, 84-112 s for SmolLM2-135M and "
+                "87 s at a Llama-3-8B shape on a fresh machine): speculative_adaptive turns "
+                "it on",
             )
         )
     return c, decisions
