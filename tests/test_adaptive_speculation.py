@@ -804,10 +804,12 @@ def test_a_ragged_tier_costing_as_much_as_its_whole_tree_is_never_run():
     assert p.pick(1) in ragged or any(p.pick(1) in ragged for _ in range(64))
 
 
-def steps_of_forced_tier(tier_name: str, prompt: list[int], tokens: int) -> dict[int, tuple]:
-    """SmolLM2 with its bundled draft, every step of one greedy request forced to the tier
-    named `tier_name`: {position the step started at: (accept length, chain reach)}."""
-    steps, position = {}, [len(prompt)]
+def steps_of_forced_tier(tier_name: str, prompts: list[list[int]], tokens: int) -> list[dict]:
+    """SmolLM2 with its bundled draft, every step of each greedy request (one at a time) forced
+    to the tier named `tier_name`: per prompt, {position the step started at: (accept length,
+    chain reach)}."""
+    steps: list[dict] = []
+    position = [0]
     tree = {"speculative_num_steps": 4, "speculative_eagle_topk": 4}
     with Engine(model_path="smollm2-135m", dtype="float32", speculative_adaptive=True,
                 speculative_num_draft_tokens=16, **tree) as e:  # fmt: skip
@@ -818,13 +820,16 @@ def steps_of_forced_tier(tier_name: str, prompt: list[int], tokens: int) -> dict
 
         def recording(t, b, accept_lens, seconds, chain_reach=None):
             (n,) = accept_lens
-            steps[position[0]] = (n, chain_reach[0])
+            steps[-1][position[0]] = (n, chain_reach[0])
             position[0] += n
             return observe(t, b, accept_lens, seconds, chain_reach)
 
         policy.observe = recording
         sp = {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True}
-        e.generate(input_ids=prompt, sampling_params=sp)
+        for prompt in prompts:
+            steps.append({})
+            position[0] = len(prompt)
+            e.generate(input_ids=prompt, sampling_params=sp)
     return steps
 
 
@@ -838,10 +843,11 @@ def test_a_trees_chain_reach_is_what_the_chain_accepts_from_the_same_position():
     from specserve.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_packaged("smollm2-135m"), "gguf")
+    prompts = chat_prompt_ids(tokenizer, 2)
     matched, reaches = 0, set()
-    for prompt in chat_prompt_ids(tokenizer, 2):
-        tree = steps_of_forced_tier("4/4/16", prompt, 96)
-        chain = steps_of_forced_tier("3/1/4", prompt, 96)
+    trees = steps_of_forced_tier("4/4/16", prompts, 96)
+    chains = steps_of_forced_tier("3/1/4", prompts, 96)
+    for tree, chain in zip(trees, chains, strict=True):
         for position, (accepted, _) in chain.items():
             if position in tree:
                 reach = tree[position][1]
