@@ -77,7 +77,8 @@ def test_trees_with_the_kernels_decode_as_plain_decoding(kernel_calls, page_size
     assert len(kernel_calls) == 3 and min(kernel_calls.values()) > 0, kernel_calls
 
 
-def test_adaptive_speculation_learns_chains_through_the_acceptance_kernel(monkeypatch):
+@pytest.mark.parametrize("topk,ndt", [(4, 16), (1, 5)])  # a chain: no ragged tiers
+def test_adaptive_speculation_learns_chains_through_the_acceptance_kernel(monkeypatch, topk, ndt):
     """Load-adaptive speculation with the kernels: the step's acceptance statistics (ragged
     calibration and the greedy chain's reach) come from one kernel, outputs stay plain
     decoding's, and with the target as its own draft (greedy chain always accepted) every
@@ -101,8 +102,8 @@ def test_adaptive_speculation_learns_chains_through_the_acceptance_kernel(monkey
         speculative_algorithm="STANDALONE",
         speculative_draft_model_path="tiny",
         speculative_num_steps=4,
-        speculative_eagle_topk=4,
-        speculative_num_draft_tokens=16,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=ndt,
         speculative_adaptive=True,
         kernels=kernels,
     ) as e:
@@ -111,8 +112,9 @@ def test_adaptive_speculation_learns_chains_through_the_acceptance_kernel(monkey
         policy.pick = lambda b, can=True, ready=None: tree  # the whole tree every step
         spec = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=SP)]
     assert spec == plain
-    assert calls and all(calls)  # the kernel ran, with the ragged tiers' calibration
-    chains = [t for t, s in enumerate(policy.tiers) if s.topk == 1 and s.tokens > 1]
+    ragged = any(t.ragged for t in policy.tiers)
+    assert calls and all(c == ragged for c in calls)  # with the ragged tiers' calibration
+    chains = [t for t, s in enumerate(policy.tiers) if s.topk == 1 and 1 < s.tokens and t != tree]
     assert chains and all(policy.counts[c] == 0 for c in chains)
     for c in chains:  # learnt from many requests' steps (the optimistic prior weighs 0.1)
         assert policy.accept_weight[c] > 5, policy.accept_weight

@@ -133,6 +133,9 @@ def test_an_ema_that_float32_rounds_and_rows_left_out(monkeypatch):
     )
     assert torch.equal(reach.cpu(), greedy_chain_reach(trees.parents, acc.path, acc.accept_len))
     assert torch.equal(reached, before[0]) and torch.equal(predicted, before[1])
+    # no calibration at all (no ragged tiers, so no calibration rows exist): the same reach
+    alone = acceptance_stats_triton(*(t.to(DEVICE) for t in args), None, None, None, 0.25)
+    assert torch.equal(alone, reach)
 
 
 def test_greedy_chain_reach_on_a_hand_built_tree():

@@ -86,16 +86,19 @@ def acceptance_stats_triton(
     accept_len: torch.Tensor,
     depths: torch.Tensor,
     scores: torch.Tensor | None,
-    reached: torch.Tensor,
-    predicted: torch.Tensor,
+    reached: torch.Tensor | None,
+    predicted: torch.Tensor | None,
     rows: torch.Tensor | None,
     ema: float,
 ) -> torch.Tensor:
-    """[B] int64 greedy chain reach; with rows [B] (None: no calibration) also updates
-    reached / predicted [R, W] float32 in place at those rows. parents, depths [B, N] and
-    path [B, P] int64, accept_len [B] int64 in [1, P]; the module doc says what is
-    computed."""
+    """[B] int64 greedy chain reach; with rows [B] (None: no calibration, and reached /
+    predicted may be None too) also updates reached / predicted [R, W] float32 in place at
+    those rows. parents, depths [B, N] and path [B, P] int64, accept_len [B] int64 in [1, P];
+    the module doc says what is computed."""
     bsz, n = parents.shape
+    calibrate = rows is not None
+    if not calibrate:  # (unread: any float32 tensor stands in)
+        reached = predicted = torch.zeros(1, 1, dtype=torch.float32, device=parents.device)
     p = path.shape[1]
     w = reached.shape[1]
     parents, path, accept_len, depths = (
@@ -107,7 +110,6 @@ def acceptance_stats_triton(
     out = torch.empty(bsz, dtype=torch.int64, device=parents.device)
     if bsz == 0:
         return out
-    calibrate = rows is not None
     rows = rows.contiguous() if rows is not None else accept_len  # (unread without rows)
     score = scores.contiguous() if scores is not None else depths  # (unread without scores)
     np_ = max(16, triton.next_power_of_2(n))
