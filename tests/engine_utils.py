@@ -206,6 +206,16 @@ def assert_same_draft_prefill(got: list[tuple], want: list[tuple], tol: float = 
     assert want[-1][2] is not None  # the prompt's last chunk left a root state
 
 
+def padded_graphs(engine, max_bs: int = 4):
+    """Give the engine's worker CUDA-graph bookkeeping that runs its padded, fixed-shape steps
+    eagerly (how graph shapes are tested without CUDA); returns it."""
+    from specserve.runtime.cuda_graphs import DecodeGraphs
+
+    worker = engine.core.worker
+    worker.graphs = DecodeGraphs(worker, max_bs, max_width=4096, capture=False)
+    return worker.graphs
+
+
 def wait_for_idle_captures(graphs, timeout: float = 60.0) -> None:
     """Until the idle engine has captured every decode graph its steps wanted (covered)."""
     deadline = time.monotonic() + timeout

@@ -18,6 +18,7 @@ from tests.engine_utils import (
     TINY,
     assert_kv_matches_plain_prefill,
     mixed_prompts,
+    padded_graphs,
     record_graph_steps,
     spec_args,
     wait_for_idle_captures,
@@ -37,7 +38,7 @@ def generate(prompts, sps, padded: bool, max_bs: int = 4, **kw):
         worker = e.core.worker
         assert worker.graphs is None  # CPU: graphs are off by default
         if padded:
-            worker.graphs = DecodeGraphs(worker, max_bs, max_width=4096, capture=False)
+            padded_graphs(e, max_bs)
         outs = e.generate(input_ids=prompts, sampling_params=sps)
         if padded:  # every shape a step ran at, once the idle engine has captured the covered
             wait_for_idle_captures(worker.graphs)
@@ -87,8 +88,7 @@ def test_a_shrinking_batch_replays_its_larger_graph_and_captures_its_own_when_id
     sps = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in (3, 6, 9, 14)]
     eager, _ = generate(prompts, sps, padded=False)
     with Engine(**TINY, debug_check_invariants=True) as e:
-        worker = e.core.worker
-        graphs = worker.graphs = DecodeGraphs(worker, 4, max_width=4096, capture=False)
+        graphs = padded_graphs(e)
         ran = record_graph_steps(graphs)
         first = e.generate(input_ids=prompts, sampling_params=sps)
         wait_for_idle_captures(graphs)
@@ -125,8 +125,7 @@ def test_simulated_acceptance_padded_keeps_kv_consistent(topk, ndt):
     kw = spec_args("tiny", topk, 3, ndt, simulate_acc_len=2.5)
     checked = []
     with Engine(**TINY, page_size=4, **kw) as e:
-        worker = e.core.worker
-        worker.graphs = DecodeGraphs(worker, 4, max_width=4096, capture=False)
+        padded_graphs(e)
         e.step_hooks.append(lambda core: checked.append(assert_kv_matches_plain_prefill(core)))
         e.generate(
             input_ids=prompts,
@@ -191,8 +190,7 @@ def test_a_request_outliving_its_batch_gets_its_own_graph_once_long_lived():
     sps = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in lengths]
     eager, _ = generate(prompts, sps, padded=False)
     with Engine(**TINY, debug_check_invariants=True) as e:
-        worker = e.core.worker
-        graphs = worker.graphs = DecodeGraphs(worker, 4, max_width=4096, capture=False)
+        graphs = padded_graphs(e)
         ran = record_graph_steps(graphs)
         outs = e.generate(input_ids=prompts, sampling_params=sps)
     assert [o["output_ids"] for o in outs] == eager
@@ -217,8 +215,7 @@ def test_a_ragged_tier_verifies_as_many_nodes_per_request_on_a_larger_graph():
             quarter = next(t for t, s in enumerate(e.core.adaptive.tiers) if s.ragged)
             e.core.adaptive.pick = lambda b, can=True, ready=None: quarter
             if padded:
-                worker = e.core.worker
-                worker.graphs = DecodeGraphs(worker, 4, max_width=4096, capture=False)
+                padded_graphs(e)
             outs = e.generate(input_ids=prompts, sampling_params=sps)
         return [(o["output_ids"], o["meta_info"]["spec_accept_histogram"]) for o in outs]
 

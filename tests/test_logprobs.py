@@ -16,7 +16,7 @@ import torch
 from specserve import Engine, InvalidArgument
 from specserve.model.hf_loader import load_hf_config
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
-from tests.engine_utils import spec_args
+from tests.engine_utils import padded_graphs, spec_args
 from tests.model_factory import hf_logits, load_hf_model, random_prompt, write_hf_model
 
 VOCAB = 256
@@ -284,17 +284,14 @@ def test_padded_graph_steps_give_the_same_logprobs(target):
     """Batches padded to graph buckets (run eagerly on CPU), keyed by the log-prob mode: a
     batch that asks with top-k, one without top-k and one without log-probs use three shapes
     and report what eager steps report."""
-    from specserve.runtime.cuda_graphs import DecodeGraphs
-
     folder, hf = target
     args = standalone(folder, 2, 3, 6)
     with engine(folder, **args) as e:
-        worker = e.core.worker
-        worker.graphs = DecodeGraphs(worker, 4, max_width=4096, capture=False)
+        graphs = padded_graphs(e)
         padded = generate(e, start=0, k=3)
         no_top = generate(e, k=0)
         plain = e.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-        keys = sorted(worker.graphs.graphs)
+        keys = sorted(graphs.graphs)
     assert {k[4:6] for k in keys} == {(True, 4), (True, 0), (False, 0)}  # (log-probs, top-k)
     for prompt, out, out0, p in zip(PROMPTS, padded, no_top, plain):
         check(out, hf, prompt, start=0, k=3)

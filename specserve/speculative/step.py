@@ -247,7 +247,6 @@ class DecodeStep:
         reach when `reports_acceptance`)."""
         b, n = trees.tokens.shape
         kernels = self.kernels
-        parents = trees.parents  # (as drafted: pruning keeps them)
         positions = (batch.kv_lens_dev[:, None] + trees.depths).reshape(-1)
         anc = None if n == 1 else trees.ancestors()
         mask = None if anc is None else anc.reshape(-1)
@@ -288,7 +287,7 @@ class DecodeStep:
                 [self.target.kv_cache], batch.window_slots, acc.path, kernels.kv_commit
             )
             if self.reports_acceptance:
-                reach = self._acceptance_stats(batch, trees, parents, acc)
+                reach = self._acceptance_stats(batch, trees, acc)
         path_rows = torch.gather(node_rows, 1, acc.path)
         logprobs = (
             emitted_logprobs(logits, path_rows, acc, st.top_logprobs) if st.logprobs else None
@@ -307,31 +306,30 @@ class DecodeStep:
         return plan_verify(trees, values, ranks_by_key(trees), plain, total, limit)
 
     def _acceptance_stats(
-        self, batch: DecodeBatch, trees: DraftTrees, parents: torch.Tensor, acc: Acceptance
+        self, batch: DecodeBatch, trees: DraftTrees, acc: Acceptance
     ) -> torch.Tensor:
         """What adaptive speculation learns from a step: each request's calibration for
         ragged budgets (updated in its row, when ragged tiers exist) and the greedy chain's
-        reach on the accepted path (returned). Under simulated acceptance the reach is the
-        forced length: a chain would have been forced the same, capped at its depth."""
+        reach on the accepted path (returned; pruning keeps the trees' parents). Under
+        simulated acceptance the reach is the forced length: a chain would have been forced
+        the same, capped at its depth."""
         rows = batch.rows if self.rows.reached is not None else None
+        forced = self.simulator is not None
         if self.kernels.accept_stats:
             from specserve.ops.triton_accept_stats import acceptance_stats_triton
 
-            reached, predicted = self.rows.reached, self.rows.predicted
             reach = acceptance_stats_triton(
-                parents, acc.path, acc.accept_len, trees.depths, trees.scores,
-                reached, predicted, rows, CALIBRATION_EMA,
+                trees.parents, acc.path, acc.accept_len, trees.depths, trees.scores,
+                self.rows.reached, self.rows.predicted, rows, CALIBRATION_EMA,
             )  # fmt: skip
         else:
-            reach = greedy_chain_reach(parents, acc.path, acc.accept_len)
             if rows is not None:
                 reached, predicted = observe_acceptance(
                     self.rows.reached[rows], self.rows.predicted[rows], trees, acc.accept_len
                 )
                 self.rows.reached[rows], self.rows.predicted[rows] = reached, predicted
-        if self.simulator is not None:
-            reach = acc.accept_len - 1
-        return reach
+            reach = None if forced else greedy_chain_reach(trees.parents, acc.path, acc.accept_len)
+        return acc.accept_len - 1 if forced else reach
 
 
 def emitted_logprobs(
