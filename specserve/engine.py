@@ -50,6 +50,8 @@ def request_output(req: Request, incremental: bool = False, tokenizer=None) -> d
         req.stream_sent_chars, req.stream_sent_tokens = limit, len(req.output_ids)
     else:
         text, ids = req.text, list(req.output_ids)
+        if not req.detokenizes_live and req.finished and req.detok is not None:
+            text = req.text = req.detok.text_of(ids)
     meta: dict[str, Any] = {
         "id": req.name,
         "prompt_tokens": len(req.prompt_ids),
@@ -425,6 +427,7 @@ class Engine:
         if incremental:
             req.on_output = lambda r: q.put(request_output(r, incremental=True, tokenizer=tok))
         else:
+            req.text_at_finish = True
             req.on_output = lambda r: (
                 q.put(request_output(r, tokenizer=tok)) if r.finished else None
             )

@@ -144,3 +144,21 @@ def test_the_stop_checker_looks_for_the_stream_once_per_tokenizer(tokenizer, mon
         checker.append_tokens(req, ids)
         assert req.text == tokenizer.decode(ids)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_text_decoded_at_the_end_is_the_streamed_text(tokenizer, skip):
+    """A request whose caller reads the text only at the end is decoded in one call: it
+    must give what streaming token by token would have, on both paths, for real texts, an
+    incomplete character at the end and random token sequences."""
+    import random
+
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    cases = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
+    cases.append(tokenizer.encode("ok 🦀", add_special_tokens=False)[:-1])
+    cases += [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))] for _ in range(20)]
+    for tok in (tokenizer, _PythonOnly(tokenizer)):
+        for ids in cases:
+            want = "".join(streamed(IncrementalDetokenizer(tok, skip_special_tokens=skip), ids))
+            assert IncrementalDetokenizer(tok, skip_special_tokens=skip).text_of(ids) == want

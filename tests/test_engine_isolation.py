@@ -165,3 +165,24 @@ def test_engine_stream_never_shows_part_of_a_stop_string(tmp_path):
             assert "".join(chunks) == cut, (stop, chunks)
             checked += 1
         assert checked >= 2
+
+
+def test_text_decoded_once_at_the_end_equals_the_streamed_text(tmp_path):
+    """`generate` without streaming decodes the text once the request finishes, streaming
+    decodes it token by token: both give the same text, and a stop string still cuts the
+    non-streamed text where the stream ends."""
+    from tests.model_factory import write_hf_model
+
+    folder = write_hf_model(tmp_path / "m", vocab_size=101, with_tokenizer=True, seed=3)
+    with Engine(model_path=folder, dtype="float32", device="cpu") as e:
+        for seed in range(4):
+            sp = {"temperature": 0.9, "seed": seed, "max_new_tokens": 30, "ignore_eos": True}
+            whole = e.generate(input_ids=[5, 6, 7, 8], sampling_params=sp)
+            chunks = list(e.generate(input_ids=[5, 6, 7, 8], sampling_params=sp, stream=True))
+            assert len(whole["text"]) > 10
+            assert whole["text"] == "".join(c["text"] for c in chunks)
+            assert whole["output_ids"] == [t for c in chunks for t in c["output_ids"]]
+            stop = whole["text"][8:11]
+            if stop.strip() and whole["text"].find(stop) >= 2:
+                cut = e.generate(input_ids=[5, 6, 7, 8], sampling_params={**sp, "stop": stop})
+                assert cut["text"] == whole["text"][: whole["text"].find(stop)]

@@ -98,6 +98,14 @@ class IncrementalDetokenizer:
             return full[len(prefix) :]
         return ""
 
+    def text_of(self, ids: list[int]) -> str:
+        """The text `append` then `flush` would give for `ids` from the start, decoded at once
+        (a fresh stream decodes exactly as the backend's decode of the whole sequence)."""
+        if self._stream is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip)
+        fresh = IncrementalDetokenizer(self.tokenizer, self.skip, None)
+        return "".join(fresh.append(t) for t in ids) + fresh.flush()
+
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])

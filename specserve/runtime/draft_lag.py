@@ -43,7 +43,10 @@ class DraftLag:
         """Whether the step of `tier` over `reqs` first catches the draft up (and which
         requests stop speculating instead); speculation_pays(): whether keeping drafts
         current is worth it at this load."""
+        # (every step of an adaptive engine plans: at a batch of 128 of a small model the
+        # host's time is the step's, so the common case, all speculating, loops least)
         live = [r for r in reqs if self.speculating(r)]
+        everyone = len(live) == len(reqs)
         if tier > 0:
             catch_up = any(r.draft_lag > 0 for r in live)
         else:
@@ -53,15 +56,25 @@ class DraftLag:
                 for r in full:
                     r.draft_stale = True
                 self.num_stale += len(full)
+                everyone = False
         if catch_up:
             self.num_catch_ups += 1
-        for r in reqs:
-            if catch_up and self.speculating(r):
+            for r in live:  # (none of them was just left behind: that needs no catch-up)
                 r.draft_lag = 0
-            if tier == 0:
+        if tier == 0:
+            for r in reqs:
                 r.draft_lag += 1
-        stale = frozenset(r.rid for r in reqs if not self.speculating(r))
+        stale = (
+            frozenset() if everyone else frozenset(r.rid for r in reqs if not self.speculating(r))
+        )
         return LaggedStep(catch_up, tier == 0, stale)
+
+    @staticmethod
+    def changes_nothing(step: LaggedStep) -> bool:
+        """Whether applying the step's results leaves every request's draft count as it was
+        (`applied` need not run): a speculative step without catch-up, every request in it
+        speculating."""
+        return not (step.catch_up or step.skipped or step.stale)
 
     @staticmethod
     def applied(step: LaggedStep, req: Request, accept_len: int) -> None:

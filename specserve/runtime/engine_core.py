@@ -474,17 +474,18 @@ class EngineCore:
         self.host_clock.waited(time.perf_counter() - start, pending.tier, len(pending.reqs))
         lagged = pending.lagged
         if self.adaptive is not None:
-            spoke = [
-                r.params.speculative and not (lagged and r.rid in lagged.stale)
-                for r in pending.reqs
-            ]
-            speculating = [n for n, s in zip(out.accept_lens, spoke) if s]
-            reach = None
-            if out.chain_reach is not None:
-                reach = [n for n, s in zip(out.chain_reach, spoke) if s]
+            stale = lagged.stale if lagged is not None else frozenset()
+            spoke = [r.params.speculative and r.rid not in stale for r in pending.reqs]
+            speculating, reach = out.accept_lens, out.chain_reach
+            if not all(spoke):
+                speculating = [n for n, s in zip(out.accept_lens, spoke) if s]
+                if reach is not None:
+                    reach = [n for n, s in zip(reach, spoke) if s]
             seconds = None if lagged is not None and lagged.catch_up else pending.seconds
             self.adaptive.observe(pending.tier, len(pending.reqs), speculating, seconds, reach)
             self.timed_step_seconds += pending.seconds or 0.0
+        if lagged is not None and DraftLag.changes_nothing(lagged):
+            lagged = None
         touched = []
         emitted = {}
         logprobs = out.logprobs or [None] * len(pending.reqs)

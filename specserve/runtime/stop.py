@@ -25,11 +25,12 @@ class StopChecker:
             req.detok = IncrementalDetokenizer(
                 self.tokenizer, p.skip_special_tokens, self.stream_backend
             )
+        detok = req.detok if req.detokenizes_live else None  # (else decoded at the end)
         for kept, tok in enumerate(tokens, start=1):
             req.output_ids.append(tok)
             len_before = len(req.text)
-            if req.detok is not None:
-                req.text += req.detok.append(tok)
+            if detok is not None:
+                req.text += detok.append(tok)
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
                 req.finish("stop", matched=tok)
                 return kept
@@ -43,8 +44,8 @@ class StopChecker:
                 break
         else:
             return len(tokens)
-        if req.detok is not None:
-            req.text += req.detok.flush()
+        if detok is not None:
+            req.text += detok.flush()
         return kept
 
     @staticmethod
