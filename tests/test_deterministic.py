@@ -28,6 +28,7 @@ from specserve.ops.attention import TorchAttentionBackend  # noqa: E402
 from specserve.ops.attention_metadata import Segment, build_metadata  # noqa: E402
 from specserve.ops.triton_attention import TritonAttentionBackend  # noqa: E402
 from specserve.ops.triton_invariant_linear import (  # noqa: E402
+    TUNED,
     InvariantConfig,
     invariant_config,
     invariant_linear,
@@ -124,12 +125,17 @@ def test_gpu_gemm_rows_are_batch_invariant_at_8b_shapes(n, k):
 
 
 def test_gemm_config_depends_on_the_weight_only_and_fills_the_gpu():
-    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+    # shapes without a tuned tile (SmolLM2's, a 4-SM GPU's), through the heuristic
+    for n, k in ((3072, 576), (49152, 576), (2304, 1536), (6144, 4096 + 64)):
         cfg = invariant_config(n, k, 132)
         assert cfg.block_n in (16, 32, 64) and cfg.block_k == 256
         assert -(-n // cfg.block_n) >= 132  # one M tile still gives every SM a program
-    assert invariant_config(960, 576, 132).block_k == 256
+    assert invariant_config(960, 576, 132).block_n == 16  # too narrow to fill: the narrowest
     assert invariant_config(40, 72, 4).block_k == 128  # K rounded up to a power of two
+    # the tuned 8B tiles, the same whatever the GPU reports (never a function of M)
+    for (n, k), cfg in TUNED.items():
+        assert invariant_config(n, k, 132) == invariant_config(n, k, 78) == cfg
+        assert -(-n // cfg.block_n) >= 64  # at least half the SMs busy at one M tile
 
 
 def test_gemm_rejects_bad_arguments():
@@ -377,7 +383,8 @@ def test_resolver_default_is_off_and_says_why():
     kernels, decisions = resolve_kernels(True, True, True, False, (2, 11))
     assert not kernels.batch_invariant_matmul and not kernels.batch_invariant_attention
     d = {name: (value, why) for name, value, why in decisions}
-    assert "default until" in d["kernels.batch_invariant_matmul"][1]
+    why = d["kernels.batch_invariant_matmul"][1]
+    assert "enable_deterministic_inference is off" in why and "speed on an H200" in why
     assert "H200" in d["kernels.batch_invariant_attention"][1]
 
 

@@ -54,7 +54,8 @@ class EngineConfig:
     disable_fused_kernels: bool = False  # the torch reference ops everywhere (debugging)
     disable_radix_cache: bool = False  # no prefix cache: every prompt is prefilled whole
     # CUDA: batch-invariant kernels, so a request's output is the same alone, in any batch, and
-    # with or without speculation (SGLang's name); off by default until its cost is measured
+    # with or without speculation (SGLang's name); off by default: it costs a third to a half
+    # of decode throughput on an H200 (config/kernels.py)
     enable_deterministic_inference: bool = False
     kernels: Kernels | None = None  # decided by resolve(); tests and benches may pass their own
     # speculative decoding (SGLang's names)
