@@ -87,7 +87,7 @@ class Request:
     text: str = ""
     # the caller reads the text only once the request has finished (`Engine.generate`
     # without streaming): it is decoded then, in one call, instead of token by token on the
-    # engine's loop (at a batch of 128 that was a third of a step's host time)
+    # engine's loop (under cProfile at a batch of 128 on an H200: 13% of a step's host time)
     text_at_finish: bool = False
     stream_sent_tokens: int = 0
     stream_sent_chars: int = 0
