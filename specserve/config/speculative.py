@@ -269,12 +269,11 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
                 "speculative_adaptive",
                 False,
                 "every step drafts the configured shape (the default: with the bundled draft "
-                "on chat prompts on an H200 adaptive speculation ran 0.98-0.99x the served "
-                "tree at batch 1 and 1.04-1.61x it at 16-128, but 0.92x the 4/4/16 tree at "
-                "16 and, where the host's time per step doubled, 0.58x it at 128; and it "
-                "captures and times every tier at start-up, 84-115 s for SmolLM2-135M and "
-                "87 s at a Llama-3-8B shape on a fresh machine): speculative_adaptive turns "
-                "it on",
+                "on chat prompts on an H200 adaptive speculation ran 0.99x the served tree "
+                "at batch 1 and 1.06-1.61x it at 16-128, but 0.96x the 4/4/16 tree at 16 "
+                "and 0.89x it at 128, where steps wait on the host; and it captures and "
+                "times every tier at start-up, 84-115 s for SmolLM2-135M and 87 s at a "
+                "Llama-3-8B shape on a fresh machine): speculative_adaptive turns it on",
             )
         )
     return c, decisions
