@@ -845,8 +845,8 @@ def test_a_trees_chain_reach_is_what_the_chain_accepts_from_the_same_position():
     tokenizer = load_tokenizer(resolve_packaged("smollm2-135m"), "gguf")
     prompts = chat_prompt_ids(tokenizer, 2)
     matched, reaches = 0, set()
-    trees = steps_of_forced_tier("4/4/16", prompts, 96)
-    chains = steps_of_forced_tier("3/1/4", prompts, 96)
+    trees = steps_of_forced_tier("4/4/16", prompts, 32)
+    chains = steps_of_forced_tier("3/1/4", prompts, 32)
     for tree, chain in zip(trees, chains, strict=True):
         for position, (accepted, _) in chain.items():
             if position in tree:
