@@ -174,6 +174,7 @@ def test_text_decoded_once_at_the_end_equals_the_streamed_text(tmp_path):
     from tests.model_factory import write_hf_model
 
     folder = write_hf_model(tmp_path / "m", vocab_size=101, with_tokenizer=True, seed=3)
+    cut_by_stop = 0
     with Engine(model_path=folder, dtype="float32", device="cpu") as e:
         for seed in range(4):
             sp = {"temperature": 0.9, "seed": seed, "max_new_tokens": 30, "ignore_eos": True}
@@ -186,3 +187,5 @@ def test_text_decoded_once_at_the_end_equals_the_streamed_text(tmp_path):
             if stop.strip() and whole["text"].find(stop) >= 2:
                 cut = e.generate(input_ids=[5, 6, 7, 8], sampling_params={**sp, "stop": stop})
                 assert cut["text"] == whole["text"][: whole["text"].find(stop)]
+                cut_by_stop += 1
+    assert cut_by_stop >= 2
