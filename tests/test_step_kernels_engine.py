@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="the step kernels need the triton package")
 
 from specserve import Engine  # noqa: E402
 from specserve.config import Kernels  # noqa: E402
-from tests.engine_utils import TINY, mixed_prompts  # noqa: E402
+from tests.engine_utils import TINY, mixed_prompts, spec_args  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SP = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
@@ -64,11 +64,7 @@ def test_trees_with_the_kernels_decode_as_plain_decoding(kernel_calls, page_size
     spec, accept_len = outputs(
         prompts,
         page_size=page_size,
-        speculative_algorithm="STANDALONE",
-        speculative_draft_model_path="tiny",  # the target as its own draft: long paths
-        speculative_num_steps=3,
-        speculative_eagle_topk=topk,
-        speculative_num_draft_tokens=ndt,
+        **spec_args("tiny", topk, 3, ndt),  # the target as its own draft: long paths
         debug_check_invariants=True,
         kernels=STEP_KERNELS,
     )
@@ -99,11 +95,7 @@ def test_adaptive_speculation_learns_chains_through_the_acceptance_kernel(monkey
     kernels = Kernels(**{**STEP_KERNELS.as_dict(), "accept_stats": True})
     with Engine(
         **args,
-        speculative_algorithm="STANDALONE",
-        speculative_draft_model_path="tiny",
-        speculative_num_steps=4,
-        speculative_eagle_topk=topk,
-        speculative_num_draft_tokens=ndt,
+        **spec_args("tiny", topk, 4, ndt),
         speculative_adaptive=True,
         kernels=kernels,
     ) as e:
