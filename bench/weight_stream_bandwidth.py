@@ -1,6 +1,6 @@
 """How fast each matmul streams its weights at decode widths, against the GPU's read ceiling.
 
-    python3 bench/weight_stream_bandwidth.py [--ms 1,2,4,8,16,32,64] [--json out.json]
+    python3 bench/weight_stream_bandwidth.py [--ms 1,2,4,8,16,32,64] [--fused] [--json out.json]
 
 For the Llama-3-8B linear shapes (bf16) at M = 1 .. 64 rows: cuBLAS (F.linear; lm_head as the
 engine runs it, torch.mm writing float32), the skinny Triton GEMM (`ops/triton_linear.py`,
@@ -11,6 +11,10 @@ layers), timed with CUDA events; reported as bytes/s of the weight read and as a
 the read ceiling measured here (torch.sum over a 4 GiB tensor, and a 4 GiB copy counting
 read + write). Also checked per kernel: the error against an fp32 reference, and for the
 batch-invariant GEMM that row 0 has the same bits at M as alone (it must).
+--fused adds each shape with the work the engine does around it (the RMSNorm before qkv and
+gate_up, the SiLU-and-mul before down, the residual add after o and down): cuBLAS beside the
+fused norm kernels, the batch-invariant GEMM with that work in its prologue / epilogue, and the
+batch-invariant GEMM beside the same norm kernels.
 Last: the step's matmuls (32 layers x qkv, o, gate_up, down + lm_head) per method and M, as
 time per step and the tok/s that time alone would allow at batch M. JSON, then tables.
 
@@ -46,6 +50,14 @@ SHAPES = [  # (name, N, K, layers per step)
     ("lm_head", 128256, 4096, 1),
 ]
 DTYPE = torch.bfloat16
+METHODS = (
+    "cublas",
+    "skinny",
+    "invariant",
+    "cublas+fusions",
+    "invariant+fused",
+    "invariant+norm_kernels",
+)
 STREAM_BYTES = 1 << 30  # weight copies per graph: at least this much (L2 is 50-60 MiB)
 
 
@@ -62,6 +74,56 @@ def methods(name: str):
         return invariant_linear(x, w, out_dtype=torch.float32 if fp32 else None)
 
     return {"cublas": cublas, "skinny": skinny, "invariant": invariant}
+
+
+def fused_methods(name: str, m: int, n: int, k: int):
+    """Each shape with the work the engine fuses around it (model/layers.py): RMSNorm before
+    qkv and gate_up, SiLU-and-mul before down (its input is [M, 2K]), the residual add after o
+    and down, float32 logits. fn(x, w) -> y, x of `x_width(k)` columns; per method: the engine's
+    F.linear path (cuBLAS beside the fused norm kernels, the residual in the GEMM), the
+    batch-invariant GEMM with the work in its prologue / epilogue, and the batch-invariant GEMM
+    beside the same norm kernels as cuBLAS."""
+    from specserve.ops.triton_norm import rmsnorm, silu_and_mul
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    norm = torch.rand(k, device="cuda", dtype=DTYPE, generator=g) + 0.5
+    residual = torch.randn(m, n, device="cuda", dtype=DTYPE, generator=g)
+    fp32 = torch.float32 if name == "lm_head" else None
+    uses_norm, uses_silu, uses_res = (
+        name in ("qkv", "gate_up"),
+        name == "down",
+        name in ("o", "down"),
+    )
+
+    def pre(x):  # the elementwise kernel before the GEMM on the unfused paths
+        if uses_norm:
+            return rmsnorm(x, norm, 1e-5)
+        return silu_and_mul(x) if uses_silu else x
+
+    def cublas(x, w):
+        x = pre(x)
+        if fp32:
+            return torch.mm(x, w.t(), torch.float32)
+        return torch.addmm(residual, x, w.t()) if uses_res else F.linear(x, w)
+
+    def invariant_fused(x, w):
+        return invariant_linear(
+            x, w, norm_weight=norm if uses_norm else None, eps=1e-5, silu_mul=uses_silu,
+            residual=residual if uses_res else None, out_dtype=fp32,
+        )  # fmt: skip
+
+    def invariant_beside(x, w):
+        return invariant_linear(pre(x), w, residual=residual if uses_res else None, out_dtype=fp32)
+
+    return {
+        "cublas+fusions": cublas,
+        "invariant+fused": invariant_fused,
+        "invariant+norm_kernels": invariant_beside,
+    }
+
+
+def x_width(name: str, k: int) -> int:
+    return 2 * k if name == "down" else k  # (SiLU-and-mul halves it)
 
 
 def events_ms(fn, reps: int) -> float:
@@ -102,7 +164,7 @@ def graph_of(fn, xs, ws):
     return graph, outs
 
 
-def bench_shape(name, n, k, ms, reps, ceiling) -> list[dict]:
+def bench_shape(name, n, k, ms, reps, ceiling, fused=False) -> list[dict]:
     wbytes = n * k * 2
     copies = max(2, -(-STREAM_BYTES // wbytes))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -132,6 +194,24 @@ def bench_shape(name, n, k, ms, reps, ceiling) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
             del graph, outs
+        if fused:
+            wide = [
+                torch.randn(m, x_width(name, k), device="cuda", dtype=DTYPE, generator=g)
+                for _ in range(copies)
+            ]
+            for method, fn in fused_methods(name, m, n, k).items():
+                graph, outs = graph_of(fn, wide, ws)
+                t_ms = events_ms(graph.replay, reps) / copies
+                gbps = wbytes / t_ms / 1e6
+                row = {
+                    "shape": name, "N": n, "K": k, "M": m, "method": method,
+                    "us": 1e3 * t_ms, "weight_GBps": gbps,
+                    "fraction_of_read_ceiling": gbps / ceiling,
+                }  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del graph, outs
+            del wide
         del xs
     del ws
     torch.cuda.empty_cache()
@@ -189,7 +269,7 @@ def step_totals(rows: list[dict], ms: list[int]) -> list[dict]:
     layers = {name: count for name, _, _, count in SHAPES}
     out = []
     for m in ms:
-        for method in ("cublas", "skinny", "invariant"):
+        for method in METHODS:
             sel = [r for r in rows if r["M"] == m and r["method"] == method]
             if len(sel) != len(SHAPES):
                 continue
@@ -212,6 +292,12 @@ def main() -> int:
     p.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     p.add_argument("--reps", type=int, default=20, help="graph replays timed per case")
     p.add_argument("--json", help="also write everything to this file")
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="also each shape with the norm / SiLU-and-mul / residual / fp32 work the engine "
+        "fuses around it, per path",
+    )
     p.add_argument("--tune", action="store_true", help="sweep the batch-invariant GEMM's tiles")
     p.add_argument("--tune-ms", default="1,16,64", help="rows the tile must serve (--tune)")
     args = p.parse_args()
@@ -237,7 +323,7 @@ def main() -> int:
     rows = []
     for name, n, k, _ in SHAPES:
         if name in wanted:
-            rows += bench_shape(name, n, k, ms, args.reps, ceiling)
+            rows += bench_shape(name, n, k, ms, args.reps, ceiling, args.fused)
     totals = step_totals(rows, ms)
     result = {"device": torch.cuda.get_device_name(), "read_ceiling": ceil, "kernels": rows,
               "step_matmuls": totals}  # fmt: skip

@@ -388,6 +388,28 @@ def test_resolver_default_is_off_and_says_why():
     assert "H200" in d["kernels.batch_invariant_attention"][1]
 
 
+def test_resolver_routes_few_token_matmuls_of_tuned_shapes_on_the_gpu_they_were_tuned_on():
+    from specserve.config.kernels import INVARIANT_GEMM_TILES
+
+    h200 = resolve_kernels(True, True, True, False, (2, 11), gpu_name="NVIDIA H200")
+    kernels, decisions = h200
+    assert kernels.invariant_gemm_max_tokens == 16
+    assert set(kernels.invariant_gemm_shapes) == set(INVARIANT_GEMM_TILES)
+    assert (6144, 4096) in kernels.invariant_gemm_shapes  # the 8B qkv
+    why = {name: why for name, _, why in decisions}["kernels.invariant_gemm_max_tokens"]
+    assert "faster than cuBLAS" in why
+    for kwargs, reason in (
+        (dict(gpu_name="NVIDIA A100-SXM4-80GB"), "tuned on an H200"),
+        (dict(gpu_name="NVIDIA H200", tp_size=2), "tensor parallelism"),
+    ):
+        kernels, decisions = resolve_kernels(True, True, True, False, (2, 11), **kwargs)
+        assert kernels.invariant_gemm_max_tokens == 0 and not kernels.invariant_gemm_shapes
+        why = {name: why for name, _, why in decisions}["kernels.invariant_gemm_max_tokens"]
+        assert reason in why
+    fp32 = resolve_kernels(True, False, True, False, (2, 11), gpu_name="NVIDIA H200")[0]
+    assert fp32.invariant_gemm_max_tokens == 0  # the tiles are for 16-bit weights
+
+
 def test_cpu_runs_the_torch_reference_and_says_so():
     c = EngineConfig(model_path="tiny", enable_deterministic_inference=True).resolve(
         cuda_available=False

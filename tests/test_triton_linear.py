@@ -256,14 +256,26 @@ def _logits(model, n_tokens, device, kernels, seed=1):
         return model.compute_logits(out.hidden, kernels), out.aux_hidden[0]
 
 
-def _kernels(mode: int, max_tokens: int = 8):
-    """mode 0: torch ops; 1: F.linear + fused norms; 2: the skinny GEMM for few tokens."""
+# The tiny model's qkv, gate_up and lm_head shapes (N, K); its o (64, 64) and down (64, 80)
+# are left out, so mode 4 runs both the tuned GEMM and the F.linear fallback in one layer.
+TINY_TUNED = ((128, 64), (160, 64), (96, 64))
+
+
+def _kernels(mode: int, max_tokens: int = 8, tuned=TINY_TUNED):
+    """mode 0: torch ops; 1: F.linear + fused norms; 2: the skinny GEMM for few tokens;
+    4: the batch-invariant GEMM for few tokens of the `tuned` weight shapes."""
     from specserve.config import Kernels
 
-    return Kernels(skinny_gemm=mode == 2, skinny_gemm_max_tokens=max_tokens, fused_norms=mode >= 1)
+    return Kernels(
+        skinny_gemm=mode == 2,
+        skinny_gemm_max_tokens=max_tokens,
+        fused_norms=mode >= 1,
+        invariant_gemm_max_tokens=max_tokens if mode == 4 else 0,
+        invariant_gemm_shapes=tuned if mode == 4 else (),
+    )
 
 
-@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("mode", [1, 2, 4])
 @pytest.mark.parametrize("eagle_layer0", [False, True], ids=["norm", "identity_norm"])
 def test_model_fused_paths_match_plain_torch_on_cpu(mode, eagle_layer0):
     # The fused paths on the CPU (interpreter, float32) check the wiring: norms fused into
@@ -328,6 +340,31 @@ def test_fused_mode_follows_the_kernels_and_the_token_count():
     assert fused_mode(torch.zeros(5, 8), skinny) == 1  # more rows than the skinny GEMM takes
     wide = Kernels(skinny_gemm=True, skinny_gemm_max_tokens=4, skinny_gemm_max_hidden=4)
     assert fused_mode(x, wide) == 0  # too wide, and no fused norms
+    tuned = Kernels(fused_norms=True, invariant_gemm_max_tokens=4, invariant_gemm_shapes=((6, 8),))
+    assert fused_mode(x, tuned) == 4  # an input as wide as a tuned weight's K
+    assert fused_mode(torch.zeros(3, 16), tuned) == 1  # no tuned weight reads 16 columns
+    assert fused_mode(torch.zeros(5, 8), tuned) == 1  # more rows than it takes
+
+
+def test_tuned_shapes_run_the_invariant_gemm_and_the_others_f_linear(monkeypatch):
+    # mode 4 routes by each weight's own shape: the tuned ones through the batch-invariant
+    # GEMM, the others through F.linear, in the same layer
+    from specserve.ops import triton_invariant_linear as inv
+
+    seen = []
+    real = inv.invariant_linear
+
+    def spy(x, weight, *args, **kwargs):
+        seen.append(tuple(weight.shape))
+        return real(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(inv, "invariant_linear", spy)
+    model = _tiny_model(torch.float32, DEVICE)
+    _logits(model, 3, DEVICE, _kernels(4))
+    assert sorted(set(seen)) == sorted(TINY_TUNED)
+    seen.clear()
+    _logits(model, 9, DEVICE, _kernels(4))  # more rows than max_tokens: cuBLAS throughout
+    assert seen == []
 
 
 @pytest.mark.gpu
@@ -339,8 +376,9 @@ def test_gpu_model_fused_paths_bf16(n_tokens):
         num_kv_heads=2, head_dim=64, vocab_size=1000,
     )  # fmt: skip
     ref, _ = _logits(model, n_tokens, DEVICE, _kernels(0))
-    for mode in (1, 2):
-        out, _ = _logits(model, n_tokens, DEVICE, _kernels(mode, max_tokens=16))
+    tuned = ((768, 512), (2752, 512), (1000, 512))  # qkv, gate_up, lm_head; not o, down
+    for mode in (1, 2, 4):
+        out, _ = _logits(model, n_tokens, DEVICE, _kernels(mode, max_tokens=16, tuned=tuned))
         assert rel_err(out, ref) < 2e-2, (mode, rel_err(out, ref))
 
 

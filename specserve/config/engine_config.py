@@ -204,6 +204,8 @@ class EngineConfig:
                 c.disable_fused_kernels,
                 _torch_version(),
                 deterministic=c.enable_deterministic_inference,
+                gpu_name=_gpu_name(c.device) if on_gpu else "",
+                tp_size=c.tp_size,
             )
             c = replace(c, kernels=kernels)
             decided.extend(kernel_decisions)
@@ -340,6 +342,14 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         name,
         f"must be an integer >= {minimum}, got {value!r}",
     )
+
+
+def _gpu_name(device: str) -> str:
+    import torch
+
+    if not torch.cuda.is_available():  # (a caller forcing cuda_available: a test)
+        return ""
+    return torch.cuda.get_device_name(torch.device(device))
 
 
 def _torch_version() -> tuple[int, int]:

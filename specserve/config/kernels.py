@@ -17,6 +17,23 @@ from dataclasses import dataclass, fields
 SKINNY_MAX_TOKENS = 1
 SKINNY_MAX_HIDDEN = 2048
 
+# Tiles of the batch-invariant GEMM (ops/triton_invariant_linear.py) measured on an H200, keyed
+# by the weight's (N, K): (block_n, block_k, num_warps, num_stages), from
+# `bench/weight_stream_bandwidth.py --tune --tune-ms 1,16,64`. The Llama-3-8B shapes: with these
+# tiles a step's matmuls stream their weights 4% faster than cuBLAS at 1 and 16 rows
+# (docs/PERFORMANCE.md).
+INVARIANT_GEMM_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (6144, 4096): (64, 128, 4, 5),  # qkv
+    (4096, 4096): (64, 128, 4, 5),  # o
+    (28672, 4096): (64, 128, 4, 2),  # gate_up
+    (4096, 14336): (64, 128, 4, 5),  # down
+    (128256, 4096): (64, 128, 4, 3),  # lm_head
+}
+# The most rows that the tuned tiles were measured faster than cuBLAS at (1 and 16 measured).
+INVARIANT_GEMM_MAX_TOKENS = 16
+# The GPU the tiles were tuned on: elsewhere their speed is unmeasured, and cuBLAS runs.
+INVARIANT_GEMM_TUNED_GPU = "H200"
+
 
 @dataclass(frozen=True)
 class Kernels:
@@ -27,6 +44,10 @@ class Kernels:
     # the skinny GEMM launched with programmatic dependent launch (Hopper and later): a
     # kernel loads its first weight tile while the previous kernel finishes
     programmatic_launch: bool = False
+    # few-token matmuls of these weight shapes (N, K) run the batch-invariant GEMM with its
+    # tuned tile, which streams them faster than cuBLAS (with the skinny GEMM's fusions)
+    invariant_gemm_max_tokens: int = 0  # most rows that take it (0: none)
+    invariant_gemm_shapes: tuple[tuple[int, int], ...] = ()
     fused_norms: bool = False  # RMSNorm, add+RMSNorm, SiLU-and-mul, EAGLE's embed+concat
     fp32_logits: bool = False  # cuBLAS writes float32 logits straight from 16-bit operands
     draft_fc_qkv: bool = False  # an EAGLE head's fc and first qkv as one GEMM
@@ -41,7 +62,7 @@ class Kernels:
     kv_commit: bool = False  # the accepted path's KV moved in one launch
     accept_stats: bool = False  # adaptive speculation's per-step acceptance bookkeeping
 
-    def as_dict(self) -> dict[str, bool | int]:
+    def as_dict(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def skinny_applies(self, num_tokens: int, hidden: int) -> bool:
@@ -50,6 +71,16 @@ class Kernels:
             and num_tokens <= self.skinny_gemm_max_tokens
             and hidden <= self.skinny_gemm_max_hidden
         )
+
+    def invariant_gemm_applies(self, num_tokens: int, hidden: int) -> bool:
+        """Whether a layer with this input width may route its matmuls to the tuned
+        batch-invariant GEMM (each matmul then checks its own weight's shape)."""
+        return 0 < num_tokens <= self.invariant_gemm_max_tokens and any(
+            k == hidden for _, k in self.invariant_gemm_shapes
+        )
+
+    def invariant_gemm_tuned(self, weight_shape: tuple[int, ...]) -> bool:
+        return tuple(weight_shape) in self.invariant_gemm_shapes
 
 
 # The plain torch ops everywhere: CPU, training (autograd), and what every kernel is tested
@@ -86,8 +117,11 @@ def resolve_kernels(
     disabled: bool,
     torch_version: tuple,
     deterministic: bool = False,
+    gpu_name: str = "",
+    tp_size: int = 1,
 ) -> tuple[Kernels, list[tuple[str, bool, str]]]:
-    """The kernels an engine runs, with a reason per choice."""
+    """The kernels an engine runs, with a reason per choice (gpu_name: the CUDA device's
+    name; tp_size: ranks that each hold a slice of every weight)."""
     decisions: list[tuple[str, bool, str]] = []
     if disabled or not on_gpu or not triton:
         why = (
@@ -156,9 +190,38 @@ def resolve_kernels(
                 else "torch < 2.8 cannot write float32 from a 16-bit GEMM: logits upcast",
             )
         )
+    if half_precision:
+        on.update(_invariant_gemm_routing(gpu_name, tp_size, decisions))
     for name in _INVARIANT_KERNELS:
         decisions.append((f"kernels.{name}", False, DETERMINISTIC_OFF))
     return Kernels(**on), decisions
+
+
+def _invariant_gemm_routing(gpu_name: str, tp_size: int, decisions: list) -> dict:
+    """Few-token matmuls of the weight shapes with a tile tuned on this GPU run the
+    batch-invariant GEMM: it streams them faster than cuBLAS (and fuses the neighbouring norm,
+    SiLU-and-mul and residual add as the skinny GEMM does)."""
+    why = None
+    if INVARIANT_GEMM_TUNED_GPU not in gpu_name:
+        why = f"its tiles were tuned on an {INVARIANT_GEMM_TUNED_GPU}, not this GPU ({gpu_name!r})"
+    elif tp_size > 1:
+        why = "tensor parallelism slices the weights: no slice's shape has a tuned tile"
+    if why is not None:
+        decisions.append(("kernels.invariant_gemm_max_tokens", 0, f"cuBLAS: {why}"))
+        return {}
+    decisions.append(
+        (
+            "kernels.invariant_gemm_max_tokens",
+            INVARIANT_GEMM_MAX_TOKENS,
+            f"up to {INVARIANT_GEMM_MAX_TOKENS} rows, the weight shapes with a tile tuned on an "
+            f"{INVARIANT_GEMM_TUNED_GPU} ({len(INVARIANT_GEMM_TILES)}: the Llama-3-8B ones) run "
+            "the batch-invariant GEMM: it streams them 4% faster than cuBLAS at 1 and 16 rows",
+        )
+    )
+    return dict(
+        invariant_gemm_max_tokens=INVARIANT_GEMM_MAX_TOKENS,
+        invariant_gemm_shapes=tuple(INVARIANT_GEMM_TILES),
+    )
 
 
 def _deterministic(

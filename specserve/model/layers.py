@@ -8,7 +8,11 @@ Which variant runs is the caller's `Kernels` (config/kernels.py), carried in the
 - mode 1: F.linear with the fused Triton RMSNorm, residual-add + RMSNorm and SiLU-and-mul
   (ops/triton_norm.py);
 - mode 3, deterministic inference: every linear layer, for any token count, is the
-  batch-invariant GEMM (ops/triton_invariant_linear.py) with the same fusions as mode 2;
+  batch-invariant GEMM (ops/triton_invariant_linear.py) with the residual add in its
+  epilogue, beside the fused norm and SiLU-and-mul kernels (each row in one program);
+- mode 4, few tokens of a model whose weight shapes have tuned tiles (the Llama-3-8B ones on
+  an H200): those linear layers run the batch-invariant GEMM for speed, as in mode 3; a layer
+  without a tuned tile runs F.linear with the fused norm kernels;
 - mode 0: the plain torch ops below (CPU, training, the reference every kernel is tested
   against).
 Kernels read the parameters at call time, so weights loaded after construction are used as
@@ -29,13 +33,20 @@ from specserve.ops.attention import ForwardContext
 
 def fused_mode(x: torch.Tensor, kernels: Kernels) -> int:
     """0: plain torch ops; 1: F.linear + fused elementwise kernels; 2: skinny GEMM;
-    3: the batch-invariant GEMM."""
+    3: the batch-invariant GEMM; 4: the batch-invariant GEMM for the tuned weight shapes."""
     if kernels.batch_invariant_matmul:
         return 3
     rows = x.numel() // max(1, x.shape[-1])
     if kernels.skinny_applies(rows, x.shape[-1]):
         return 2
+    if kernels.invariant_gemm_applies(rows, x.shape[-1]):
+        return 4
     return 1 if kernels.fused_norms else 0
+
+
+def invariant_gemm_runs(mode: int, weight: torch.Tensor, kernels: Kernels) -> bool:
+    """Whether a matmul with this weight runs the batch-invariant GEMM in `mode`."""
+    return mode == 3 or (mode == 4 and kernels.invariant_gemm_tuned(weight.shape))
 
 
 class RMSNorm(nn.Module):
@@ -76,20 +87,31 @@ def fused_linear(
 ) -> torch.Tensor:
     """[residual +] lin(f(x)), f = norm or SiLU-and-mul or identity; one kernel in mode 2.
     accumulate: the sum may be written into `residual` (mode 1: GEMM with beta = 1)."""
-    if mode >= 2 and lin.weight.dtype == x.dtype:
-        args = dict(
+    if invariant_gemm_runs(mode, lin.weight, kernels) and lin.weight.dtype == x.dtype:
+        from specserve.ops.triton_invariant_linear import invariant_linear
+
+        # The norm and SiLU-and-mul run as their own kernels (one program per row, so
+        # batch-invariant too), the residual add in the GEMM's epilogue: in its prologue they
+        # took a step of the Llama-3-8B shape on an H200 from 4.3 to 6.6 ms at one row
+        # (every program of a layer recomputes its rows' norm, or the SiLU of its K range).
+        if norm is not None:
+            x = norm(x, kernels)
+        if silu:
+            x = silu_mul(x, kernels)
+        return invariant_linear(x, lin.weight, lin.bias, residual=residual)
+    if mode == 2 and lin.weight.dtype == x.dtype:
+        from specserve.ops.triton_linear import skinny_linear
+
+        return skinny_linear(
+            x,
+            lin.weight,
+            lin.bias,
             norm_weight=None if norm is None else norm.weight,
             eps=1e-6 if norm is None else norm.eps,
             silu_mul=silu,
             residual=residual,
+            pdl=kernels.programmatic_launch,
         )
-        if mode == 3:
-            from specserve.ops.triton_invariant_linear import invariant_linear
-
-            return invariant_linear(x, lin.weight, lin.bias, **args)
-        from specserve.ops.triton_linear import skinny_linear
-
-        return skinny_linear(x, lin.weight, lin.bias, pdl=kernels.programmatic_launch, **args)
     if norm is not None:
         x = norm(x, kernels)
     if silu:

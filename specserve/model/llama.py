@@ -18,7 +18,7 @@ from torch import nn
 
 from specserve.config.kernels import REFERENCE, Kernels
 from specserve.model.config import ModelConfig
-from specserve.model.layers import DecoderLayer, RMSNorm, fused_mode
+from specserve.model.layers import DecoderLayer, RMSNorm, fused_mode, invariant_gemm_runs
 from specserve.model.weights import load_hf_named_weights
 from specserve.ops.attention import ForwardContext
 
@@ -95,9 +95,10 @@ class LlamaForCausalLM(nn.Module):
         left in that dtype, for argmax-only callers)."""
         weight = self.lm_head_weight
         mode = fused_mode(hidden, kernels)
-        if mode >= 2 and weight.dtype == hidden.dtype:
+        invariant = invariant_gemm_runs(mode, weight, kernels)
+        if (mode == 2 or invariant) and weight.dtype == hidden.dtype:
             # (float32 out: no bf16 rounding)
-            if mode == 3:  # deterministic inference: the batch-invariant GEMM
+            if invariant:  # deterministic inference, or a tuned shape: the invariant GEMM
                 from specserve.ops.triton_invariant_linear import invariant_linear
 
                 return invariant_linear(hidden, weight, out_dtype=torch.float32)

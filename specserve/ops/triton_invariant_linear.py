@@ -13,6 +13,9 @@ bit, as does a prompt alone and inside a batch.
 
 Like the skinny GEMM (`ops/triton_linear.py`, whose prologue / epilogue helpers it shares) it
 fuses an RMSNorm or SiLU-and-mul of x, bias, a residual add and an fp32 output, each per row.
+The engine uses the epilogue only: with no split-K every program of a layer would redo its
+rows' norm (or the SiLU of its K range), which costs more than a separate kernel
+(`bench/weight_stream_bandwidth.py --fused`).
 W is the left operand (swap AB: acc^T = W_tile @ x_tile^T), so a decode step's few rows pad to
 16, not to 64; the M tiles of one W tile are launched next to each other so that at verify
 widths W comes from L2 after its first read.
@@ -28,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.config.kernels import INVARIANT_GEMM_TILES
 from specserve.ops.triton_linear import (
     _dot_k_step,
     _finish,
@@ -90,21 +94,11 @@ class InvariantConfig:
             raise ValueError("blocks must be >= 16 (tl.dot's smallest shape)")
 
 
-# Measured tiles keyed by the weight's (N, K) (never by M: that would break invariance);
-# `bench/weight_stream_bandwidth.py --tune` prints entries in this form, to be pasted here.
-# Shapes not listed use the heuristic in `invariant_config`.
-# The Llama-3-8B shapes, tuned on an H200 for M = 1, 16 and 64: at M = 1 they stream their
-# weights at 2.8-4.4 TB/s, a step's matmuls 4% faster than cuBLAS at 1 and 16 rows
-# (docs/PERFORMANCE.md).
-_C = InvariantConfig  # (short, so that each entry fits a line)
+# Measured tiles keyed by the weight's (N, K) (never by M: that would break invariance), kept
+# with the kernel choices in config/kernels.py (the resolver routes few-token matmuls of these
+# shapes here); shapes not listed use the heuristic in `invariant_config`.
 TUNED: Mapping[tuple[int, int], InvariantConfig] = MappingProxyType(
-    {
-        (6144, 4096): _C(block_n=64, block_k=128, num_warps=4, num_stages=5),  # qkv
-        (4096, 4096): _C(block_n=64, block_k=128, num_warps=4, num_stages=5),  # o
-        (28672, 4096): _C(block_n=64, block_k=128, num_warps=4, num_stages=2),  # gate_up
-        (4096, 14336): _C(block_n=64, block_k=128, num_warps=4, num_stages=5),  # down
-        (128256, 4096): _C(block_n=64, block_k=128, num_warps=4, num_stages=3),  # lm_head
-    }
+    {shape: InvariantConfig(*tile) for shape, tile in INVARIANT_GEMM_TILES.items()}
 )
 
 _CONFIGS: dict[tuple[int, int, int], InvariantConfig] = {}
