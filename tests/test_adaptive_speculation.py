@@ -464,6 +464,32 @@ def test_the_hosts_time_is_the_loads_not_one_tiers():
     assert p.pick(128) == 2  # 4 tokens per 7 ms beat 2 per 7 ms
 
 
+def test_a_spike_of_host_time_does_not_make_a_wider_tier_look_free():
+    """Host time per step spikes (a collection, a burst of requests finishing). While a spike
+    was in a moving average, a wider tier whose device time hid under the inflated host time
+    looked free; its steps then ran at its own device time, the host back to normal. (SmolLM2
+    on an H200 at batch 128: the 6/8/64 tree's 16-node budget ran a fifth of the steps, 5.0 ms
+    each, against 4.1 ms for the 4/4/16 tree, which emits about as much.)"""
+    tiers = [PLAIN, TreeShape(4, 4, 16), TreeShape(6, 8, 64)]
+    device_ms = (1.2, 3.1, 5.0)
+    accept = (1, 3.2, 3.5)
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: device_ms[t] / 1e3)
+    picks, wall_ms = [], []
+    for step in range(600):
+        host_ms = 15.0 if step % 8 == 7 else 3.9
+        t = p.pick(128)
+        picks.append(t)
+        wall_ms.append(max(device_ms[t], host_ms))
+        p.observe(t, 128, [accept[t]] * 128 if t else [], device_ms[t] / 1e3)
+        p.observe_host(t, 128, host_ms / 1e3)
+    late = picks[100:]
+    assert late.count(2) <= 0.03 * len(late), late
+    tokens = sum(accept[t] for t in late)
+    fixed = accept[1] * len(late) / sum(max(device_ms[1], 15.0 if s % 8 == 7 else 3.9)
+                                        for s in range(100, 600))  # fmt: skip
+    assert tokens / sum(wall_ms[100:]) >= 0.97 * fixed
+
+
 def test_a_graph_is_captured_only_for_a_tier_a_step_runs_at_its_shape():
     """Each capture stalls the loop, and a growing batch meets a new context width every few
     steps: a shape is captured for the tier its step runs, not for every tier the policy

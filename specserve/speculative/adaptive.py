@@ -9,7 +9,9 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
     step_cost = max(step_seconds, host_seconds)
 
 - host_seconds: the host's own time per step at the bucket (its stop checks, detokenizing,
-  streaming and the next launch), measured as steps are served, whatever their tier. Under
+  streaming and the next launch), measured as steps are served, whatever their tier: the
+  median of the bucket's last `HOST_WINDOW` steps, since host time spikes (a collection, a
+  burst of requests finishing) and a spike says nothing of the next steps. Under
   overlap the host works while the device runs the next step, so a step lasts as long as the
   longer of the two: at large batches of a small model the host's part is the longer, and a
   wide tree, whose device time hides under it, costs no more than a chain. It is one value
@@ -77,6 +79,8 @@ plainly to its end and never pays for the draft again); see runtime/draft_lag.py
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable
 
 from specserve.config.speculative import small_tree
@@ -99,6 +103,12 @@ CAPTURE_MARGIN = 0.2
 # tree's acceptance, learnt on one request's text, was 2.4 against 3.0 on the batch's; one
 # exploration every 32 to 64 steps left the 6/8/64 tree serving, 8% slower.)
 RISING = 1.05
+# Host time per step is the median of this many of the bucket's latest steps. (SmolLM2 on an
+# H200 at batch 128, with a moving average instead: each spike made wider tiers, whose device
+# time then hid under the host's, look free for a few steps; the 6/8/64 tree's 16-node
+# budget ran a fifth of the steps at 5.0 ms of wall time each, against 4.1 ms for the 4/4/16
+# tree, which emits about as much.)
+HOST_WINDOW = 15
 
 
 def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
@@ -183,9 +193,11 @@ class AdaptiveSpeculation:
         # per bucket: what served steps take beyond their replay (attention over real
         # contexts, which padding rows do not have), carried over to tiers not yet served
         self.context_cost: dict[int, float] = {}
-        # the host's time per step: by (tier, bucket), and by bucket for tiers not seen there
-        self.host: dict[tuple[int, int], float] = {}  # (reporting)
+        # the host's time per step: by (tier, bucket) (a moving average, reported), and by
+        # bucket (the median of its latest steps, what steps are weighed by)
+        self.host: dict[tuple[int, int], float] = {}
         self.host_any: dict[int, float] = {}
+        self._host_window: dict[int, deque[float]] = {}
         self._warmed: set[tuple[int, int]] = set()  # (tier, bucket) whose first step ran
         self.picks = 0
         self.counts = [0] * len(tiers)  # steps run per tier (reporting)
@@ -412,9 +424,11 @@ class AdaptiveSpeculation:
         if seconds <= 0:
             return
         bucket = batch_bucket(batch_size)
-        for table, key in ((self.host, (tier, bucket)), (self.host_any, bucket)):
-            old = table.get(key)
-            table[key] = seconds if old is None else old + EMA * (seconds - old)
+        old = self.host.get((tier, bucket))
+        self.host[(tier, bucket)] = seconds if old is None else old + EMA * (seconds - old)
+        window = self._host_window.setdefault(bucket, deque(maxlen=HOST_WINDOW))
+        window.append(seconds)
+        self.host_any[bucket] = statistics.median(window)
 
     def describe(self) -> dict:
         """What the policy has seen: steps run per tier, acceptance per tier, and step time
