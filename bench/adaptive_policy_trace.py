@@ -100,7 +100,7 @@ def summarize(log: list[dict]) -> None:
             continue
         device = next((o[2] for o in b.get("observed", []) if o[0] == a["tier"]), None)
         steps[(batch_bucket(a["batch"]), a["tier"])].append(
-            (c["wall_ms"] - b["wall_ms"], device, b["host_ms"])
+            (c["wall_ms"] - b["wall_ms"], device, a["host_ms"])  # (what chose step k)
         )
     print("bucket | tier | steps | wall ms | device ms (timed steps) | host ms weighed")
     for (bucket, tier), rows in sorted(steps.items()):

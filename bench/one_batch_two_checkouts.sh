@@ -10,8 +10,9 @@
 # Each DIR is a checkout root (the package is imported from there; `git archive REV specserve
 # | tar -x -C DIR` makes one). STOP_AFTER (seconds, default none): start no round after it.
 set -uo pipefail
-a=$(realpath "$1"); b=$(realpath "$2"); out=$(realpath -m "$3"); rounds=${4:-3}
-shift 4 2>/dev/null || shift $#
+a=$(realpath "$1"); b=$(realpath "$2"); out=$(realpath -m "$3"); shift 3
+rounds=3
+if [ $# -gt 0 ] && [ "$1" != "--" ]; then rounds=$1; shift; fi
 [ "${1:-}" = "--" ] && shift
 mkdir -p "$out"
 done_rounds=0
@@ -28,6 +29,7 @@ for r in $(seq 1 "$rounds"); do
   done
   done_rounds=$r
 done
+[ "$done_rounds" -gt 0 ] || { echo "no round ran" >&2; exit 1; }
 python3 - "$out" "$done_rounds" <<'PY'
 import json, statistics, sys
 out, rounds = sys.argv[1], int(sys.argv[2])

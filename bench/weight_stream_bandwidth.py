@@ -22,7 +22,7 @@ time per step and the tok/s that time alone would allow at batch M. JSON, then t
 
 sweeps the batch-invariant GEMM's tile per weight shape (one tile for every M: the score is
 the sum over --tune-ms of each time over the best time at that M) and prints the winners as
-`TUNED` entries for specserve/ops/triton_invariant_linear.py.
+`INVARIANT_GEMM_TILES` entries for specserve/config/kernels.py.
 """
 
 from __future__ import annotations
@@ -255,7 +255,8 @@ def tune_shape(name, n, k, ms, reps) -> dict:
     score = {cfg: sum(t[m] / best_at[m] for m in ms) for cfg, t in times.items()}
     win = min(score, key=score.get)
     rec = {
-        "shape": name, "N": n, "K": k, "config": repr(win), "score": score[win],
+        "shape": name, "N": n, "K": k, "score": score[win],
+        "config": (win.block_n, win.block_k, win.num_warps, win.num_stages),
         "us": {m: 1e3 * times[win][m] for m in ms},
         "weight_GBps": {m: wbytes / times[win][m] / 1e6 for m in ms},
         "best_us_any_config": {m: 1e3 * best_at[m] for m in ms},
@@ -312,9 +313,9 @@ def main() -> int:
         recs = [tune_shape(nm, n, k, tune_ms, args.reps) for nm, n, k, _ in SHAPES if nm in wanted]
         if args.json:
             Path(args.json).write_text(json.dumps(recs, indent=2))
-        print("\nTUNED entries for specserve/ops/triton_invariant_linear.py:")
+        print("\nINVARIANT_GEMM_TILES entries for specserve/config/kernels.py:")
         for r in recs:
-            print(f"    ({r['N']}, {r['K']}): {r['config']},  # {r['shape']}")
+            print(f"    ({r['N']}, {r['K']}): {tuple(r['config'])},  # {r['shape']}")
         return 0
     ceil = read_ceiling(args.reps)
     torch.cuda.empty_cache()  # the 8 GiB of the ceiling's tensors

@@ -482,6 +482,7 @@ def test_a_spike_of_host_time_does_not_make_a_wider_tier_look_free():
         wall_ms.append(max(device_ms[t], host_ms))
         p.observe(t, 128, [accept[t]] * 128 if t else [], device_ms[t] / 1e3)
         p.observe_host(t, 128, host_ms / 1e3)
+    assert p.describe()["host_ms_weighed"][128] == 3.9  # what the tiers were weighed by
     late = picks[100:]
     assert late.count(2) <= 0.03 * len(late), late
     tokens = sum(accept[t] for t in late)

@@ -391,6 +391,9 @@ def test_resolver_default_is_off_and_says_why():
 def test_resolver_routes_few_token_matmuls_of_tuned_shapes_on_the_gpu_they_were_tuned_on():
     from specserve.config.kernels import INVARIANT_GEMM_TILES
 
+    assert resolve_kernels(True, True, True, False, (2, 11), gpu_name="NVIDIA H200 NVL")[
+        0
+    ].invariant_gemm_shapes
     h200 = resolve_kernels(True, True, True, False, (2, 11), gpu_name="NVIDIA H200")
     kernels, decisions = h200
     assert kernels.invariant_gemm_max_tokens == 16
@@ -400,6 +403,7 @@ def test_resolver_routes_few_token_matmuls_of_tuned_shapes_on_the_gpu_they_were_
     assert "faster than cuBLAS" in why
     for kwargs, reason in (
         (dict(gpu_name="NVIDIA A100-SXM4-80GB"), "tuned on an H200"),
+        (dict(gpu_name="NVIDIA GH200 480GB"), "tuned on an H200"),
         (dict(gpu_name="NVIDIA H200", tp_size=2), "tensor parallelism"),
     ):
         kernels, decisions = resolve_kernels(True, True, True, False, (2, 11), **kwargs)

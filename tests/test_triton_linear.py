@@ -259,6 +259,7 @@ def _logits(model, n_tokens, device, kernels, seed=1):
 # The tiny model's qkv, gate_up and lm_head shapes (N, K); its o (64, 64) and down (64, 80)
 # are left out, so mode 4 runs both the tuned GEMM and the F.linear fallback in one layer.
 TINY_TUNED = ((128, 64), (160, 64), (96, 64))
+TINY_ALL_TUNED = (*TINY_TUNED, (64, 64), (64, 80))
 
 
 def _kernels(mode: int, max_tokens: int = 8, tuned=TINY_TUNED):
@@ -295,11 +296,42 @@ def test_model_fused_paths_match_plain_torch_on_cpu(mode, eagle_layer0):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tuned", ["some", "all"])
+def test_mode_4_arranges_a_layer_for_the_gemm_only_where_every_shape_is_tuned(monkeypatch, tuned):
+    # Every matmul shape tuned: residual adds ride in the GEMMs, no add+RMSNorm kernel runs.
+    # Some untuned: mode 1's arrangement (add+RMSNorm, the residual carried to the next norm),
+    # the tuned matmuls still through the GEMM. Both compute what plain torch does.
+    from specserve.model.layers import arrangement_mode
+    from specserve.ops import triton_norm
+
+    calls = []
+    real = triton_norm.add_rmsnorm
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_norm, "add_rmsnorm", spy)
+    model = _tiny_model(torch.float32, DEVICE, num_layers=3)
+    shapes = TINY_TUNED if tuned == "some" else TINY_ALL_TUNED
+    kernels = _kernels(4, tuned=shapes)
+    layer = model.model.layers[0]
+    x = torch.zeros(5, 64, device=DEVICE)
+    assert arrangement_mode(x, kernels, layer.linears) == (1 if tuned == "some" else 4)
+    ref, ref_aux = _logits(model, 5, DEVICE, _kernels(0))
+    out, aux = _logits(model, 5, DEVICE, kernels)
+    torch.testing.assert_close(aux, ref_aux, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert bool(calls) == (tuned == "some")
+
+
+@pytest.mark.parametrize("mode", [1, 4])
 @pytest.mark.parametrize("eagle_layer0", [False, True], ids=["norm", "identity_norm"])
-def test_decoder_layer_fused_path_matches_plain_and_keeps_its_input(eagle_layer0):
+def test_decoder_layer_fused_path_matches_plain_and_keeps_its_input(eagle_layer0, mode):
     # A layer called on its own (a draft head's path, not the target's deferred residual):
-    # mode 1 writes the MLP's sum into add_rmsnorm's fresh residual (GEMM with beta = 1); the
-    # caller's h must be untouched and the output equal to plain torch's.
+    # mode 1 writes the MLP's sum into add_rmsnorm's fresh residual (GEMM with beta = 1), mode
+    # 4 adds the residuals in the batch-invariant GEMM's epilogue; the caller's h must be
+    # untouched and the output equal to plain torch's.
     from specserve.kv.pool import KVCache
     from specserve.model.layers import fused_mode
     from specserve.ops.attention import ForwardContext, TorchAttentionBackend
@@ -314,7 +346,7 @@ def test_decoder_layer_fused_path_matches_plain_and_keeps_its_input(eagle_layer0
     meta = build_metadata([Segment(slots, n, n)], slots.to(DEVICE), DEVICE)
 
     def run(mode):
-        kernels = _kernels(mode, max_tokens=1)
+        kernels = _kernels(mode, max_tokens=1 if mode == 1 else 8, tuned=TINY_ALL_TUNED)
         cache = KVCache(1, n, cfg.num_kv_heads, cfg.head_dim, torch.float32, DEVICE)
         ctx = ForwardContext(TorchAttentionBackend(), cache, meta, kernels=kernels)
         h = rand((n, cfg.hidden_size), torch.float32, 50)
@@ -325,7 +357,7 @@ def test_decoder_layer_fused_path_matches_plain_and_keeps_its_input(eagle_layer0
         torch.testing.assert_close(h, keep, atol=0, rtol=0)
         return out
 
-    torch.testing.assert_close(run(1), run(0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(run(mode), run(0), atol=1e-5, rtol=1e-5)
 
 
 def test_fused_mode_follows_the_kernels_and_the_token_count():

@@ -8,6 +8,7 @@ chooses kernels by passing a `Kernels`, and what an engine runs is visible in on
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 # Where the skinny GEMM pays, from H200 measurements (docs/PERFORMANCE.md): at 2..16 tokens it
@@ -45,7 +46,7 @@ class Kernels:
     # kernel loads its first weight tile while the previous kernel finishes
     programmatic_launch: bool = False
     # few-token matmuls of these weight shapes (N, K) run the batch-invariant GEMM with its
-    # tuned tile, which streams them faster than cuBLAS (with the skinny GEMM's fusions)
+    # tuned tile, faster than cuBLAS there (the residual add in its epilogue)
     invariant_gemm_max_tokens: int = 0  # most rows that take it (0: none)
     invariant_gemm_shapes: tuple[tuple[int, int], ...] = ()
     fused_norms: bool = False  # RMSNorm, add+RMSNorm, SiLU-and-mul, EAGLE's embed+concat
@@ -199,10 +200,9 @@ def resolve_kernels(
 
 def _invariant_gemm_routing(gpu_name: str, tp_size: int, decisions: list) -> dict:
     """Few-token matmuls of the weight shapes with a tile tuned on this GPU run the
-    batch-invariant GEMM: it streams them faster than cuBLAS (and fuses the neighbouring norm,
-    SiLU-and-mul and residual add as the skinny GEMM does)."""
+    batch-invariant GEMM: faster than cuBLAS there, the residual add in its epilogue."""
     why = None
-    if INVARIANT_GEMM_TUNED_GPU not in gpu_name:
+    if not re.search(rf"\b{INVARIANT_GEMM_TUNED_GPU}\b", gpu_name):  # (not a GH200)
         why = f"its tiles were tuned on an {INVARIANT_GEMM_TUNED_GPU}, not this GPU ({gpu_name!r})"
     elif tp_size > 1:
         why = "tensor parallelism slices the weights: no slice's shape has a tuned tile"

@@ -44,6 +44,18 @@ def fused_mode(x: torch.Tensor, kernels: Kernels) -> int:
     return 1 if kernels.fused_norms else 0
 
 
+def arrangement_mode(x: torch.Tensor, kernels: Kernels, linears) -> int:
+    """`fused_mode`, for a caller choosing how a layer's ops are arranged around `linears`:
+    mode 4's arrangement (norms before, residual adds inside the GEMMs) only where every one
+    of them has a tuned tile, which is what was measured (the Llama-3-8B shapes); elsewhere
+    mode 1's (add+RMSNorm kernels, the residual carried into the next norm), with each tuned
+    matmul still run by the batch-invariant GEMM (`fused_linear` checks each weight)."""
+    mode = fused_mode(x, kernels)
+    if mode == 4 and not all(kernels.invariant_gemm_tuned(lin.weight.shape) for lin in linears):
+        return 1 if kernels.fused_norms else 0
+    return mode
+
+
 def invariant_gemm_runs(mode: int, weight: torch.Tensor, kernels: Kernels) -> bool:
     """Whether a matmul with this weight runs the batch-invariant GEMM in `mode`."""
     return mode == 3 or (mode == 4 and kernels.invariant_gemm_tuned(weight.shape))
@@ -92,7 +104,7 @@ def fused_linear(
 
         # The norm and SiLU-and-mul run as their own kernels (one program per row, so
         # batch-invariant too), the residual add in the GEMM's epilogue: in its prologue they
-        # took a step of the Llama-3-8B shape on an H200 from 4.3 to 6.6 ms at one row
+        # took the matmuls of a Llama-3-8B step on an H200 from 4.3 to 6.6 ms at one row
         # (every program of a layer recomputes its rows' norm, or the SiLU of its K range).
         if norm is not None:
             x = norm(x, kernels)
@@ -222,6 +234,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
+    @property
+    def linears(self) -> tuple[nn.Linear, ...]:
+        attn, mlp = self.self_attn, self.mlp
+        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
     def forward(
         self,
         h: torch.Tensor,
@@ -238,7 +255,7 @@ class DecoderLayer(nn.Module):
             raise ValueError("a precomputed qkv needs an identity input norm")
         x = h if norm1 is not None else self.input_layernorm(h)
         norm2 = self.post_attention_layernorm
-        if fused_mode(h, kernels) == 1:  # F.linear path: h + o and norm2 in one kernel
+        if arrangement_mode(h, kernels, self.linears) == 1:  # h + o and norm2 in one kernel
             from specserve.ops.triton_norm import add_rmsnorm
 
             o = self.self_attn(x, positions, ctx, norm=norm1, qkv=qkv)

@@ -18,7 +18,13 @@ from torch import nn
 
 from specserve.config.kernels import REFERENCE, Kernels
 from specserve.model.config import ModelConfig
-from specserve.model.layers import DecoderLayer, RMSNorm, fused_mode, invariant_gemm_runs
+from specserve.model.layers import (
+    DecoderLayer,
+    RMSNorm,
+    arrangement_mode,
+    fused_mode,
+    invariant_gemm_runs,
+)
 from specserve.model.weights import load_hf_named_weights
 from specserve.ops.attention import ForwardContext
 
@@ -66,7 +72,10 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(input_ids)
         aux: list[torch.Tensor] = []
         # F.linear path: the residual adds ride in the next norm's kernel (forward_deferred)
-        deferred = fused_mode(h, ctx.kernels) == 1 and not torch.is_autocast_enabled()
+        linears = (lin for layer in self.model.layers for lin in layer.linears)  # (read lazily)
+        deferred = (
+            arrangement_mode(h, ctx.kernels, linears) == 1 and not torch.is_autocast_enabled()
+        )
         pending = None  # the last MLP output, not yet added to h
         for i, layer in enumerate(self.model.layers):
             if i in ctx.capture_layers:  # a layer named twice is captured twice

@@ -432,7 +432,8 @@ class AdaptiveSpeculation:
 
     def describe(self) -> dict:
         """What the policy has seen: steps run per tier, acceptance per tier, and step time
-        in ms per tier and batch bucket (the device's, and the host's where measured)."""
+        in ms per tier and batch bucket (the device's, and the host's where measured: a
+        moving average per tier, and the per-bucket median the tiers are weighed by)."""
         return {
             "tiers": [str(t) for t in self.tiers],
             "steps": list(self.counts),
@@ -444,4 +445,6 @@ class AdaptiveSpeculation:
             "host_ms": {
                 f"{self.tiers[t]}@{b}": round(v * 1e3, 3) for (t, b), v in self.host.items()
             },
+            # what steps are weighed by: per bucket, the median of its latest steps
+            "host_ms_weighed": {b: round(v * 1e3, 3) for b, v in sorted(self.host_any.items())},
         }
