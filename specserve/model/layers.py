@@ -11,8 +11,9 @@ Which variant runs is the caller's `Kernels` (config/kernels.py), carried in the
   batch-invariant GEMM (ops/triton_invariant_linear.py) with the residual add in its
   epilogue, beside the fused norm and SiLU-and-mul kernels (each row in one program);
 - mode 4, few tokens of a model whose weight shapes have tuned tiles (the Llama-3-8B ones on
-  an H200): those linear layers run the batch-invariant GEMM for speed, as in mode 3; a layer
-  without a tuned tile runs F.linear with the fused norm kernels;
+  an H200): those linear layers run the batch-invariant GEMM for speed, as in mode 3, the
+  others F.linear beside the fused norm kernels; a layer keeps mode 1's arrangement unless
+  every one of its matmuls has a tuned tile (`arrangement_mode`);
 - mode 0: the plain torch ops below (CPU, training, the reference every kernel is tested
   against).
 Kernels read the parameters at call time, so weights loaded after construction are used as
