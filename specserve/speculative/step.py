@@ -124,21 +124,23 @@ def sampling_tensors(
     alternatives; plain: requests decoded plainly besides those asking so (a draft that
     stopped speculating)."""
     plain_rows = [not p.speculative or bool(plain and plain[i]) for i, p in enumerate(params)]
-
-    def dev(values, dtype) -> torch.Tensor:
-        return to_device(torch.tensor(values, dtype=dtype), device)
-
+    # two host-to-device copies, not one per parameter: a batch's tensors are rebuilt each
+    # time a request leaves it, which in a large batch's tail is every step
+    floats = [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]]
+    ints = [[p.top_k for p in params], list(seeds), [int(x) for x in plain_rows]]
+    floats_dev = to_device(torch.tensor(floats, dtype=torch.float32), device)
+    ints_dev = to_device(torch.tensor(ints, dtype=torch.int64), device)
     return SamplingTensors(
-        temperatures=dev([p.temperature for p in params], torch.float32),
-        top_ks=dev([p.top_k for p in params], torch.int64),
-        top_ps=dev([p.top_p for p in params], torch.float32),
-        min_ps=dev([p.min_p for p in params], torch.float32),
-        seeds=dev(seeds, torch.int64),
+        temperatures=floats_dev[0],
+        top_ks=ints_dev[0],
+        top_ps=floats_dev[1],
+        min_ps=floats_dev[2],
+        seeds=ints_dev[1],
         all_greedy=all(p.greedy for p in params),
         needs_filter=any(p.needs_filter and not p.greedy for p in params),
         logprobs=logprobs,
         top_logprobs=top_logprobs if logprobs else 0,
-        plain_rows=dev(plain_rows, torch.bool),
+        plain_rows=ints_dev[2] != 0,
         any_plain=any(plain_rows),
     )
 
