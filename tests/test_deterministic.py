@@ -389,7 +389,7 @@ def test_resolver_default_is_off_and_says_why():
 
 
 def test_resolver_routes_few_token_matmuls_of_tuned_shapes_on_the_gpu_they_were_tuned_on():
-    from specserve.config.kernels import INVARIANT_GEMM_TILES
+    from specserve.config.kernels import INVARIANT_GEMM_ROUTED, INVARIANT_GEMM_TILES
 
     assert resolve_kernels(True, True, True, False, (2, 11), gpu_name="NVIDIA H200 NVL")[
         0
@@ -397,7 +397,8 @@ def test_resolver_routes_few_token_matmuls_of_tuned_shapes_on_the_gpu_they_were_
     h200 = resolve_kernels(True, True, True, False, (2, 11), gpu_name="NVIDIA H200")
     kernels, decisions = h200
     assert kernels.invariant_gemm_max_tokens == 16
-    assert set(kernels.invariant_gemm_shapes) == set(INVARIANT_GEMM_TILES)
+    assert set(kernels.invariant_gemm_shapes) == set(INVARIANT_GEMM_ROUTED)
+    assert set(INVARIANT_GEMM_ROUTED) <= set(INVARIANT_GEMM_TILES)  # routed: with a tuned tile
     assert (6144, 4096) in kernels.invariant_gemm_shapes  # the 8B qkv
     why = {name: why for name, _, why in decisions}["kernels.invariant_gemm_max_tokens"]
     assert "faster than cuBLAS" in why
