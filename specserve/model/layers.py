@@ -100,18 +100,6 @@ def fused_linear(
 ) -> torch.Tensor:
     """[residual +] lin(f(x)), f = norm or SiLU-and-mul or identity; one kernel in mode 2.
     accumulate: the sum may be written into `residual` (mode 1: GEMM with beta = 1)."""
-    if invariant_gemm_runs(mode, lin.weight, kernels) and lin.weight.dtype == x.dtype:
-        from specserve.ops.triton_invariant_linear import invariant_linear
-
-        # The norm and SiLU-and-mul run as their own kernels (one program per row, so
-        # batch-invariant too), the residual add in the GEMM's epilogue: in its prologue they
-        # took the matmuls of a Llama-3-8B step on an H200 from 4.3 to 6.6 ms at one row
-        # (every program of a layer recomputes its rows' norm, or the SiLU of its K range).
-        if norm is not None:
-            x = norm(x, kernels)
-        if silu:
-            x = silu_mul(x, kernels)
-        return invariant_linear(x, lin.weight, lin.bias, residual=residual)
     if mode == 2 and lin.weight.dtype == x.dtype:
         from specserve.ops.triton_linear import skinny_linear
 
@@ -129,6 +117,15 @@ def fused_linear(
         x = norm(x, kernels)
     if silu:
         x = silu_mul(x, kernels)
+    if invariant_gemm_runs(mode, lin.weight, kernels) and lin.weight.dtype == x.dtype:
+        from specserve.ops.triton_invariant_linear import invariant_linear
+
+        # The norm and SiLU-and-mul ran as their own kernels above (one program per row, so
+        # batch-invariant too), the residual add rides in the GEMM's epilogue: in its
+        # prologue they took the matmuls of a Llama-3-8B step on an H200 from 4.3 to 6.6 ms
+        # at one row (every program of a layer recomputed its rows' norm, or the SiLU of its
+        # K range).
+        return invariant_linear(x, lin.weight, lin.bias, residual=residual)
     if (
         accumulate
         and residual is not None
