@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.runtime.cuda_graphs import DecodeGraphs  # noqa: E402
+from specserve.runtime.host_clock import HostClock  # noqa: E402
 from specserve.speculative.adaptive import AdaptiveSpeculation, batch_bucket  # noqa: E402
 
 
@@ -35,6 +36,7 @@ def record_picks(log: list[dict]) -> None:
         AdaptiveSpeculation.observe,
         DecodeGraphs._capture,
     )
+    observe_host, blocked = AdaptiveSpeculation.observe_host, HostClock.blocked
 
     def logged_pick(self, batch_size, can_speculate=True, ready=None):
         before = self._explored
@@ -73,6 +75,18 @@ def record_picks(log: list[dict]) -> None:
             log[-1].setdefault("captures", []).append([list(key), kwargs.get("idle", False), ms])
         return out
 
+    def logged_observe_host(self, tier, batch_size, seconds):
+        if log:  # (the host's time around the step applied before this pick's launch)
+            log[-1]["host_sample_ms"] = seconds * 1e3
+        return observe_host(self, tier, batch_size, seconds)
+
+    def logged_blocked(self, seconds):
+        if log:  # (this pick's launch waited for the device to take it)
+            log[-1]["blocked_ms"] = seconds * 1e3
+        return blocked(self, seconds)
+
+    AdaptiveSpeculation.observe_host = logged_observe_host
+    HostClock.blocked = logged_blocked
     AdaptiveSpeculation.pick = logged_pick
     AdaptiveSpeculation.observe = logged_observe
     DecodeGraphs._capture = logged_capture
@@ -100,15 +114,28 @@ def summarize(log: list[dict]) -> None:
             continue
         device = next((o[2] for o in b.get("observed", []) if o[0] == a["tier"]), None)
         steps[(batch_bucket(a["batch"]), a["tier"])].append(
-            (c["wall_ms"] - b["wall_ms"], device, a["host_ms"])  # (what chose step k)
+            (
+                c["wall_ms"] - b["wall_ms"],
+                device,
+                a["host_ms"],  # (what chose step k)
+                c.get("host_sample_ms"),  # (the host's own time while applying step k)
+                a.get("blocked_ms", 0.0),  # (step k's launch waiting for the device)
+            )
         )
-    print("bucket | tier | steps | wall ms | device ms (timed steps) | host ms weighed")
+    print(
+        "bucket | tier | steps | wall ms | device ms (timed steps) | host ms weighed | "
+        "host ms measured | launch blocked ms"
+    )
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return f"{sum(values) / len(values):.2f}" if values else "-"
+
     for (bucket, tier), rows in sorted(steps.items()):
-        timed = [d for _, d, _ in rows if d]
-        wall = sum(w for w, _, _ in rows) / len(rows)
-        device = f"{sum(timed) / len(timed):.2f}" if timed else "-"
-        host = sum(h for _, _, h in rows) / len(rows)
-        print(f"{bucket} | {tier} | {len(rows)} | {wall:.2f} | {device} | {host:.2f}")
+        wall, device, weighed, host, blocked = (mean(col) for col in zip(*rows))
+        print(
+            f"{bucket} | {tier} | {len(rows)} | {wall} | {device} | {weighed} | {host} | {blocked}"
+        )
 
 
 def main() -> int:
