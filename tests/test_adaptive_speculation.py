@@ -717,36 +717,27 @@ def test_exploration_runs_only_tiers_whose_graph_is_captured_at_the_steps_shape(
     assert set(serve(captured, 600, frozenset({0, 2}))) == {2}
 
 
-def test_the_best_tier_is_captured_at_a_short_lived_shape_only_where_that_pays():
-    """Where the best tier has no graph at the step's shape and another tier has, the best
-    runs (a capture) only if serving it instead, for the steps before the shape turns
-    long-lived, saves more time than a capture stalls on this device."""
+def test_a_captured_tier_within_the_margin_runs_instead_of_capturing_the_best():
     tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(3, 2, 6)]  # both start at accept length 4
 
-    def policy(chain_ms, capture_seconds):
+    def policy(chain_ms):
         ms = (1.0, chain_ms, 1.0)
-        p = AdaptiveSpeculation(tiers, measure=lambda b, t: ms[t] / 1e3, capture_horizon=64)
-        for stall in (capture_seconds, capture_seconds, 10.0):  # (one slow capture: a compile)
-            p.observe_capture(stall)
-        return p
+        return AdaptiveSpeculation(tiers, measure=lambda b, t: ms[t] / 1e3)
 
-    chain = frozenset({0, 1})
-    # the chain 15% slower: 64 of its steps take 9.6 ms longer than the tree's, for as much
-    assert policy(1.15, 0.1).pick(1, ready=chain) == 1  # a 0.1 s capture never pays that
-    assert policy(1.15, 0.005).pick(1, ready=chain) == 2  # a 5 ms one does
-    assert policy(3.0, 0.1).pick(1, ready=chain) == 2  # 3x slower: 128 ms saved
-    assert policy(1.15, 0.1).pick(1, ready=frozenset()) == 2  # nothing replayable: captured
-    assert policy(1.15, 0.1).pick(1, ready=None) == 2  # a long-lived shape: the best
-    unknown = AdaptiveSpeculation(tiers, measure=lambda b, t: (1.0, 3.0, 1.0)[t] / 1e3)
-    assert unknown.pick(1, ready=chain) == 1  # no capture timed yet: none is risked
+    # (a capture stalls for 10-50 steps' time; before a shape is long-lived, a tier 15%
+    # better wins back fewer steps than that there)
+    assert policy(1.15).pick(1, ready=frozenset({0, 1})) == 1  # 15% slower: no capture
+    assert policy(1.5).pick(1, ready=frozenset({0, 1})) == 2  # 50%: worth its capture
+    assert policy(1.15).pick(1, ready=frozenset()) == 2  # a new shape: the best is captured
+    assert policy(1.15).pick(1, ready=None) == 2  # a long-lived shape: the best is captured
 
 
 def test_batch_after_batch_the_policy_stops_capturing_graphs():
     """A benchmark's runs (or a server's waves of requests): each run a batch of 64 new
     requests whose contexts grow through width buckets while the batch drains. Every graph
     a step meets first is captured, stalling all requests for 10-50 steps' time. Once the
-    shapes have been met, later runs must capture rarely: with a fixed margin of 3% (and new
-    text free to capture) the policy kept capturing one to two graphs per run to the end."""
+    shapes have been met, later runs must capture rarely: at a 3% margin (and with new text
+    free to capture) the policy kept capturing one to two graphs per run to the end."""
     from specserve.runtime.cuda_graphs import LONG_LIVED_SHAPE_STEPS
 
     tiers = speculation_tiers(TreeShape(6, 8, 64))
@@ -762,8 +753,6 @@ def test_batch_after_batch_the_policy_stops_capturing_graphs():
         rng = random.Random(seed)
         p = AdaptiveSpeculation(tiers, measure=seconds)
         p.prime(256)
-        for _ in range(8):
-            p.observe_capture(0.1)  # SmolLM2 on an H200
         graphs = {(b, 64, t) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) for t in range(8)}
         last, streak = None, 0
         for run in range(6):
@@ -791,8 +780,7 @@ def test_batch_after_batch_the_policy_stops_capturing_graphs():
                     made[i], kv[i] = made[i] + n, kv[i] + n
                     lens.append(n)
                 p.observe(t, len(live), lens, seconds(len(live), t))
-    # (12 later runs: 16 captures at a fixed 3% capture margin, 4 at 20%, 2 now)
-    assert late_captures <= 3, late_captures
+    assert late_captures <= 0.8 * 4 * 3, late_captures  # per run, on average (1.3 at 3%)
 
 
 def test_the_engine_asks_which_tiers_are_captured_and_stays_lossless():

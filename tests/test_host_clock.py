@@ -39,16 +39,3 @@ def test_an_interrupted_interval_is_not_reported():
     clock.waited(0.25, tier=0, batch_size=4)
     now.t = 12.0
     assert clock.launch() == (0, 4, 1.75)  # clean again from the launch after the interrupt
-
-
-def test_a_launch_that_waited_for_the_device_is_not_host_time():
-    """A replay that returns only once the device can take it (a long step in flight) waited
-    for the device: counted as the host's, a wide tier's steps would make the host look slow."""
-    now = FakeTime()
-    clock = HostClock(now)
-    clock.launch()
-    now.t = 4.0  # the launch returned after 4 s, 3.5 of them waiting for the device's queue
-    clock.blocked(3.5)
-    clock.waited(1.0, tier=3, batch_size=64)
-    now.t = 6.0
-    assert clock.launch() == (3, 64, 1.5)

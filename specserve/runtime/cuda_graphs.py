@@ -128,10 +128,6 @@ class DecodeGraphs:
         self.num_idle_captures = 0  # captured while no request was running or waiting
         self.captured_last = False  # the last run captured its graph
         self.covered_last = False  # the last run replayed a larger shape's graph
-        # host seconds the last run's replay call took: where the device's queue was full, the
-        # wait for the step in flight (the host clock counts it as waiting, not host work)
-        self.replay_seconds = 0.0
-        self.capture_seconds: list[float] = []  # each capture's stall, in order
 
     def bucket(self, bsz: int, width: int) -> tuple[int, int] | None:
         bs = next((b for b in self.buckets if b >= bsz), None)
@@ -152,8 +148,6 @@ class DecodeGraphs:
         one covering it, or is captured for this step's tier alone: load-adaptive
         speculation explores only tiers it can replay at a shape (`ready_tiers`), so no
         other tier's capture is needed to explore."""
-        self.captured_last = self.covered_last = False
-        self.replay_seconds = 0.0
         shape = self.bucket(len(rows), width)
         if shape is None:
             return None
@@ -175,9 +169,7 @@ class DecodeGraphs:
             self._covers.clear()  # (a smaller cover may exist now)
         self._copy_inputs(cap, rows, sampling)
         if cap.graph is not None:
-            start = time.perf_counter()
             cap.graph.replay()
-            self.replay_seconds = time.perf_counter() - start
             outputs = cap.outputs
         else:
             outputs = cap.step()
@@ -357,7 +349,6 @@ class DecodeGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
         graph, outputs = capture_graph(step, self.pool, dev)
-        self.capture_seconds.append(time.perf_counter() - start)
         if idle:
             self.num_idle_captures += 1
         else:

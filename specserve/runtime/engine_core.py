@@ -19,7 +19,6 @@ from specserve.model.loader import load_model
 from specserve.model.runner import ModelRunner
 from specserve.model.sharding import draft_target, local_kv_heads
 from specserve.ops.attention import TorchAttentionBackend
-from specserve.runtime.cuda_graphs import LONG_LIVED_SHAPE_STEPS
 from specserve.runtime.draft_lag import DraftLag
 from specserve.runtime.host_clock import HostClock
 from specserve.runtime.logprobs import TokenLogprobs
@@ -102,11 +101,7 @@ class EngineCore:
         tiers = speculation_tiers(draft.shape) if cfg.speculative_adaptive else None
         # (a graph replayed on rank 0 alone would wait forever in its collectives)
         measure = self._step_seconds if tp is None or tp.size == 1 else None
-        self.adaptive = None
-        if tiers:
-            self.adaptive = AdaptiveSpeculation(
-                tiers, measure, capture_horizon=LONG_LIVED_SHAPE_STEPS
-            )
+        self.adaptive = AdaptiveSpeculation(tiers, measure) if tiers else None
         if tiers and any(t.ragged for t in tiers):  # each request's share of a budget
             self.rows.add_calibration(draft.shape.max_depth)
         self.draft_lag = None
@@ -431,11 +426,7 @@ class EngineCore:
             # of two): served by that graph up to its size; past it, steps run eagerly and
             # are timed as served
             batch_size = largest
-        captures = len(graphs.capture_seconds)
-        seconds = graphs.step_seconds(batch_size, tier)
-        for stall in graphs.capture_seconds[captures:]:
-            self.adaptive.observe_capture(stall)
-        return seconds
+        return graphs.step_seconds(batch_size, tier)
 
     def _launch_decode(self, reqs: list[Request]):
         kv_upper = [r.kv_len + r.inflight_steps * self.worker.max_accept for r in reqs]
@@ -469,10 +460,6 @@ class EngineCore:
         graphs = self.worker.graphs
         if graphs is not None and graphs.captured_last:
             self.host_clock.interrupt()  # the capture's time is nobody's step
-            if self.adaptive is not None and graphs.capture:  # (not eager padded steps)
-                self.adaptive.observe_capture(graphs.capture_seconds[-1])
-        elif graphs is not None:
-            self.host_clock.blocked(graphs.replay_seconds)
         pending.lagged = lagged
         for r in reqs:
             r.inflight_steps += 1

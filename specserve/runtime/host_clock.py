@@ -4,10 +4,6 @@ Under overlap the loop launches step k+1, waits for step k, applies its results 
 detokenizing, streaming) and comes back to launch k+2. The wall time between two launches,
 less the time spent waiting for the device in between, is what the host itself needed per
 step; load-adaptive speculation weighs tiers by the longer of that and the device's time.
-Waiting includes a launch that blocked: a graph's replay returns only once the device can
-queue it, so with a long step in flight the launch of the next takes the device's time, not
-the host's (counted as the host's, a wide tier's steps made the host look slow, and a slow
-host makes wide tiers look free).
 An interval that also ran a prefill, captured a graph or started from an idle loop says
 nothing about a step and is not reported.
 """
@@ -39,10 +35,6 @@ class HostClock:
         then applied."""
         self._waited += seconds
         self._applied = (tier, batch_size)
-
-    def blocked(self, seconds: float) -> None:
-        """The launch just made waited `seconds` for the device to take it."""
-        self._waited += seconds
 
     def interrupt(self) -> None:
         """Something other than a step's own work happened: the interval is not reported."""

@@ -66,13 +66,10 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   is captured when first met, which stalls the loop. Every tier is captured at every batch
   bucket at the shortest width when the engine starts (`prime`). Exploration runs only
   tiers replayable at the step's shape (accept lengths are learnt at any shape), and the
-  best tier, where it is not replayable there, runs only if capturing it pays: serving it
-  instead of the best replayable tier for the steps until the shape turns long-lived
-  (`capture_horizon`; then any tier may capture there) must save more time than a capture
-  stalls (the median of this device's latest captures). As contexts grow a batch meets a
-  new width every few steps, at each batch bucket its tail shrinks through: capturing
-  every tier there stalls the loop for longer than the few steps at that width can win
-  back.
+  best tier is swapped for a replayable one scoring within `CAPTURE_MARGIN` of it. As
+  contexts grow a batch meets a new width every few steps, at each batch bucket its tail
+  shrinks through: capturing every tier there stalls the loop for longer than the few
+  steps at that width can win back.
 A plain step skips the draft: the target's features and the emitted token are kept in a
 per-request ring, and the next speculative step first runs the draft over them in one pass
 (a catch-up), so its KV and root state are exactly what drafting every step would give. A
@@ -93,13 +90,14 @@ EMA = 0.2  # weight of the newest step time
 ACCEPT_DECAY = 0.02  # how much less an accept length weighs per request observed after it
 ACCEPT_MIN_WEIGHT = 8.0  # the least weight decay leaves a tier's observed acceptance
 ACCEPT_PRIOR_WEIGHT = 0.1  # the optimistic start counts as this many requests
-# A capture's stall is the median of this many of the latest captures. (A capture stalls
-# every request: on an H200 0.08-0.12 s for SmolLM2 against 1.5-5 ms steps, so a tier
-# replayable at a short-lived shape always runs there; 0.05-0.26 s at the 8B shape against
-# 5-30 ms steps, where a tier 16-50% better pays for its capture within 64 steps. With a
-# fixed margin of 20% instead, SmolLM2 at batch 128 captured one to two graphs per timed
-# run, in the tail of each batch, at 0.1 s each against 0.26 s runs.)
-CAPTURE_WINDOW = 15
+# A tier with no CUDA graph that can run the step's shape (its own or a covering one) is run
+# instead of one that has only if it scores this much better. A capture stalls every request for 10-50 steps'
+# time (on an H200: 0.08-0.1 s for SmolLM2 against 2-5 ms steps; 0.05-0.26 s at the 8B shape
+# against 5-30 ms), and until a shape has served LONG_LIVED_SHAPE_STEPS (64) steps in a row
+# (runtime/cuda_graphs.py: then any tier may capture there) a tier this much better wins
+# back at most 13 steps. (At 0.03, an emulation of the bench's runs at batch 16-128 captured
+# one to two graphs per run to the end; at 0.2, 18-25% more tokens per second.)
+CAPTURE_MARGIN = 0.2
 # An exploration that raised the explored tier's score by this factor or more does not slow
 # the pace of explorations. (SmolLM2 on an H200 at batch 16, after batch 1: the 4/4/16
 # tree's acceptance, learnt on one request's text, was 2.4 against 3.0 on the batch's; one
@@ -156,12 +154,9 @@ class AdaptiveSpeculation:
         measure: Callable[[int, int], float | None] | None = None,
         explore_every: int = 32,
         max_explore_gap: int = 1024,
-        capture_horizon: int = 64,
     ):
         """measure(batch_size, tier): the device seconds of one such step, or None when it
-        cannot be measured apart from serving (then launched steps are timed instead).
-        capture_horizon: how many steps in a row a graph shape serves before any tier may be
-        captured there (runtime/cuda_graphs.py: LONG_LIVED_SHAPE_STEPS)."""
+        cannot be measured apart from serving (then launched steps are timed instead)."""
         assert tiers[0] == PLAIN
         self.tiers = tiers
         # ragged tiers -> the tier verifying their whole drafted tree
@@ -186,8 +181,6 @@ class AdaptiveSpeculation:
         self.max_explore_gap = max_explore_gap
         self.explore_gap = explore_every
         self.next_explore = explore_every
-        self.capture_horizon = capture_horizon
-        self._captures: deque[float] = deque(maxlen=CAPTURE_WINDOW)  # their stalls, seconds
         # the optimistic start: a tier accepts all it drafts until observed otherwise
         self.accept = [float(t.max_depth + 1) for t in tiers]
         # decayed sums behind accept: accept[t] = accept_sum[t] / accept_weight[t]
@@ -331,23 +324,9 @@ class AdaptiveSpeculation:
             # enough, it saves the capture)
             own = self._scores(batch_size, dominated=False)
             near = max(ready, key=own.__getitem__)
-            if not self._capture_pays(batch_size, near, own[near] / scores[best]):
+            if own[near] >= (1.0 - CAPTURE_MARGIN) * scores[best]:
                 return near
         return best
-
-    def _capture_pays(self, batch_size: int, near: int, ratio: float) -> bool:
-        """Whether capturing the best tier at a shape where `near` is the best replayable
-        tier (scoring `ratio` of the best) saves more than the capture stalls, over the steps
-        until the shape turns long-lived. Unknown while no capture was timed: it does not."""
-        if not self._captures:
-            return False
-        per_step = self.cost(near, batch_bucket(batch_size))  # near's step; best's emits as
-        saved = self.capture_horizon * per_step * (1.0 - ratio)  # much in ratio of its time
-        return saved > statistics.median(self._captures)
-
-    def observe_capture(self, seconds: float) -> None:
-        """A CUDA graph capture stalled the loop for `seconds` (at engine start or serving)."""
-        self._captures.append(seconds)
 
     def arrived(self, count: int = 1) -> None:
         """`count` requests started decoding. Once as many have arrived as a step holds, the
