@@ -1,10 +1,11 @@
 """What load-adaptive speculation chose, step by step: `specserve bench one-batch` run in this
 process with the policy's picks logged, then summarized. Each pick records the batch size, the
 tier, whether it explored, every tier's score, device-time estimate and acceptance estimate,
-the host time it weighed, and the wall clock; every CUDA-graph capture is logged with its
+the host time per token it weighed, and the wall clock; every CUDA-graph capture is logged with its
 shape and duration. The summary gives, per batch bucket, the picks per tier (best or
 exploring), the captures, and each tier's mean wall time per step (from one launch to the
-next while the host applied it) beside its device time and the host time the policy used.
+next while the host applied it) beside its device time and the host's measured time, per
+step and per emitted token.
 
     python3 bench/adaptive_policy_trace.py OUT.json [one-batch flags...]     # CUDA machine
     e.g. OUT.json --model-path smollm2-135m --chat --output-len 128 --batch-size 16 128 \\
@@ -25,7 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.runtime.cuda_graphs import DecodeGraphs  # noqa: E402
-from specserve.runtime.host_clock import HostClock  # noqa: E402
 from specserve.speculative.adaptive import AdaptiveSpeculation, batch_bucket  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def record_picks(log: list[dict]) -> None:
         AdaptiveSpeculation.observe,
         DecodeGraphs._capture,
     )
-    observe_host, blocked = AdaptiveSpeculation.observe_host, HostClock.blocked
+    observe_host = AdaptiveSpeculation.observe_host
 
     def logged_pick(self, batch_size, can_speculate=True, ready=None):
         before = self._explored
@@ -47,7 +47,7 @@ def record_picks(log: list[dict]) -> None:
             "batch": batch_size,
             "tier": tier,
             "explored": self._explored is not None and self._explored == tier != before,
-            "host_ms": self.host_any.get(bucket, 0.0) * 1e3,
+            "host_us_per_token": self.host_per_token.get(bucket, 0.0) * 1e6,
             "ready": None if ready is None else sorted(ready),
         }
         if can_speculate and self._fill(bucket) is None:
@@ -75,18 +75,13 @@ def record_picks(log: list[dict]) -> None:
             log[-1].setdefault("captures", []).append([list(key), kwargs.get("idle", False), ms])
         return out
 
-    def logged_observe_host(self, tier, batch_size, seconds):
+    def logged_observe_host(self, tier, batch_size, seconds, tokens):
         if log:  # (the host's time around the step applied before this pick's launch)
             log[-1]["host_sample_ms"] = seconds * 1e3
-        return observe_host(self, tier, batch_size, seconds)
-
-    def logged_blocked(self, seconds):
-        if log:  # (this pick's launch waited for the device to take it)
-            log[-1]["blocked_ms"] = seconds * 1e3
-        return blocked(self, seconds)
+            log[-1]["host_sample_tokens"] = tokens
+        return observe_host(self, tier, batch_size, seconds, tokens)
 
     AdaptiveSpeculation.observe_host = logged_observe_host
-    HostClock.blocked = logged_blocked
     AdaptiveSpeculation.pick = logged_pick
     AdaptiveSpeculation.observe = logged_observe
     DecodeGraphs._capture = logged_capture
@@ -117,25 +112,21 @@ def summarize(log: list[dict]) -> None:
             (
                 c["wall_ms"] - b["wall_ms"],
                 device,
-                a["host_ms"],  # (what chose step k)
                 c.get("host_sample_ms"),  # (the host's own time while applying step k)
-                a.get("blocked_ms", 0.0),  # (step k's launch waiting for the device)
+                c.get("host_sample_tokens"),  # (what step k emitted)
             )
         )
-    print(
-        "bucket | tier | steps | wall ms | device ms (timed steps) | host ms weighed | "
-        "host ms measured | launch blocked ms"
-    )
+    print("bucket | tier | steps | wall ms | device ms (timed steps) | host ms | host us/token")
 
     def mean(values):
         values = [v for v in values if v is not None]
-        return f"{sum(values) / len(values):.2f}" if values else "-"
+        return sum(values) / len(values) if values else None
 
     for (bucket, tier), rows in sorted(steps.items()):
-        wall, device, weighed, host, blocked = (mean(col) for col in zip(*rows))
-        print(
-            f"{bucket} | {tier} | {len(rows)} | {wall} | {device} | {weighed} | {host} | {blocked}"
-        )
+        wall, device, host, tokens = (mean(col) for col in zip(*rows))
+        cells = [wall, device, host, host * 1e3 / tokens if host and tokens else None]
+        shown = " | ".join("-" if v is None else f"{v:.2f}" for v in cells)
+        print(f"{bucket} | {tier} | {len(rows)} | {shown}")
 
 
 def main() -> int:

@@ -406,28 +406,54 @@ def test_policy_weighs_replayed_step_times_plus_what_real_contexts_add():
     assert abs(p.seconds(2, 256) - (94.4 + 37.0 - 24.3) / 1e3) < 2e-3
 
 
-def test_a_host_bound_step_makes_the_widest_tier_that_pays_the_best():
-    """Under overlap a step lasts as long as the longer of the host's and the device's work.
-    At a large batch of a small model the host's part dominates: the tree, whose device time
-    hides under it, emits the most per step and is picked; by device time alone the chain
-    would be."""
+def serve_host_bound(p, tiers_ms, accept, host_us_per_token, steps, batch=64):
+    """Serve `steps` steps: each tier's device ms, the host's time per emitted token."""
+    picks = []
+    for _ in range(steps):
+        t = p.pick(batch)
+        picks.append(t)
+        p.observe(t, batch, [accept[t]] * batch if t else [], tiers_ms[t] / 1e3)
+        p.observe_host(t, batch, host_us_per_token * 1e-6 * batch * accept[t], batch * accept[t])
+    return picks
+
+
+def test_where_the_host_sets_the_pace_the_tier_emitting_most_per_step_is_picked():
+    """Under overlap a step lasts as long as the longer of the host's and the device's work,
+    and the host's is work per emitted token. Where it is longer than every tier's device
+    time (a large batch of a small model), every tier emits at the host's pace: the one
+    emitting most per step pays the per-step costs least often. By device time alone the
+    chain would be picked."""
     tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(6, 8, 64)]
     device_ms = (1.1, 1.4, 5.0)  # batch 64 on an H200, SmolLM2 and its bundled draft
-    accept = (1, 2.2, 3.9)
+    accept = (1, 2, 4)
     p = AdaptiveSpeculation(tiers, measure=lambda b, t: device_ms[t] / 1e3)
-    picks = []
-    for _ in range(300):
-        t = p.pick(64)
-        picks.append(t)
-        p.observe(t, 64, [round(accept[t])] * 64 if t else [], device_ms[t] / 1e3)
-    assert picks[-100:].count(1) > 90, picks  # device time alone: the chain (2 / 1.4 > 4 / 5)
-    for _ in range(300):
-        t = p.pick(64)
-        picks.append(t)
-        p.observe(t, 64, [round(accept[t])] * 64 if t else [], device_ms[t] / 1e3)
-        p.observe_host(t, 64, 5.1e-3 + 0.2e-3 * t)  # the host's time per step, all tiers
+    for t in (1, 2):
+        p.observe(t, 64, [accept[t]] * 64, device_ms[t] / 1e3)
+    picks = serve_host_bound(p, device_ms, accept, 0.0, 300)
+    assert picks[-100:].count(1) > 90, picks  # no host time: the chain (2 / 1.4 > 4 / 5)
+    picks = serve_host_bound(p, device_ms, accept, 20.0, 300)  # 1.28-5.1 ms a step
     assert picks[-100:].count(2) > 90, picks[-100:]
-    assert p.describe()["host_ms"]["6/8/64@64"] > 5.0
+    assert p.describe()["host_us_per_token"][64] == 20.0
+
+
+def test_a_wide_tier_whose_steps_emit_more_is_not_free_because_the_host_is_busy():
+    """The host's time per step grows with what the step emits. Weighed as one time per
+    step, the steps of a wide tier made the host look slower than a narrower tier's device
+    time, so the wide tier's device time looked hidden and it kept running, at its own
+    device time. (SmolLM2 on an H200 at batch 128: 8.1 us per token after steps of a chain of
+    3, 8.4 after the 4/4/16 tree's; the tails of batches ran the 6/8/64 tree at 64 requests,
+    4.2 ms a step against 2.8 for the 4/4/16 tree.)"""
+    tiers = [PLAIN, TreeShape(4, 4, 16), TreeShape(6, 8, 64)]
+    device_ms = (1.2, 2.3, 5.0)
+    accept = (1, 3, 4)
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: device_ms[t] / 1e3)
+    for _ in range(20):  # the wide tier served first: 4.1 ms of host time per step
+        p.observe(2, 64, [accept[2]] * 64, device_ms[2] / 1e3)
+        p.observe_host(2, 64, 16e-6 * 64 * accept[2], 64 * accept[2])
+    picks = serve_host_bound(p, device_ms, accept, 16.0, 200)
+    # the 4/4/16 tree: 3.1 ms of host time a step, 62k tokens/s; the wide one 5.0 ms, 51k
+    # (one host time of 4.1 ms a step for both: 47k against 51k)
+    assert picks[-100:].count(1) > 90, picks[-100:]
 
 
 def test_a_replay_timed_too_slow_is_corrected_by_the_first_step_served_at_that_tier():
@@ -435,7 +461,7 @@ def test_a_replay_timed_too_slow_is_corrected_by_the_first_step_served_at_that_t
     served tree at batch 128, 6.7 ms served). Its first served step is a replay of an
     already compiled graph, so it counts: one exploration is enough to correct it."""
     tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(6, 8, 64)]
-    replay_ms = (1.2, 1.6, 20.0)  # the tree's replay overstated
+    replay_ms = (1.2, 1.6, 8.9)  # the tree's replay overstated
     served_ms = (1.2, 1.6, 6.0)
     accept = (1, 2, 4)
     p = AdaptiveSpeculation(tiers, measure=lambda b, t: replay_ms[t] / 1e3)
@@ -444,24 +470,25 @@ def test_a_replay_timed_too_slow_is_corrected_by_the_first_step_served_at_that_t
         t = p.pick(128)
         picks.append(t)
         p.observe(t, 128, [accept[t]] * 128 if t else [], served_ms[t] / 1e3)
-        p.observe_host(t, 128, 7e-3)  # host-bound: the tree, which emits most, pays most
+        # host-bound (7 ms a step of the tree): the tree, which emits most, pays most
+        p.observe_host(t, 128, 14e-6 * 128 * accept[t], 128 * accept[t])
     assert picks[0] == 1  # by its replay the tree looked dearer than it is
     first_tree = picks.index(2)
     assert picks[first_tree:].count(2) >= 0.95 * len(picks[first_tree:]), picks
 
 
 def test_the_hosts_time_is_the_loads_not_one_tiers():
-    """The host's time per step is per-request work that hardly depends on the tier; one
-    slow interval (a collection, a burst of arrivals) during the only step a tier ran must
-    not keep that tier out while every other step says the host takes 7 ms."""
+    """The host's time per emitted token hardly depends on the tier; one slow interval (a
+    collection, a burst of arrivals) during the only step a tier ran must not keep that tier
+    out while every other step says the host takes 27 us a token."""
     tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(6, 8, 64)]
     device_ms = (1.2, 1.6, 6.0)
     accept = (1, 2, 4)
     p = AdaptiveSpeculation(tiers, measure=lambda b, t: device_ms[t] / 1e3)
-    for t, host_ms in ((2, 30.0), *[(1, 7.0)] * 40):
+    for t, host_us in ((2, 60.0), *[(1, 27.0)] * 40):  # (27 us a token: 7 ms a chain step)
         p.observe(t, 128, [accept[t]] * 128, device_ms[t] / 1e3)
-        p.observe_host(t, 128, host_ms / 1e3)
-    assert p.pick(128) == 2  # 4 tokens per 7 ms beat 2 per 7 ms
+        p.observe_host(t, 128, host_us * 1e-6 * 128 * accept[t], 128 * accept[t])
+    assert p.pick(128) == 2  # at the host's pace, 4 tokens a step beat 2
 
 
 def test_a_spike_of_host_time_does_not_make_a_wider_tier_look_free():
@@ -475,19 +502,21 @@ def test_a_spike_of_host_time_does_not_make_a_wider_tier_look_free():
     accept = (1, 3.2, 3.5)
     p = AdaptiveSpeculation(tiers, measure=lambda b, t: device_ms[t] / 1e3)
     picks, wall_ms = [], []
+
+    def host_ms(step, t):  # 9.5 us a token (3.9 ms a step of the 4/4/16 tree), spiking 4x
+        return (38.0 if step % 8 == 7 else 9.5) * 1e-3 * 128 * accept[t]
+
     for step in range(600):
-        host_ms = 15.0 if step % 8 == 7 else 3.9
         t = p.pick(128)
         picks.append(t)
-        wall_ms.append(max(device_ms[t], host_ms))
+        wall_ms.append(max(device_ms[t], host_ms(step, t)))
         p.observe(t, 128, [accept[t]] * 128 if t else [], device_ms[t] / 1e3)
-        p.observe_host(t, 128, host_ms / 1e3)
-    assert p.describe()["host_ms_weighed"][128] == 3.9  # what the tiers were weighed by
+        p.observe_host(t, 128, host_ms(step, t) / 1e3, 128 * accept[t])
+    assert p.describe()["host_us_per_token"][128] == 9.5  # what the tiers were weighed by
     late = picks[100:]
     assert late.count(2) <= 0.03 * len(late), late
     tokens = sum(accept[t] for t in late)
-    fixed = accept[1] * len(late) / sum(max(device_ms[1], 15.0 if s % 8 == 7 else 3.9)
-                                        for s in range(100, 600))  # fmt: skip
+    fixed = accept[1] * len(late) / sum(max(device_ms[1], host_ms(s, 1)) for s in range(100, 600))
     assert tokens / sum(wall_ms[100:]) >= 0.97 * fixed
 
 
@@ -706,7 +735,8 @@ def test_exploration_runs_only_tiers_whose_graph_is_captured_at_the_steps_shape(
             t = p.pick(64, ready=ready)
             picks.append(t)
             p.observe(t, 64, [round(accept[t])] * 64 if t else [], device_ms[t] / 1e3)
-            p.observe_host(t, 64, 5.1e-3)  # host-bound: the tree is best, the chain hopeful
+            # host-bound (5.2 ms a step of the tree): the tree is best, the chain hopeful
+            p.observe_host(t, 64, 27e-6 * 64 * accept[t], 64 * accept[t])
         return picks
 
     anywhere = AdaptiveSpeculation(tiers, measure=lambda b, t: device_ms[t] / 1e3)

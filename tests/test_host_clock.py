@@ -20,9 +20,9 @@ def test_an_interval_reports_the_applied_step_less_the_wait():
     clock = HostClock(now)
     assert clock.launch() is None  # nothing before the first launch
     now.t = 1.0  # step 1 launched at 0; step 0 awaited 3 s of it, then applied
-    clock.waited(3.0, tier=2, batch_size=16)
+    clock.waited(3.0, tier=2, batch_size=16, tokens=40)
     now.t = 5.0
-    assert clock.launch() == (2, 16, 2.0)  # 5 s between launches, 3 of them waiting
+    assert clock.launch() == (2, 16, 2.0, 40)  # 5 s between launches, 3 of them waiting
     now.t = 9.0
     assert clock.launch() is None  # no step applied in between: nothing to say
 
@@ -31,11 +31,11 @@ def test_an_interrupted_interval_is_not_reported():
     now = FakeTime()
     clock = HostClock(now)
     clock.launch()
-    clock.waited(0.5, tier=1, batch_size=4)
+    clock.waited(0.5, tier=1, batch_size=4, tokens=8)
     clock.interrupt()  # a prefill ran, or a graph was captured, or the loop idled
     now.t = 10.0
     assert clock.launch() is None
     now.t = 11.0
-    clock.waited(0.25, tier=0, batch_size=4)
+    clock.waited(0.25, tier=0, batch_size=4, tokens=4)
     now.t = 12.0
-    assert clock.launch() == (0, 4, 1.75)  # clean again from the launch after the interrupt
+    assert clock.launch() == (0, 4, 1.75, 4)  # clean again from the launch after the interrupt

@@ -471,7 +471,8 @@ class EngineCore:
         or were aborted meanwhile: their outputs were already final)."""
         start = time.perf_counter()
         out = pending.result()
-        self.host_clock.waited(time.perf_counter() - start, pending.tier, len(pending.reqs))
+        waited = time.perf_counter() - start
+        self.host_clock.waited(waited, pending.tier, len(pending.reqs), sum(out.accept_lens))
         lagged = pending.lagged
         if self.adaptive is not None:
             stale = lagged.stale if lagged is not None else frozenset()

@@ -3,7 +3,8 @@
 Under overlap the loop launches step k+1, waits for step k, applies its results (stop checks,
 detokenizing, streaming) and comes back to launch k+2. The wall time between two launches,
 less the time spent waiting for the device in between, is what the host itself needed per
-step; load-adaptive speculation weighs tiers by the longer of that and the device's time.
+step; load-adaptive speculation weighs it per token the step emitted against the device's
+time of each tier.
 An interval that also ran a prefill, captured a graph or started from an idle loop says
 nothing about a step and is not reported.
 """
@@ -20,21 +21,23 @@ class HostClock:
         self._waited = 0.0  # seconds spent waiting for the device since then
         self._applied: tuple[int, int] | None = None  # (tier, batch size) applied since then
 
-    def launch(self) -> tuple[int, int, float] | None:
-        """A decode step is being launched. Returns (tier, batch size, host seconds) of the
-        step applied since the previous launch, when the interval between was clean."""
+    def launch(self) -> tuple[int, int, float, int] | None:
+        """A decode step is being launched. Returns (tier, batch size, host seconds, tokens
+        emitted) of the step applied since the previous launch, when the interval between
+        was clean."""
         now = self._now()
         out = None
         if self._since is not None and self._applied is not None:
-            out = (*self._applied, now - self._since - self._waited)
+            tier, batch_size, tokens = self._applied
+            out = (tier, batch_size, now - self._since - self._waited, tokens)
         self._since, self._waited, self._applied = now, 0.0, None
         return out
 
-    def waited(self, seconds: float, tier: int, batch_size: int) -> None:
+    def waited(self, seconds: float, tier: int, batch_size: int, tokens: int) -> None:
         """A launched step of `tier` over `batch_size` requests was awaited for `seconds`,
-        then applied."""
+        then applied; it emitted `tokens` tokens in all."""
         self._waited += seconds
-        self._applied = (tier, batch_size)
+        self._applied = (tier, batch_size, tokens)
 
     def interrupt(self) -> None:
         """Something other than a step's own work happened: the interval is not reported."""

@@ -5,19 +5,23 @@ a wide tree wins at small batches (the target's weights are read once for many t
 when the draft is accepted, and loses at large batches (verification turns compute-bound) or
 when drafts are rejected. So every step picks one of a few tiers, plain decoding included:
 
-    pick argmax over tiers t of  batch_size * accept_length[t] / step_cost[t, batch bucket]
-    step_cost = max(step_seconds, host_seconds)
+    pick argmax over tiers t of  min(batch_size * accept_length[t] / step_seconds[t, bucket],
+                                     1 / host_seconds_per_token[bucket])
+    (ties, where the host sets the pace: the tier emitting the most per step, which pays the
+    per-step costs least often and leaves the shortest tail)
 
-- host_seconds: the host's own time per step at the bucket (its stop checks, detokenizing,
-  streaming and the next launch), measured as steps are served, whatever their tier: the
-  median of the bucket's last `HOST_WINDOW` steps, since host time spikes (a collection, a
-  burst of requests finishing) and a spike says nothing of the next steps. Under
-  overlap the host works while the device runs the next step, so a step lasts as long as the
-  longer of the two: at large batches of a small model the host's part is the longer, and a
-  wide tree, whose device time hides under it, costs no more than a chain. It is one value
-  per bucket, not per tier: it is per-request work that hardly depends on the tier, and a
-  tier run rarely would otherwise be judged on the few intervals it happened to run in,
-  any of them slowed by a collection or a burst of arrivals.
+- host_seconds_per_token: the host's own time per step at the bucket (its stop checks,
+  detokenizing, streaming and the next launch) per token the step emitted, measured as steps
+  are served, whatever their tier. Under overlap the host works while the device runs the
+  next step, so a step lasts as long as the longer of the two, and the host's part is work
+  per emitted token: SmolLM2 on an H200 at batch 128 took 8.1 us per token after steps of a
+  chain of 3 (2.3 ms a step) and 8.4 after steps of the 4/4/16 tree (3.2 ms), which emits
+  a third more. (Weighed as one time per step whatever the tier, a wide tree looked free
+  wherever the host was slower than the device, and a chain dear.) It is the median of the
+  bucket's last `HOST_WINDOW` steps, since host time spikes (a collection, a burst of
+  requests finishing) and a spike says nothing of the next steps; and one value per bucket,
+  not per tier, so a tier run rarely is not judged on the few intervals it happened to run
+  in, any of them slowed by a collection or a burst of arrivals.
 - step_seconds: the device time of a step of tier t at a batch bucket, measured on this
   device when the engine starts (`prime`: every tier's CUDA graph at every bucket replayed on
   padding rows, so every tier is timed alike, and serving does not stop to capture and time
@@ -48,8 +52,8 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
     have accepted 1 + min(d, that) there. Such chains need no exploring (on an H200 at
     batch 1, SmolLM2's chain of 3 explored from its 6/8/64 tree emits about half the tree's
     tokens in 0.8 of its time).
-- a ragged tier that costs at least as much as verifying its whole tree at the bucket never
-  runs: it verifies a subset of that tree's nodes, so it cannot emit more. (SmolLM2-135M on an
+- a ragged tier whose step takes at least the device time of verifying its whole tree at the
+  bucket never runs: it verifies a subset of that tree's nodes, so it cannot emit more. (SmolLM2-135M on an
   H200 at batch 1: the 6/8/64 tree's ragged budgets cost 1.78 ms a step against 1.51 ms
   whole, and their estimates, learnt on earlier text, kept them running.)
 - exploration: a tier not picked is not observed, so every `explore_every` steps another
@@ -103,11 +107,11 @@ CAPTURE_MARGIN = 0.2
 # tree's acceptance, learnt on one request's text, was 2.4 against 3.0 on the batch's; one
 # exploration every 32 to 64 steps left the 6/8/64 tree serving, 8% slower.)
 RISING = 1.05
-# Host time per step is the median of this many of the bucket's latest steps. (SmolLM2 on an
-# H200 at batch 128, with a moving average instead: each spike made wider tiers, whose device
-# time then hid under the host's, look free for a few steps; the 6/8/64 tree's 16-node
-# budget ran a fifth of the steps at 5.0 ms of wall time each, against 4.1 ms for the 4/4/16
-# tree, which emits about as much.)
+# Host time per emitted token is the median of this many of the bucket's latest steps.
+# (SmolLM2 on an H200 at batch 128, with a moving average instead: each spike made wider
+# tiers, whose device time then hid under the host's, look free for a few steps; the 6/8/64
+# tree's 16-node budget ran a fifth of the steps at 5.0 ms of wall time each, against 4.1 ms
+# for the 4/4/16 tree, which emits about as much.)
 HOST_WINDOW = 15
 
 
@@ -193,10 +197,10 @@ class AdaptiveSpeculation:
         # per bucket: what served steps take beyond their replay (attention over real
         # contexts, which padding rows do not have), carried over to tiers not yet served
         self.context_cost: dict[int, float] = {}
-        # the host's time per step: by (tier, bucket) (a moving average, reported), and by
-        # bucket (the median of its latest steps, what steps are weighed by)
+        # the host's time per step by (tier, bucket) (a moving average, reported), and per
+        # emitted token by bucket (the median of its latest steps, what steps are weighed by)
         self.host: dict[tuple[int, int], float] = {}
-        self.host_any: dict[int, float] = {}
+        self.host_per_token: dict[int, float] = {}
         self._host_window: dict[int, deque[float]] = {}
         self._warmed: set[tuple[int, int]] = set()  # (tier, bucket) whose first step ran
         self.picks = 0
@@ -221,14 +225,6 @@ class AdaptiveSpeculation:
             # that other tiers' attention is free: only a positive excess carries over)
             return self.replayed[key] + max(0.0, self.context_cost.get(bucket, 0.0))
         return None
-
-    def cost(self, tier: int, bucket: int) -> float | None:
-        """The expected wall time of a step of `tier` at `bucket` under overlap: the longer of
-        its device time and the host's time per step."""
-        device = self.seconds(tier, bucket)
-        if device is None:
-            return None
-        return max(device, self.host_any.get(bucket, 0.0))
 
     def prime(self, max_batch_size: int) -> int:
         """Time every tier at every bucket up to `max_batch_size` now (engine start): capturing
@@ -259,17 +255,29 @@ class AdaptiveSpeculation:
     def _scores(
         self, batch_size: int, accept: list[float] | None = None, dominated: bool = True
     ) -> list[float]:
-        """Tokens per second of each tier at this load. A ragged tier that costs at least
-        as much as verifying its whole tree scores 0 (unless `dominated` is False): it
-        verifies a subset of that tree's nodes, so it never emits more (its own estimate,
-        learnt on other text than the served tier's, could say otherwise)."""
+        """Tokens per second of each tier at this load: what its steps emit in their device
+        time, at most what the host can take per second. A ragged tier whose device time is
+        at least its whole tree's scores 0 (unless `dominated` is False): it verifies a
+        subset of that tree's nodes, so it never emits more (its own estimate, learnt on
+        other text than the served tier's, could say otherwise)."""
         bucket = batch_bucket(batch_size)
         accept = accept or self.accept
-        scores = [batch_size * accept[t] / self.cost(t, bucket) for t in range(len(self.tiers))]
+        per_token = self.host_per_token.get(bucket)
+        host_rate = 1.0 / per_token if per_token else float("inf")
+        scores = [
+            min(batch_size * accept[t] / self.seconds(t, bucket), host_rate)
+            for t in range(len(self.tiers))
+        ]
         for t, whole in self.whole_tree.items() if dominated else ():
-            if self.cost(t, bucket) >= self.cost(whole, bucket):
+            if self.seconds(t, bucket) >= self.seconds(whole, bucket):
                 scores[t] = 0.0
         return scores
+
+    def _best_of(self, tiers, scores: list[float], batch_size: int) -> int:
+        """The tier of the highest score; among equals (the host sets the pace), the one
+        emitting the most per step, then the one of least device time."""
+        bucket = batch_bucket(batch_size)
+        return max(tiers, key=lambda t: (scores[t], self.accept[t], -self.seconds(t, bucket)))
 
     def _upper_scores(self, batch_size: int) -> list[float]:
         """Each tier's score were all its drafted tokens accepted."""
@@ -290,7 +298,7 @@ class AdaptiveSpeculation:
         if untimed is not None:
             return untimed
         scores = self._scores(batch_size)
-        best = max(range(len(self.tiers)), key=scores.__getitem__)
+        best = self._best_of(range(len(self.tiers)), scores, batch_size)
         if best != self._best:
             # the load or the acceptance moved: look around at the first pace again
             self.explore_gap = self.explore_every
@@ -304,12 +312,13 @@ class AdaptiveSpeculation:
             # those replayable at this shape; new text may capture one only where none of
             # them is (where one is, exploring it tries the new requests at no capture's cost)
             upper = self._upper_scores(batch_size)
-            # (a chain whose acceptance recent steps of a deeper tree told has nothing to show)
+            # (a chain whose acceptance recent steps of a deeper tree told has nothing to show;
+            # where the host sets the pace, a tier could win the tie by emitting more a step)
             could = [
                 t
                 for t in range(1, len(self.tiers))
                 if t != best
-                and upper[t] > scores[best]
+                and (upper[t], self.tiers[t].max_depth + 1) > (scores[best], self.accept[best])
                 and self.picks - self.inferred[t] > self.explore_every
             ]
             hopeful = [t for t in could if ready is None or t in ready]
@@ -323,7 +332,7 @@ class AdaptiveSpeculation:
             # (a ragged tier stands in for its unreplayable whole tree on its own score: close
             # enough, it saves the capture)
             own = self._scores(batch_size, dominated=False)
-            near = max(ready, key=own.__getitem__)
+            near = self._best_of(ready, own, batch_size)
             if own[near] >= (1.0 - CAPTURE_MARGIN) * scores[best]:
                 return near
         return best
@@ -344,12 +353,11 @@ class AdaptiveSpeculation:
             self.next_explore = min(self.next_explore, self.picks + self.explore_gap)
 
     def speculation_pays(self, batch_size: int) -> bool:
-        """Whether, by what was observed so far, some speculative tier beats plain decoding
-        at this load (what decides if lagging drafts are caught up or let go)."""
+        """Whether, by what was observed so far, a speculative tier is the best at this load
+        (what decides if lagging drafts are caught up or let go)."""
         if self._fill(batch_bucket(batch_size)) is not None:
             return True  # not timed yet: keep the draft until it is
-        scores = self._scores(batch_size)
-        return max(scores[1:], default=0.0) > scores[0]
+        return self._best_of(range(len(self.tiers)), self._scores(batch_size), batch_size) != 0
 
     def observe(
         self,
@@ -382,7 +390,7 @@ class AdaptiveSpeculation:
             scores = self._scores(batch_size) if self._fill(bucket) is None else None
             if (
                 scores is not None
-                and max(range(len(scores)), key=scores.__getitem__) != tier
+                and self._best_of(range(len(scores)), scores, batch_size) != tier
                 and scores[tier] < RISING * self._explored_score
             ):
                 # a vain exploration: look again twice as late (what it costs shrinks away).
@@ -418,22 +426,24 @@ class AdaptiveSpeculation:
         self.accept_weight[tier] = kept + len(accept_lens)
         self.accept[tier] = self.accept_sum[tier] / self.accept_weight[tier]
 
-    def observe_host(self, tier: int, batch_size: int, seconds: float) -> None:
-        """The host's own time around a step of `tier` over `batch_size` requests (applying
-        its results and launching the next), measured while steps overlapped."""
-        if seconds <= 0:
+    def observe_host(self, tier: int, batch_size: int, seconds: float, tokens: int) -> None:
+        """The host's own time around a step of `tier` over `batch_size` requests that emitted
+        `tokens` tokens in all (applying its results and launching the next), measured while
+        steps overlapped."""
+        if seconds <= 0 or tokens <= 0:
             return
         bucket = batch_bucket(batch_size)
         old = self.host.get((tier, bucket))
         self.host[(tier, bucket)] = seconds if old is None else old + EMA * (seconds - old)
         window = self._host_window.setdefault(bucket, deque(maxlen=HOST_WINDOW))
-        window.append(seconds)
-        self.host_any[bucket] = statistics.median(window)
+        window.append(seconds / tokens)
+        self.host_per_token[bucket] = statistics.median(window)
 
     def describe(self) -> dict:
         """What the policy has seen: steps run per tier, acceptance per tier, and step time
         in ms per tier and batch bucket (the device's, and the host's where measured: a
-        moving average per tier, and the per-bucket median the tiers are weighed by)."""
+        moving average per tier), and the host's time per emitted token that tiers are
+        weighed by (per bucket, the median of its latest steps, in microseconds)."""
         return {
             "tiers": [str(t) for t in self.tiers],
             "steps": list(self.counts),
@@ -445,6 +455,7 @@ class AdaptiveSpeculation:
             "host_ms": {
                 f"{self.tiers[t]}@{b}": round(v * 1e3, 3) for (t, b), v in self.host.items()
             },
-            # what steps are weighed by: per bucket, the median of its latest steps
-            "host_ms_weighed": {b: round(v * 1e3, 3) for b, v in sorted(self.host_any.items())},
+            "host_us_per_token": {
+                b: round(v * 1e6, 3) for b, v in sorted(self.host_per_token.items())
+            },
         }
