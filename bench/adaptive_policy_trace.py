@@ -1,8 +1,8 @@
 """What load-adaptive speculation chose, step by step: `specserve bench one-batch` run in this
 process with the policy's picks logged, then summarized. Each pick records the batch size, the
 tier, whether it explored, every tier's score, device-time estimate and acceptance estimate,
-the host time per token it weighed, and the wall clock; every CUDA-graph capture is logged with its
-shape and duration. The summary gives, per batch bucket, the picks per tier (best or
+the host time per token it weighed, and the wall clock; every CUDA-graph capture is logged
+with its shape and duration. The summary gives, per batch bucket, the picks per tier (best or
 exploring), the captures, and each tier's mean wall time per step (from one launch to the
 next while the host applied it) beside its device time and the host's measured time, per
 step and per emitted token.

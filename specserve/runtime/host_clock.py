@@ -19,7 +19,8 @@ class HostClock:
         self._now = now
         self._since: float | None = None  # the last launch of a clean interval
         self._waited = 0.0  # seconds spent waiting for the device since then
-        self._applied: tuple[int, int] | None = None  # (tier, batch size) applied since then
+        # (tier, batch size, tokens emitted) of the step applied since then
+        self._applied: tuple[int, int, int] | None = None
 
     def launch(self) -> tuple[int, int, float, int] | None:
         """A decode step is being launched. Returns (tier, batch size, host seconds, tokens

@@ -53,9 +53,9 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
     batch 1, SmolLM2's chain of 3 explored from its 6/8/64 tree emits about half the tree's
     tokens in 0.8 of its time).
 - a ragged tier whose step takes at least the device time of verifying its whole tree at the
-  bucket never runs: it verifies a subset of that tree's nodes, so it cannot emit more. (SmolLM2-135M on an
-  H200 at batch 1: the 6/8/64 tree's ragged budgets cost 1.78 ms a step against 1.51 ms
-  whole, and their estimates, learnt on earlier text, kept them running.)
+  bucket never runs: it verifies a subset of that tree's nodes, so it cannot emit more.
+  (SmolLM2-135M on an H200 at batch 1: the 6/8/64 tree's ragged budgets cost 1.78 ms a step
+  against 1.51 ms whole, and their estimates, learnt on earlier text, kept them running.)
 - exploration: a tier not picked is not observed, so every `explore_every` steps another
   tier runs once (the one observed longest ago among those that would beat the best if they
   accepted all they draft, but not a chain learnt within the last `explore_every` steps),
