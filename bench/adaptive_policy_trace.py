@@ -1,7 +1,7 @@
 """What load-adaptive speculation chose, step by step: `specserve bench one-batch` run in this
 process with the policy's picks logged, then summarized. Each pick records the batch size, the
 tier, whether it explored, every tier's score, device-time estimate and acceptance estimate,
-the host time per token it weighed, and the wall clock; every CUDA-graph capture is logged
+the host's time per step and per token it weighed, and the wall clock; every CUDA-graph capture is logged
 with its shape and duration. The summary gives, per batch bucket, the picks per tier (best or
 exploring), the captures, and each tier's mean wall time per step (from one launch to the
 next while the host applied it) beside its device time and the host's measured time, per
@@ -47,7 +47,7 @@ def record_picks(log: list[dict]) -> None:
             "batch": batch_size,
             "tier": tier,
             "explored": self._explored is not None and self._explored == tier != before,
-            "host_us_per_token": self.host_per_token.get(bucket, 0.0) * 1e6,
+            "host_us_per_step_and_token": [v * 1e6 for v in self.host_cost.get(bucket, (0.0, 0.0))],
             "ready": None if ready is None else sorted(ready),
         }
         if can_speculate and self._fill(bucket) is None:
@@ -96,10 +96,15 @@ def summarize(log: list[dict]) -> None:
             (r["tier"], "explored" if r["explored"] else "best") for r in recs
         )
         print(f"bucket {bucket}: {len(recs)} picks, by (tier, why): {sorted(kinds.items())}")
-    print("captures (pick, batch, tier, graph key, while idle, ms):")
+    print("captures a step waited for (pick, batch, tier, graph key, ms):")
+    idle = []
     for i, rec in enumerate(log):
-        for key, idle, ms in rec.get("captures", []):
-            print(f"  {i} {rec['batch']} {rec['tier']} {key} {idle} {ms:.0f}")
+        for key, was_idle, ms in rec.get("captures", []):
+            if was_idle:
+                idle.append(ms)
+            else:
+                print(f"  {i} {rec['batch']} {rec['tier']} {key} {ms:.0f}")
+    print(f"captures while idle: {len(idle)}, {sum(idle) / 1e3:.1f} s")
     # step k's wall time: from launch k+1 to launch k+2, while the host waited for and applied
     # step k (steps of one run only: the batch never grows within a run)
     steps = collections.defaultdict(list)

@@ -161,9 +161,13 @@ class Engine:
                 for g in (core.worker.graphs, core.worker.prefill_graphs)
                 if g is not None
             ),
-            # decode graphs captured while the engine was idle (no request waited for them)
+            # decode graphs captured while the engine was idle (no request waited for them),
+            # and those it will capture when next idle
             "num_graph_captures_idle": (
                 core.worker.graphs.num_idle_captures if core.worker.graphs is not None else 0
+            ),
+            "num_graph_captures_wanted": (
+                len(core.worker.graphs.wanted) if core.worker.graphs is not None else 0
             ),
             "spec_verify_ct": verify_ct,
             "speculative_adaptive": core.describe_adaptive(),

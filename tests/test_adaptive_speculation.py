@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import pytest
 import torch
@@ -433,7 +434,35 @@ def test_where_the_host_sets_the_pace_the_tier_emitting_most_per_step_is_picked(
     assert picks[-100:].count(1) > 90, picks  # no host time: the chain (2 / 1.4 > 4 / 5)
     picks = serve_host_bound(p, device_ms, accept, 20.0, 300)  # 1.28-5.1 ms a step
     assert picks[-100:].count(2) > 90, picks[-100:]
-    assert p.describe()["host_us_per_token"][64] == 20.0
+    assert p.describe()["host_us_per_step_and_token"][64] == [0.0, 20.0]
+
+
+def test_a_host_cost_per_step_is_told_apart_from_one_per_token():
+    """At small batches most of the host's time is a cost per step (SmolLM2 on an H200 at
+    batch 16: 1.65 ms a step after steps of the 4/4/16 tree and the 6/8/64 tree alike, which
+    emits more). Taken as a cost per token, the steps of the tree that emits most made the
+    host look fast enough for a chain's steps, and the chain's steps made it look too slow
+    for the tree: the policy flipped between them. A line through both tiers' host times
+    tells the two costs apart, and the tree, the faster at the host's pace, stays."""
+    tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(6, 8, 64)]
+    device_ms = (0.8, 0.9, 1.6)
+    accept = (1, 2.5, 4)
+
+    def host_seconds(t):  # 1.5 ms a step, 1 us a token
+        return 1.5e-3 + 1e-6 * 16 * accept[t]
+
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: device_ms[t] / 1e3)
+    picks = []
+    for _ in range(400):
+        t = p.pick(16)
+        picks.append(t)
+        p.observe(t, 16, [accept[t]] * 16 if t else [], device_ms[t] / 1e3)
+        p.observe_host(t, 16, host_seconds(t), 16 * accept[t])
+    per_step_us, per_token_us = p.describe()["host_us_per_step_and_token"][16]
+    assert abs(per_step_us - 1500) < 1 and abs(per_token_us - 1) < 0.01
+    # the tree: 64 tokens in 1.6 ms; the chain 40 in 1.54 (as a cost per token, measured
+    # after the tree's steps: 40 in 0.98)
+    assert picks[-200:].count(2) >= 0.95 * 200, picks[-200:]
 
 
 def test_a_wide_tier_whose_steps_emit_more_is_not_free_because_the_host_is_busy():
@@ -512,12 +541,33 @@ def test_a_spike_of_host_time_does_not_make_a_wider_tier_look_free():
         wall_ms.append(max(device_ms[t], host_ms(step, t)))
         p.observe(t, 128, [accept[t]] * 128 if t else [], device_ms[t] / 1e3)
         p.observe_host(t, 128, host_ms(step, t) / 1e3, 128 * accept[t])
-    assert p.describe()["host_us_per_token"][128] == 9.5  # what the tiers were weighed by
+    assert p.describe()["host_us_per_step_and_token"][128] == [
+        0.0,
+        9.5,
+    ]  # what tiers were weighed by
     late = picks[100:]
     assert late.count(2) <= 0.03 * len(late), late
     tokens = sum(accept[t] for t in late)
     fixed = accept[1] * len(late) / sum(max(device_ms[1], host_ms(s, 1)) for s in range(100, 600))
     assert tokens / sum(wall_ms[100:]) >= 0.97 * fixed
+
+
+def record_graph_keys(graphs: DecodeGraphs):
+    """Wrap `graphs` to record each step's key and each capture's (key, idle)."""
+    ran, captured = [], []
+    run, capture = graphs.run, graphs._capture
+
+    def recording_run(rows, sampling, width, tier=0, catch_up=False):
+        shape = graphs.bucket(len(rows), width)
+        ran.append(graphs._key(shape, sampling, tier, catch_up))
+        return run(rows, sampling, width, tier, catch_up)
+
+    def recording_capture(*key, idle=False):
+        captured.append((key, idle))
+        return capture(*key, idle=idle)
+
+    graphs.run, graphs._capture = recording_run, recording_capture
+    return ran, captured
 
 
 def test_a_graph_is_captured_only_for_a_tier_a_step_runs_at_its_shape():
@@ -528,19 +578,46 @@ def test_a_graph_is_captured_only_for_a_tier_a_step_runs_at_its_shape():
     with Engine(**TINY, **spec) as e:
         graphs = DecodeGraphs(e.core.worker, 4, max_width=4096, capture=False)
         e.core.worker.graphs = graphs
-        ran = []
-        run = graphs.run
-
-        def recording_run(rows, sampling, width, tier=0, catch_up=False):
-            shape = graphs.bucket(len(rows), width)
-            ran.append(graphs._key(shape, sampling, tier, catch_up))
-            return run(rows, sampling, width, tier, catch_up)
-
-        graphs.run = recording_run
+        ran, captured = record_graph_keys(graphs)
         prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
         e.generate(input_ids=prompts, sampling_params=dict(SP, max_new_tokens=40))
         assert len({key[-2] for key in ran}) > 1  # the policy did switch tiers
-        assert set(graphs.graphs) <= set(ran)  # and captured nothing it did not run
+        # and no step waited for a graph it did not run (the idle engine may capture more)
+        assert {key for key, idle in captured if not idle} <= set(ran)
+
+
+def test_an_idle_engine_captures_the_tiers_run_at_a_batch_size_at_its_other_widths():
+    """A batch's tail passes its batch buckets at the widest widths of its run, and the next
+    wave of requests runs other tiers there: once idle, the engine captures each tier that ran
+    at a batch bucket at every width met there, so the next wave replays them. It captures
+    nothing else: not tiers that never ran at the bucket."""
+    spec = spec_args("tiny", 3, 4, 10, speculative_adaptive=True)
+    with Engine(**TINY, **spec) as e:
+        graphs = DecodeGraphs(e.core.worker, 4, max_width=4096, capture=False)
+        e.core.worker.graphs = graphs
+        ran, captured = record_graph_keys(graphs)
+        # the chains of 1 to 3 while contexts are short, then the chain of 1 alone
+        picks = iter([1, 2, 3] * 8)
+        e.core.adaptive.pick = lambda b, can=True, ready=None: next(picks, 1)
+        prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+        e.generate(input_ids=prompts, sampling_params=dict(SP, max_new_tokens=300))
+        for _ in range(200):  # the idle loop captures what it wants
+            if not e.stats()["num_graph_captures_wanted"]:
+                break
+            time.sleep(0.05)
+        assert not e.stats()["num_graph_captures_wanted"]
+        met = {}  # (batch bucket, sampling mode) -> (widths, (tier, catch-up) variants)
+        for bs, width, *rest in ran:
+            widths, variants = met.setdefault((bs, tuple(rest[:-2])), (set(), set()))
+            widths.add(width)
+            variants.add(tuple(rest[-2:]))
+        assert met[(4, (True, False, False, 0, False))] == (
+            {256, 512},
+            {(1, False), (2, False), (3, False)},
+        )
+        alike = {(bs, w, *mode, *v) for (bs, mode), (ws, vs) in met.items() for w in ws for v in vs}
+        assert set(graphs.graphs) == alike
+        assert {key for key, idle in captured if idle} == alike - set(ran)
 
 
 def test_simulated_rejection_switches_speculation_off():

@@ -12,6 +12,8 @@ from specserve.bench.gc_pauses import gc_pauses
 # Warm-up runs at most before timing: enough for adaptive speculation's exploration to have
 # met its tiers' graphs at a batch size, bounded so a bench never spins.
 MAX_WARMUPS = 3
+# The longest a warm-up waits for the idle engine's captures (on an H200: 0.05-0.3 s each).
+IDLE_CAPTURE_WAIT_S = 120.0
 
 
 def random_batch(
@@ -63,15 +65,20 @@ def warm_up(engine, prompts: list[list[int]], sp: dict) -> int:
     """Run the batch untimed until a run captures no new CUDA graph (at most MAX_WARMUPS
     runs), so Triton has compiled and every graph a timed run needs (batch bucket x
     context-width bucket) is captured. Under adaptive speculation a run may first meet a
-    (tier, draft catch-up) graph in a later run (exploration rotates through the tiers).
-    The prefix cache is flushed after each, so a timed prefill computes its prompts as a
-    first request would. Returns the runs made."""
+    (tier, draft catch-up) graph in a later run (exploration rotates through the tiers), and
+    the engine captures, when idle, the tiers it ran at a batch bucket at the other widths
+    met there: each run is followed by the idle time those captures take, as a server
+    between waves of requests would have. The prefix cache is flushed after each, so a timed
+    prefill computes its prompts as a first request would. Returns the runs made."""
     runs = 0
     while True:
         captures = engine.stats()["num_graph_captures"]
         engine.generate(input_ids=prompts, sampling_params=sp)
         engine.flush_cache()
         runs += 1
+        deadline = time.perf_counter() + IDLE_CAPTURE_WAIT_S
+        while engine.stats().get("num_graph_captures_wanted") and time.perf_counter() < deadline:
+            time.sleep(0.05)
         if engine.stats()["num_graph_captures"] == captures or runs == MAX_WARMUPS:
             return runs
 

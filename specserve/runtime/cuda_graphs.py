@@ -11,10 +11,13 @@ A step's shapes depend on three host values, which key the graphs:
 Graphs are captured lazily from padding-only inputs (so capture writes nothing but scratch)
 and share one memory pool. A shape without a graph replays the smallest captured graph that
 covers it (same sampling mode and tier, batch and width buckets at least as large, and at
-most `MAX_COVER_FACTOR` times: more padding rows, a wider KV layout) and gets its own graph when the engine is idle
-(`capture_wanted`) or once it has served `LONG_LIVED_SHAPE_STEPS` steps in a row (a request
-outliving its batch); a shape nothing covers is captured when first met. Anything outside
-the buckets runs eagerly through the same `DecodeStep.run`.
+most `MAX_COVER_FACTOR` times: more padding rows, a wider KV layout) and gets its own graph
+when the engine is idle (`capture_wanted`) or once it has served `LONG_LIVED_SHAPE_STEPS`
+steps in a row (a request outliving its batch); a shape nothing covers is captured when first
+met. Under load-adaptive speculation a step's key also names its tier; an idle engine
+captures every tier that has run at a batch bucket at every context width met there, so that
+the next wave of requests, whose tails pass the same shapes with other tiers, does not stop
+to capture them. Anything outside the buckets runs eagerly through the same `DecodeStep.run`.
 
 Inputs are copied into each graph's static tensors before a replay; those copies and the
 replay are ordered on the stream after the previous step, so under overlap scheduling the
@@ -120,7 +123,9 @@ class DecodeGraphs:
         # stalled the last steps of a SmolLM2 batch of 64 for 0.18 s, 70 steps' time. So a
         # covered shape's own graph waits for an idle engine, or for the shape to be
         # long-lived.
-        self.wanted: dict[tuple, None] = {}  # covered keys to capture when idle, in order
+        self.wanted: dict[tuple, None] = {}  # keys to capture when idle, in order
+        # per (batch bucket, sampling mode) met: the widths, and the (tier, catch-up) run there
+        self._met: dict[tuple, tuple[dict[int, None], dict[tuple, None]]] = {}
         self._covers: dict[tuple, tuple | None] = {}  # key -> the captured key covering it
         self.pool = None
         self._rows_version = worker.rows.version
@@ -153,6 +158,7 @@ class DecodeGraphs:
             return None
         self._drop_stale_graphs()
         key = self._key(shape, sampling, tier, catch_up)
+        self._want_alike(key)
         last, steps = self.streak
         self.streak = (key[:-2], steps + 1 if key[:-2] == last else 1)
         cap = self.graphs.get(key)
@@ -222,6 +228,26 @@ class DecodeGraphs:
                 return True
         return False
 
+    def _want_alike(self, key: tuple) -> None:
+        """Want, when idle, the graphs of every (tier, catch-up) run at this key's batch
+        bucket and sampling mode at every width met there. A batch's tail passes its
+        buckets at the widest widths of its run, and the policy runs other tiers there from
+        one wave of requests to the next: a tier run at a bucket is likely to run there at
+        its other widths. (Every tier at every shape met would be hundreds of captures for
+        tiers the load never runs.)"""
+        bs, width, *rest = key
+        mode, variant = tuple(rest[:-2]), tuple(rest[-2:])
+        widths, variants = self._met.setdefault((bs, mode), ({}, {}))
+        new_width, new_variant = width not in widths, variant not in variants
+        widths[width] = variants[variant] = None
+        pairs = ([(w, variant) for w in widths] if new_variant else []) + (
+            [(width, v) for v in variants] if new_width else []
+        )
+        for w, v in pairs:
+            alike = (bs, w, *mode, *v)
+            if alike != key and alike not in self.graphs:
+                self.wanted[alike] = None
+
     def _cover(self, key: tuple) -> tuple | None:
         """The captured key of least padding (batch bucket x width) that can run a step of
         `key`: the same sampling mode, tier and catch-up, batch and width at least as large
@@ -262,6 +288,7 @@ class DecodeGraphs:
             log.info("request rows reallocated: %d decode graphs dropped", len(self.graphs))
         self.graphs.clear()
         self.wanted.clear()
+        self._met.clear()
         self._covers.clear()
         self._rows_version = self.worker.rows.version
         self.streak = (None, 0)

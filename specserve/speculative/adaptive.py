@@ -5,23 +5,29 @@ a wide tree wins at small batches (the target's weights are read once for many t
 when the draft is accepted, and loses at large batches (verification turns compute-bound) or
 when drafts are rejected. So every step picks one of a few tiers, plain decoding included:
 
-    pick argmax over tiers t of  min(batch_size * accept_length[t] / step_seconds[t, bucket],
-                                     1 / host_seconds_per_token[bucket])
+    pick argmax over tiers t of  tokens[t] / max(step_seconds[t, bucket], host_seconds(tokens[t]))
+    where tokens[t] = batch_size * accept_length[t] and
+          host_seconds(n) = host_per_step[bucket] + host_per_token[bucket] * n
     (ties, where the host sets the pace: the tier emitting the most per step, which pays the
     per-step costs least often and leaves the shortest tail)
 
-- host_seconds_per_token: the host's own time per step at the bucket (its stop checks,
-  detokenizing, streaming and the next launch) per token the step emitted, measured as steps
-  are served, whatever their tier. Under overlap the host works while the device runs the
-  next step, so a step lasts as long as the longer of the two, and the host's part is work
-  per emitted token: SmolLM2 on an H200 at batch 128 took 8.1 us per token after steps of a
-  chain of 3 (2.3 ms a step) and 8.4 after steps of the 4/4/16 tree (3.2 ms), which emits
-  a third more. (Weighed as one time per step whatever the tier, a wide tree looked free
-  wherever the host was slower than the device, and a chain dear.) It is the median of the
-  bucket's last `HOST_WINDOW` steps, since host time spikes (a collection, a burst of
-  requests finishing) and a spike says nothing of the next steps; and one value per bucket,
-  not per tier, so a tier run rarely is not judged on the few intervals it happened to run
-  in, any of them slowed by a collection or a burst of arrivals.
+- host_seconds: the host's own time per step at the bucket (its stop checks, detokenizing,
+  streaming and the next launch), measured as steps are served. Under overlap the host works
+  while the device runs the next step, so a step lasts as long as the longer of the two. The
+  host's part has a cost per step and a cost per emitted token, and which dominates depends
+  on the load: SmolLM2 on an H200 at batch 16 took 1.65 ms a step after steps of the 4/4/16
+  tree and of the 6/8/64 tree alike, which emits more; at batch 128, 8.1 us per token after
+  steps of a chain of 3 (2.3 ms a step) and 8.4 after steps of the 4/4/16 tree (3.2 ms),
+  which emits a third more. (Weighed per step alone, a wide tree looked free wherever the
+  host was slower than the device, and a chain dear; weighed per token alone, the 6/8/64
+  tree ran a third of the steps at batch 16, 2.21 ms each against 1.77 for the 4/4/16
+  tree.) So each tier's host time is the median of its latest `HOST_WINDOW` steps at the
+  bucket (host time spikes: a collection, a burst of requests finishing; a spike says
+  nothing of the next steps), and a line through the tiers' (tokens, seconds) medians gives
+  both costs (`HOST_MIN_STEPS` steps make a tier's median; tiers emitting within
+  `HOST_SPREAD` of one another cannot tell the two costs apart). Until two tiers tell it, the
+  host's time is taken as per token, the median of the bucket's latest steps whatever their
+  tier, so a tier run rarely is not judged on the few intervals it happened to run in.
 - step_seconds: the device time of a step of tier t at a batch bucket, measured on this
   device when the engine starts (`prime`: every tier's CUDA graph at every bucket replayed on
   padding rows, so every tier is timed alike, and serving does not stop to capture and time
@@ -107,12 +113,19 @@ CAPTURE_MARGIN = 0.2
 # tree's acceptance, learnt on one request's text, was 2.4 against 3.0 on the batch's; one
 # exploration every 32 to 64 steps left the 6/8/64 tree serving, 8% slower.)
 RISING = 1.05
-# Host time per emitted token is the median of this many of the bucket's latest steps.
-# (SmolLM2 on an H200 at batch 128, with a moving average instead: each spike made wider
-# tiers, whose device time then hid under the host's, look free for a few steps; the 6/8/64
-# tree's 16-node budget ran a fifth of the steps at 5.0 ms of wall time each, against 4.1 ms
-# for the 4/4/16 tree, which emits about as much.)
+# A tier's host time per step, and the host's time per token before two tiers tell its per-step
+# and per-token costs apart, is the median of this many of the latest steps. (SmolLM2 on an
+# H200 at batch 128, with a moving average instead: each spike made wider tiers, whose device
+# time then hid under the host's, look free for a few steps; the 6/8/64 tree's 16-node budget
+# ran a fifth of the steps at 5.0 ms of wall time each, against 4.1 ms for the 4/4/16 tree,
+# which emits about as much.)
 HOST_WINDOW = 15
+# A tier's median host time joins the line through the tiers' only after this many steps: an
+# exploring step's one interval (a collection, a burst of arrivals in it) would tilt it.
+HOST_MIN_STEPS = 3
+# Tiers whose steps emit within this fraction of one another cannot tell a per-step cost from
+# a per-token one (their host times differ by less than the noise between steps).
+HOST_SPREAD = 0.15
 
 
 def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
@@ -197,11 +210,13 @@ class AdaptiveSpeculation:
         # per bucket: what served steps take beyond their replay (attention over real
         # contexts, which padding rows do not have), carried over to tiers not yet served
         self.context_cost: dict[int, float] = {}
-        # the host's time per step by (tier, bucket) (a moving average, reported), and per
-        # emitted token by bucket (the median of its latest steps, what steps are weighed by)
+        # the host's time per step by (tier, bucket) (a moving average, reported); per bucket,
+        # what steps are weighed by: (seconds per step, seconds per emitted token)
         self.host: dict[tuple[int, int], float] = {}
-        self.host_per_token: dict[int, float] = {}
-        self._host_window: dict[int, deque[float]] = {}
+        self.host_cost: dict[int, tuple[float, float]] = {}
+        self._host_per_token: dict[int, deque[float]] = {}  # bucket -> its latest steps'
+        # (tier, bucket) -> its latest steps' (tokens, host seconds)
+        self._host_steps: dict[tuple[int, int], deque[tuple[int, float]]] = {}
         self._warmed: set[tuple[int, int]] = set()  # (tier, bucket) whose first step ran
         self.picks = 0
         self.counts = [0] * len(tiers)  # steps run per tier (reporting)
@@ -256,18 +271,18 @@ class AdaptiveSpeculation:
         self, batch_size: int, accept: list[float] | None = None, dominated: bool = True
     ) -> list[float]:
         """Tokens per second of each tier at this load: what its steps emit in their device
-        time, at most what the host can take per second. A ragged tier whose device time is
-        at least its whole tree's scores 0 (unless `dominated` is False): it verifies a
-        subset of that tree's nodes, so it never emits more (its own estimate, learnt on
+        time or the host's time for them, whichever is longer. A ragged tier whose device
+        time is at least its whole tree's scores 0 (unless `dominated` is False): it verifies
+        a subset of that tree's nodes, so it never emits more (its own estimate, learnt on
         other text than the served tier's, could say otherwise)."""
         bucket = batch_bucket(batch_size)
         accept = accept or self.accept
-        per_token = self.host_per_token.get(bucket)
-        host_rate = 1.0 / per_token if per_token else float("inf")
-        scores = [
-            min(batch_size * accept[t] / self.seconds(t, bucket), host_rate)
-            for t in range(len(self.tiers))
-        ]
+        per_step, per_token = self.host_cost.get(bucket, (0.0, 0.0))
+        scores = []
+        for t in range(len(self.tiers)):
+            tokens = batch_size * accept[t]
+            host = per_step + per_token * tokens
+            scores.append(tokens / max(self.seconds(t, bucket), host))
         for t, whole in self.whole_tree.items() if dominated else ():
             if self.seconds(t, bucket) >= self.seconds(whole, bucket):
                 scores[t] = 0.0
@@ -435,15 +450,41 @@ class AdaptiveSpeculation:
         bucket = batch_bucket(batch_size)
         old = self.host.get((tier, bucket))
         self.host[(tier, bucket)] = seconds if old is None else old + EMA * (seconds - old)
-        window = self._host_window.setdefault(bucket, deque(maxlen=HOST_WINDOW))
-        window.append(seconds / tokens)
-        self.host_per_token[bucket] = statistics.median(window)
+        per_token = self._host_per_token.setdefault(bucket, deque(maxlen=HOST_WINDOW))
+        per_token.append(seconds / tokens)
+        steps = self._host_steps.setdefault((tier, bucket), deque(maxlen=HOST_WINDOW))
+        steps.append((tokens, seconds))
+        self.host_cost[bucket] = self._fit_host(bucket)
+
+    def _fit_host(self, bucket: int) -> tuple[float, float]:
+        """(seconds per step, seconds per emitted token) of the host at this bucket: the line
+        through the tiers' median (tokens, seconds) per step, each weighing its steps, where
+        they emit far enough apart to tell; else all per token."""
+        points = []
+        for (_, b), steps in self._host_steps.items():
+            if b == bucket and len(steps) >= HOST_MIN_STEPS:
+                tokens = statistics.median(n for n, _ in steps)
+                seconds = statistics.median(s for _, s in steps)
+                points.append((tokens, seconds, len(steps)))
+        per_token = statistics.median(self._host_per_token[bucket])
+        if not points or max(p[0] for p in points) < (1 + HOST_SPREAD) * min(p[0] for p in points):
+            return 0.0, per_token
+        weight = sum(w for _, _, w in points)
+        mean_n = sum(n * w for n, _, w in points) / weight
+        mean_s = sum(s * w for _, s, w in points) / weight
+        spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
+        slope = sum(w * (n - mean_n) * (s - mean_s) for n, s, w in points) / spread
+        if slope <= 0:  # (noise around a cost per step alone)
+            return mean_s, 0.0
+        if mean_s - slope * mean_n <= 0:  # (noise around a cost per token alone)
+            return 0.0, mean_s / mean_n
+        return mean_s - slope * mean_n, slope
 
     def describe(self) -> dict:
         """What the policy has seen: steps run per tier, acceptance per tier, and step time
         in ms per tier and batch bucket (the device's, and the host's where measured: a
-        moving average per tier), and the host's time per emitted token that tiers are
-        weighed by (per bucket, the median of its latest steps, in microseconds)."""
+        moving average per tier), and the host's time per step and per emitted token that
+        tiers are weighed by (per bucket, in microseconds)."""
         return {
             "tiers": [str(t) for t in self.tiers],
             "steps": list(self.counts),
@@ -455,7 +496,7 @@ class AdaptiveSpeculation:
             "host_ms": {
                 f"{self.tiers[t]}@{b}": round(v * 1e3, 3) for (t, b), v in self.host.items()
             },
-            "host_us_per_token": {
-                b: round(v * 1e6, 3) for b, v in sorted(self.host_per_token.items())
+            "host_us_per_step_and_token": {
+                b: [round(v * 1e6, 3) for v in cost] for b, cost in sorted(self.host_cost.items())
             },
         }
