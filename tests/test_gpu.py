@@ -108,6 +108,7 @@ def test_speculative_steps_launch_without_host_sync(topk, ndt, page_size, graphs
     prompts = mixed_prompts(8, 512, seed=5)
     if graphs:  # capture (which synchronises once per shape) before the strict run
         engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 64})
+        wait_for_idle_captures(engine.core.worker.graphs, timeout=120)
         assert engine.core.worker.graphs.num_captures > 0
     worker = engine.core.worker
     launch = worker.launch_decode

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specserve import Engine
-from tests.engine_utils import GPU_TINY, mixed_prompts
+from tests.engine_utils import GPU_TINY, mixed_prompts, wait_for_idle_captures
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,15 +27,19 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
 
 def run(prompts, **kw):
     with Engine(**GPU, **kw) as e:
-        outs = e.generate(
-            input_ids=prompts,
-            sampling_params=GREEDY,
-            return_logprob=True,
-            top_logprobs_num=5,
-            logprob_start_len=0,
-        )
-        if not kw.get("disable_cuda_graph"):
-            keys = list(e.core.worker.graphs.graphs)
+        graphs = e.core.worker.graphs
+        for _ in range(2):  # the second run replays the graphs of every shape the first met
+            outs = e.generate(
+                input_ids=prompts,
+                sampling_params=GREEDY,
+                return_logprob=True,
+                top_logprobs_num=5,
+                logprob_start_len=0,
+            )
+            if graphs is not None:
+                wait_for_idle_captures(graphs, timeout=120)
+        if graphs is not None:
+            keys = list(graphs.graphs)
             assert keys and all(k[4:6] == (True, 8) for k in keys)  # (log-probs, top-k)
     return outs
 

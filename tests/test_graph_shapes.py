@@ -12,7 +12,12 @@ import pytest
 
 from specserve import Engine
 from specserve.model.config import PRESETS
-from specserve.runtime.cuda_graphs import LONG_LIVED_SHAPE_STEPS, DecodeGraphs, batch_buckets
+from specserve.runtime.cuda_graphs import (
+    EAGER_STEPS,
+    LONG_LIVED_SHAPE_STEPS,
+    DecodeGraphs,
+    batch_buckets,
+)
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 from tests.engine_utils import (
     TINY,
@@ -80,12 +85,14 @@ def test_plain_decoding_padded_equals_eager(page_size, overlap):
 
 
 def test_a_shrinking_batch_replays_its_larger_graph_and_captures_its_own_when_idle():
-    """A batch's tail meets a smaller batch bucket every few steps: it replays the larger
-    bucket's graph (padding rows) rather than stalling every request on a capture, and the
-    engine captures those shapes' own graphs once no request is waiting; the same batch
-    then replays them. Outputs equal eager decoding throughout."""
+    """A new shape runs eagerly for its first EAGER_STEPS steps, then is captured. A batch's
+    tail meets a smaller batch bucket every few steps: it replays the larger bucket's graph
+    (padding rows) rather than stalling every request on a capture, and the engine captures
+    those shapes' own graphs once no request is waiting; the same batch then replays them.
+    Outputs equal eager decoding throughout."""
     prompts = mixed_prompts(4, 512, seed=35, min_len=4)
-    sps = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in (3, 6, 9, 14)]
+    lengths = [EAGER_STEPS + n for n in (4, 6, 9, 14)]
+    sps = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in lengths]
     eager, _ = generate(prompts, sps, padded=False)
     with Engine(**TINY, debug_check_invariants=True) as e:
         graphs = padded_graphs(e)
@@ -95,11 +102,33 @@ def test_a_shrinking_batch_replays_its_larger_graph_and_captures_its_own_when_id
         first_ran, ran[:] = list(ran), []
         second = e.generate(input_ids=prompts, sampling_params=sps)
     assert [o["output_ids"] for o in first] == [o["output_ids"] for o in second] == eager
-    # first pass: one capture (the batch of 4), its tail of 2 and 1 on that graph
-    assert [how for _, how in first_ran].count("captured") == 1
+    # first pass: the batch of 4 eagerly, then captured; its tail of 2 and 1 on that graph
+    hows = [how for _, how in first_ran]
+    assert hows[: EAGER_STEPS + 1] == ["eager"] * EAGER_STEPS + ["captured"], hows
+    assert hows.count("eager") == EAGER_STEPS and hows.count("captured") == 1
     assert {n for n, how in first_ran if how == "covered"} == {1, 2}
     assert {k[0] for k in graphs.graphs} == {1, 2, 4}  # the idle engine captured their own
     assert ran and all(how == "own" for _, how in ran)
+
+
+def test_a_short_lived_shape_runs_eagerly_and_is_captured_when_idle():
+    """A shape nothing covers that lasts fewer than EAGER_STEPS steps (a batch's tail at a
+    context width no larger batch reached) is never captured while requests wait: its steps
+    run eagerly, and the idle engine captures it for the next time."""
+    prompts = mixed_prompts(2, 512, seed=36, min_len=4)
+    sps = [{"temperature": 0.0, "max_new_tokens": EAGER_STEPS - 2, "ignore_eos": True}] * 2
+    with Engine(**TINY, debug_check_invariants=True) as e:
+        graphs = padded_graphs(e)
+        ran = record_graph_steps(graphs)
+        first = e.generate(input_ids=prompts, sampling_params=sps)
+        steps = len(ran)
+        assert [how for _, how in ran] == ["eager"] * steps and 1 < steps <= EAGER_STEPS
+        wait_for_idle_captures(graphs)
+        ran[:] = []
+        second = e.generate(input_ids=prompts, sampling_params=sps)
+        assert [how for _, how in ran] == ["own"] * steps
+        assert e.stats()["num_graph_captures"] == 0
+    assert [o["output_ids"] for o in first] == [o["output_ids"] for o in second]
 
 
 @pytest.mark.parametrize(
@@ -191,6 +220,9 @@ def test_a_request_outliving_its_batch_gets_its_own_graph_once_long_lived():
     eager, _ = generate(prompts, sps, padded=False)
     with Engine(**TINY, debug_check_invariants=True) as e:
         graphs = padded_graphs(e)
+        # an earlier batch of 4 (the idle engine captured its graph)
+        e.generate(input_ids=prompts, sampling_params=dict(sps[0], max_new_tokens=3))
+        wait_for_idle_captures(graphs)
         ran = record_graph_steps(graphs)
         outs = e.generate(input_ids=prompts, sampling_params=sps)
     assert [o["output_ids"] for o in outs] == eager

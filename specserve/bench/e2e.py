@@ -68,7 +68,8 @@ def _timed_passes(
     """Untimed pass, then a timed one; returns (seconds, outputs of the timed pass, extra).
     The untimed pass goes longest prompt first: HF's static cache then keeps the largest
     cache length for later calls instead of recompiling for each new length. `between` runs
-    after it (the engine's flush_cache: the timed pass prefills as new prompts would)."""
+    after it (the engine's flush_cache: the timed pass prefills as new prompts would; and
+    its wait for the decode graphs captured when idle)."""
     for ids in sorted(prompt_ids, key=len, reverse=True):
         run_one(ids)
     if between is not None:
@@ -148,6 +149,7 @@ def _engine_rows(args, prompt_texts: list[str]) -> tuple[list[dict], Any, list[l
 
 
 def _run_engine(kwargs: dict, prompt_texts: list[str], prompt_ids, args):
+    from specserve.bench.one_batch import wait_for_idle_captures
     from specserve.engine import Engine
 
     sp = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
@@ -161,7 +163,11 @@ def _run_engine(kwargs: dict, prompt_texts: list[str], prompt_ids, args):
             o = engine.generate(input_ids=ids, sampling_params=sp)
             return o["output_ids"], o["meta_info"]
 
-        seconds, outs, _ = _timed_passes(run_one, prompt_ids, engine.flush_cache)
+        def between():
+            engine.flush_cache()
+            wait_for_idle_captures(engine)
+
+        seconds, outs, _ = _timed_passes(run_one, prompt_ids, between)
         accept = engine.stats()["spec_accept_length"]
     return seconds, outs, accept, prompt_ids
 

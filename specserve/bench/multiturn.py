@@ -20,7 +20,7 @@ import time
 from functools import partial
 from typing import Any
 
-from specserve.bench.one_batch import dump, free_device_memory
+from specserve.bench.one_batch import dump, free_device_memory, wait_for_idle_captures
 
 
 def add_multiturn_parser(bsub, add_engine_args, engine_kwargs) -> argparse.ArgumentParser:
@@ -63,7 +63,7 @@ def conversations(args, vocab: int) -> tuple[list[int], list[list[list[int]]]]:
 def warm_up(args, vocab: int, generate) -> None:
     """Every turn of other conversations, untimed: kernels compile, and the graphs of every
     batch size and context width the timed turns reach are captured (specserve captures a
-    decode graph the first time it meets a shape; vLLM captures its graphs at start-up).
+    decode graph once it meets a shape, or when idle; vLLM captures its graphs at start-up).
     generate(prompts) -> each prompt's output ids."""
     system, users = conversations(
         argparse.Namespace(**{**vars(args), "seed": args.seed + 1}), vocab
@@ -94,6 +94,7 @@ def run_variant(variant: str, kwargs: dict[str, Any], args) -> dict[str, Any]:
         vocab = engine.core.model_config.vocab_size
         warm_up(args, vocab, partial(_output_ids, engine, sp))
         engine.flush_cache()
+        wait_for_idle_captures(engine)
         before = engine.stats()
         system, users = conversations(args, vocab)
         histories = [list(system) for _ in users]

@@ -61,6 +61,15 @@ def same_lengths(prompts: list[list[int]], like: list[list[int]]) -> list[list[i
     ]
 
 
+def wait_for_idle_captures(engine) -> None:
+    """Until the idle engine has captured the decode graphs its steps wanted (shapes it ran
+    eagerly or on a larger shape's graph), at most IDLE_CAPTURE_WAIT_S: a timed run that
+    starts sooner waits for one of them, or meets its shapes eagerly."""
+    deadline = time.perf_counter() + IDLE_CAPTURE_WAIT_S
+    while engine.stats().get("num_graph_captures_wanted") and time.perf_counter() < deadline:
+        time.sleep(0.05)
+
+
 def warm_up(engine, prompts: list[list[int]], sp: dict) -> int:
     """Run the batch untimed until a run captures no new CUDA graph (at most MAX_WARMUPS
     runs), so Triton has compiled and every graph a timed run needs (batch bucket x
@@ -76,9 +85,7 @@ def warm_up(engine, prompts: list[list[int]], sp: dict) -> int:
         engine.generate(input_ids=prompts, sampling_params=sp)
         engine.flush_cache()
         runs += 1
-        deadline = time.perf_counter() + IDLE_CAPTURE_WAIT_S
-        while engine.stats().get("num_graph_captures_wanted") and time.perf_counter() < deadline:
-            time.sleep(0.05)
+        wait_for_idle_captures(engine)
         if engine.stats()["num_graph_captures"] == captures or runs == MAX_WARMUPS:
             return runs
 

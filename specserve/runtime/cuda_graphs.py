@@ -13,8 +13,9 @@ and share one memory pool. A shape without a graph replays the smallest captured
 covers it (same sampling mode and tier, batch and width buckets at least as large, and at
 most `MAX_COVER_FACTOR` times: more padding rows, a wider KV layout) and gets its own graph
 when the engine is idle (`capture_wanted`) or once it has served `LONG_LIVED_SHAPE_STEPS`
-steps in a row (a request outliving its batch); a shape nothing covers is captured when first
-met. Under load-adaptive speculation a step's key also names its tier; an idle engine
+steps in a row (a request outliving its batch); a shape nothing covers runs eagerly for its
+first `EAGER_STEPS` steps in a row (a batch's tail passes most shapes in fewer), then is
+captured, or is captured when the engine idles. Under load-adaptive speculation a step's key also names its tier; an idle engine
 captures every tier that has run at a batch bucket at every context width met there, so that
 the next wave of requests, whose tails pass the same shapes with other tiers, does not stop
 to capture them. Anything outside the buckets runs eagerly through the same `DecodeStep.run`.
@@ -45,6 +46,13 @@ MIN_WIDTH = 256
 # short-lived shape (a batch's shrinking tail, met again and again for a few steps) would
 # not.
 LONG_LIVED_SHAPE_STEPS = 64
+# A shape no graph covers runs eagerly for this many steps in a row before it is captured.
+# A capture costs as much as 10-40 eager steps' launch overhead (SmolLM2 on an H200: 0.1-0.27
+# s against 1.5-3 ms replays), and a batch's tail passes most shapes in fewer steps: each
+# capture in a timed run's tail at batch 128 cost it a quarter to four fifths of its speed. A
+# shape that lives on is captured, having paid at most about as much again eagerly, and one
+# that does not is captured when the engine idles.
+EAGER_STEPS = 8
 # A graph covers a shape only if its batch and width buckets are at most this many times the
 # shape's: padding rows cost device time where the device sets the pace (SmolLM2's 6/8/64
 # tree on an H200: 1.5 ms a step at batch 1, 5.0 ms at 64; the 8B shape plain: 4.9 ms at
@@ -133,6 +141,7 @@ class DecodeGraphs:
         self.num_idle_captures = 0  # captured while no request was running or waiting
         self.captured_last = False  # the last run captured its graph
         self.covered_last = False  # the last run replayed a larger shape's graph
+        self.eager_last = False  # the last run left a shape nothing covers to an eager step
 
     def bucket(self, bsz: int, width: int) -> tuple[int, int] | None:
         bs = next((b for b in self.buckets if b >= bsz), None)
@@ -149,10 +158,12 @@ class DecodeGraphs:
         catch_up: bool = False,
     ) -> StepOutputs | None:
         """Replay the step for these rows: DecodeStep.run's outputs for the real rows; None
-        when the batch is too large for a graph. A shape without a graph replays a larger
-        one covering it, or is captured for this step's tier alone: load-adaptive
-        speculation explores only tiers it can replay at a shape (`ready_tiers`), so no
-        other tier's capture is needed to explore."""
+        when the step is to run eagerly: the batch is too large for a graph, or nothing
+        covers its shape yet (`EAGER_STEPS`). A shape without a graph replays a larger one
+        covering it, or is captured for this step's tier alone: load-adaptive speculation
+        explores only tiers it can replay at a shape (`ready_tiers`), so no other tier's
+        capture is needed to explore."""
+        self.covered_last = self.captured_last = self.eager_last = False
         shape = self.bucket(len(rows), width)
         if shape is None:
             return None
@@ -164,6 +175,10 @@ class DecodeGraphs:
         cap = self.graphs.get(key)
         long_lived = self.streak[1] >= LONG_LIVED_SHAPE_STEPS
         cover = None if cap is not None or long_lived else self._cover(key)
+        if cap is None and cover is None and self.streak[1] <= EAGER_STEPS:
+            self.eager_last = True  # (its time is mostly its launches')
+            self.wanted[key] = None
+            return None
         self.covered_last = cover is not None  # (its time is a larger shape's)
         self.captured_last = cap is None and cover is None  # (its time includes the capture)
         if cover is not None:

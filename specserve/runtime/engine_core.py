@@ -458,8 +458,8 @@ class EngineCore:
             catch_up=lagged is not None and lagged.catch_up,
         )
         graphs = self.worker.graphs
-        if graphs is not None and graphs.captured_last:
-            self.host_clock.interrupt()  # the capture's time is nobody's step
+        if graphs is not None and (graphs.captured_last or graphs.eager_last):
+            self.host_clock.interrupt()  # a capture's or an eager launch's time: no step's
         pending.lagged = lagged
         for r in reqs:
             r.inflight_steps += 1

@@ -404,11 +404,13 @@ class Worker:
         out = None
         if self.graphs is not None:
             out = self.graphs.run(rows, sampling, width, tier, catch_up)
+            if self.graphs.captured_last or self.graphs.covered_last or self.graphs.eager_last:
+                # a capture's time, a larger shape's, or launches a graph will not have, are
+                # not what this step will take
+                timer = None
         if out is None:
             rows_dev = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
             out = self.step.run(rows_dev, sampling, width, kv_upper, tier, catch_up)
-        elif self.graphs.captured_last or self.graphs.covered_last:
-            timer = None  # a capture's time, or a larger shape's, is not this step's
         if timer is not None:
             timer.stop()
         return PendingDecode(reqs, *out, tier=tier, timer=timer)

@@ -73,8 +73,10 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   requests has arrived, the pace starts over.
 - captures: under CUDA graphs a step replays the graph of its shape (batch bucket, context
   width, tier), or a larger shape's graph of its tier covering it; a shape nothing covers
-  is captured when first met, which stalls the loop. Every tier is captured at every batch
-  bucket at the shortest width when the engine starts (`prime`). Exploration runs only
+  runs eagerly (slower steps) for a few steps, then is captured, which stalls the loop
+  (runtime/cuda_graphs.py). Every tier is captured at every batch bucket at the shortest
+  width when the engine starts (`prime`), and an idle engine captures the tiers run at a
+  batch bucket at the other widths met there. Exploration runs only
   tiers replayable at the step's shape (accept lengths are learnt at any shape), and the
   best tier is swapped for a replayable one scoring within `CAPTURE_MARGIN` of it. As
   contexts grow a batch meets a new width every few steps, at each batch bucket its tail
@@ -101,8 +103,8 @@ ACCEPT_DECAY = 0.02  # how much less an accept length weighs per request observe
 ACCEPT_MIN_WEIGHT = 8.0  # the least weight decay leaves a tier's observed acceptance
 ACCEPT_PRIOR_WEIGHT = 0.1  # the optimistic start counts as this many requests
 # A tier with no CUDA graph that can run the step's shape (its own or a covering one) is run
-# instead of one that has only if it scores this much better. A capture stalls every request for 10-50 steps'
-# time (on an H200: 0.08-0.1 s for SmolLM2 against 2-5 ms steps; 0.05-0.26 s at the 8B shape
+# instead of one that has only if it scores this much better. Its steps run eagerly (slower)
+# until it is captured, and a capture stalls every request for 10-50 steps' time (on an H200: 0.08-0.1 s for SmolLM2 against 2-5 ms steps; 0.05-0.26 s at the 8B shape
 # against 5-30 ms), and until a shape has served LONG_LIVED_SHAPE_STEPS (64) steps in a row
 # (runtime/cuda_graphs.py: then any tier may capture there) a tier this much better wins
 # back at most 13 steps. (At 0.03, an emulation of the bench's runs at batch 16-128 captured
