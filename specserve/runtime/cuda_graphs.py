@@ -142,6 +142,7 @@ class DecodeGraphs:
         self.captured_last = False  # the last run captured its graph
         self.covered_last = False  # the last run replayed a larger shape's graph
         self.eager_last = False  # the last run left a shape nothing covers to an eager step
+        self._eager: dict[tuple, _Captured] = {}  # those shapes' padded steps, not captured
 
     def bucket(self, bsz: int, width: int) -> tuple[int, int] | None:
         bs = next((b for b in self.buckets if b >= bsz), None)
@@ -178,7 +179,13 @@ class DecodeGraphs:
         if cap is None and cover is None and self.streak[1] <= EAGER_STEPS:
             self.eager_last = True  # (its time is mostly its launches')
             self.wanted[key] = None
-            return None
+            # at the padded shape: the kernels compiled for it serve (at the real batch size,
+            # new Triton specializations compiled for seconds within SmolLM2's timed runs)
+            if key not in self._eager:
+                self._eager[key] = self._padded_step(*key)
+            cap = self._eager[key]
+            self._copy_inputs(cap, rows, sampling)
+            return cap.step().head(len(rows))
         self.covered_last = cover is not None  # (its time is a larger shape's)
         self.captured_last = cap is None and cover is None  # (its time includes the capture)
         if cover is not None:
@@ -304,6 +311,7 @@ class DecodeGraphs:
         self.graphs.clear()
         self.wanted.clear()
         self._met.clear()
+        self._eager.clear()
         self._covers.clear()
         self._rows_version = self.worker.rows.version
         self.streak = (None, 0)
@@ -347,7 +355,7 @@ class DecodeGraphs:
                 dst[n:].fill_(_PAD_SAMPLING[name])
         cap.last_inputs = (n, sampling)
 
-    def _capture(
+    def _padded_step(
         self,
         bs: int,
         width: int,
@@ -358,8 +366,9 @@ class DecodeGraphs:
         any_plain: bool,
         tier: int,
         catch_up: bool,
-        idle: bool = False,
     ) -> _Captured:
+        """The step of this key over static, padded inputs, not captured: what a graph of it
+        replays, and how a shape runs before it is captured (or without CUDA graphs)."""
         worker, dev = self.worker, self.worker.device
         rows = torch.full((bs,), PAD_ROW, dtype=torch.int64, device=dev)
 
@@ -385,16 +394,23 @@ class DecodeGraphs:
             with torch.inference_mode():
                 return worker.step.run(rows, sampling, width, kv_upper, tier, catch_up)
 
+        return _Captured(None, step, rows, sampling, None)
+
+    def _capture(self, *key, idle: bool = False) -> _Captured:
+        # (fresh padding rows: a capture runs the step, and the eager step's hold real rows)
+        self._eager.pop(key, None)
+        cap = self._padded_step(*key)
         if not self.capture:
-            return _Captured(None, step, rows, sampling, None)
+            return cap
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
-        graph, outputs = capture_graph(step, self.pool, dev)
+        cap.graph, cap.outputs = capture_graph(cap.step, self.pool, self.worker.device)
         if idle:
             self.num_idle_captures += 1
         else:
             self.num_captures += 1
+        bs, width, all_greedy, _, logprobs, top_logprobs, _, tier, catch_up = key
         log.info(
             "captured decode graph in %.2f s: batch %d, width %d, greedy=%s, logprobs=%s "
             "(top %d), tier %d, catch-up %s",
@@ -407,7 +423,7 @@ class DecodeGraphs:
             tier,
             catch_up,
         )
-        return _Captured(graph, step, rows, sampling, outputs)
+        return cap
 
 
 # Padding rows sample greedily with no filters (their outputs are discarded).
