@@ -108,13 +108,16 @@ def test_one_batch_on_chat_prompts_measures_the_bundled_drafts_acceptance(tmp_pa
 class _CapturingEngine:
     """Stands in for an engine whose runs capture a scripted number of new CUDA graphs."""
 
-    def __init__(self, captures_per_run: list[int]):
+    def __init__(self, captures_per_run: list[int], idle_captures_per_run: list[int] = ()):
         self.script = list(captures_per_run)
-        self.captures = 0
+        self.idle_script = list(idle_captures_per_run)
+        self.captures = self.idle_captures = 0
         self.core = types.SimpleNamespace(model_config=types.SimpleNamespace(vocab_size=100))
 
     def generate(self, input_ids, sampling_params):
         self.captures += self.script.pop(0) if self.script else 0
+        # (what the run left to capture when idle: captured before stats() is read)
+        self.idle_captures += self.idle_script.pop(0) if self.idle_script else 0
         n = sampling_params["max_new_tokens"]
         meta = {"ttft": 0.01, "completion_tokens": n}
         return [{"output_ids": [5] * n, "meta_info": meta} for _ in input_ids]
@@ -123,17 +126,30 @@ class _CapturingEngine:
         return 0
 
     def stats(self):
-        return {"num_graph_captures": self.captures, "speculative_adaptive": None}
+        return {
+            "num_graph_captures": self.captures,
+            "num_graph_captures_idle": self.idle_captures,
+            "num_graph_captures_wanted": 0,
+            "speculative_adaptive": None,
+        }
 
 
 @pytest.mark.parametrize(
-    "script,warmups,timed",
-    [([0, 0], 1, 0), ([4, 0, 0], 2, 0), ([4, 2, 0, 0], 3, 0), ([4, 2, 1, 1], 3, 1)],
+    "script,idle,warmups,timed",
+    [
+        ([0, 0], [], 1, 0),
+        ([4, 0, 0], [], 2, 0),
+        ([4, 2, 0, 0], [], 3, 0),
+        ([4, 2, 1, 1], [], 3, 1),
+        ([0, 0, 0], [3, 0], 2, 0),  # shapes run eagerly, captured only while idle
+    ],
 )
-def test_one_batch_warms_up_until_no_graph_is_captured_and_reports_any_left(script, warmups, timed):
+def test_one_batch_warms_up_until_no_graph_is_captured_and_reports_any_left(
+    script, idle, warmups, timed
+):
     from specserve.bench.one_batch import run_one_batch
 
-    row = run_one_batch(_CapturingEngine(script), 2, 8, 4)
+    row = run_one_batch(_CapturingEngine(script, idle), 2, 8, 4)
     assert (row["warmup_runs"], row["graph_captures_timed"]) == (warmups, timed)
 
 

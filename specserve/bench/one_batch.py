@@ -71,23 +71,29 @@ def wait_for_idle_captures(engine) -> None:
 
 
 def warm_up(engine, prompts: list[list[int]], sp: dict) -> int:
-    """Run the batch untimed until a run captures no new CUDA graph (at most MAX_WARMUPS
-    runs), so Triton has compiled and every graph a timed run needs (batch bucket x
-    context-width bucket) is captured. Under adaptive speculation a run may first meet a
-    (tier, draft catch-up) graph in a later run (exploration rotates through the tiers), and
-    the engine captures, when idle, the tiers it ran at a batch bucket at the other widths
-    met there: each run is followed by the idle time those captures take, as a server
-    between waves of requests would have. The prefix cache is flushed after each, so a timed
-    prefill computes its prompts as a first request would. Returns the runs made."""
+    """Run the batch untimed until a run leaves no new CUDA graph to capture (at most
+    MAX_WARMUPS runs), so Triton has compiled and every graph a timed run needs (batch
+    bucket x context-width bucket) is captured. Each run is followed by the idle time the
+    engine's captures of shapes it ran eagerly or on larger graphs take (as a server between
+    waves of requests would have). Under adaptive speculation a later run may meet a (tier,
+    draft catch-up) graph the first did not (exploration rotates through the tiers). The
+    prefix cache is flushed after each, so a timed prefill computes its prompts as a first
+    request would. Returns the runs made."""
     runs = 0
     while True:
-        captures = engine.stats()["num_graph_captures"]
+        before = _graph_captures(engine)
         engine.generate(input_ids=prompts, sampling_params=sp)
         engine.flush_cache()
-        runs += 1
         wait_for_idle_captures(engine)
-        if engine.stats()["num_graph_captures"] == captures or runs == MAX_WARMUPS:
+        runs += 1
+        if _graph_captures(engine) == before or runs == MAX_WARMUPS:
             return runs
+
+
+def _graph_captures(engine) -> int:
+    """Graphs captured so far, while steps waited or while the engine idled."""
+    stats = engine.stats()
+    return stats["num_graph_captures"] + stats.get("num_graph_captures_idle", 0)
 
 
 def _timed_run(engine, prompts: list[list[int]], sp: dict) -> dict[str, Any]:
