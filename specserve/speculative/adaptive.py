@@ -92,7 +92,7 @@ plainly to its end and never pays for the draft again); see runtime/draft_lag.py
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from specserve.config.speculative import small_tree
@@ -219,6 +219,8 @@ class AdaptiveSpeculation:
         self._host_per_token: dict[int, deque[float]] = {}  # bucket -> its latest steps'
         # (tier, bucket) -> its latest steps' (tokens, host seconds)
         self._host_steps: dict[tuple[int, int], deque[tuple[int, float]]] = {}
+        # bucket -> tier -> the medians of those (tokens, seconds), and how many steps
+        self._host_points: dict[int, dict[int, tuple[float, float, int]]] = {}
         self._warmed: set[tuple[int, int]] = set()  # (tier, bucket) whose first step ran
         self.picks = 0
         self.counts = [0] * len(tiers)  # steps run per tier (reporting)
@@ -398,12 +400,14 @@ class AdaptiveSpeculation:
         self.last_seen[tier] = self.picks
         self.requests_seen += len(accept_lens)  # (requests that do not speculate say nothing)
         if tier > 0 and accept_lens:
-            self._learn(tier, accept_lens)
+            self._learn(tier, sum(accept_lens), len(accept_lens))
             if chain_reach and not self.tiers[tier].ragged:
                 # (a ragged step may have pruned the chain's nodes: its reach is no measure)
+                reaches = Counter(chain_reach)  # (few distinct values in a large batch)
                 for c in self._chains_within[tier]:
                     depth = self.tiers[c].max_depth
-                    self._learn(c, [1 + min(depth, r) for r in chain_reach])
+                    emitted = sum(k * (1 + min(depth, r)) for r, k in reaches.items())
+                    self._learn(c, emitted, len(chain_reach))
                     self.inferred[c] = self.picks
         bucket = batch_bucket(batch_size)
         if tier == self._explored:
@@ -433,8 +437,9 @@ class AdaptiveSpeculation:
             prev = self.context_cost.get(bucket)
             self.context_cost[bucket] = extra if prev is None else prev + EMA * (extra - prev)
 
-    def _learn(self, tier: int, accept_lens: list[int]) -> None:
-        """Fold a step's accept lengths of `tier` into its estimate."""
+    def _learn(self, tier: int, accepted: float, requests: int) -> None:
+        """Fold a step of `tier` into its estimate: its speculating `requests` emitted
+        `accepted` tokens in all."""
         # older requests weigh less by every request served since, at any tier: a tier
         # explored rarely is judged on what it does now, not on a regime long gone
         decay = (1.0 - ACCEPT_DECAY) ** (self.requests_seen - self.accept_clock[tier])
@@ -443,8 +448,8 @@ class AdaptiveSpeculation:
         # request's single step cannot alone decide a tier explored rarely)
         weight = self.accept_weight[tier]
         kept = max(weight * decay, min(weight, ACCEPT_MIN_WEIGHT))
-        self.accept_sum[tier] = self.accept[tier] * kept + sum(accept_lens)
-        self.accept_weight[tier] = kept + len(accept_lens)
+        self.accept_sum[tier] = self.accept[tier] * kept + accepted
+        self.accept_weight[tier] = kept + requests
         self.accept[tier] = self.accept_sum[tier] / self.accept_weight[tier]
 
     def observe_host(self, tier: int, batch_size: int, seconds: float, tokens: int) -> None:
@@ -460,18 +465,20 @@ class AdaptiveSpeculation:
         per_token.append(seconds / tokens)
         steps = self._host_steps.setdefault((tier, bucket), deque(maxlen=HOST_WINDOW))
         steps.append((tokens, seconds))
+        if len(steps) >= HOST_MIN_STEPS:
+            point = (
+                statistics.median(n for n, _ in steps),
+                statistics.median(s for _, s in steps),
+                len(steps),
+            )
+            self._host_points.setdefault(bucket, {})[tier] = point
         self.host_cost[bucket] = self._fit_host(bucket)
 
     def _fit_host(self, bucket: int) -> tuple[float, float]:
         """(seconds per step, seconds per emitted token) of the host at this bucket: the line
         through the tiers' median (tokens, seconds) per step, each weighing its steps, where
         they emit far enough apart to tell; else all per token."""
-        points = []
-        for (_, b), steps in self._host_steps.items():
-            if b == bucket and len(steps) >= HOST_MIN_STEPS:
-                tokens = statistics.median(n for n, _ in steps)
-                seconds = statistics.median(s for _, s in steps)
-                points.append((tokens, seconds, len(steps)))
+        points = list(self._host_points.get(bucket, {}).values())
         per_token = statistics.median(self._host_per_token[bucket])
         if not points or max(p[0] for p in points) < (1 + HOST_SPREAD) * min(p[0] for p in points):
             return 0.0, per_token
