@@ -502,6 +502,27 @@ def test_a_wide_tier_whose_steps_emit_more_is_not_free_because_the_host_is_busy(
     assert picks[-100:].count(1) > 90, picks[-100:]
 
 
+def test_a_tiers_old_host_time_does_not_tilt_the_line_through_fresh_ones():
+    """The host's speed moves with the machine's load. A tier not run for HOST_POINT_AGE steps
+    at a bucket no longer weighs in the host's cost (beside a fresh point, its old one tilted
+    the line), and when it runs again it starts afresh."""
+    from specserve.speculative.adaptive import HOST_POINT_AGE
+
+    tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(6, 8, 64)]
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: 1e-3)
+    for _ in range(15):  # 1.5 ms a step, whatever the step emits
+        p.observe_host(1, 16, 1.5e-3, 32)
+        p.observe_host(2, 16, 1.5e-3, 64)
+    assert p.describe()["host_us_per_step_and_token"][16] == [1500.0, 0.0]
+    for _ in range(HOST_POINT_AGE + 1):  # then only the chain, the host twice as fast
+        p.observe_host(1, 16, 0.75e-3, 32)
+    # one fresh tier alone cannot tell the two costs apart: per token, as measured now
+    assert p.describe()["host_us_per_step_and_token"][16] == [0.0, 23.438]
+    for _ in range(3):  # the tree again, the host as fast: its new steps alone count
+        p.observe_host(2, 16, 0.75e-3, 64)
+    assert p.describe()["host_us_per_step_and_token"][16] == [750.0, 0.0]
+
+
 def test_a_replay_timed_too_slow_is_corrected_by_the_first_step_served_at_that_tier():
     """A tier's replay at start-up can overstate its served time (seen: 8.9 ms for the
     served tree at batch 128, 6.7 ms served). Its first served step is a replay of an

@@ -210,6 +210,63 @@ def test_ready_tiers_are_the_tiers_captured_at_the_steps_shape():
     assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) is None
 
 
+def test_requests_sent_back_to_back_find_no_idle_capture_in_their_way(monkeypatch):
+    """The idle engine captures only once it has had no work for IDLE_CAPTURE_DELAY_S: a
+    client sending its next request as the last one returns (a benchmark's timed pass, a
+    chat's next turn) must not wait for a capture in between."""
+    from specserve.runtime import engine_core
+
+    monkeypatch.setattr(engine_core, "IDLE_CAPTURE_DELAY_S", 1.0)
+    prompts = mixed_prompts(2, 512, seed=37, min_len=4)
+    sps = [{"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}] * 2
+    with Engine(**TINY) as e:
+        graphs = padded_graphs(e)
+        for _ in range(2):  # (fewer steps than EAGER_STEPS in all)
+            e.generate(input_ids=prompts, sampling_params=sps)
+        wanted = set(graphs.wanted)
+        assert wanted and not wanted & set(graphs.graphs)  # run eagerly each time
+        wait_for_idle_captures(graphs)
+        assert wanted <= set(graphs.graphs)
+
+
+def test_a_shape_met_again_and_again_is_captured_after_its_eager_steps():
+    """Eager steps are counted over every visit to a shape, not in a row: a batch flipping
+    between two buckets (a request joining and leaving) would otherwise run both eagerly
+    for as long as the engine stays busy."""
+    import torch
+
+    from specserve.kv.request_rows import PAD_ROW
+    from specserve.ops.sampling import SamplingTensors
+
+    with Engine(**TINY) as e:
+        graphs = padded_graphs(e)
+
+        def sampling(n):
+            zeros = {k: torch.zeros(n) for k in ("temperatures", "top_ps", "min_ps")}
+            ints = {k: torch.zeros(n, dtype=torch.int64) for k in ("top_ks", "seeds")}
+            plain = torch.zeros(n, dtype=torch.bool)
+            return SamplingTensors(
+                **zeros, **ints, plain_rows=plain, all_greedy=True, needs_filter=False
+            )
+
+        hows = {1: [], 4: []}
+        for _ in range(EAGER_STEPS + 1):
+            for n in (4, 1):  # (nothing covers either before the batch of 4 is captured)
+                graphs.run([PAD_ROW] * n, sampling(n), 100)
+                how = (
+                    "captured"
+                    if graphs.captured_last
+                    else "covered"
+                    if graphs.covered_last
+                    else "eager"
+                    if graphs.eager_last
+                    else "own"
+                )
+                hows[n].append(how)
+    assert hows[4] == ["eager"] * EAGER_STEPS + ["captured"]
+    assert hows[1] == ["eager"] * EAGER_STEPS + ["covered"]
+
+
 def test_a_request_outliving_its_batch_gets_its_own_graph_once_long_lived():
     """A lone request left from a batch would otherwise run on the batch's larger graph for
     as long as the engine is busy: once its shape has served LONG_LIVED_SHAPE_STEPS steps in

@@ -14,11 +14,11 @@ covers it (same sampling mode and tier, batch and width buckets at least as larg
 most `MAX_COVER_FACTOR` times: more padding rows, a wider KV layout) and gets its own graph
 when the engine is idle (`capture_wanted`) or once it has served `LONG_LIVED_SHAPE_STEPS`
 steps in a row (a request outliving its batch); a shape nothing covers runs eagerly for its
-first `EAGER_STEPS` steps in a row (a batch's tail passes most shapes in fewer), then is
-captured, or is captured when the engine idles. Under load-adaptive speculation a step's key also names its tier; an idle engine
-captures every tier that has run at a batch bucket at every context width met there, so that
-the next wave of requests, whose tails pass the same shapes with other tiers, does not stop
-to capture them. Anything outside the buckets runs eagerly through the same `DecodeStep.run`.
+first `EAGER_STEPS` steps (a batch's tail passes most shapes in fewer), then is captured, or
+is captured when the engine idles. Under load-adaptive speculation a step's key also names
+its tier; an idle engine captures every tier that has run at a batch bucket at every context
+width met there, so that the next wave of requests, whose tails pass the same shapes with
+other tiers, does not stop to capture them. Anything outside the buckets runs eagerly through the same `DecodeStep.run`.
 
 Inputs are copied into each graph's static tensors before a replay; those copies and the
 replay are ordered on the stream after the previous step, so under overlap scheduling the
@@ -46,7 +46,7 @@ MIN_WIDTH = 256
 # short-lived shape (a batch's shrinking tail, met again and again for a few steps) would
 # not.
 LONG_LIVED_SHAPE_STEPS = 64
-# A shape no graph covers runs eagerly for this many steps in a row before it is captured.
+# A shape no graph covers runs eagerly for this many steps before it is captured.
 # A capture costs as much as 10-40 eager steps' launch overhead (SmolLM2 on an H200: 0.1-0.27
 # s against 1.5-3 ms replays), and a batch's tail passes most shapes in fewer steps: each
 # capture in a timed run's tail at batch 128 cost it a quarter to four fifths of its speed. A
@@ -143,6 +143,7 @@ class DecodeGraphs:
         self.covered_last = False  # the last run replayed a larger shape's graph
         self.eager_last = False  # the last run left a shape nothing covers to an eager step
         self._eager: dict[tuple, _Captured] = {}  # those shapes' padded steps, not captured
+        self._eager_steps: dict[tuple, int] = {}  # and how many steps each ran eagerly
 
     def bucket(self, bsz: int, width: int) -> tuple[int, int] | None:
         bs = next((b for b in self.buckets if b >= bsz), None)
@@ -176,9 +177,13 @@ class DecodeGraphs:
         cap = self.graphs.get(key)
         long_lived = self.streak[1] >= LONG_LIVED_SHAPE_STEPS
         cover = None if cap is not None or long_lived else self._cover(key)
-        if cap is None and cover is None and self.streak[1] <= EAGER_STEPS:
+        eager = self._eager_steps.get(key, 0) < EAGER_STEPS and not long_lived
+        if cap is None and cover is None and eager:
             self.eager_last = True  # (its time is mostly its launches')
             self.wanted[key] = None
+            # (counted over every visit, not in a row: a batch flipping between two buckets
+            # would otherwise run eagerly for as long as the engine is busy)
+            self._eager_steps[key] = self._eager_steps.get(key, 0) + 1
             # at the padded shape: the kernels compiled for it serve (at the real batch size,
             # new Triton specializations compiled for seconds within SmolLM2's timed runs)
             if key not in self._eager:
@@ -312,6 +317,7 @@ class DecodeGraphs:
         self.wanted.clear()
         self._met.clear()
         self._eager.clear()
+        self._eager_steps.clear()
         self._covers.clear()
         self._rows_version = self.worker.rows.version
         self.streak = (None, 0)
@@ -399,6 +405,7 @@ class DecodeGraphs:
     def _capture(self, *key, idle: bool = False) -> _Captured:
         # (fresh padding rows: a capture runs the step, and the eager step's hold real rows)
         self._eager.pop(key, None)
+        self._eager_steps.pop(key, None)
         cap = self._padded_step(*key)
         if not self.capture:
             return cap

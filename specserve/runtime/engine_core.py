@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_TOKENS = 16384
+# An idle engine captures wanted decode graphs only once it has had no work this long: a
+# capture blocks the loop for 0.05-0.3 s, and a client that sends one request after another
+# (a chat turn after the last answer) leaves gaps of a millisecond or so.
+IDLE_CAPTURE_DELAY_S = 0.05
 
 
 def make_attention_backend(name: str, kernels: Kernels = REFERENCE):
@@ -181,6 +185,7 @@ class EngineCore:
         self.num_prefill_batches = 0
         self.num_prefills_beside = 0  # of those, run while a decode step was in flight
         self.num_steps = 0
+        self._busy_at = 0.0  # when the loop last stepped (idle work waits a moment after)
         self.spec_totals = {"verify_ct": 0, "accepted": 0}
         # device seconds of the decode steps timed for the adaptive policy (their own time,
         # launch to end): against wall time it shows how long the device waited on the host
@@ -300,8 +305,10 @@ class EngineCore:
 
     def idle_work(self) -> bool:
         """Work for a moment with no request running or waiting: capture a decode graph that
-        steps replayed a larger one for (runtime/cuda_graphs.py). Whether it did any."""
-        if self.has_work():
+        steps ran eagerly or on a larger one (runtime/cuda_graphs.py). Whether it did any.
+        Not before the engine has idled `IDLE_CAPTURE_DELAY_S`: a client sending its next
+        request as the last one returns would find a capture in its way."""
+        if self.has_work() or time.perf_counter() - self._busy_at < IDLE_CAPTURE_DELAY_S:
             return False
         try:
             return self.worker.capture_wanted()
@@ -322,6 +329,7 @@ class EngineCore:
         device, their host work done while it runs); they join the next step. Only what the
         step in flight must not see (a retraction, a batch that no longer fits) drains it
         first and then runs as without overlap."""
+        self._busy_at = time.perf_counter()
         touched = self._reap_finished()
         if self.pending is None:
             self.host_clock.interrupt()  # the loop may have idled: not a step's host time

@@ -25,9 +25,11 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   bucket (host time spikes: a collection, a burst of requests finishing; a spike says
   nothing of the next steps), and a line through the tiers' (tokens, seconds) medians gives
   both costs (`HOST_MIN_STEPS` steps make a tier's median; tiers emitting within
-  `HOST_SPREAD` of one another cannot tell the two costs apart). Until two tiers tell it, the
-  host's time is taken as per token, the median of the bucket's latest steps whatever their
-  tier, so a tier run rarely is not judged on the few intervals it happened to run in.
+  `HOST_SPREAD` of one another cannot tell the two costs apart; a tier not run within the
+  bucket's last `HOST_POINT_AGE` steps no longer counts, as the host's speed moves with the
+  machine's load). Until two tiers tell it, the host's time is taken as per token, the median
+  of the bucket's latest steps whatever their tier, so a tier run rarely is not judged on the
+  few intervals it happened to run in.
 - step_seconds: the device time of a step of tier t at a batch bucket, measured on this
   device when the engine starts (`prime`: every tier's CUDA graph at every bucket replayed on
   padding rows, so every tier is timed alike, and serving does not stop to capture and time
@@ -128,6 +130,12 @@ HOST_MIN_STEPS = 3
 # Tiers whose steps emit within this fraction of one another cannot tell a per-step cost from
 # a per-token one (their host times differ by less than the noise between steps).
 HOST_SPREAD = 0.15
+# A tier's host time not renewed within the bucket's last this many steps is no longer weighed,
+# and starts afresh when the tier runs again: the host's speed moves with the machine's load
+# (about a second of SmolLM2 steps at batch 128 on an H200), and an old point beside a fresh
+# one tilts the line (a host grown faster since made a rarely run wide tree look dear per
+# token, so dear it was no longer explored, and its point never renewed).
+HOST_POINT_AGE = 256
 
 
 def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
@@ -219,8 +227,11 @@ class AdaptiveSpeculation:
         self._host_per_token: dict[int, deque[float]] = {}  # bucket -> its latest steps'
         # (tier, bucket) -> its latest steps' (tokens, host seconds)
         self._host_steps: dict[tuple[int, int], deque[tuple[int, float]]] = {}
-        # bucket -> tier -> the medians of those (tokens, seconds), and how many steps
-        self._host_points: dict[int, dict[int, tuple[float, float, int]]] = {}
+        # bucket -> tier -> the medians of those (tokens, seconds), how many steps, and the
+        # bucket's host clock (steps observed there) at the newest
+        self._host_points: dict[int, dict[int, tuple[float, float, int, int]]] = {}
+        self._host_clock: dict[int, int] = {}
+        self._host_seen: dict[tuple[int, int], int] = {}  # (tier, bucket) -> its last step
         self._warmed: set[tuple[int, int]] = set()  # (tier, bucket) whose first step ran
         self.picks = 0
         self.counts = [0] * len(tiers)  # steps run per tier (reporting)
@@ -323,6 +334,7 @@ class AdaptiveSpeculation:
             self.explore_gap = self.explore_every
             self.next_explore = min(self.next_explore, self.picks + self.explore_gap)
             self._best = best
+        served = self._served(batch_size, best, scores, ready)
         if self.picks >= self.next_explore:
             self.next_explore = self.picks + self.explore_gap
             new_text, self._new_text = self._new_text, False  # (used here, or not at all)
@@ -330,7 +342,7 @@ class AdaptiveSpeculation:
             # they accepted all they draft (a wide tree at a large batch never can), among
             # those replayable at this shape; new text may capture one only where none of
             # them is (where one is, exploring it tries the new requests at no capture's
-            # cost) and speculation is off (else the new requests speculate already)
+            # cost) and the step would decode plainly (else the new requests speculate)
             upper = self._upper_scores(batch_size)
             # (a chain whose acceptance recent steps of a deeper tree told has nothing to show;
             # where the host sets the pace, a tier could win the tie by emitting more a step)
@@ -342,12 +354,17 @@ class AdaptiveSpeculation:
                 and self.picks - self.inferred[t] > self.explore_every
             ]
             hopeful = [t for t in could if ready is None or t in ready]
-            if not hopeful and new_text and best == 0:
+            if not hopeful and new_text and served == 0:
                 hopeful = could
             if hopeful:
                 self._explored = min(hopeful, key=lambda t: (self.last_seen[t], upper[t]))
                 self._explored_score = scores[self._explored]
                 return self._explored
+        return served
+
+    def _served(self, batch_size: int, best: int, scores: list[float], ready) -> int:
+        """The tier a step runs when not exploring: the best one, or where no graph runs it at
+        the step's shape, the best replayable one scoring within CAPTURE_MARGIN of it."""
         if ready and best not in ready:
             # (a ragged tier stands in for its unreplayable whole tree on its own score: close
             # enough, it saves the capture)
@@ -361,8 +378,8 @@ class AdaptiveSpeculation:
         """`count` requests started decoding. Once as many have arrived as a step holds, the
         batch is other text than the one the explorations found nothing for: they start
         over at the first pace, and the next one may run a tier no graph runs at the step's
-        shape where none worth exploring is and plain decoding is the best tier (one
-        capture per batch of new requests, at most). Else new requests, after a stretch that
+        shape where none worth exploring is and the step would decode plainly (one capture
+        per batch of new requests, at most). Else new requests, after a stretch that
         drafts could not help, would decode plainly until their drafts fell too far behind
         to catch up (runtime/draft_lag.py), never tried. Where such a tier is captured,
         exploring it tries them without a capture (one per batch of new requests stalled
@@ -463,22 +480,33 @@ class AdaptiveSpeculation:
         self.host[(tier, bucket)] = seconds if old is None else old + EMA * (seconds - old)
         per_token = self._host_per_token.setdefault(bucket, deque(maxlen=HOST_WINDOW))
         per_token.append(seconds / tokens)
+        now = self._host_clock[bucket] = self._host_clock.get(bucket, 0) + 1
+        points = self._host_points.setdefault(bucket, {})
         steps = self._host_steps.setdefault((tier, bucket), deque(maxlen=HOST_WINDOW))
+        if now - self._host_seen.get((tier, bucket), now) > HOST_POINT_AGE:
+            steps.clear()  # (stale: the tier starts afresh)
+            points.pop(tier, None)
+        self._host_seen[(tier, bucket)] = now
         steps.append((tokens, seconds))
         if len(steps) >= HOST_MIN_STEPS:
-            point = (
+            points[tier] = (
                 statistics.median(n for n, _ in steps),
                 statistics.median(s for _, s in steps),
                 len(steps),
+                now,
             )
-            self._host_points.setdefault(bucket, {})[tier] = point
         self.host_cost[bucket] = self._fit_host(bucket)
 
     def _fit_host(self, bucket: int) -> tuple[float, float]:
         """(seconds per step, seconds per emitted token) of the host at this bucket: the line
         through the tiers' median (tokens, seconds) per step, each weighing its steps, where
         they emit far enough apart to tell; else all per token."""
-        points = list(self._host_points.get(bucket, {}).values())
+        now = self._host_clock[bucket]
+        points = [
+            (n, s, w)
+            for n, s, w, seen in self._host_points.get(bucket, {}).values()
+            if now - seen <= HOST_POINT_AGE
+        ]
         per_token = statistics.median(self._host_per_token[bucket])
         if not points or max(p[0] for p in points) < (1 + HOST_SPREAD) * min(p[0] for p in points):
             return 0.0, per_token
