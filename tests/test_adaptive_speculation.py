@@ -655,7 +655,8 @@ def test_an_idle_engine_captures_the_tiers_run_at_a_batch_size_at_its_other_widt
         )
         alike = {(bs, w, *mode, *v) for (bs, mode), (ws, vs) in met.items() for w in ws for v in vs}
         assert set(graphs.graphs) == alike
-        assert {key for key, idle in captured if idle} == alike - set(ran)
+        # (captured while idle: the shapes not run, and those run eagerly, EAGER_STEPS)
+        assert alike - set(ran) <= {key for key, idle in captured if idle} <= alike
 
 
 def test_simulated_rejection_switches_speculation_off():
