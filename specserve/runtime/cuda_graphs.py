@@ -18,7 +18,8 @@ first `EAGER_STEPS` steps (a batch's tail passes most shapes in fewer), then is 
 is captured when the engine idles. Under load-adaptive speculation a step's key also names
 its tier; an idle engine captures every tier that has run at a batch bucket at every context
 width met there, so that the next wave of requests, whose tails pass the same shapes with
-other tiers, does not stop to capture them. Anything outside the buckets runs eagerly through the same `DecodeStep.run`.
+other tiers, does not stop to capture them. Anything outside the buckets runs eagerly
+through the same `DecodeStep.run`.
 
 Inputs are copied into each graph's static tensors before a replay; those copies and the
 replay are ordered on the stream after the previous step, so under overlap scheduling the
@@ -160,11 +161,11 @@ class DecodeGraphs:
         catch_up: bool = False,
     ) -> StepOutputs | None:
         """Replay the step for these rows: DecodeStep.run's outputs for the real rows; None
-        when the step is to run eagerly: the batch is too large for a graph, or nothing
-        covers its shape yet (`EAGER_STEPS`). A shape without a graph replays a larger one
-        covering it, or is captured for this step's tier alone: load-adaptive speculation
-        explores only tiers it can replay at a shape (`ready_tiers`), so no other tier's
-        capture is needed to explore."""
+        when the batch is too large for a graph (the caller runs it eagerly). A shape
+        without a graph replays a larger one covering it; one nothing covers runs its padded
+        step eagerly for `EAGER_STEPS` steps, then is captured for this step's tier alone:
+        load-adaptive speculation explores only tiers it can replay at a shape
+        (`ready_tiers`), so no other tier's capture is needed to explore."""
         self.covered_last = self.captured_last = self.eager_last = False
         shape = self.bucket(len(rows), width)
         if shape is None:

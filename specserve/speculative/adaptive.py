@@ -106,8 +106,9 @@ ACCEPT_MIN_WEIGHT = 8.0  # the least weight decay leaves a tier's observed accep
 ACCEPT_PRIOR_WEIGHT = 0.1  # the optimistic start counts as this many requests
 # A tier with no CUDA graph that can run the step's shape (its own or a covering one) is run
 # instead of one that has only if it scores this much better. Its steps run eagerly (slower)
-# until it is captured, and a capture stalls every request for 10-50 steps' time (on an H200: 0.08-0.1 s for SmolLM2 against 2-5 ms steps; 0.05-0.26 s at the 8B shape
-# against 5-30 ms), and until a shape has served LONG_LIVED_SHAPE_STEPS (64) steps in a row
+# until it is captured, and a capture stalls every request for 10-50 steps' time (on an H200:
+# 0.08-0.1 s for SmolLM2 against 2-5 ms steps; 0.05-0.26 s at the 8B shape against 5-30 ms),
+# and until a shape has served LONG_LIVED_SHAPE_STEPS (64) steps in a row
 # (runtime/cuda_graphs.py: then any tier may capture there) a tier this much better wins
 # back at most 13 steps. (At 0.03, an emulation of the bench's runs at batch 16-128 captured
 # one to two graphs per run to the end; at 0.2, 18-25% more tokens per second.)
