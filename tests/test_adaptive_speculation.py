@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 
 import pytest
 import torch
@@ -15,7 +14,13 @@ from specserve import Engine
 from specserve.runtime.cuda_graphs import DecodeGraphs
 from specserve.speculative.adaptive import AdaptiveSpeculation, batch_bucket, speculation_tiers
 from specserve.speculative.tree import PLAIN, TreeShape
-from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, mixed_prompts, spec_args
+from tests.engine_utils import (
+    TINY,
+    assert_kv_matches_plain_prefill,
+    mixed_prompts,
+    spec_args,
+    wait_for_idle_captures,
+)
 
 SP = {"temperature": 0.0, "max_new_tokens": 14, "ignore_eos": True}
 
@@ -424,14 +429,16 @@ def test_policy_weighs_replayed_step_times_plus_what_real_contexts_add():
     assert abs(p.seconds(2, 256) - (94.4 + 37.0 - 24.3) / 1e3) < 2e-3
 
 
-def serve_host_bound(p, tiers_ms, accept, host_us_per_token, steps, batch=64):
-    """Serve `steps` steps: each tier's device ms, the host's time per emitted token."""
+def serve_host_bound(p, tiers_ms, accept, host_us_per_token, steps, batch=64, host_us=0.0):
+    """Serve `steps` steps: each tier's device ms; the host's time per emitted token, and
+    `host_us` more per step."""
     picks = []
     for _ in range(steps):
         t = p.pick(batch)
         picks.append(t)
+        tokens = batch * accept[t]
         p.observe(t, batch, [accept[t]] * batch if t else [], tiers_ms[t] / 1e3)
-        p.observe_host(t, batch, host_us_per_token * 1e-6 * batch * accept[t], batch * accept[t])
+        p.observe_host(t, batch, (host_us + host_us_per_token * tokens) * 1e-6, tokens)
     return picks
 
 
@@ -464,17 +471,9 @@ def test_a_host_cost_per_step_is_told_apart_from_one_per_token():
     tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(6, 8, 64)]
     device_ms = (0.8, 0.9, 1.6)
     accept = (1, 2.5, 4)
-
-    def host_seconds(t):  # 1.5 ms a step, 1 us a token
-        return 1.5e-3 + 1e-6 * 16 * accept[t]
-
     p = AdaptiveSpeculation(tiers, measure=lambda b, t: device_ms[t] / 1e3)
-    picks = []
-    for _ in range(400):
-        t = p.pick(16)
-        picks.append(t)
-        p.observe(t, 16, [accept[t]] * 16 if t else [], device_ms[t] / 1e3)
-        p.observe_host(t, 16, host_seconds(t), 16 * accept[t])
+    # 1.5 ms a step, 1 us a token
+    picks = serve_host_bound(p, device_ms, accept, 1.0, 400, batch=16, host_us=1500.0)
     per_step_us, per_token_us = p.describe()["host_us_per_step_and_token"][16]
     assert abs(per_step_us - 1500) < 1 and abs(per_token_us - 1) < 0.01
     # the tree: 64 tokens in 1.6 ms; the chain 40 in 1.54 (as a cost per token, measured
@@ -639,10 +638,7 @@ def test_an_idle_engine_captures_the_tiers_run_at_a_batch_size_at_its_other_widt
         e.core.adaptive.pick = lambda b, can=True, ready=None: next(picks, 1)
         prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
         e.generate(input_ids=prompts, sampling_params=dict(SP, max_new_tokens=300))
-        for _ in range(200):  # the idle loop captures what it wants
-            if not e.stats()["num_graph_captures_wanted"]:
-                break
-            time.sleep(0.05)
+        wait_for_idle_captures(graphs)
         assert not e.stats()["num_graph_captures_wanted"]
         met = {}  # (batch bucket, sampling mode) -> (widths, (tier, catch-up) variants)
         for bs, width, *rest in ran:
