@@ -1,5 +1,7 @@
 """What load-adaptive speculation chose, step by step: `specserve bench one-batch` run in this
-process with the policy's picks logged, then summarized. Each pick records the batch size, the
+process with the policy's picks logged, then summarized. Every decode step is also logged
+with the host's time around it and how long the host waited for the device, for any
+configuration (a fixed tree too), so two configurations' runs can be compared step by step. Each pick records the batch size, the
 tier, whether it explored, every tier's score, device-time estimate and acceptance estimate,
 the host's time per step and per token it weighed, and the wall clock; every CUDA-graph capture is logged
 with its shape and duration. The summary gives, per batch bucket, the picks per tier (best or
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.runtime.cuda_graphs import DecodeGraphs  # noqa: E402
+from specserve.runtime.engine_core import EngineCore  # noqa: E402
+from specserve.runtime.host_clock import HostClock  # noqa: E402
 from specserve.speculative.adaptive import AdaptiveSpeculation, batch_bucket  # noqa: E402
 
 
@@ -87,6 +92,104 @@ def record_picks(log: list[dict]) -> None:
     DecodeGraphs._capture = logged_capture
 
 
+def record_steps(steps: list[dict]) -> None:
+    """Wrap the engine's decode launch and the host clock to append one record per step:
+    wall clock, batch size, tier, the launch's own ms, the host's ms around the step applied
+    before it (None when a prefill, capture or idle loop came between) and the ms waited."""
+    launch_decode, clock_launch, clock_waited = (
+        EngineCore._launch_decode,
+        HostClock.launch,
+        HostClock.waited,
+    )
+
+    def logged_launch_decode(self, reqs):
+        start = time.perf_counter()
+        pending = launch_decode(self, reqs)
+        steps.append(
+            {
+                "wall_ms": start * 1e3,
+                "batch": len(reqs),
+                "tier": pending.tier,
+                "launch_ms": (time.perf_counter() - start) * 1e3,
+                # CPU time of this thread and of the whole process: a host step slower than
+                # its own CPU time waited for the CPU or the GIL; a process using much more
+                # CPU than the loop thread has other threads busy
+                "thread_cpu_ms": time.thread_time() * 1e3,
+                "process_cpu_ms": time.process_time() * 1e3,
+            }
+        )
+        return pending
+
+    def logged_clock_launch(self):
+        out = clock_launch(self)
+        steps.append({"host_ms": None if out is None else out[2] * 1e3})
+        return out
+
+    def logged_clock_waited(self, seconds, tier, batch_size, tokens):
+        launched = [rec for rec in steps[-2:] if "wall_ms" in rec]
+        if launched:  # (the wait follows the latest launch)
+            launched[-1]["waited_ms"] = launched[-1].get("waited_ms", 0.0) + seconds * 1e3
+        return clock_waited(self, seconds, tier, batch_size, tokens)
+
+    EngineCore._launch_decode = logged_launch_decode
+    HostClock.launch = logged_clock_launch
+    HostClock.waited = logged_clock_waited
+
+
+def merge_steps(raw: list[dict]) -> list[dict]:
+    """One record per launch: the host clock's sample (taken inside the launch) joins it."""
+    out: list[dict] = []
+    host = None
+    for rec in raw:
+        if "wall_ms" in rec:
+            out.append(dict(rec, host_ms=host))
+            host = None
+        else:
+            host = rec["host_ms"]
+    return out
+
+
+def summarize_steps(steps: list[dict]) -> None:
+    """Per run (the batch only shrinks within one) its steps and wall time; per batch bucket
+    the steps, the host's ms a step and the ms it waited for the device a step."""
+    runs, run = [], []
+    for rec in steps:
+        if run and (rec["batch"] > run[-1]["batch"] or rec["wall_ms"] - run[-1]["wall_ms"] > 50):
+            runs.append(run)
+            run = []
+        run.append(rec)
+    if run:
+        runs.append(run)
+    print(
+        "run | first batch | steps | wall ms (first to last launch) | host ms | waited ms "
+        "| loop thread CPU ms | process CPU ms"
+    )
+    for i, r in enumerate(runs):
+        host = sum(x["host_ms"] or 0.0 for x in r)
+        waited = sum(x.get("waited_ms", 0.0) for x in r)
+        cpu = [r[-1][k] - r[0][k] for k in ("thread_cpu_ms", "process_cpu_ms")]
+        print(f"{i} | {r[0]['batch']} | {len(r)} | {r[-1]['wall_ms'] - r[0]['wall_ms']:.1f} "
+              f"| {host:.1f} | {waited:.1f} | {cpu[0]:.1f} | {cpu[1]:.1f}")  # fmt: skip
+    # between launches a and b the host waited for a step in flight (logged on a) and applied
+    # it (the clock's sample, logged on b); counted for a's bucket and tier
+    by = collections.defaultdict(list)
+    for r in runs:
+        for a, b in zip(r, r[1:]):
+            by[(r[0]["batch"], batch_bucket(a["batch"]), a["tier"])].append((a, b))
+    print("first batch | bucket | tier | intervals | wall ms | host ms | waited ms | launch ms")
+    for (first, bucket, tier), pairs in sorted(by.items()):
+        cols = (
+            [b["wall_ms"] - a["wall_ms"] for a, b in pairs],
+            [b["host_ms"] for _, b in pairs if b["host_ms"] is not None],
+            [a.get("waited_ms", 0.0) for a, _ in pairs],
+            [a["launch_ms"] for a, _ in pairs],
+        )
+        cells = [sum(v) / len(v) if v else float("nan") for v in cols]
+        print(
+            f"{first} | {bucket} | {tier} | {len(pairs)} | " + " | ".join(f"{c:.2f}" for c in cells)
+        )
+
+
 def summarize(log: list[dict]) -> None:
     by_bucket = collections.defaultdict(list)
     for rec in log:
@@ -134,18 +237,47 @@ def summarize(log: list[dict]) -> None:
         print(f"{bucket} | {tier} | {len(rows)} | {shown}")
 
 
+def busy_threads(min_seconds: float = 0.5) -> None:
+    """Every thread of this process that used at least `min_seconds` of CPU (Linux): a
+    thread spinning beside the engine's loop slows the loop's host work."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return
+    tick = os.sysconf("SC_CLK_TCK")
+    rows = []
+    for task in tasks.iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        if cpu >= min_seconds:
+            rows.append((cpu, task.name, name))
+    print(f"threads using >= {min_seconds} s of CPU: {len(rows)} of {len(list(tasks.iterdir()))}")
+    for cpu, tid, name in sorted(rows, reverse=True):
+        print(f"  {tid} {name}: {cpu:.1f} s")
+
+
 def main() -> int:
     if len(sys.argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
     out = Path(sys.argv[1])
     log: list[dict] = []
+    raw_steps: list[dict] = []
     record_picks(log)
+    record_steps(raw_steps)
     from specserve.cli import main as cli_main
 
     rc = cli_main(["bench", "one-batch", *sys.argv[2:]])
-    out.write_text(json.dumps(log))
-    summarize(log)
+    steps = merge_steps(raw_steps)
+    out.write_text(json.dumps({"picks": log, "steps": steps}))
+    if log:
+        summarize(log)
+    summarize_steps(steps)
+    busy_threads()
     return rc or 0
 
 

@@ -1,0 +1,153 @@
+"""`bench one-batch --chat` for several engine configurations in one process, their timed
+runs taken in turns (A, B, C, A, B, C, ...), so that the host's speed drifting over a device
+call (on a shared machine whole seconds of host work can run 1.5x slower) falls on every
+configuration alike. Prints JSON and a table: per batch size each configuration's median
+decode tok/s, its runs, and its ratio to the first configuration. Beside each run, the time
+a fixed pure-Python loop took just before it (`host_probe_ms`): a slow run after a slow
+probe is the machine, not the engine.
+
+    python3 bench/one_batch_in_turns.py --batch-size 16 128 --repeats 8 \\
+        --config tree4-4-16="--speculative-num-steps 4 --speculative-eagle-topk 4 \\
+                             --speculative-num-draft-tokens 16" \\
+        --config adaptive="--speculative-adaptive" [--output-json OUT.json] \\
+        [-- common engine flags, e.g. --model-path smollm2-135m --dtype bfloat16]
+
+Every engine keeps its KV cache to `--max-total-tokens` (default 100000 here: the engines
+share the GPU, so none may size its cache from free memory). Each is warmed up at each batch
+size as `bench one-batch` does, and after each of its runs waits for the captures its idle
+loop makes, so none captures during another's run. CUDA machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Runnable as a plain script from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specserve.bench.one_batch import (  # noqa: E402
+    _timed_run,
+    chat_batch,
+    same_lengths,
+    wait_for_idle_captures,
+    warm_up,
+)
+
+PROBE_ITERATIONS = 200_000
+
+
+def host_probe_ms() -> float:
+    """Milliseconds a fixed pure-Python loop takes now: the host's current speed."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(PROBE_ITERATIONS):
+        total += i & 7
+    return (time.perf_counter() - start) * 1e3
+
+
+def build_engines(configs: list[tuple[str, str]], common: list[str]) -> dict:
+    from specserve.cli import add_engine_args, engine_kwargs
+    from specserve.engine import Engine
+
+    engines = {}
+    for name, flags in configs:
+        p = argparse.ArgumentParser()
+        add_engine_args(p)
+        args = p.parse_args([*common, *shlex.split(flags)])
+        engines[name] = Engine(**engine_kwargs(args))
+    return engines
+
+
+def measure(engines: dict, batch_size: int, output_len: int, repeats: int) -> dict:
+    """Warm each engine up at this batch size, then time `repeats` runs of each, in turns."""
+    first = next(iter(engines.values()))
+    prompts, sp = chat_batch(first, batch_size, output_len)
+    others, _ = chat_batch(first, batch_size, output_len, offset=batch_size)
+    warm = same_lengths(others, prompts)
+    for engine in engines.values():
+        warm_up(engine, warm, sp)
+    runs = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            engine.flush_cache()  # each timed prefill computes its prompts afresh
+            probe = host_probe_ms()
+            run = _timed_run(engine, prompts, sp)
+            wait_for_idle_captures(engine)
+            accept = [o["meta_info"].get("spec_accept_length") or 1.0 for o in run["outs"]]
+            runs[name].append(
+                {
+                    "decode_tok_s": round(run["decode_tok_s"], 1),
+                    "accept_length": round(sum(accept) / len(accept), 3),
+                    "host_probe_ms": round(probe, 2),
+                }
+            )
+    return runs
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-size", type=int, nargs="+", default=[16, 128])
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=8, help="timed runs per configuration")
+    p.add_argument(
+        "--config",
+        action="append",
+        required=True,
+        metavar="NAME=FLAGS",
+        help="a configuration's name and its engine flags (quoted); repeat for each",
+    )
+    p.add_argument("--output-json", default=None)
+    argv = sys.argv[1:]
+    common = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, common = argv[:cut], argv[cut + 1 :]
+    args = p.parse_args(argv)
+    configs = []
+    for item in args.config:
+        name, sep, flags = item.partition("=")
+        if not sep or not name:
+            p.error(f"--config {item!r}: expected NAME=FLAGS")
+        configs.append((name, flags))
+    if "--max-total-tokens" not in common:
+        common += ["--max-total-tokens", "100000"]
+    engines = build_engines(configs, common)
+    table = []
+    try:
+        for bs in args.batch_size:
+            runs = measure(engines, bs, args.output_len, args.repeats)
+            table.append({"batch_size": bs, "runs": runs})
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    names = [name for name, _ in configs]
+    for row in table:
+        row["median_tok_s"] = {
+            n: statistics.median(r["decode_tok_s"] for r in row["runs"][n]) for n in names
+        }
+        row["over_first"] = {
+            n: round(row["median_tok_s"][n] / row["median_tok_s"][names[0]], 3) for n in names
+        }
+    print(json.dumps(table, indent=2))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(table, indent=2))
+    print("| batch | " + " | ".join(f"{n} tok/s (accept)" for n in names) + " | ratios to first |")
+    print("|---" * (len(names) + 2) + "|")
+    for row in table:
+        cells = []
+        for n in names:
+            accept = statistics.median(r["accept_length"] for r in row["runs"][n])
+            cells.append(f"{row['median_tok_s'][n]:,.0f} ({accept:.2f})")
+        ratios = " / ".join(f"{row['over_first'][n]:.2f}" for n in names[1:])
+        print(f"| {row['batch_size']} | " + " | ".join(cells) + f" | {ratios} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
