@@ -93,9 +93,11 @@ def record_picks(log: list[dict]) -> None:
 
 
 def record_steps(steps: list[dict]) -> None:
-    """Wrap the engine's decode launch and the host clock to append one record per step:
-    wall clock, batch size, tier, the launch's own ms, the host's ms around the step applied
-    before it (None when a prefill, capture or idle loop came between) and the ms waited."""
+    """Wrap the engine's decode launch, the host clock and the host-side functions of a step
+    (`TIMED_CALLS`) to append one record per launched step: wall clock, batch size, tier, the
+    launch's own ms, the host's ms around the step applied since the previous launch (None
+    when a prefill, capture or idle loop came between), the ms waited for the device, and
+    each timed function's ms from this launch to the next."""
     launch_decode, clock_launch, clock_waited = (
         EngineCore._launch_decode,
         HostClock.launch,
@@ -104,49 +106,73 @@ def record_steps(steps: list[dict]) -> None:
 
     def logged_launch_decode(self, reqs):
         start = time.perf_counter()
+        rec = {
+            "wall_ms": start * 1e3,
+            "batch": len(reqs),
+            # CPU time of this thread and of the whole process: a host step slower than its
+            # own CPU time waited for the CPU or the GIL; a process using much more CPU than
+            # the loop thread has other threads busy
+            "thread_cpu_ms": time.thread_time() * 1e3,
+            "process_cpu_ms": time.process_time() * 1e3,
+            "host_ms": None,
+            "calls": collections.Counter(),
+        }
+        steps.append(rec)
         pending = launch_decode(self, reqs)
-        steps.append(
-            {
-                "wall_ms": start * 1e3,
-                "batch": len(reqs),
-                "tier": pending.tier,
-                "launch_ms": (time.perf_counter() - start) * 1e3,
-                # CPU time of this thread and of the whole process: a host step slower than
-                # its own CPU time waited for the CPU or the GIL; a process using much more
-                # CPU than the loop thread has other threads busy
-                "thread_cpu_ms": time.thread_time() * 1e3,
-                "process_cpu_ms": time.process_time() * 1e3,
-            }
-        )
+        rec["tier"] = pending.tier
+        rec["launch_ms"] = (time.perf_counter() - start) * 1e3
         return pending
 
     def logged_clock_launch(self):
         out = clock_launch(self)
-        steps.append({"host_ms": None if out is None else out[2] * 1e3})
+        if steps and out is not None:  # (inside the launch being recorded)
+            steps[-1]["host_ms"] = out[2] * 1e3
         return out
 
     def logged_clock_waited(self, seconds, tier, batch_size, tokens):
-        launched = [rec for rec in steps[-2:] if "wall_ms" in rec]
-        if launched:  # (the wait follows the latest launch)
-            launched[-1]["waited_ms"] = launched[-1].get("waited_ms", 0.0) + seconds * 1e3
+        if steps:  # (the wait follows the latest launch)
+            steps[-1]["waited_ms"] = steps[-1].get("waited_ms", 0.0) + seconds * 1e3
         return clock_waited(self, seconds, tier, batch_size, tokens)
 
     EngineCore._launch_decode = logged_launch_decode
     HostClock.launch = logged_clock_launch
     HostClock.waited = logged_clock_waited
+    for owner, names in timed_calls():
+        for name in names:
+            _time_calls(owner, name, steps)
 
 
-def merge_steps(raw: list[dict]) -> list[dict]:
-    """One record per launch: the host clock's sample (taken inside the launch) joins it."""
-    out: list[dict] = []
-    host = None
-    for rec in raw:
-        if "wall_ms" in rec:
-            out.append(dict(rec, host_ms=host))
-            host = None
-        else:
-            host = rec["host_ms"]
-    return out
+def timed_calls() -> list[tuple[type, tuple[str, ...]]]:
+    """The host-side functions of a decode step whose time each step record sums."""
+    from specserve.runtime.draft_lag import DraftLag
+    from specserve.runtime.scheduler import Scheduler
+    from specserve.runtime.worker import PendingDecode, Worker
+
+    return [
+        (EngineCore, ("_finish_decode", "_reap_finished", "_append_tokens", "_run_prefill")),
+        (Scheduler, ("schedule_decode_ahead", "schedule_prefill_beside", "decode_done")),
+        (Worker, ("ready_tiers", "launch_decode", "_sampling_for", "observe_tokens")),
+        (PendingDecode, ("__init__", "result")),
+        (DecodeGraphs, ("run", "_copy_inputs", "_want_alike")),
+        (AdaptiveSpeculation, ("pick", "observe", "observe_host")),
+        (DraftLag, ("plan", "applied")),
+    ]
+
+
+def _time_calls(owner, name: str, steps: list[dict]) -> None:
+    fn = getattr(owner, name)
+    label = f"{owner.__name__}.{name}"
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if steps:
+                steps[-1]["calls"][label] += (time.perf_counter() - start) * 1e3
+
+    static = isinstance(owner.__dict__.get(name), staticmethod)
+    setattr(owner, name, staticmethod(timed) if static else timed)
 
 
 def summarize_steps(steps: list[dict]) -> None:
@@ -154,7 +180,10 @@ def summarize_steps(steps: list[dict]) -> None:
     the steps, the host's ms a step and the ms it waited for the device a step."""
     runs, run = [], []
     for rec in steps:
-        if run and (rec["batch"] > run[-1]["batch"] or rec["wall_ms"] - run[-1]["wall_ms"] > 50):
+        gap = rec["wall_ms"] - run[-1]["wall_ms"] if run else 0.0
+        before = run[-1]["wall_ms"] - run[-2]["wall_ms"] if len(run) > 1 else gap
+        # a new run: the batch grew, or a pause far longer than a step (an idle engine)
+        if run and (rec["batch"] > run[-1]["batch"] or gap > max(50.0, 3 * before)):
             runs.append(run)
             run = []
         run.append(rec)
@@ -170,6 +199,15 @@ def summarize_steps(steps: list[dict]) -> None:
         cpu = [r[-1][k] - r[0][k] for k in ("thread_cpu_ms", "process_cpu_ms")]
         print(f"{i} | {r[0]['batch']} | {len(r)} | {r[-1]['wall_ms'] - r[0]['wall_ms']:.1f} "
               f"| {host:.1f} | {waited:.1f} | {cpu[0]:.1f} | {cpu[1]:.1f}")  # fmt: skip
+    labels = sorted({label for r in runs for x in r for label in x["calls"]})
+    print("ms a step in each timed function, runs of 20 steps or more:")
+    print("run | " + " | ".join(labels))
+    for i, r in enumerate(runs):
+        if len(r) >= 20:
+            sums = collections.Counter()
+            for x in r:
+                sums.update(x["calls"])
+            print(f"{i} | " + " | ".join(f"{sums[label] / len(r):.3f}" for label in labels))
     # between launches a and b the host waited for a step in flight (logged on a) and applied
     # it (the clock's sample, logged on b); counted for a's bucket and tier
     by = collections.defaultdict(list)
@@ -266,13 +304,12 @@ def main() -> int:
         return 2
     out = Path(sys.argv[1])
     log: list[dict] = []
-    raw_steps: list[dict] = []
+    steps: list[dict] = []
     record_picks(log)
-    record_steps(raw_steps)
+    record_steps(steps)
     from specserve.cli import main as cli_main
 
     rc = cli_main(["bench", "one-batch", *sys.argv[2:]])
-    steps = merge_steps(raw_steps)
     out.write_text(json.dumps({"picks": log, "steps": steps}))
     if log:
         summarize(log)
