@@ -144,6 +144,7 @@ class EngineCore:
                 chunked_prefill_size=cfg.chunked_prefill_size,
                 decode_window=self.worker.decode_window,
                 kv_lookahead=self.worker.kv_lookahead,
+                max_accept=self.worker.max_accept,
             ),
             None
             if cfg.disable_radix_cache
