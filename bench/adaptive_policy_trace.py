@@ -92,7 +92,7 @@ def record_picks(log: list[dict]) -> None:
     DecodeGraphs._capture = logged_capture
 
 
-def record_steps(steps: list[dict]) -> None:
+def record_steps(steps: list[dict], time_calls: bool) -> None:
     """Wrap the engine's decode launch, the host clock and the host-side functions of a step
     (`TIMED_CALLS`) to append one record per launched step: wall clock, batch size, tier, the
     launch's own ms, the host's ms around the step applied since the previous launch (None
@@ -137,7 +137,7 @@ def record_steps(steps: list[dict]) -> None:
     EngineCore._launch_decode = logged_launch_decode
     HostClock.launch = logged_clock_launch
     HostClock.waited = logged_clock_waited
-    for owner, names in timed_calls():
+    for owner, names in timed_calls() if time_calls else ():
         for name in names:
             _time_calls(owner, name, steps)
 
@@ -302,14 +302,17 @@ def main() -> int:
     if len(sys.argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
-    out = Path(sys.argv[1])
+    out, flags = Path(sys.argv[1]), sys.argv[2:]
+    time_calls = "--time-calls" in flags
+    if time_calls:
+        flags.remove("--time-calls")
     log: list[dict] = []
     steps: list[dict] = []
     record_picks(log)
-    record_steps(steps)
+    record_steps(steps, time_calls)
     from specserve.cli import main as cli_main
 
-    rc = cli_main(["bench", "one-batch", *sys.argv[2:]])
+    rc = cli_main(["bench", "one-batch", *flags])
     out.write_text(json.dumps({"picks": log, "steps": steps}))
     if log:
         summarize(log)
