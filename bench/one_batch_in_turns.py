@@ -1,21 +1,23 @@
 """`bench one-batch --chat` for several engine configurations in one process, their timed
 runs taken in turns (A, B, C, A, B, C, ...), so that the host's speed drifting over a device
-call (on a shared machine whole seconds of host work can run 1.5x slower) falls on every
-configuration alike. Prints JSON and a table: per batch size each configuration's median
-decode tok/s, its runs, and its ratio to the first configuration. Beside each run, the time
-a fixed pure-Python loop took just before it (`host_probe_ms`): a slow run after a slow
-probe is the machine, not the engine.
+call (on a shared machine whole runs of host work can be 1.5x slower than others) falls on
+every configuration alike. Prints JSON and a table: per batch size each configuration's
+median decode tok/s and accept length, its runs, and its ratio to the first configuration.
+Beside each run, the time a fixed pure-Python loop took just before it (`host_probe_ms`):
+the host's raw speed at the time, to tell the machine's slow moments from the engine's.
 
     python3 bench/one_batch_in_turns.py --batch-size 16 128 --repeats 8 \\
         --config tree4-4-16="--speculative-num-steps 4 --speculative-eagle-topk 4 \\
                              --speculative-num-draft-tokens 16" \\
         --config adaptive="--speculative-adaptive" [--output-json OUT.json] \\
+        [--input-len N: random prompts instead of the packaged chats] \\
         [-- common engine flags, e.g. --model-path smollm2-135m --dtype bfloat16]
 
 Every engine keeps its KV cache to `--max-total-tokens` (default 100000 here: the engines
 share the GPU, so none may size its cache from free memory). Each is warmed up at each batch
 size as `bench one-batch` does, and after each of its runs waits for the captures its idle
-loop makes, so none captures during another's run. CUDA machine.
+loop makes, so none captures during another's run. Meant for a CUDA machine; it runs on a
+CPU too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specserve.bench.one_batch import (  # noqa: E402
     _timed_run,
     chat_batch,
+    random_batch,
     same_lengths,
     wait_for_idle_captures,
     warm_up,
@@ -64,12 +67,20 @@ def build_engines(configs: list[tuple[str, str]], common: list[str]) -> dict:
     return engines
 
 
-def measure(engines: dict, batch_size: int, output_len: int, repeats: int) -> dict:
-    """Warm each engine up at this batch size, then time `repeats` runs of each, in turns."""
+def measure(
+    engines: dict, batch_size: int, output_len: int, repeats: int, input_len: int | None = None
+) -> dict:
+    """Warm each engine up at this batch size, then time `repeats` runs of each, in turns.
+    The packaged chat prompts (the warm-up on others of the same lengths), or with
+    `input_len` random ones (the warm-up on the same)."""
     first = next(iter(engines.values()))
-    prompts, sp = chat_batch(first, batch_size, output_len)
-    others, _ = chat_batch(first, batch_size, output_len, offset=batch_size)
-    warm = same_lengths(others, prompts)
+    if input_len is None:
+        prompts, sp = chat_batch(first, batch_size, output_len)
+        others, _ = chat_batch(first, batch_size, output_len, offset=batch_size)
+        warm = same_lengths(others, prompts)
+    else:
+        prompts, sp = random_batch(first, batch_size, input_len, output_len)
+        warm = prompts
     for engine in engines.values():
         warm_up(engine, warm, sp)
     runs = {name: [] for name in engines}
@@ -90,10 +101,13 @@ def measure(engines: dict, batch_size: int, output_len: int, repeats: int) -> di
     return runs
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch-size", type=int, nargs="+", default=[16, 128])
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--input-len", type=int, default=None, help="random prompts of this length (default: chats)"
+    )
     p.add_argument("--repeats", type=int, default=8, help="timed runs per configuration")
     p.add_argument(
         "--config",
@@ -103,7 +117,7 @@ def main() -> int:
         help="a configuration's name and its engine flags (quoted); repeat for each",
     )
     p.add_argument("--output-json", default=None)
-    argv = sys.argv[1:]
+    argv = sys.argv[1:] if argv is None else list(argv)
     common = []
     if "--" in argv:
         cut = argv.index("--")
@@ -121,7 +135,7 @@ def main() -> int:
     table = []
     try:
         for bs in args.batch_size:
-            runs = measure(engines, bs, args.output_len, args.repeats)
+            runs = measure(engines, bs, args.output_len, args.repeats, args.input_len)
             table.append({"batch_size": bs, "runs": runs})
     finally:
         for engine in engines.values():

@@ -1,0 +1,45 @@
+"""bench/one_batch_in_turns.py on a CPU: engines of several configurations built in one
+process, their timed runs taken in turns, the table's medians and ratios from those runs."""
+
+from __future__ import annotations
+
+import json
+
+from bench.one_batch_in_turns import main
+from specserve.model.config import PRESETS
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+
+
+def test_configurations_run_in_turns_and_ratios_come_from_their_medians(tmp_path, capsys):
+    draft = write_random_eagle_checkpoint(str(tmp_path / "draft"), PRESETS["tiny"], "EAGLE")
+    out = tmp_path / "in_turns.json"
+    chain = (
+        f"--speculative-algorithm EAGLE --speculative-draft-model-path {draft} "
+        "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 "
+        "--simulate-acc-len 3 --simulate-acc-method match-expected"
+    )
+    rc = main(
+        [
+            "--batch-size", "1", "3", "--input-len", "6", "--output-len", "9", "--repeats", "3",
+            "--config", "plain=", "--config", f"chain={chain}", "--output-json", str(out),
+            "--", "--model-path", "tiny", "--load-format", "dummy", "--device", "cpu",
+            "--dtype", "float32", "--skip-tokenizer-init",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    table = json.loads(out.read_text())
+    assert [row["batch_size"] for row in table] == [1, 3]
+    for row in table:
+        assert set(row["runs"]) == {"plain", "chain"}
+        for name, runs in row["runs"].items():
+            assert len(runs) == 3
+            speeds = sorted(r["decode_tok_s"] for r in runs)
+            assert row["median_tok_s"][name] == speeds[1]
+            assert all(r["host_probe_ms"] > 0 for r in runs)
+        assert {r["accept_length"] for r in row["runs"]["plain"]} == {1.0}
+        # acceptance forced to 3 a step (a request's last step may be cut by max_new_tokens)
+        assert all(r["accept_length"] > 2.0 for r in row["runs"]["chain"])
+        ratio = row["median_tok_s"]["chain"] / row["median_tok_s"]["plain"]
+        assert row["over_first"] == {"plain": 1.0, "chain": round(ratio, 3)}
+    printed = capsys.readouterr().out
+    assert "| batch | plain tok/s (accept) | chain tok/s (accept) | ratios to first |" in printed
