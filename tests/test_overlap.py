@@ -176,3 +176,30 @@ def test_decoding_takes_pages_as_tokens_are_accepted_not_every_step_anew(eagle, 
     tokens = sum(len(p) for p in prompts) + len(prompts) * 40
     window = e.core.worker.decode_window + 2 * e.core.worker.max_accept + page_size
     assert calls["alloc"] <= -(-tokens // page_size) + len(prompts) * -(-window // page_size)
+
+
+def test_a_request_done_with_a_step_in_flight_keeps_no_room_for_a_next_step(eagle):
+    """Pages kept for the next step are given back as soon as a request finishes or is
+    aborted, not when it is reaped a step later: under a tight KV budget they would stop the
+    next step from being launched ahead, and retract a request for nothing."""
+    from specserve.config import EngineConfig
+    from specserve.runtime.engine_core import EngineCore
+    from specserve.runtime.request import Request
+    from specserve.sampling_params import SamplingParams
+
+    core = EngineCore(EngineConfig.from_kwargs(**TINY, **spec_args(eagle, 1, 3, 4)).resolve())
+    window, pages_for = core.worker.decode_window, core.table.pages_for
+    for i, n in enumerate([9, 13, 16, 27]):
+        sp = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+        core.add_request(Request(f"r{i}", [5, 6 + i, 7], sp, seed=0))
+    checked, aborted = 0, False
+    while core.has_work():
+        core.step()
+        if not aborted and core.num_launched_ahead > 2:
+            aborted = core.abort("r3") is not None  # between steps, a step in flight
+        for r in core.requests.values():
+            if r.finished and r.inflight_steps:
+                held = len(core.table.pages(r.rid))
+                assert held <= pages_for(r.kv_len + window), (r.rid, held, r.kv_len)
+                checked += 1
+    assert aborted and checked >= 2

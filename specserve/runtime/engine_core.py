@@ -294,6 +294,8 @@ class EngineCore:
         if req is None or req.finished:
             return None
         req.finish("abort", message=message)
+        if req.inflight_steps:  # it will not decode again: no room for a next step
+            self.scheduler.trim(req)
         return req
 
     # ---- the loop --------------------------------------------------------------------------
@@ -505,8 +507,8 @@ class EngineCore:
                 continue
             if lagged is not None:
                 DraftLag.applied(lagged, req, n)
-            self.scheduler.decode_done(req, n)
             self._append_tokens(req, tokens, lp)
+            self.scheduler.decode_done(req, n)  # (after: a request just finished keeps less)
             if self.worker.drafter.observes_tokens:
                 emitted[req.rid] = tokens
             touched.append(req)

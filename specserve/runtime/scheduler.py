@@ -38,7 +38,7 @@ class SchedulerLimits:
     max_running_requests: int
     chunked_prefill_size: int  # tokens per prefill batch; <= 0: unlimited
     decode_window: int  # logical positions a decode step writes past kv_len
-    kv_lookahead: int  # positions past kv_len kept between steps
+    kv_lookahead: int  # positions past kv_len kept between steps, none in flight
     max_accept: int  # tokens one decode step adds to a request at most
 
 
@@ -317,15 +317,23 @@ class Scheduler:
             req.set_state(ReqState.PREFILLING)
 
     def decode_done(self, req: Request, accept_len: int) -> None:
+        """A decode step's results applied to `req` (after its new tokens, which may have
+        finished it)."""
         req.kv_len += accept_len
-        # A step still in flight writes up to a window past the new kv_len, and the next step
-        # launched ahead reserves as far as each step in flight may advance: keep those pages
-        # rather than free them here and take them back at once (at page size 1, with the
-        # 6/8/64 tree's 7 tokens a step, 11 page operations per request a step instead of the
-        # 3 its accepted tokens need: host time at large batches, where the host sets the pace)
-        limits = self.limits
-        if req.inflight_steps:
-            keep = limits.decode_window + req.inflight_steps * limits.max_accept
-        else:
+        self.trim(req)
+
+    def trim(self, req: Request) -> None:
+        """Give back the pages past what `req` keeps between steps. The steps still in flight
+        write up to a window past kv_len as each of the earlier ones leaves it (max_accept
+        further per step). Unless the request is done, the next step launched ahead reserves
+        max_accept further again: those pages are kept rather than freed here and taken back
+        at once (at page size 1, with the 6/8/64 tree's 7 tokens a step, 11 page operations
+        per request a step instead of the 3 its accepted tokens need: host time at large
+        batches, where the host sets the pace). A finished request keeps only what the steps
+        in flight may write, until it is reaped."""
+        limits, inflight = self.limits, req.inflight_steps
+        if not inflight:
             keep = limits.kv_lookahead
+        else:
+            keep = limits.decode_window + (inflight - 1 + (not req.finished)) * limits.max_accept
         self.table.truncate(req.rid, req.kv_len + keep)
