@@ -34,10 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.bench.one_batch import (  # noqa: E402
-    _timed_run,
-    chat_batch,
-    random_batch,
-    same_lengths,
+    timed_batch,
+    timed_run,
     wait_for_idle_captures,
     warm_up,
 )
@@ -70,17 +68,10 @@ def build_engines(configs: list[tuple[str, str]], common: list[str]) -> dict:
 def measure(
     engines: dict, batch_size: int, output_len: int, repeats: int, input_len: int | None = None
 ) -> dict:
-    """Warm each engine up at this batch size, then time `repeats` runs of each, in turns.
-    The packaged chat prompts (the warm-up on others of the same lengths), or with
-    `input_len` random ones (the warm-up on the same)."""
+    """Warm each engine up at this batch size, then time `repeats` runs of each, in turns,
+    on the same prompts (`timed_batch`: the packaged chats, or random ones of input_len)."""
     first = next(iter(engines.values()))
-    if input_len is None:
-        prompts, sp = chat_batch(first, batch_size, output_len)
-        others, _ = chat_batch(first, batch_size, output_len, offset=batch_size)
-        warm = same_lengths(others, prompts)
-    else:
-        prompts, sp = random_batch(first, batch_size, input_len, output_len)
-        warm = prompts
+    prompts, sp, warm = timed_batch(first, batch_size, input_len, output_len)
     for engine in engines.values():
         warm_up(engine, warm, sp)
     runs = {name: [] for name in engines}
@@ -88,7 +79,7 @@ def measure(
         for name, engine in engines.items():
             engine.flush_cache()  # each timed prefill computes its prompts afresh
             probe = host_probe_ms()
-            run = _timed_run(engine, prompts, sp)
+            run = timed_run(engine, prompts, sp)
             wait_for_idle_captures(engine)
             accept = [o["meta_info"].get("spec_accept_length") or 1.0 for o in run["outs"]]
             runs[name].append(

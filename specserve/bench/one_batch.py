@@ -96,7 +96,26 @@ def _graph_captures(engine) -> int:
     return stats["num_graph_captures"] + stats.get("num_graph_captures_idle", 0)
 
 
-def _timed_run(engine, prompts: list[list[int]], sp: dict) -> dict[str, Any]:
+def timed_batch(
+    engine, batch_size: int, input_len: int | None, output_len: int, seed: int = 0
+) -> tuple[list[list[int]], dict[str, Any], list[list[int]]]:
+    """(prompts, sampling parameters, warm-up prompts) of a timed batch: random prompts of
+    input_len tokens (the warm-up runs the same), or with input_len None the packaged chat
+    prompts (the warm-up runs other prompts of the list at the timed prompts' lengths: the
+    timed run meets shapes the warm-up met, and acceptance is not learned from the timed
+    texts)."""
+    if input_len is None:
+        prompts, sp = chat_batch(engine, batch_size, output_len)
+        others, _ = chat_batch(engine, batch_size, output_len, offset=batch_size)
+        return prompts, sp, same_lengths(others, prompts)
+    prompts, sp = random_batch(engine, batch_size, input_len, output_len, seed)
+    return prompts, sp, prompts
+
+
+def timed_run(engine, prompts: list[list[int]], sp: dict) -> dict[str, Any]:
+    """One generate call over the batch: its outputs, total and first-token time, decode
+    time and tok/s (tokens after each request's first over the time after the last first
+    token), and the garbage collections during it."""
     with gc_pauses() as pauses:
         t0 = time.perf_counter()
         outs = engine.generate(input_ids=prompts, sampling_params=sp)
@@ -128,21 +147,17 @@ def run_one_batch(
 
     Measured through the public API: TTFT of the batch = prefill; the remaining
     (output_len - 1) tokens per request over the remaining time = decode. chat: the packaged
-    chat prompts instead of random ids (input_len is then theirs; the warm-up runs other
-    prompts of the list at the timed prompts' lengths: the timed run meets shapes the
-    warm-up met, and acceptance is not learned from the timed texts). repeats: timed runs
+    chat prompts instead of random ids (input_len is then theirs; see `timed_batch`).
+    repeats: timed runs
     (the prefix cache flushed between them); the row is the median run by decode
     throughput (the lower middle one for an even count), `decode_throughput_runs` lists them all: steps bound by the host move with
     the machine's load from one run to the next. (Under adaptive speculation a later run
     starts from the acceptance the earlier ones observed on the same texts.)"""
+    prompts, sp, warm = timed_batch(
+        engine, batch_size, None if chat else input_len, output_len, seed
+    )
     if chat:
-        prompts, sp = chat_batch(engine, batch_size, output_len)
-        others, _ = chat_batch(engine, batch_size, output_len, offset=batch_size)
-        warm = same_lengths(others, prompts)
         input_len = round(sum(map(len, prompts)) / batch_size)
-    else:
-        prompts, sp = random_batch(engine, batch_size, input_len, output_len, seed)
-        warm = prompts
     warmups = warm_up(engine, warm, sp)
     captures = engine.stats()["num_graph_captures"]
     device_before = (engine.stats().get("speculative_adaptive") or {}).get("device_seconds")
@@ -150,7 +165,7 @@ def run_one_batch(
     for i in range(max(1, repeats)):
         if i:
             engine.flush_cache()  # each timed prefill computes its prompts afresh
-        runs.append(_timed_run(engine, prompts, sp))
+        runs.append(timed_run(engine, prompts, sp))
     # (the lower middle for an even count: never the best of two)
     run = sorted(runs, key=lambda r: r["decode_tok_s"])[(len(runs) - 1) // 2]
     outs, total, ttft = run["outs"], run["total"], run["ttft"]

@@ -331,9 +331,11 @@ class Scheduler:
         per request a step instead of the 3 its accepted tokens need: host time at large
         batches, where the host sets the pace). A finished request keeps only what the steps
         in flight may write, until it is reaped."""
-        limits, inflight = self.limits, req.inflight_steps
-        if not inflight:
+        limits = self.limits
+        if not req.inflight_steps:
             keep = limits.kv_lookahead
         else:
-            keep = limits.decode_window + (inflight - 1 + (not req.finished)) * limits.max_accept
+            keep = limits.decode_window + (req.inflight_steps - 1) * limits.max_accept
+            if not req.finished:
+                keep += limits.max_accept  # the next step's reservation
         self.table.truncate(req.rid, req.kv_len + keep)
