@@ -7,7 +7,9 @@ the host's time per step and per token it weighed, and the wall clock; every CUD
 with its shape and duration. The summary gives, per batch bucket, the picks per tier (best or
 exploring), the captures, and each tier's mean wall time per step (from one launch to the
 next while the host applied it) beside its device time and the host's measured time, per
-step and per emitted token.
+step and per emitted token. Every Triton compile is logged with the step it stalled and
+the specialization it compiled, and the slowest launches with how they ran (graph replayed,
+a larger graph, eagerly, or captured).
 
     python3 bench/adaptive_policy_trace.py OUT.json [one-batch flags...]     # CUDA machine
     e.g. OUT.json --model-path smollm2-135m --chat --output-len 128 --batch-size 16 128 \\
@@ -121,6 +123,10 @@ def record_steps(steps: list[dict], time_calls: bool) -> None:
         pending = launch_decode(self, reqs)
         rec["tier"] = pending.tier
         rec["launch_ms"] = (time.perf_counter() - start) * 1e3
+        graphs = self.worker.graphs
+        if graphs is not None:  # how the step ran: its graph, a larger one, eagerly, captured
+            flags = ("captured_last", "covered_last", "eager_last")
+            rec["graph"] = next((f[:-5] for f in flags if getattr(graphs, f)), "replayed")
         return pending
 
     def logged_clock_launch(self):
@@ -140,6 +146,37 @@ def record_steps(steps: list[dict], time_calls: bool) -> None:
     for owner, names in timed_calls() if time_calls else ():
         for name in names:
             _time_calls(owner, name, steps)
+
+
+def record_compiles(steps: list[dict], compiles: list[dict]) -> None:
+    """Log every Triton kernel compiled (or loaded from Triton's disk cache) while the bench
+    runs: wall clock, ms, the kernel and its specialization, and the step launched last. A
+    launch that stalls on one names the argument values that specialized it."""
+    try:
+        from triton import knobs
+    except ImportError:  # (a Triton without knobs: nothing logged)
+        return
+    started: dict[object, float] = {}
+
+    def before(*, key, repr, **_):
+        started[str(key)] = time.perf_counter()
+        return False  # (compile as usual)
+
+    def after(*, key, repr, **_):
+        start = started.pop(str(key), None)
+        now = time.perf_counter()
+        compiles.append(
+            {
+                "wall_ms": now * 1e3,
+                "ms": None if start is None else (now - start) * 1e3,
+                "kernel": repr,
+                "step": len(steps) - 1,
+                "batch": steps[-1]["batch"] if steps else None,
+            }
+        )
+
+    knobs.runtime.jit_cache_hook = before
+    knobs.runtime.jit_post_compile_hook = after
 
 
 def timed_calls() -> list[tuple[type, tuple[str, ...]]]:
@@ -228,6 +265,21 @@ def summarize_steps(steps: list[dict]) -> None:
         )
 
 
+def summarize_compiles(steps: list[dict], compiles: list[dict]) -> None:
+    """Compiles after the first decode step (start-up compiles are expected), and the
+    slowest launches with how each ran."""
+    first = steps[0]["wall_ms"] if steps else float("inf")
+    late = [c for c in compiles if c["wall_ms"] > first]
+    print(f"Triton compiles: {len(compiles)}, {len(late)} after the first decode step:")
+    for c in late:
+        ms = "-" if c["ms"] is None else f"{c['ms']:.0f}"
+        print(f"  step {c['step']} batch {c['batch']} {ms} ms {c['kernel'][:300]}")
+    slow = sorted(steps, key=lambda x: x["launch_ms"], reverse=True)[:20]
+    print("slowest launches (step, batch, tier, ms, graph):")
+    for x in slow:
+        print(f"  {steps.index(x)} {x['batch']} {x['tier']} {x['launch_ms']:.1f} {x.get('graph')}")
+
+
 def summarize(log: list[dict]) -> None:
     by_bucket = collections.defaultdict(list)
     for rec in log:
@@ -308,15 +360,18 @@ def main() -> int:
         flags.remove("--time-calls")
     log: list[dict] = []
     steps: list[dict] = []
+    compiles: list[dict] = []
     record_picks(log)
     record_steps(steps, time_calls)
+    record_compiles(steps, compiles)
     from specserve.cli import main as cli_main
 
     rc = cli_main(["bench", "one-batch", *flags])
-    out.write_text(json.dumps({"picks": log, "steps": steps}))
+    out.write_text(json.dumps({"picks": log, "steps": steps, "compiles": compiles}))
     if log:
         summarize(log)
     summarize_steps(steps)
+    summarize_compiles(steps, compiles)
     busy_threads()
     return rc or 0
 

@@ -77,3 +77,31 @@ def test_the_hosts_time_per_step_is_measured_while_steps_overlap():
         host = e.stats()["speculative_adaptive"]["host_ms"]
     assert host, "no host time measured"
     assert all(0 < ms < 50 and ms < wall * 1e3 / 10 for ms in host.values()), host
+
+
+def test_every_tier_timed_at_start_is_captured_at_a_new_width_when_idle():
+    """The policy may pick any tier timed at a batch bucket at engine start: once a step
+    meets a wider context there, the idle engine captures every such tier at that width, so
+    a later wave running another tier there replays it instead of stalling on eager steps
+    and a capture."""
+    from tests.engine_utils import wait_for_idle_captures
+
+    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="tiny",
+                speculative_num_steps=3, speculative_eagle_topk=2,
+                speculative_num_draft_tokens=6, speculative_adaptive=True)  # fmt: skip
+    prompts = mixed_prompts(4, 512, seed=5, min_len=300, max_len=320)  # past width 256
+    with Engine(**GPU, **spec, cuda_graph_max_bs=4) as e:
+        graphs = e.core.worker.graphs
+        tiers = len(e.core.adaptive.tiers)
+        e.core.adaptive.pick = lambda b, can=True, ready=None: 1  # one chain tier only
+        e.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=16))
+        wait_for_idle_captures(graphs)
+        first = {k for k in graphs.graphs if k[0] == 4 and k[1] > 256}
+        # a wave that runs every other tier at that shape replays them, captures nothing
+        captures = graphs.num_captures
+        for tier in range(tiers):
+            e.core.adaptive.pick = lambda b, can=True, ready=None, t=tier: t
+            e.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=8))
+        assert graphs.num_captures == captures
+    assert {k[1] for k in first} == {512}
+    assert {(k[-2], k[-1]) for k in first} == {(t, False) for t in range(tiers)}

@@ -116,7 +116,7 @@ def test_a_short_lived_shape_runs_eagerly_and_is_captured_when_idle():
     context width no larger batch reached) is never captured while requests wait: its steps
     run eagerly, and the idle engine captures it for the next time."""
     prompts = mixed_prompts(2, 512, seed=36, min_len=4)
-    sps = [{"temperature": 0.0, "max_new_tokens": EAGER_STEPS - 2, "ignore_eos": True}] * 2
+    sps = [{"temperature": 0.0, "max_new_tokens": EAGER_STEPS - 1, "ignore_eos": True}] * 2
     with Engine(**TINY, debug_check_invariants=True) as e:
         graphs = padded_graphs(e)
         ran = record_graph_steps(graphs)
@@ -218,7 +218,7 @@ def test_requests_sent_back_to_back_find_no_idle_capture_in_their_way(monkeypatc
 
     monkeypatch.setattr(engine_core, "IDLE_CAPTURE_DELAY_S", 1.0)
     prompts = mixed_prompts(2, 512, seed=37, min_len=4)
-    sps = [{"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}] * 2
+    sps = [{"temperature": 0.0, "max_new_tokens": 1 + EAGER_STEPS // 4, "ignore_eos": True}] * 2
     with Engine(**TINY) as e:
         graphs = padded_graphs(e)
         for _ in range(2):  # (fewer steps than EAGER_STEPS in all)

@@ -14,10 +14,11 @@ covers it (same sampling mode and tier, batch and width buckets at least as larg
 most `MAX_COVER_FACTOR` times: more padding rows, a wider KV layout) and gets its own graph
 when the engine is idle (`capture_wanted`) or once it has served `LONG_LIVED_SHAPE_STEPS`
 steps in a row (a request outliving its batch); a shape nothing covers runs eagerly for its
-first `EAGER_STEPS` steps (a batch's tail passes most shapes in fewer), then is captured, or
-is captured when the engine idles. Under load-adaptive speculation a step's key also names
-its tier; an idle engine captures every tier that has run at a batch bucket at every context
-width met there, so that the next wave of requests, whose tails pass the same shapes with
+first `EAGER_STEPS` steps (about a capture's time; a batch's tail passes most shapes in
+fewer), then is captured, or is captured when the engine idles. Under load-adaptive
+speculation a step's key also names its tier; an idle engine captures every tier that has
+run, or was timed at engine start, at a batch bucket at every context width met there, so
+that the next wave of requests, whose tails pass the same shapes with
 other tiers, does not stop to capture them. Anything outside the buckets runs eagerly
 through the same `DecodeStep.run`.
 
@@ -47,13 +48,15 @@ MIN_WIDTH = 256
 # short-lived shape (a batch's shrinking tail, met again and again for a few steps) would
 # not.
 LONG_LIVED_SHAPE_STEPS = 64
-# A shape no graph covers runs eagerly for this many steps before it is captured.
-# A capture costs as much as 10-40 eager steps' launch overhead (SmolLM2 on an H200: 0.1-0.27
-# s against 1.5-3 ms replays), and a batch's tail passes most shapes in fewer steps: each
-# capture in a timed run's tail at batch 128 cost it a quarter to four fifths of its speed. A
-# shape that lives on is captured, having paid at most about as much again eagerly, and one
-# that does not is captured when the engine idles.
-EAGER_STEPS = 8
+# A shape no graph covers runs eagerly for this many steps before it is captured. A capture
+# runs the step three times (two warm-up runs, then the captured one) and instantiates the
+# graph: as long as 3-4.5 eager steps (SmolLM2 on an H200: captures of 54-78 ms, eager steps
+# of 15-25 ms, launch-bound), so eager steps up to a capture's worth, then the capture, cost
+# at most twice what knowing how long the shape lives would (rent, then buy). A batch's tail
+# passes most shapes in fewer steps; one that lives on is captured, and one that does not is
+# captured when the engine idles. (At 8 eager steps, a shape met in a timed SmolLM2 run
+# stalled it for 0.2 s: eight 17-19 ms eager steps and a 60 ms capture.)
+EAGER_STEPS = 4
 # A graph covers a shape only if its batch and width buckets are at most this many times the
 # shape's: padding rows cost device time where the device sets the pace (SmolLM2's 6/8/64
 # tree on an H200: 1.5 ms a step at batch 1, 5.0 ms at 64; the 8B shape plain: 4.9 ms at
@@ -257,17 +260,17 @@ class DecodeGraphs:
         return False
 
     def _want_alike(self, key: tuple) -> None:
-        """Want, when idle, the graphs of every (tier, catch-up) run at this key's batch
-        bucket and sampling mode at every width met there. A batch's tail passes its
+        """Want, when idle, the graphs of every (tier, catch-up) run or timed at this key's
+        batch bucket and sampling mode at every width met there. A batch's tail passes its
         buckets at the widest widths of its run, and the policy runs other tiers there from
-        one wave of requests to the next: a tier run at a bucket is likely to run there at
-        its other widths. (Every tier at every shape met would be hundreds of captures for
-        tiers the load never runs.)"""
+        one wave of requests to the next: a tier run at a bucket, or timed there at engine
+        start (`step_seconds`, so one the policy may pick), is likely to run there at its
+        other widths. (Every tier at every shape met would be hundreds of captures for tiers
+        the load never runs: buckets past the timed ones want only the tiers run there.)"""
         bs, width, *rest = key
         mode, variant = tuple(rest[:-2]), tuple(rest[-2:])
-        widths, variants = self._met.setdefault((bs, mode), ({}, {}))
-        new_width, new_variant = width not in widths, variant not in variants
-        widths[width] = variants[variant] = None
+        new_width, new_variant = self._meet(key)
+        widths, variants = self._met[(bs, mode)]
         pairs = ([(w, variant) for w in widths] if new_variant else []) + (
             [(width, v) for v in variants] if new_width else []
         )
@@ -275,6 +278,16 @@ class DecodeGraphs:
             alike = (bs, w, *mode, *v)
             if alike != key and alike not in self.graphs:
                 self.wanted[alike] = None
+
+    def _meet(self, key: tuple) -> tuple[bool, bool]:
+        """Record this key's width and (tier, catch-up) as met at its batch bucket and
+        sampling mode; whether each was new there."""
+        bs, width, *rest = key
+        widths, variants = self._met.setdefault((bs, tuple(rest[:-2])), ({}, {}))
+        variant = tuple(rest[-2:])
+        new = width not in widths, variant not in variants
+        widths[width] = variants[variant] = None
+        return new
 
     def _cover(self, key: tuple) -> tuple | None:
         """The captured key of least padding (batch bucket x width) that can run a step of
@@ -338,6 +351,10 @@ class DecodeGraphs:
             cap = self._capture(*key)
             self.graphs[key] = cap
             self._covers.clear()
+        # (a tier timed at a bucket may be picked there: at the next width met there it is
+        # wanted like the tiers that ran; without, the first wave to run it at a new width
+        # stalled on its eager steps and capture, 0.2 s of a 0.3 s SmolLM2 run at batch 64)
+        self._meet(key)
         cap.last_inputs = None  # the rows are padding now
         copy_from_host(cap.rows, [PAD_ROW] * cap.rows.shape[0])
         cap.graph.replay()  # settles clocks and caches
