@@ -170,6 +170,17 @@ def test_decode_forced_splits(splits):
     check(make_case(reqs, heads=8, page_size=16, seed=20 + splits), TritonAttentionBackend(splits))
 
 
+def test_decode_more_splits_than_one_merge_pass():
+    """Past MERGE_BLOCK_S splits the merge takes several passes with a running max; a request
+    shorter than the others leaves whole passes empty."""
+    from specserve.ops.triton_kernels.decode import MERGE_BLOCK_S
+
+    reqs = [Req(1, n) for n in (1250, 5, 700)]
+    backend = TritonAttentionBackend(num_kv_splits=20)
+    check(make_case(reqs, heads=4, kv_heads=2, head_dim=16, page_size=16, seed=24), backend)
+    assert backend._plan is not None and backend._plan.num_splits > MERGE_BLOCK_S
+
+
 def test_decode_long_context_batch_one():
     # The host heuristic (4 "SMs" on CPU) splits a single long request several ways.
     backend = TritonAttentionBackend(min_kv_per_split=64)
@@ -206,6 +217,17 @@ def test_extend_split_prefix(splits, tree):
     backend = TritonAttentionBackend(num_kv_splits=splits)
     check(case, backend)
     assert backend._plan is not None and 1 < backend._plan.num_splits <= splits
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_extend_prefix_in_more_splits_than_one_merge_pass(tree):
+    from specserve.ops.triton_kernels.decode import MERGE_BLOCK_S
+
+    reqs = [Req(3, 1250, extra=3), Req(2, 40), Req(5, 900)]
+    case = make_case(reqs, heads=4, kv_heads=2, head_dim=16, page_size=3, tree_mask=tree, seed=7)
+    backend = TritonAttentionBackend(num_kv_splits=20)
+    check(case, backend)
+    assert backend._plan is not None and backend._plan.num_splits > MERGE_BLOCK_S
 
 
 def test_tree_verify_batch_one_splits_automatically():

@@ -80,7 +80,13 @@ def _decode_split_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+# Splits merged per pass: a fixed width, so one compiled variant merges any split count (a
+# width rounded up from the count compiled anew when a longer context split more ways, 0.1 s
+# in an H200 step of SmolLM2 that an eager first step of a new shape paid).
+MERGE_BLOCK_S = 16
+
+
+@triton.jit(do_not_specialize=["num_splits"])
 def merge_splits_kernel(
     O_part,  # [T, H, S, D] float32, each split normalised on its own
     LSE_part,  # [T, H, S] float32, log2 units, -inf for empty splits
@@ -89,28 +95,37 @@ def merge_splits_kernel(
     stride_oh,
     num_splits,
     HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # num_splits rounded up to a power of two
+    BLOCK_S: tl.constexpr,  # splits per pass (MERGE_BLOCK_S)
     BLOCK_D: tl.constexpr,
 ):
-    """out = sum_s w_s * o_s / sum_s w_s with w_s = exp2(lse_s - max lse): exact softmax merge."""
+    """out = sum_s w_s * o_s / sum_s w_s with w_s = exp2(lse_s - max lse): exact softmax merge,
+    BLOCK_S splits a pass with a running max (one pass when num_splits <= BLOCK_S)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     base = (t * num_heads + h) * num_splits
-    lse = tl.load(LSE_part + base + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # all empty (no KV): all zero
-    o = tl.load(
-        O_part + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    total = tl.sum(w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = offs_s < num_splits
+        lse = tl.load(LSE_part + base + offs_s, mask=s_mask, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: all zero
+        scale = tl.exp2(m - m_ref)  # (0 on the first pass: m is -inf)
+        w = tl.exp2(lse - m_ref)
+        o = tl.load(
+            O_part + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        acc = acc * scale + tl.sum(o * w[:, None], 0)
+        total = total * scale + tl.sum(w, 0)
+        m = m_new
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(
         Out + t * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask
     )
@@ -155,6 +170,6 @@ def decode_attention(
     merge_splits_kernel[(batch, num_heads)](
         o_part, lse_part, out, out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        BLOCK_S=MERGE_BLOCK_S, BLOCK_D=block_d,
         num_warps=1 if block_d <= 64 else 2,
     )  # fmt: skip

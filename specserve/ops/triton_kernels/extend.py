@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from specserve.ops.triton_kernels.common import LOG2E, NUM_STAGES, attend_kv_block, kv_block_size
-from specserve.ops.triton_kernels.decode import merge_splits_kernel
+from specserve.ops.triton_kernels.decode import MERGE_BLOCK_S, merge_splits_kernel
 
 EXTEND_BLOCK_M = 64  # rows ((query, head) pairs) per program
 MIN_BLOCK_M = 16  # tl.dot's smallest tile
@@ -44,7 +44,9 @@ def extend_block_m(rows_per_request: int) -> int:
     return max(MIN_BLOCK_M, triton.next_power_of_2(rows_per_request))
 
 
-@triton.jit
+# (the split count is a loop bound and an index, not a shape: not specialized, so a longer
+# context split more ways runs the variant compiled at start-up)
+@triton.jit(do_not_specialize=["num_splits"])
 def _extend_kernel(
     Q,  # [T, H, D]
     K,  # [num_slots, Hkv, D]
@@ -245,6 +247,6 @@ def extend_attention(
         merge_splits_kernel[(num_tokens, num_heads)](
             dst, lse, out, out.stride(0), out.stride(1), num_splits,
             HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            BLOCK_S=MERGE_BLOCK_S, BLOCK_D=block_d,
             num_warps=1 if block_d <= 64 else 2,
         )  # fmt: skip

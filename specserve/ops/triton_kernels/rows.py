@@ -143,7 +143,7 @@ def _row_split_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # (one variant for any context length)
 def _merge_rows_kernel(
     O_part,
     LSE_part,
