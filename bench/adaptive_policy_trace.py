@@ -11,9 +11,13 @@ step and per emitted token. Every Triton compile is logged with the step it stal
 the specialization it compiled, and the slowest launches with how they ran (graph replayed,
 a larger graph, eagerly, or captured).
 
-    python3 bench/adaptive_policy_trace.py OUT.json [one-batch flags...]     # CUDA machine
+    python3 bench/adaptive_policy_trace.py OUT.json [--time-calls] [one-batch flags...]
     e.g. OUT.json --model-path smollm2-135m --chat --output-len 128 --batch-size 16 128 \\
          --repeats 5 --speculative-adaptive
+    python3 bench/adaptive_policy_trace.py OUT.json --in-turns [one_batch_in_turns.py flags]
+
+With --in-turns the configurations of `bench/one_batch_in_turns.py` run in turns in this
+process and every engine's steps are logged, in the order they ran.
 
 The bench's own JSON goes where --output-json says (its table is printed as usual).
 """
@@ -106,10 +110,13 @@ def record_steps(steps: list[dict], time_calls: bool) -> None:
         HostClock.waited,
     )
 
+    engines: dict[int, int] = {}  # id of each engine core -> its number, in order met
+
     def logged_launch_decode(self, reqs):
         start = time.perf_counter()
         rec = {
             "wall_ms": start * 1e3,
+            "engine": engines.setdefault(id(self), len(engines)),
             "batch": len(reqs),
             # CPU time of this thread and of the whole process: a host step slower than its
             # own CPU time waited for the CPU or the GIL; a process using much more CPU than
@@ -220,22 +227,27 @@ def summarize_steps(steps: list[dict]) -> None:
         gap = rec["wall_ms"] - run[-1]["wall_ms"] if run else 0.0
         before = run[-1]["wall_ms"] - run[-2]["wall_ms"] if len(run) > 1 else gap
         # a new run: the batch grew, or a pause far longer than a step (an idle engine)
-        if run and (rec["batch"] > run[-1]["batch"] or gap > max(50.0, 3 * before)):
+        grew = (
+            rec["batch"] > run[-1]["batch"] or rec["engine"] != run[-1]["engine"] if run else False
+        )
+        if run and (grew or gap > max(50.0, 3 * before)):
             runs.append(run)
             run = []
         run.append(rec)
     if run:
         runs.append(run)
     print(
-        "run | first batch | steps | wall ms (first to last launch) | host ms | waited ms "
-        "| loop thread CPU ms | process CPU ms"
+        "run | engine | first batch | steps | wall ms (first to last launch) | host ms "
+        "| waited ms | loop thread CPU ms | process CPU ms | steps not replayed (how: count)"
     )
     for i, r in enumerate(runs):
         host = sum(x["host_ms"] or 0.0 for x in r)
         waited = sum(x.get("waited_ms", 0.0) for x in r)
         cpu = [r[-1][k] - r[0][k] for k in ("thread_cpu_ms", "process_cpu_ms")]
-        print(f"{i} | {r[0]['batch']} | {len(r)} | {r[-1]['wall_ms'] - r[0]['wall_ms']:.1f} "
-              f"| {host:.1f} | {waited:.1f} | {cpu[0]:.1f} | {cpu[1]:.1f}")  # fmt: skip
+        odd = collections.Counter(x.get("graph") for x in r if x.get("graph") != "replayed")
+        print(f"{i} | {r[0]['engine']} | {r[0]['batch']} | {len(r)} "
+              f"| {r[-1]['wall_ms'] - r[0]['wall_ms']:.1f} | {host:.1f} | {waited:.1f} "
+              f"| {cpu[0]:.1f} | {cpu[1]:.1f} | {dict(odd)}")  # fmt: skip
     labels = sorted({label for r in runs for x in r for label in x["calls"]})
     print("ms a step in each timed function, runs of 20 steps or more:")
     print("run | " + " | ".join(labels))
@@ -364,9 +376,15 @@ def main() -> int:
     record_picks(log)
     record_steps(steps, time_calls)
     record_compiles(steps, compiles)
-    from specserve.cli import main as cli_main
+    if flags and flags[0] == "--in-turns":  # bench/one_batch_in_turns.py and its flags
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from one_batch_in_turns import main as in_turns_main
 
-    rc = cli_main(["bench", "one-batch", *flags])
+        rc = in_turns_main(flags[1:])
+    else:
+        from specserve.cli import main as cli_main
+
+        rc = cli_main(["bench", "one-batch", *flags])
     out.write_text(json.dumps({"picks": log, "steps": steps, "compiles": compiles}))
     if log:
         summarize(log)
