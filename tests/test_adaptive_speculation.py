@@ -874,6 +874,23 @@ def test_a_captured_tier_within_the_margin_runs_instead_of_capturing_the_best():
     assert policy(1.15).pick(1, ready=None) == 2  # a long-lived shape: the best is captured
 
 
+def test_the_policy_asks_whether_its_best_tier_is_replayable_not_every_tier():
+    """Where the best tier has its graph, a step looks up no other tier's (at a batch of 128
+    of a small model every lookup is host time the step waits for); where it has none, the
+    captured tiers are weighed as before."""
+    from specserve.runtime.cuda_graphs import ReadyTiers
+
+    tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(3, 2, 6)]
+    ms = (1.0, 1.15, 1.0)
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: ms[t] / 1e3)
+    asked: list[int] = []
+    assert p.pick(1, ready=ReadyTiers(lambda t: asked.append(t) or True, 3)) == 2
+    assert asked == [2]
+    asked.clear()  # the best has no graph: the others are looked up, the chain runs
+    assert p.pick(1, ready=ReadyTiers(lambda t: asked.append(t) or t < 2, 3)) == 1
+    assert sorted(asked) == [0, 1, 2]
+
+
 def test_batch_after_batch_the_policy_stops_capturing_graphs():
     """A benchmark's runs (or a server's waves of requests): each run a batch of 64 new
     requests whose contexts grow through width buckets while the batch drains. Every graph

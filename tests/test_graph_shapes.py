@@ -210,6 +210,16 @@ def test_ready_tiers_are_the_tiers_captured_at_the_steps_shape():
     assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) is None
 
 
+def test_ready_tiers_are_looked_up_once_each_and_only_when_asked():
+    from specserve.runtime.cuda_graphs import ReadyTiers
+
+    asked = []
+    ready = ReadyTiers(lambda t: asked.append(t) or t % 2 == 1, 4)
+    assert 3 in ready and 3 in ready and 2 not in ready and 7 not in ready
+    assert asked == [3, 2]  # (7 is no tier: not looked up)
+    assert ready == {1, 3} and len(ready) == 2 and sorted(asked) == [0, 1, 2, 3]
+
+
 def test_requests_sent_back_to_back_find_no_idle_capture_in_their_way(monkeypatch):
     """The idle engine captures only once it has had no work for IDLE_CAPTURE_DELAY_S: a
     client sending its next request as the last one returns (a benchmark's timed pass, a

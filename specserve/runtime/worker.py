@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
@@ -375,7 +376,7 @@ class Worker:
 
     def ready_tiers(
         self, reqs: list[Request], kv_upper: list[int], tiers: int, catch_up
-    ) -> frozenset[int] | None:
+    ) -> AbstractSet[int] | None:
         """The tiers whose step over `reqs` replays a graph already captured (None: steps of
         this batch are not replayed from graphs); see DecodeGraphs.ready_tiers."""
         if self.graphs is None:

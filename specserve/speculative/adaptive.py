@@ -96,6 +96,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter, deque
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from specserve.config.speculative import small_tree
 from specserve.speculative.tree import PLAIN, TreeShape
@@ -315,7 +316,7 @@ class AdaptiveSpeculation:
         return self._scores(batch_size, [float(t.max_depth + 1) for t in self.tiers])
 
     def pick(
-        self, batch_size: int, can_speculate: bool = True, ready: frozenset[int] | None = None
+        self, batch_size: int, can_speculate: bool = True, ready: AbstractSet[int] | None = None
     ) -> int:
         """The tier of the next step of `batch_size` requests; can_speculate: some of them
         may still draft (else plain decoding, the only tier that helps them); ready: the
@@ -366,11 +367,11 @@ class AdaptiveSpeculation:
     def _served(self, batch_size: int, best: int, scores: list[float], ready) -> int:
         """The tier a step runs when not exploring: the best one, or where no graph runs it at
         the step's shape, the best replayable one scoring within CAPTURE_MARGIN of it."""
-        if ready and best not in ready:
+        if ready is not None and best not in ready and (candidates := list(ready)):
             # (a ragged tier stands in for its unreplayable whole tree on its own score: close
             # enough, it saves the capture)
             own = self._scores(batch_size, dominated=False)
-            near = self._best_of(ready, own, batch_size)
+            near = self._best_of(candidates, own, batch_size)
             if own[near] >= (1.0 - CAPTURE_MARGIN) * scores[best]:
                 return near
         return best
