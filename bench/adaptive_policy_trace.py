@@ -17,7 +17,8 @@ a larger graph, eagerly, or captured).
     python3 bench/adaptive_policy_trace.py OUT.json --in-turns [one_batch_in_turns.py flags]
 
 With --in-turns the configurations of `bench/one_batch_in_turns.py` run in turns in this
-process and every engine's steps are logged, in the order they ran.
+process and every engine's steps are logged, in the order they ran, with the engine's number
+(in the order the engines first decoded); the picks' summary pools every adaptive engine.
 
 The bench's own JSON goes where --output-json says (its table is printed as usual).
 """
@@ -59,7 +60,9 @@ def record_picks(log: list[dict]) -> None:
             "tier": tier,
             "explored": self._explored is not None and self._explored == tier != before,
             "host_us_per_step_and_token": [v * 1e6 for v in self.host_cost.get(bucket, (0.0, 0.0))],
-            "ready": None if ready is None else sorted(ready),
+            # (what the policy asked about: listing every tier would look each one up,
+            # host time an untraced step does not spend)
+            "ready": None if ready is None else _asked(ready),
         }
         if can_speculate and self._fill(bucket) is None:
             rec["scores"] = self._scores(batch_size)
@@ -98,6 +101,12 @@ def record_picks(log: list[dict]) -> None:
     DecodeGraphs._capture = logged_capture
 
 
+def _asked(ready) -> list[int]:
+    """The tiers the policy found replayable among those it asked about."""
+    looked_up = getattr(ready, "looked_up", None)
+    return sorted(t for t, ok in looked_up().items() if ok) if looked_up else sorted(ready)
+
+
 def record_steps(steps: list[dict], time_calls: bool) -> None:
     """Wrap the engine's decode launch, the host clock and the host-side functions of a step
     (`TIMED_CALLS`) to append one record per launched step: wall clock, batch size, tier, the
@@ -134,6 +143,8 @@ def record_steps(steps: list[dict], time_calls: bool) -> None:
         if graphs is not None:  # how the step ran: its graph, a larger one, eagerly, captured
             flags = ("captured_last", "covered_last", "eager_last")
             rec["graph"] = next((f[:-5] for f in flags if getattr(graphs, f)), "replayed")
+            if len(reqs) > graphs.buckets[-1]:
+                rec["graph"] = "unbucketed"  # (past the largest graph: run eagerly as it is)
         return pending
 
     def logged_clock_launch(self):
@@ -155,14 +166,14 @@ def record_steps(steps: list[dict], time_calls: bool) -> None:
             _time_calls(owner, name, steps)
 
 
-def record_compiles(steps: list[dict], compiles: list[dict]) -> None:
+def record_compiles(steps: list[dict], compiles: list[dict]) -> bool:
     """Log every Triton kernel compiled (or loaded from Triton's disk cache) while the bench
     runs: wall clock, ms, the kernel and its specialization, and the step launched last. A
     launch that stalls on one names the argument values that specialized it."""
     try:
         from triton import knobs
     except ImportError:  # (a Triton without knobs: nothing logged)
-        return
+        return False
     started: dict[object, float] = {}
 
     def before(*, key, repr, **_):
@@ -184,6 +195,7 @@ def record_compiles(steps: list[dict], compiles: list[dict]) -> None:
 
     knobs.runtime.jit_cache_hook = before
     knobs.runtime.jit_post_compile_hook = after
+    return True
 
 
 def timed_calls() -> list[tuple[type, tuple[str, ...]]]:
@@ -227,10 +239,10 @@ def summarize_steps(steps: list[dict]) -> None:
         gap = rec["wall_ms"] - run[-1]["wall_ms"] if run else 0.0
         before = run[-1]["wall_ms"] - run[-2]["wall_ms"] if len(run) > 1 else gap
         # a new run: the batch grew, or a pause far longer than a step (an idle engine)
-        grew = (
+        new_run = (
             rec["batch"] > run[-1]["batch"] or rec["engine"] != run[-1]["engine"] if run else False
         )
-        if run and (grew or gap > max(50.0, 3 * before)):
+        if run and (new_run or gap > max(50.0, 3 * before)):
             runs.append(run)
             run = []
         run.append(rec)
@@ -262,9 +274,12 @@ def summarize_steps(steps: list[dict]) -> None:
     by = collections.defaultdict(list)
     for r in runs:
         for a, b in zip(r, r[1:]):
-            by[(r[0]["batch"], batch_bucket(a["batch"]), a["tier"])].append((a, b))
-    print("first batch | bucket | tier | intervals | wall ms | host ms | waited ms | launch ms")
-    for (first, bucket, tier), pairs in sorted(by.items()):
+            by[(r[0]["engine"], r[0]["batch"], batch_bucket(a["batch"]), a["tier"])].append((a, b))
+    print(
+        "engine | first batch | bucket | tier | intervals | wall ms | host ms | waited ms "
+        "| launch ms"
+    )
+    for (engine, first, bucket, tier), pairs in sorted(by.items()):
         cols = (
             [b["wall_ms"] - a["wall_ms"] for a, b in pairs],
             [b["host_ms"] for _, b in pairs if b["host_ms"] is not None],
@@ -272,24 +287,28 @@ def summarize_steps(steps: list[dict]) -> None:
             [a["launch_ms"] for a, _ in pairs],
         )
         cells = [sum(v) / len(v) if v else float("nan") for v in cols]
-        print(
-            f"{first} | {bucket} | {tier} | {len(pairs)} | " + " | ".join(f"{c:.2f}" for c in cells)
-        )
+        cells = " | ".join(f"{c:.2f}" for c in cells)
+        print(f"{engine} | {first} | {bucket} | {tier} | {len(pairs)} | {cells}")
 
 
-def summarize_compiles(steps: list[dict], compiles: list[dict]) -> None:
-    """Compiles after the first decode step (start-up compiles are expected), and the
-    slowest launches with how each ran."""
+def summarize_compiles(steps: list[dict], compiles: list[dict] | None) -> None:
+    """Compiles after the first decode step (start-up compiles are expected; with --in-turns
+    a later batch size's warm-up compiles count too), and the slowest launches with how each
+    ran. compiles None: this Triton could not log them."""
     first = steps[0]["wall_ms"] if steps else float("inf")
+    if compiles is None:
+        print("Triton compiles: not logged (this Triton has no compile hooks)")
+        compiles = []
     late = [c for c in compiles if c["wall_ms"] > first]
     print(f"Triton compiles: {len(compiles)}, {len(late)} after the first decode step:")
     for c in late:
         ms = "-" if c["ms"] is None else f"{c['ms']:.0f}"
         print(f"  step {c['step']} batch {c['batch']} {ms} ms {c['kernel'][:300]}")
-    slow = sorted(steps, key=lambda x: x["launch_ms"], reverse=True)[:20]
-    print("slowest launches (step, batch, tier, ms, graph):")
-    for x in slow:
-        print(f"  {steps.index(x)} {x['batch']} {x['tier']} {x['launch_ms']:.1f} {x.get('graph')}")
+    timed = [(i, x) for i, x in enumerate(steps) if "launch_ms" in x]  # (not a failed one)
+    slow = sorted(timed, key=lambda ix: ix[1]["launch_ms"], reverse=True)[:20]
+    print("slowest launches (step, engine, batch, tier, ms, graph):")
+    for i, x in slow:
+        print(f"  {i} {x['engine']} {x['batch']} {x['tier']} {x['launch_ms']:.1f} {x.get('graph')}")
 
 
 def summarize(log: list[dict]) -> None:
@@ -375,7 +394,7 @@ def main() -> int:
     compiles: list[dict] = []
     record_picks(log)
     record_steps(steps, time_calls)
-    record_compiles(steps, compiles)
+    logs_compiles = record_compiles(steps, compiles)
     if flags and flags[0] == "--in-turns":  # bench/one_batch_in_turns.py and its flags
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from one_batch_in_turns import main as in_turns_main
@@ -389,7 +408,7 @@ def main() -> int:
     if log:
         summarize(log)
     summarize_steps(steps)
-    summarize_compiles(steps, compiles)
+    summarize_compiles(steps, compiles if logs_compiles else None)
     busy_threads()
     return rc or 0
 

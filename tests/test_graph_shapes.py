@@ -210,6 +210,35 @@ def test_ready_tiers_are_the_tiers_captured_at_the_steps_shape():
     assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) is None
 
 
+def test_a_tier_timed_at_start_is_wanted_at_each_new_width_in_any_sampling_mode():
+    """The policy may pick any tier timed at a batch bucket at engine start: a step meeting a
+    new width there (in any sampling mode) makes the idle engine capture every such tier at
+    it, not only the tier that step ran; a bucket not timed wants only the tiers run there."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from specserve.ops.sampling import SamplingTensors
+
+    worker = SimpleNamespace(rows=SimpleNamespace(version=0))
+    graphs = DecodeGraphs(worker, 32, max_width=4096, capture=True)
+    rows = {name: torch.zeros(3) for name in ("temperatures", "top_ks", "top_ps", "min_ps")}
+    greedy = SamplingTensors(**rows, seeds=torch.zeros(3), all_greedy=True, needs_filter=False)
+    sampled = dataclasses.replace(greedy, all_greedy=False)
+    for tier in range(3):
+        graphs.note_timed(4, tier)  # as timing each tier at engine start does
+    ran = graphs._key(graphs.bucket(3, 300), greedy, 1, False)  # batch 4, width 512
+    graphs._want_alike(ran)
+    assert set(graphs.wanted) == {graphs._key((4, 512), greedy, t, False) for t in (0, 2)}
+    graphs.wanted.clear()
+    graphs._want_alike(graphs._key((4, 512), sampled, 2, False))
+    assert set(graphs.wanted) == {graphs._key((4, 512), sampled, t, False) for t in (0, 1)}
+    graphs.wanted.clear()
+    graphs._want_alike(graphs._key((16, 512), greedy, 1, False))  # not timed at 16
+    assert not graphs.wanted
+
+
 def test_ready_tiers_are_looked_up_once_each_and_only_when_asked():
     from specserve.runtime.cuda_graphs import ReadyTiers
 
@@ -218,6 +247,8 @@ def test_ready_tiers_are_looked_up_once_each_and_only_when_asked():
     assert 3 in ready and 3 in ready and 2 not in ready and 7 not in ready
     assert asked == [3, 2]  # (7 is no tier: not looked up)
     assert ready == {1, 3} and len(ready) == 2 and sorted(asked) == [0, 1, 2, 3]
+    assert 1.0 not in ready and 1 in ready  # (1.0 is no tier, and leaves tier 1 as it was)
+    assert ready & {1, 2} == {1} and ready | {0} == {0, 1, 3} and "[1, 3]" in repr(ready)
 
 
 def test_requests_sent_back_to_back_find_no_idle_capture_in_their_way(monkeypatch):
@@ -228,7 +259,7 @@ def test_requests_sent_back_to_back_find_no_idle_capture_in_their_way(monkeypatc
 
     monkeypatch.setattr(engine_core, "IDLE_CAPTURE_DELAY_S", 1.0)
     prompts = mixed_prompts(2, 512, seed=37, min_len=4)
-    sps = [{"temperature": 0.0, "max_new_tokens": 1 + EAGER_STEPS // 4, "ignore_eos": True}] * 2
+    sps = [{"temperature": 0.0, "max_new_tokens": max(2, EAGER_STEPS // 2), "ignore_eos": True}] * 2
     with Engine(**TINY) as e:
         graphs = padded_graphs(e)
         for _ in range(2):  # (fewer steps than EAGER_STEPS in all)

@@ -223,7 +223,8 @@ def test_extend_split_prefix(splits, tree):
 def test_extend_prefix_in_more_splits_than_one_merge_pass(tree):
     from specserve.ops.triton_kernels.decode import MERGE_BLOCK_S
 
-    reqs = [Req(3, 1250, extra=3), Req(2, 40), Req(5, 900)]
+    # (no prefix: every split but the last is empty, so the merge's first pass is all empty)
+    reqs = [Req(3, 1250, extra=3), Req(2, 40), Req(5, 900), Req(4, 0)]
     case = make_case(reqs, heads=4, kv_heads=2, head_dim=16, page_size=3, tree_mask=tree, seed=7)
     backend = TritonAttentionBackend(num_kv_splits=20)
     check(case, backend)

@@ -30,6 +30,7 @@ host can prepare step k+1 while step k still runs.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
@@ -119,16 +120,32 @@ class ReadyTiers(AbstractSet[int]):
         self._known: dict[int, bool] = {}
 
     def __contains__(self, tier: object) -> bool:
-        if tier not in self._known:
-            ok = isinstance(tier, int) and 0 <= tier < self._count and self._replayable(tier)
-            self._known[tier] = ok
-        return self._known[tier]
+        try:
+            t = operator.index(tier)  # type: ignore[arg-type]
+        except TypeError:
+            return False  # (not a tier: 1.0 is not tier 1)
+        if not 0 <= t < self._count:
+            return False
+        if t not in self._known:
+            self._known[t] = self._replayable(t)
+        return self._known[t]
 
     def __iter__(self) -> Iterator[int]:
         return (t for t in range(self._count) if t in self)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+    @classmethod
+    def _from_iterable(cls, it) -> frozenset[int]:  # (what &, |, - return)
+        return frozenset(it)
+
+    def looked_up(self) -> dict[int, bool]:
+        """The tiers asked about so far, and whether each replays."""
+        return dict(self._known)
+
+    def __repr__(self) -> str:
+        return f"ReadyTiers({sorted(self)})"
 
 
 @dataclass
@@ -162,7 +179,12 @@ class DecodeGraphs:
         # long-lived.
         self.wanted: dict[tuple, None] = {}  # keys to capture when idle, in order
         # per (batch bucket, sampling mode) met: the widths, and the (tier, catch-up) run there
+        # (a timed one counts once run: then it is wanted at every width met there)
         self._met: dict[tuple, tuple[dict[int, None], dict[tuple, None]]] = {}
+        # per batch bucket: the (tier, catch-up) timed there at engine start (`step_seconds`),
+        # wanted like those run there in every sampling mode (kept when graphs are dropped:
+        # the timing is not redone)
+        self._timed: dict[int, dict[tuple, None]] = {}
         self._covers: dict[tuple, tuple | None] = {}  # key -> the captured key covering it
         self.pool = None
         self._rows_version = worker.rows.version
@@ -286,24 +308,29 @@ class DecodeGraphs:
         return False
 
     def _want_alike(self, key: tuple) -> None:
-        """Want, when idle, the graphs of every (tier, catch-up) run or timed at this key's
-        batch bucket and sampling mode at every width met there. A batch's tail passes its
+        """Want, when idle, the graphs of every (tier, catch-up) run at this key's batch
+        bucket and sampling mode, or timed at the bucket, at every width met there. A batch's tail passes its
         buckets at the widest widths of its run, and the policy runs other tiers there from
         one wave of requests to the next: a tier run at a bucket, or timed there at engine
         start (`step_seconds`, so one the policy may pick), is likely to run there at its
         other widths. (Every tier at every shape met would be hundreds of captures for tiers
-        the load never runs: buckets past the timed ones want only the tiers run there.)"""
+        the load never runs: buckets not timed at start want only the tiers run there.)"""
         bs, width, *rest = key
         mode, variant = tuple(rest[:-2]), tuple(rest[-2:])
         new_width, new_variant = self._meet(key)
         widths, variants = self._met[(bs, mode)]
         pairs = ([(w, variant) for w in widths] if new_variant else []) + (
-            [(width, v) for v in variants] if new_width else []
+            [(width, v) for v in {**self._timed.get(bs, {}), **variants}] if new_width else []
         )
         for w, v in pairs:
             alike = (bs, w, *mode, *v)
             if alike != key and alike not in self.graphs:
                 self.wanted[alike] = None
+
+    def note_timed(self, batch_bucket: int, tier: int) -> None:
+        """`tier` was timed at this batch bucket at engine start: the policy may pick it there,
+        so it is wanted at every new width met there, in any sampling mode (`_want_alike`)."""
+        self._timed.setdefault(batch_bucket, {})[(tier, False)] = None
 
     def _meet(self, key: tuple) -> tuple[bool, bool]:
         """Record this key's width and (tier, catch-up) as met at its batch bucket and
@@ -380,7 +407,7 @@ class DecodeGraphs:
         # (a tier timed at a bucket may be picked there: at the next width met there it is
         # wanted like the tiers that ran; without, the first wave to run it at a new width
         # stalled on its eager steps and capture, 0.2 s of a 0.3 s SmolLM2 run at batch 64)
-        self._meet(key)
+        self.note_timed(shape[0], tier)
         cap.last_inputs = None  # the rows are padding now
         copy_from_host(cap.rows, [PAD_ROW] * cap.rows.shape[0])
         cap.graph.replay()  # settles clocks and caches
