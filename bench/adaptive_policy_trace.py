@@ -180,7 +180,7 @@ def record_compiles(steps: list[dict], compiles: list[dict]) -> bool:
         started[str(key)] = time.perf_counter()
         return False  # (compile as usual)
 
-    def after(*, key, repr, **_):
+    def after(*, key, repr, compile=None, **_):
         start = started.pop(str(key), None)
         now = time.perf_counter()
         compiles.append(
@@ -188,6 +188,8 @@ def record_compiles(steps: list[dict], compiles: list[dict]) -> bool:
                 "wall_ms": now * 1e3,
                 "ms": None if start is None else (now - start) * 1e3,
                 "kernel": repr,
+                # (the constexprs and the integer arguments' specializations)
+                "constants": str((compile or {}).get("constants")),
                 "step": len(steps) - 1,
                 "batch": steps[-1]["batch"] if steps else None,
             }
@@ -238,11 +240,13 @@ def summarize_steps(steps: list[dict]) -> None:
     for rec in steps:
         gap = rec["wall_ms"] - run[-1]["wall_ms"] if run else 0.0
         before = run[-1]["wall_ms"] - run[-2]["wall_ms"] if len(run) > 1 else gap
-        # a new run: the batch grew, or a pause far longer than a step (an idle engine)
-        new_run = (
-            rec["batch"] > run[-1]["batch"] or rec["engine"] != run[-1]["engine"] if run else False
-        )
-        if run and (new_run or gap > max(50.0, 3 * before)):
+        # a new run: the batch grew, another engine's steps, or a pause far longer than a step
+        # (an idle engine)
+        if run and (
+            rec["batch"] > run[-1]["batch"]
+            or rec["engine"] != run[-1]["engine"]
+            or gap > max(50.0, 3 * before)
+        ):
             runs.append(run)
             run = []
         run.append(rec)
@@ -303,7 +307,8 @@ def summarize_compiles(steps: list[dict], compiles: list[dict] | None) -> None:
     print(f"Triton compiles: {len(compiles)}, {len(late)} after the first decode step:")
     for c in late:
         ms = "-" if c["ms"] is None else f"{c['ms']:.0f}"
-        print(f"  step {c['step']} batch {c['batch']} {ms} ms {c['kernel'][:300]}")
+        print(f"  step {c['step']} batch {c['batch']} {ms} ms {c['kernel'][:200]}")
+        print(f"    constants {c.get('constants', '')[:300]}")
     timed = [(i, x) for i, x in enumerate(steps) if "launch_ms" in x]  # (not a failed one)
     slow = sorted(timed, key=lambda ix: ix[1]["launch_ms"], reverse=True)[:20]
     print("slowest launches (step, engine, batch, tier, ms, graph):")

@@ -18,9 +18,9 @@ first `EAGER_STEPS` steps (about a capture's time; a batch's tail passes most sh
 fewer), then is captured, or is captured when the engine idles. Under load-adaptive
 speculation a step's key also names its tier; an idle engine captures every tier that has
 run, or was timed at engine start, at a batch bucket at every context width met there, so
-that the next wave of requests, whose tails pass the same shapes with
-other tiers, does not stop to capture them. Anything outside the buckets runs eagerly
-through the same `DecodeStep.run`.
+that the next wave of requests, whose tails pass the same shapes with other tiers, does not
+stop to capture them. Anything outside the buckets runs eagerly through the same
+`DecodeStep.run`.
 
 Inputs are copied into each graph's static tensors before a replay; those copies and the
 replay are ordered on the stream after the previous step, so under overlap scheduling the
@@ -179,7 +179,6 @@ class DecodeGraphs:
         # long-lived.
         self.wanted: dict[tuple, None] = {}  # keys to capture when idle, in order
         # per (batch bucket, sampling mode) met: the widths, and the (tier, catch-up) run there
-        # (a timed one counts once run: then it is wanted at every width met there)
         self._met: dict[tuple, tuple[dict[int, None], dict[tuple, None]]] = {}
         # per batch bucket: the (tier, catch-up) timed there at engine start (`step_seconds`),
         # wanted like those run there in every sampling mode (kept when graphs are dropped:
@@ -309,12 +308,13 @@ class DecodeGraphs:
 
     def _want_alike(self, key: tuple) -> None:
         """Want, when idle, the graphs of every (tier, catch-up) run at this key's batch
-        bucket and sampling mode, or timed at the bucket, at every width met there. A batch's tail passes its
-        buckets at the widest widths of its run, and the policy runs other tiers there from
-        one wave of requests to the next: a tier run at a bucket, or timed there at engine
-        start (`step_seconds`, so one the policy may pick), is likely to run there at its
-        other widths. (Every tier at every shape met would be hundreds of captures for tiers
-        the load never runs: buckets not timed at start want only the tiers run there.)"""
+        bucket and sampling mode, or timed at the bucket, at every width met there. A
+        batch's tail passes its buckets at the widest widths of its run, and the policy runs
+        other tiers there from one wave of requests to the next: a tier run at a bucket, or
+        timed there at engine start (`step_seconds`, so one the policy may pick), is likely
+        to run there at its other widths. (Every tier at every shape met would be hundreds
+        of captures for tiers the load never runs: buckets not timed at start want only the
+        tiers run there.)"""
         bs, width, *rest = key
         mode, variant = tuple(rest[:-2]), tuple(rest[-2:])
         new_width, new_variant = self._meet(key)
