@@ -295,16 +295,16 @@ def summarize_steps(steps: list[dict]) -> None:
         print(f"{engine} | {first} | {bucket} | {tier} | {len(pairs)} | {cells}")
 
 
-def summarize_compiles(steps: list[dict], compiles: list[dict] | None) -> None:
+def summarize_stalls(steps: list[dict], compiles: list[dict] | None) -> None:
     """Compiles after the first decode step (start-up compiles are expected; with --in-turns
     a later batch size's warm-up compiles count too), and the slowest launches with how each
     ran. compiles None: this Triton could not log them."""
     first = steps[0]["wall_ms"] if steps else float("inf")
+    late = [c for c in compiles or [] if c["wall_ms"] > first]
     if compiles is None:
         print("Triton compiles: not logged (this Triton has no compile hooks)")
-        compiles = []
-    late = [c for c in compiles if c["wall_ms"] > first]
-    print(f"Triton compiles: {len(compiles)}, {len(late)} after the first decode step:")
+    else:
+        print(f"Triton compiles: {len(compiles)}, {len(late)} after the first decode step:")
     for c in late:
         ms = "-" if c["ms"] is None else f"{c['ms']:.0f}"
         print(f"  step {c['step']} batch {c['batch']} {ms} ms {c['kernel'][:200]}")
@@ -413,7 +413,7 @@ def main() -> int:
     if log:
         summarize(log)
     summarize_steps(steps)
-    summarize_compiles(steps, compiles if logs_compiles else None)
+    summarize_stalls(steps, compiles if logs_compiles else None)
     busy_threads()
     return rc or 0
 

@@ -317,8 +317,9 @@ class DecodeGraphs:
         tiers run there.)"""
         bs, width, *rest = key
         mode, variant = tuple(rest[:-2]), tuple(rest[-2:])
-        new_width, new_variant = self._meet(key)
-        widths, variants = self._met[(bs, mode)]
+        widths, variants = self._met.setdefault((bs, mode), ({}, {}))
+        new_width, new_variant = width not in widths, variant not in variants
+        widths[width] = variants[variant] = None
         pairs = ([(w, variant) for w in widths] if new_variant else []) + (
             [(width, v) for v in {**self._timed.get(bs, {}), **variants}] if new_width else []
         )
@@ -331,16 +332,6 @@ class DecodeGraphs:
         """`tier` was timed at this batch bucket at engine start: the policy may pick it there,
         so it is wanted at every new width met there, in any sampling mode (`_want_alike`)."""
         self._timed.setdefault(batch_bucket, {})[(tier, False)] = None
-
-    def _meet(self, key: tuple) -> tuple[bool, bool]:
-        """Record this key's width and (tier, catch-up) as met at its batch bucket and
-        sampling mode; whether each was new there."""
-        bs, width, *rest = key
-        widths, variants = self._met.setdefault((bs, tuple(rest[:-2])), ({}, {}))
-        variant = tuple(rest[-2:])
-        new = width not in widths, variant not in variants
-        widths[width] = variants[variant] = None
-        return new
 
     def _cover(self, key: tuple) -> tuple | None:
         """The captured key of least padding (batch bucket x width) that can run a step of
