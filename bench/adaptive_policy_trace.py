@@ -16,6 +16,10 @@ a larger graph, eagerly, or captured).
          --repeats 5 --speculative-adaptive
     python3 bench/adaptive_policy_trace.py OUT.json --in-turns [one_batch_in_turns.py flags]
 
+--time-calls also sums each host-side function's time per step (`timed_calls`) and times
+every engine's steps on the device (CUDA events around the launch, as adaptive's own are), so
+a fixed tier's device time per step can be set beside adaptive's on the same tier.
+
 With --in-turns the configurations of `bench/one_batch_in_turns.py` run in turns in this
 process and every engine's steps are logged, in the order they ran, with the engine's number
 (in the order the engines first decoded); the picks' summary pools every adaptive engine.
@@ -113,11 +117,13 @@ def record_steps(steps: list[dict], time_calls: bool) -> None:
     launch's own ms, the host's ms around the step applied since the previous launch (None
     when a prefill, capture or idle loop came between), the ms waited for the device, and
     each timed function's ms from this launch to the next."""
-    launch_decode, clock_launch, clock_waited = (
+    launch_decode, finish_decode, clock_launch, clock_waited = (
         EngineCore._launch_decode,
+        EngineCore._finish_decode,
         HostClock.launch,
         HostClock.waited,
     )
+    records: dict[int, dict] = {}  # id of each launched step in flight -> its record
 
     engines: dict[int, int] = {}  # id of each engine core -> its number, in order met
 
@@ -137,6 +143,7 @@ def record_steps(steps: list[dict], time_calls: bool) -> None:
         }
         steps.append(rec)
         pending = launch_decode(self, reqs)
+        records[id(pending)] = rec
         rec["tier"] = pending.tier
         rec["launch_ms"] = (time.perf_counter() - start) * 1e3
         graphs = self.worker.graphs
@@ -146,6 +153,13 @@ def record_steps(steps: list[dict], time_calls: bool) -> None:
             if len(reqs) > graphs.buckets[-1]:
                 rec["graph"] = "unbucketed"  # (past the largest graph: run eagerly as it is)
         return pending
+
+    def logged_finish_decode(self, pending):
+        out = finish_decode(self, pending)
+        rec = records.pop(id(pending), None)
+        if rec is not None and pending.seconds is not None:
+            rec["device_ms"] = pending.seconds * 1e3
+        return out
 
     def logged_clock_launch(self):
         out = clock_launch(self)
@@ -159,11 +173,21 @@ def record_steps(steps: list[dict], time_calls: bool) -> None:
         return clock_waited(self, seconds, tier, batch_size, tokens)
 
     EngineCore._launch_decode = logged_launch_decode
+    EngineCore._finish_decode = logged_finish_decode
     HostClock.launch = logged_clock_launch
     HostClock.waited = logged_clock_waited
     for owner, names in timed_calls() if time_calls else ():
         for name in names:
             _time_calls(owner, name, steps)
+    if time_calls:  # every engine's steps timed on the device, not adaptive's alone
+        from specserve.runtime.worker import Worker
+
+        worker_launch = Worker.launch_decode
+
+        def timed_launch(self, reqs, kv_upper, tier=0, timed=False, catch_up=False):
+            return worker_launch(self, reqs, kv_upper, tier, True, catch_up)
+
+        Worker.launch_decode = timed_launch
 
 
 def record_compiles(steps: list[dict], compiles: list[dict]) -> bool:
@@ -202,6 +226,7 @@ def record_compiles(steps: list[dict], compiles: list[dict]) -> bool:
 
 def timed_calls() -> list[tuple[type, tuple[str, ...]]]:
     """The host-side functions of a decode step whose time each step record sums."""
+    from specserve.kv.request_rows import RequestRows
     from specserve.runtime.draft_lag import DraftLag
     from specserve.runtime.scheduler import Scheduler
     from specserve.runtime.worker import PendingDecode, Worker
@@ -210,6 +235,7 @@ def timed_calls() -> list[tuple[type, tuple[str, ...]]]:
         (EngineCore, ("_finish_decode", "_reap_finished", "_append_tokens", "_run_prefill")),
         (Scheduler, ("schedule_decode_ahead", "schedule_prefill_beside", "decode_done")),
         (Worker, ("ready_tiers", "launch_decode", "_sampling_for", "observe_tokens")),
+        (RequestRows, ("flush",)),
         (PendingDecode, ("__init__", "result")),
         (DecodeGraphs, ("run", "_copy_inputs", "_want_alike")),
         (AdaptiveSpeculation, ("pick", "observe", "observe_host")),
@@ -281,7 +307,7 @@ def summarize_steps(steps: list[dict]) -> None:
             by[(r[0]["engine"], r[0]["batch"], batch_bucket(a["batch"]), a["tier"])].append((a, b))
     print(
         "engine | first batch | bucket | tier | intervals | wall ms | host ms | waited ms "
-        "| launch ms"
+        "| launch ms | device ms (steps timed)"
     )
     for (engine, first, bucket, tier), pairs in sorted(by.items()):
         cols = (
@@ -289,6 +315,7 @@ def summarize_steps(steps: list[dict]) -> None:
             [b["host_ms"] for _, b in pairs if b["host_ms"] is not None],
             [a.get("waited_ms", 0.0) for a, _ in pairs],
             [a["launch_ms"] for a, _ in pairs],
+            [a["device_ms"] for a, _ in pairs if "device_ms" in a],
         )
         cells = [sum(v) / len(v) if v else float("nan") for v in cols]
         cells = " | ".join(f"{c:.2f}" for c in cells)

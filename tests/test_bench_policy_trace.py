@@ -1,6 +1,6 @@
 """bench/adaptive_policy_trace.py on a CPU, in its own process (it wraps the engine's classes
 for the rest of the process): every decode step of every engine logged, in turns, with the
-engine it belongs to; the adaptive engine's picks logged beside them."""
+engine it belongs to and its device time; the adaptive engine's picks logged beside them."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_in_turns_every_engines_steps_are_logged_and_told_apart(tmp_path):
         "--speculative-adaptive"
     )
     cmd = [
-        sys.executable, str(ROOT / "bench" / "adaptive_policy_trace.py"), str(out), "--in-turns",
+        sys.executable, str(ROOT / "bench" / "adaptive_policy_trace.py"), str(out), "--time-calls", "--in-turns",
         "--batch-size", "3", "--input-len", "6", "--output-len", "9", "--repeats", "2",
         "--config", "plain=", "--config", f"adaptive={adaptive}",
         "--", "--model-path", "tiny", "--load-format", "dummy", "--device", "cpu",
@@ -39,3 +39,10 @@ def test_in_turns_every_engines_steps_are_logged_and_told_apart(tmp_path):
     switches = sum(a["engine"] != b["engine"] for a, b in zip(steps, steps[1:]))
     assert switches >= 3
     assert "run | engine |" in done.stdout
+    # --time-calls: every engine's steps timed on the device, the plain one's too, and the
+    # host functions' time summed per step
+    assert all(s["device_ms"] > 0 for s in steps)
+    # (a step's record sums what ran from its launch to the next: the step applied then is
+    # an earlier one, so a run's first step applies none)
+    applied = [s for s in steps if s["calls"].get("EngineCore._finish_decode", 0) > 0]
+    assert len(applied) >= len(steps) // 2
