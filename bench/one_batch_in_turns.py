@@ -4,13 +4,22 @@ call (on a shared machine whole runs of host work can be 1.5x slower than others
 every configuration alike. Prints JSON and a table: per batch size each configuration's
 median decode tok/s and accept length, its runs, and its ratio to the first configuration.
 Beside each run, the time a fixed pure-Python loop took just before it (`host_probe_ms`):
-the host's raw speed at the time, to tell the machine's slow moments from the engine's.
+the host's raw speed at the time, to tell the machine's slow moments from the engine's; and
+the CPUs the engine's loop thread ran on during the run (`loop_cpus`, Linux).
+
+Each engine's loop is a thread of its own, placed by the OS, and on a shared machine one
+CPU can run Python at half the speed of another for minutes (a busy neighbour on its
+hyperthread sibling): an engine whose loop lands there is slower for the whole process, in
+every run, whatever its configuration. `--cpus` pins every thread of the process (the
+engines' loops included) to the CPUs listed, so that every configuration's loop runs where
+the others' do; `--probe-cpus` prints the probe's time on each CPU first, to choose them.
 
     python3 bench/one_batch_in_turns.py --batch-size 16 128 --repeats 8 \\
         --config tree4-4-16="--speculative-num-steps 4 --speculative-eagle-topk 4 \\
                              --speculative-num-draft-tokens 16" \\
         --config adaptive="--speculative-adaptive" [--output-json OUT.json] \\
         [--input-len N: random prompts instead of the packaged chats] \\
+        [--cpus 4,5] [--probe-cpus] \\
         [-- common engine flags, e.g. --model-path smollm2-135m --dtype bfloat16]
 
 Every engine keeps its KV cache to `--max-total-tokens` (default 100000 here: the engines
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -50,6 +60,67 @@ def host_probe_ms() -> float:
     for i in range(PROBE_ITERATIONS):
         total += i & 7
     return (time.perf_counter() - start) * 1e3
+
+
+def probe_each_cpu() -> dict[int, float]:
+    """The probe's milliseconds on each CPU this process may use (Linux), the main thread
+    moved to each in turn, then given back its CPUs."""
+    allowed = os.sched_getaffinity(0)
+    times = {}
+    try:
+        for cpu in sorted(allowed):
+            os.sched_setaffinity(0, {cpu})
+            times[cpu] = round(min(host_probe_ms() for _ in range(3)), 2)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    return times
+
+
+def pin_process(cpus: set[int]) -> set[int]:
+    """Pin every thread of this process to `cpus` (threads started later inherit it from
+    the thread that starts them); returns the CPUs the process had."""
+    before = os.sched_getaffinity(0)
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:
+            pass  # (the thread ended meanwhile)
+    return before
+
+
+def loop_cpu(engine) -> int | None:
+    """The CPU the engine's loop thread last ran on (Linux), or None."""
+    tid = getattr(getattr(engine, "_thread", None), "native_id", None)
+    try:
+        stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+    except (OSError, TypeError):
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[36])  # (field 39: processor)
+
+
+def timed_with_cpus(engine, prompts, sp) -> tuple[dict, list[int]]:
+    """`timed_run`, with the CPUs its loop thread was seen on, sampled every 10 ms."""
+    import threading
+
+    seen: list[int] = []
+    done = threading.Event()
+
+    def sample():
+        while True:  # (once at the start and once at the end, at the least)
+            cpu = loop_cpu(engine)
+            if cpu is not None and (not seen or seen[-1] != cpu):
+                seen.append(cpu)
+            if done.is_set():
+                return
+            done.wait(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        return timed_run(engine, prompts, sp), seen
+    finally:
+        done.set()
+        sampler.join()
 
 
 def build_engines(configs: list[tuple[str, str]], common: list[str]) -> dict:
@@ -79,7 +150,7 @@ def measure(
         for name, engine in engines.items():
             engine.flush_cache()  # each timed prefill computes its prompts afresh
             probe = host_probe_ms()
-            run = timed_run(engine, prompts, sp)
+            run, cpus = timed_with_cpus(engine, prompts, sp)
             wait_for_idle_captures(engine)
             accept = [o["meta_info"].get("spec_accept_length") or 1.0 for o in run["outs"]]
             runs[name].append(
@@ -87,6 +158,7 @@ def measure(
                     "decode_tok_s": round(run["decode_tok_s"], 1),
                     "accept_length": round(sum(accept) / len(accept), 3),
                     "host_probe_ms": round(probe, 2),
+                    "loop_cpus": cpus,
                 }
             )
     return runs
@@ -108,6 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         help="a configuration's name and its engine flags (quoted); repeat for each",
     )
     p.add_argument("--output-json", default=None)
+    p.add_argument(
+        "--cpus",
+        default=None,
+        help="comma-separated CPUs to pin every thread of the process to (Linux)",
+    )
+    p.add_argument(
+        "--probe-cpus", action="store_true", help="print the probe's ms on each CPU first"
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     common = []
     if "--" in argv:
@@ -120,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not name:
             p.error(f"--config {item!r}: expected NAME=FLAGS")
         configs.append((name, flags))
+    if args.probe_cpus:
+        print(json.dumps({"probe_ms_by_cpu": probe_each_cpu()}))
+    unpinned = pin_process({int(c) for c in args.cpus.split(",")}) if args.cpus else None
     if "--max-total-tokens" not in common:
         common += ["--max-total-tokens", "100000"]
     engines = build_engines(configs, common)
@@ -131,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for engine in engines.values():
             engine.shutdown()
+        if unpinned is not None:
+            pin_process(unpinned)
     names = [name for name, _ in configs]
     for row in table:
         row["median_tok_s"] = {

@@ -4,6 +4,10 @@ process, their timed runs taken in turns, the table's medians and ratios from th
 from __future__ import annotations
 
 import json
+import os
+import sys
+
+import pytest
 
 from bench.one_batch_in_turns import main
 from specserve.model.config import PRESETS
@@ -43,3 +47,27 @@ def test_configurations_run_in_turns_and_ratios_come_from_their_medians(tmp_path
         assert row["over_first"] == {"plain": 1.0, "chain": round(ratio, 3)}
     printed = capsys.readouterr().out
     assert "| batch | plain tok/s (accept) | chain tok/s (accept) | ratios to first |" in printed
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="CPU affinity is Linux's")
+def test_cpus_pins_every_engines_loop_and_the_process_gets_its_cpus_back(tmp_path, capsys):
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    out = tmp_path / "in_turns.json"
+    rc = main(
+        [
+            "--batch-size", "2", "--input-len", "6", "--output-len", "24", "--repeats", "2",
+            "--config", "a=", "--config", "b=", "--cpus", str(cpu), "--probe-cpus",
+            "--output-json", str(out),
+            "--", "--model-path", "tiny", "--load-format", "dummy", "--device", "cpu",
+            "--dtype", "float32", "--skip-tokenizer-init",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    printed = capsys.readouterr().out
+    probes = json.loads(printed.splitlines()[0])["probe_ms_by_cpu"]
+    assert {int(c) for c in probes} == before and all(ms > 0 for ms in probes.values())
+    table = json.loads(out.read_text())
+    seen = [c for runs in table[0]["runs"].values() for r in runs for c in r["loop_cpus"]]
+    assert seen and set(seen) == {cpu}  # (every sample of both engines' loops)
+    assert os.sched_getaffinity(0) == before
