@@ -39,13 +39,17 @@ class DraftLag:
     def speculating(self, req: Request) -> bool:
         return req.params.speculative and not req.draft_stale
 
-    def plan(self, reqs: list[Request], tier: int, speculation_pays) -> LaggedStep:
+    def plan(
+        self, reqs: list[Request], tier: int, speculation_pays, live: list[Request] | None = None
+    ) -> LaggedStep:
         """Whether the step of `tier` over `reqs` first catches the draft up (and which
         requests stop speculating instead); speculation_pays(): whether keeping drafts
-        current is worth it at this load."""
+        current is worth it at this load; live: those of `reqs` speculating, where the
+        caller knows them."""
         # (every step of an adaptive engine plans: at a batch of 128 of a small model the
         # host's time is the step's, so the common case, all speculating, loops least)
-        live = [r for r in reqs if self.speculating(r)]
+        if live is None:
+            live = [r for r in reqs if self.speculating(r)]
         everyone = len(live) == len(reqs)
         if tier > 0:
             catch_up = any(r.draft_lag > 0 for r in live)

@@ -441,21 +441,22 @@ class EngineCore:
 
     def _launch_decode(self, reqs: list[Request]):
         kv_upper = [r.kv_len + r.inflight_steps * self.worker.max_accept for r in reqs]
-        tier, lagged = 0, None
+        tier, lagged, everyone = 0, None, False
         if self.adaptive is not None:
-            can_speculate = any(r.params.speculative and not r.draft_stale for r in reqs)
+            # (one pass over the batch: at 128 requests of a small model each pass is a few
+            # percent of the host's time, which is the step's)
+            live = [r for r in reqs if r.params.speculative and not r.draft_stale]
+            everyone = len(live) == len(reqs)
             ready = None
-            if can_speculate:
-                lagging = self.draft_lag is not None and any(
-                    r.draft_lag > 0 and self.draft_lag.speculating(r) for r in reqs
-                )
+            if live:
+                lagging = self.draft_lag is not None and any(r.draft_lag > 0 for r in live)
                 ready = self.worker.ready_tiers(
                     reqs, kv_upper, len(self.adaptive.tiers), lambda t: t > 0 and lagging
                 )
-            tier = self.adaptive.pick(len(reqs), can_speculate, ready=ready)
+            tier = self.adaptive.pick(len(reqs), bool(live), ready=ready)
             if self.draft_lag is not None:
                 lagged = self.draft_lag.plan(
-                    reqs, tier, lambda: self.adaptive.speculation_pays(len(reqs))
+                    reqs, tier, lambda: self.adaptive.speculation_pays(len(reqs)), live
                 )
         host = self.host_clock.launch()
         # (on a CPU the step's own work runs inside the launch: no separate host time)
@@ -472,6 +473,7 @@ class EngineCore:
         if graphs is not None and (graphs.captured_last or graphs.eager_last):
             self.host_clock.interrupt()  # a capture's or an eager launch's time: no step's
         pending.lagged = lagged
+        pending.everyone_speculates = everyone  # (at launch)
         for r in reqs:
             r.inflight_steps += 1
         self.num_steps += 1
@@ -487,9 +489,9 @@ class EngineCore:
         lagged = pending.lagged
         if self.adaptive is not None:
             stale = lagged.stale if lagged is not None else frozenset()
-            spoke = [r.params.speculative and r.rid not in stale for r in pending.reqs]
             speculating, reach = out.accept_lens, out.chain_reach
-            if not all(spoke):
+            if not (pending.everyone_speculates and not stale):
+                spoke = [r.params.speculative and r.rid not in stale for r in pending.reqs]
                 speculating = [n for n, s in zip(out.accept_lens, spoke) if s]
                 if reach is not None:
                     reach = [n for n, s in zip(reach, spoke) if s]

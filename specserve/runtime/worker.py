@@ -92,6 +92,7 @@ class PendingDecode:
         self.reqs = reqs
         self.tier = tier
         self.lagged = None  # what the step did to lagging drafts (runtime/draft_lag.py)
+        self.everyone_speculates = False  # every request in it speculated at launch
         self._timer = timer
         self.seconds: float | None = None
         self._reach = chain_reach is not None

@@ -170,10 +170,8 @@ def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
 
 
 def batch_bucket(batch_size: int) -> int:
-    bucket = 1
-    while bucket < batch_size:
-        bucket *= 2
-    return bucket
+    """The power of two at or above `batch_size` (1 for an empty batch)."""
+    return 1 << max(0, batch_size - 1).bit_length()
 
 
 class AdaptiveSpeculation:
@@ -205,13 +203,17 @@ class AdaptiveSpeculation:
             ]
             for t, shape in enumerate(tiers)
         ]  # fmt: skip
+        self._depths = [t.max_depth for t in tiers]
+        # what each tier emits per request were all its drafted tokens accepted
+        self._upper_accept = [float(d + 1) for d in self._depths]
+        self._ragged = [t.ragged for t in tiers]
         self.measure = measure
         self.explore_every = explore_every
         self.max_explore_gap = max_explore_gap
         self.explore_gap = explore_every
         self.next_explore = explore_every
         # the optimistic start: a tier accepts all it drafts until observed otherwise
-        self.accept = [float(t.max_depth + 1) for t in tiers]
+        self.accept = list(self._upper_accept)
         # decayed sums behind accept: accept[t] = accept_sum[t] / accept_weight[t]
         self.accept_sum = [a * ACCEPT_PRIOR_WEIGHT for a in self.accept]
         self.accept_weight = [ACCEPT_PRIOR_WEIGHT] * len(tiers)
@@ -226,15 +228,18 @@ class AdaptiveSpeculation:
         # what steps are weighed by: (seconds per step, seconds per emitted token)
         self.host: dict[tuple[int, int], float] = {}
         self.host_cost: dict[int, tuple[float, float]] = {}
+        self._host_stale: set[int] = set()  # buckets whose host_cost awaits a refit
         self._host_per_token: dict[int, deque[float]] = {}  # bucket -> its latest steps'
         # (tier, bucket) -> its latest steps' (tokens, host seconds)
         self._host_steps: dict[tuple[int, int], deque[tuple[int, float]]] = {}
         # bucket -> tier -> the medians of those (tokens, seconds), how many steps, and the
-        # bucket's host clock (steps observed there) at the newest
-        self._host_points: dict[int, dict[int, tuple[float, float, int, int]]] = {}
+        # bucket's host clock (steps observed there) at the newest; (those steps, None, ...)
+        # until the medians are next taken
+        self._host_points: dict[int, dict[int, tuple]] = {}
         self._host_clock: dict[int, int] = {}
         self._host_seen: dict[tuple[int, int], int] = {}  # (tier, bucket) -> its last step
         self._warmed: set[tuple[int, int]] = set()  # (tier, bucket) whose first step ran
+        self._timed_buckets: set[int] = set()  # buckets where every tier has a time
         self.picks = 0
         self.counts = [0] * len(tiers)  # steps run per tier (reporting)
         self.last_seen = [0] * len(tiers)  # the pick count when each tier last ran
@@ -258,6 +263,20 @@ class AdaptiveSpeculation:
             return self.replayed[key] + max(0.0, self.context_cost.get(bucket, 0.0))
         return None
 
+    def _seconds_at(self, bucket: int) -> list[float | None]:
+        """`seconds(t, bucket)` of every tier t."""
+        observed, replayed = self.observed, self.replayed
+        extra = max(0.0, self.context_cost.get(bucket, 0.0))
+        out = []
+        for t in range(len(self.tiers)):
+            key = (t, bucket)
+            seconds = observed.get(key)
+            if seconds is None:
+                replay = replayed.get(key)
+                seconds = None if replay is None else replay + extra
+            out.append(seconds)
+        return out
+
     def prime(self, max_batch_size: int) -> int:
         """Time every tier at every bucket up to `max_batch_size` now (engine start): capturing
         a tier's graph compiles its kernels for that batch shape, which would otherwise stall
@@ -275,6 +294,8 @@ class AdaptiveSpeculation:
 
     def _fill(self, bucket: int) -> int | None:
         """Time every tier at this bucket; returns a tier to try online when it cannot."""
+        if bucket in self._timed_buckets:
+            return None  # (a time once known is never forgotten)
         for t in range(len(self.tiers)):
             if self.seconds(t, bucket) is not None:
                 continue
@@ -282,6 +303,7 @@ class AdaptiveSpeculation:
             if replay is None:
                 return t
             self.replayed[(t, bucket)] = replay
+        self._timed_buckets.add(bucket)
         return None
 
     def _scores(
@@ -293,27 +315,37 @@ class AdaptiveSpeculation:
         a subset of that tree's nodes, so it never emits more (its own estimate, learnt on
         other text than the served tier's, could say otherwise)."""
         bucket = batch_bucket(batch_size)
-        accept = accept or self.accept
-        per_step, per_token = self.host_cost.get(bucket, (0.0, 0.0))
+        seconds = self._seconds_at(bucket)
+        per_step, per_token = self._host_cost_at(bucket)
         scores = []
-        for t in range(len(self.tiers)):
-            tokens = batch_size * accept[t]
-            host = per_step + per_token * tokens
-            scores.append(tokens / max(self.seconds(t, bucket), host))
+        for a, device in zip(accept or self.accept, seconds):
+            tokens = batch_size * a
+            scores.append(tokens / max(device, per_step + per_token * tokens))
         for t, whole in self.whole_tree.items() if dominated else ():
-            if self.seconds(t, bucket) >= self.seconds(whole, bucket):
+            if seconds[t] >= seconds[whole]:
                 scores[t] = 0.0
         return scores
 
     def _best_of(self, tiers, scores: list[float], batch_size: int) -> int:
         """The tier of the highest score; among equals (the host sets the pace), the one
         emitting the most per step, then the one of least device time."""
-        bucket = batch_bucket(batch_size)
-        return max(tiers, key=lambda t: (scores[t], self.accept[t], -self.seconds(t, bucket)))
+        best, seconds, accept = None, None, self.accept
+        for t in tiers:
+            if best is None or (scores[t], accept[t]) > (scores[best], accept[best]):
+                best = t
+            elif (scores[t], accept[t]) == (scores[best], accept[best]):
+                # (a tie, where the host sets the pace: only then the device times)
+                if seconds is None:
+                    seconds = self._seconds_at(batch_bucket(batch_size))
+                if seconds[t] < seconds[best]:
+                    best = t
+        if best is None:
+            raise ValueError("no tier to choose from")
+        return best
 
     def _upper_scores(self, batch_size: int) -> list[float]:
         """Each tier's score were all its drafted tokens accepted."""
-        return self._scores(batch_size, [float(t.max_depth + 1) for t in self.tiers])
+        return self._scores(batch_size, self._upper_accept)
 
     def pick(
         self, batch_size: int, can_speculate: bool = True, ready: AbstractSet[int] | None = None
@@ -352,7 +384,7 @@ class AdaptiveSpeculation:
                 t
                 for t in range(1, len(self.tiers))
                 if t != best
-                and (upper[t], self.tiers[t].max_depth + 1) > (scores[best], self.accept[best])
+                and (upper[t], self._upper_accept[t]) > (scores[best], self.accept[best])
                 and self.picks - self.inferred[t] > self.explore_every
             ]
             hopeful = [t for t in could if ready is None or t in ready]
@@ -420,11 +452,11 @@ class AdaptiveSpeculation:
         self.requests_seen += len(accept_lens)  # (requests that do not speculate say nothing)
         if tier > 0 and accept_lens:
             self._learn(tier, sum(accept_lens), len(accept_lens))
-            if chain_reach and not self.tiers[tier].ragged:
+            if chain_reach and not self._ragged[tier] and self._chains_within[tier]:
                 # (a ragged step may have pruned the chain's nodes: its reach is no measure)
                 reaches = Counter(chain_reach)  # (few distinct values in a large batch)
                 for c in self._chains_within[tier]:
-                    depth = self.tiers[c].max_depth
+                    depth = self._depths[c]
                     emitted = sum(k * (1 + min(depth, r)) for r, k in reaches.items())
                     self._learn(c, emitted, len(chain_reach))
                     self.inferred[c] = self.picks
@@ -491,19 +523,33 @@ class AdaptiveSpeculation:
         self._host_seen[(tier, bucket)] = now
         steps.append((tokens, seconds))
         if len(steps) >= HOST_MIN_STEPS:
-            points[tier] = (
-                statistics.median(n for n, _ in steps),
-                statistics.median(s for _, s in steps),
-                len(steps),
-                now,
-            )
-        self.host_cost[bucket] = self._fit_host(bucket)
+            # (its medians are taken when the line is next fitted: `_host_cost_at`)
+            points[tier] = (steps, None, len(steps), now)
+        self._host_stale.add(bucket)
+
+    def _host_cost_at(self, bucket: int) -> tuple[float, float]:
+        """host_cost[bucket], fitted again if steps were observed there since it last was
+        (once per pick, not once per observation: the medians cost more than the rest of
+        an observation)."""
+        if bucket in self._host_stale:
+            self._host_stale.discard(bucket)
+            self.host_cost[bucket] = self._fit_host(bucket)
+        return self.host_cost.get(bucket, (0.0, 0.0))
 
     def _fit_host(self, bucket: int) -> tuple[float, float]:
         """(seconds per step, seconds per emitted token) of the host at this bucket: the line
         through the tiers' median (tokens, seconds) per step, each weighing its steps, where
         they emit far enough apart to tell; else all per token."""
         now = self._host_clock[bucket]
+        tiers = self._host_points.get(bucket, {})
+        for tier, (steps, seconds, count, seen) in list(tiers.items()):
+            if seconds is None:  # (observed since the last fit: its medians now)
+                tiers[tier] = (
+                    statistics.median(n for n, _ in steps),
+                    statistics.median(s for _, s in steps),
+                    count,
+                    seen,
+                )
         points = [
             (n, s, w)
             for n, s, w, seen in self._host_points.get(bucket, {}).values()
@@ -540,6 +586,7 @@ class AdaptiveSpeculation:
                 f"{self.tiers[t]}@{b}": round(v * 1e3, 3) for (t, b), v in self.host.items()
             },
             "host_us_per_step_and_token": {
-                b: [round(v * 1e6, 3) for v in cost] for b, cost in sorted(self.host_cost.items())
+                b: [round(v * 1e6, 3) for v in self._host_cost_at(b)]
+                for b in sorted(self.host_cost.keys() | self._host_stale)
             },
         }
