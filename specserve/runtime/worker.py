@@ -73,6 +73,22 @@ class StepTimer:
         return self.start.elapsed_time(self.end) / 1e3 if self.cuda else self.end - self.start
 
 
+def rows_of_one(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """[2, n]: two [n] tensors as the rows of one, a view where they are already two rows of
+    one tensor (the decode step returns them so), else stacked (a kernel launch)."""
+    n = first.shape[0]
+    gap = second.storage_offset() - first.storage_offset()
+    if (
+        first.dtype == second.dtype
+        and first.stride() == second.stride() == (1,)
+        and second.shape[0] == n
+        and gap >= n
+        and first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    ):
+        return first.as_strided((2, n), (gap, 1))
+    return torch.stack((first, second))
+
+
 class PendingDecode:
     """A launched decode step. Its per-request results are copied to the host without
     blocking; `result()` waits for them, which is the only point where the host learns
@@ -97,7 +113,7 @@ class PendingDecode:
         self.seconds: float | None = None
         self._reach = chain_reach is not None
         # (the reach travels in the accepted lengths' copy: one transfer, not two)
-        outs = [accept_len if chain_reach is None else torch.stack((accept_len, chain_reach))]
+        outs = [accept_len if chain_reach is None else rows_of_one(accept_len, chain_reach)]
         outs.append(emitted)
         if logprobs is not None:
             outs.append(logprobs.token)

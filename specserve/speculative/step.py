@@ -213,6 +213,11 @@ class DecodeStep:
         else:
             features = self.drafter.extend_after_verify(batch, trees, acc, target_out, path_rows)
             self.rows.set_state(rows, new_lens, acc.bonus, features, new_lens)
+        if reach is not None:
+            # rows of one tensor, so the host brings both back in one copy without a launch
+            # to stack them (PendingDecode)
+            counts = torch.stack((acc.accept_len, reach))
+            return StepOutputs(counts[0], acc.emitted, logprobs, counts[1])
         return StepOutputs(acc.accept_len, acc.emitted, logprobs, reach)
 
     def _read(self, rows, sampling, width, kv_upper) -> DecodeBatch:
