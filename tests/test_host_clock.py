@@ -39,3 +39,19 @@ def test_an_interrupted_interval_is_not_reported():
     clock.waited(0.25, tier=0, batch_size=4, tokens=4)
     now.t = 12.0
     assert clock.launch() == (0, 4, 1.75, 4)  # clean again from the launch after the interrupt
+
+
+def test_completing_finished_requests_is_set_aside():
+    """Reaping finished requests and delivering their final output costs each request once,
+    whatever tier decoded it: it is not part of a step's host time."""
+    now = FakeTime()
+    clock = HostClock(now)
+    clock.launch()
+    clock.waited(1.0, tier=3, batch_size=10, tokens=25)
+    clock.set_aside(0.5)  # two requests finished: their state reaped, their outputs delivered
+    clock.set_aside(0.25)
+    now.t = 4.0
+    assert clock.launch() == (3, 10, 2.25, 25)  # 4 s between launches: 1 waiting, 0.75 aside
+    clock.waited(0.5, tier=3, batch_size=10, tokens=25)
+    now.t = 6.0
+    assert clock.launch() == (3, 10, 1.5, 25)  # (what was set aside counted once only)

@@ -543,6 +543,16 @@ class EngineCore:
     def _reap_finished(self) -> list[Request]:
         # A request still in a launched step keeps its pages until that step is applied.
         done = [r for r in self.requests.values() if r.finished and r.inflight_steps == 0]
+        if not done:
+            return done
+        start = time.perf_counter()
+        try:
+            self._reap(done)
+        finally:
+            self.host_clock.set_aside(time.perf_counter() - start)
+        return done
+
+    def _reap(self, done: list[Request]) -> None:
         for r in done:
             self.scheduler.remove(r)
             del self.requests[r.rid]
@@ -552,7 +562,6 @@ class EngineCore:
         # half-removed for the loop's error path to trip over again
         for r in done:
             self.worker.forget(r.rid)
-        return done
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (the engine is shutting down)."""

@@ -12,7 +12,8 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
     per-step costs least often and leaves the shortest tail)
 
 - host_seconds: the host's own time per step at the bucket (its stop checks, detokenizing,
-  streaming and the next launch), measured as steps are served. Under overlap the host works
+  streaming and the next launch), measured as steps are served (completing finished requests
+  is set aside: each costs it once whatever the tier; runtime/host_clock.py). Under overlap the host works
   while the device runs the next step, so a step lasts as long as the longer of the two. The
   host's part has a cost per step and a cost per emitted token, and which dominates depends
   on the load: SmolLM2 on an H200 at batch 16 took 1.65 ms a step after steps of the 4/4/16
