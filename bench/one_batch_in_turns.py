@@ -7,12 +7,13 @@ Beside each run, the time a fixed pure-Python loop took just before it (`host_pr
 the host's raw speed at the time, to tell the machine's slow moments from the engine's; and
 the CPUs the engine's loop thread ran on during the run (`loop_cpus`, Linux).
 
-Each engine's loop is a thread of its own, placed by the OS, and on a shared machine one
-CPU can run Python at half the speed of another for minutes (a busy neighbour on its
-hyperthread sibling): an engine whose loop lands there is slower for the whole process, in
-every run, whatever its configuration. `--cpus` pins every thread of the process (the
-engines' loops included) to the CPUs listed, so that every configuration's loop runs where
-the others' do; `--probe-cpus` prints the probe's time on each CPU first, to choose them.
+Each engine's loop is a thread of its own, placed by the OS, and tends to stay on one CPU
+for whole runs; on a shared machine one CPU can run Python at half the speed of another (on
+the H200 machine, once: 5 of 16 CPUs twice as fast as the others). `--cpus` pins every
+thread of the process (the engines' loops included) to the CPUs listed, so that every
+configuration's loop runs where the others' do; `--probe-cpus` prints the probe's time on
+each CPU first. A diagnostic: pinned to the two fastest CPUs there, every configuration ran
+slower (every thread of the process shared them, and a CPU's speed moved within minutes).
 
     python3 bench/one_batch_in_turns.py --batch-size 16 128 --repeats 8 \\
         --config tree4-4-16="--speculative-num-steps 4 --speculative-eagle-topk 4 \\

@@ -13,13 +13,13 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
 
 - host_seconds: the host's own time per step at the bucket (its stop checks, detokenizing,
   streaming and the next launch), measured as steps are served (completing finished requests
-  is set aside: each costs it once whatever the tier; runtime/host_clock.py). Under overlap the host works
-  while the device runs the next step, so a step lasts as long as the longer of the two. The
-  host's part has a cost per step and a cost per emitted token, and which dominates depends
-  on the load: SmolLM2 on an H200 at batch 16 took 1.65 ms a step after steps of the 4/4/16
-  tree and of the 6/8/64 tree alike, which emits more; at batch 128, 8.1 us per token after
-  steps of a chain of 3 (2.3 ms a step) and 8.4 after steps of the 4/4/16 tree (3.2 ms),
-  which emits a third more. (Weighed per step alone, a wide tree looked free wherever the
+  is set aside: each costs it once whatever the tier; runtime/host_clock.py). Under overlap
+  the host works while the device runs the next step, so a step lasts as long as the longer
+  of the two. The host's part has a cost per step and a cost per emitted token, and which
+  dominates depends on the load: SmolLM2 on an H200 at batch 16 took 1.65 ms a step after
+  steps of the 4/4/16 tree and of the 6/8/64 tree alike, which emits more; at batch 128,
+  8.1 us per token after steps of a chain of 3 (2.3 ms a step) and 8.4 after steps of the
+  4/4/16 tree (3.2 ms), which emits a third more. (Weighed per step alone, a wide tree looked free wherever the
   host was slower than the device, and a chain dear; weighed per token alone, the 6/8/64
   tree ran a third of the steps at batch 16, 2.21 ms each against 1.77 for the 4/4/16
   tree.) So each tier's host time is the median of its latest `HOST_WINDOW` steps at the
