@@ -17,20 +17,20 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   the host works while the device runs the next step, so a step lasts as long as the longer
   of the two. The host's part has a cost per step and a cost per emitted token, and which
   dominates depends on the load: SmolLM2 on an H200 at batch 16 took 1.65 ms a step after
-  steps of the 4/4/16 tree and of the 6/8/64 tree alike, which emits more; at batch 128,
-  8.1 us per token after steps of a chain of 3 (2.3 ms a step) and 8.4 after steps of the
-  4/4/16 tree (3.2 ms), which emits a third more. (Weighed per step alone, a wide tree looked free wherever the
-  host was slower than the device, and a chain dear; weighed per token alone, the 6/8/64
-  tree ran a third of the steps at batch 16, 2.21 ms each against 1.77 for the 4/4/16
-  tree.) So each tier's host time is the median of its latest `HOST_WINDOW` steps at the
-  bucket (host time spikes: a collection, a burst of requests finishing; a spike says
+  steps of the 4/4/16 tree and of the 6/8/64 tree alike, which emits more; at batch 128, 8.1
+  us per token after steps of a chain of 3 (2.3 ms a step) and 8.4 after steps of the 4/4/16
+  tree (3.2 ms), which emits a third more. (Weighed per step alone, a wide tree looked free
+  wherever the host was slower than the device, and a chain dear; weighed per token alone,
+  the 6/8/64 tree ran a third of the steps at batch 16, 2.21 ms each against 1.77 for the
+  4/4/16 tree.) So each tier's host time is the median of its latest `HOST_WINDOW` steps at
+  the bucket (host time spikes: a collection, a burst of requests finishing; a spike says
   nothing of the next steps), and a line through the tiers' (tokens, seconds) medians gives
   both costs (`HOST_MIN_STEPS` steps make a tier's median; tiers emitting within
   `HOST_SPREAD` of one another cannot tell the two costs apart; a tier not run within the
   bucket's last `HOST_POINT_AGE` steps no longer counts, as the host's speed moves with the
-  machine's load). Until two tiers tell it, the host's time is taken as per token, the median
-  of the bucket's latest steps whatever their tier, so a tier run rarely is not judged on the
-  few intervals it happened to run in.
+  machine's load). Until two tiers tell it, the host's time is taken as per token, the
+  median of the bucket's latest steps whatever their tier, so a tier run rarely is not
+  judged on the few intervals it happened to run in.
 - step_seconds: the device time of a step of tier t at a batch bucket, measured on this
   device when the engine starts (`prime`: every tier's CUDA graph at every bucket replayed on
   padding rows, so every tier is timed alike, and serving does not stop to capture and time
