@@ -500,12 +500,10 @@ class Engine:
                 log.exception("step hook failed")
                 touched = touched + self._fail_all(f"step hook: {type(e).__name__}: {e}")
             for r in touched:
-                if r.finished:  # (a request's completion is not a step's host time)
-                    start = time.perf_counter()
-                    self._deliver(r)
+                finished, start = r.finished, time.perf_counter()
+                self._deliver(r)
+                if finished:  # (a request's completion is not a step's host time)
                     core.host_clock.set_aside(time.perf_counter() - start)
-                else:
-                    self._deliver(r)
         self._drain_inbox()
         for r in self._fail_all("engine shut down"):
             self._deliver(r)

@@ -231,12 +231,10 @@ class AdaptiveSpeculation:
         self.host_cost: dict[int, tuple[float, float]] = {}
         self._host_stale: set[int] = set()  # buckets whose host_cost awaits a refit
         self._host_per_token: dict[int, deque[float]] = {}  # bucket -> its latest steps'
-        # (tier, bucket) -> its latest steps' (tokens, host seconds)
-        self._host_steps: dict[tuple[int, int], deque[tuple[int, float]]] = {}
-        # bucket -> tier -> the medians of those (tokens, seconds), how many steps, and the
-        # bucket's host clock (steps observed there) at the newest; (those steps, None, ...)
-        # until the medians are next taken
-        self._host_points: dict[int, dict[int, tuple]] = {}
+        # bucket -> tier -> its latest steps' (tokens, host seconds); (tier, bucket) -> their
+        # medians (taken when the line is next fitted, once per pick, not per observation)
+        self._host_steps: dict[int, dict[int, deque[tuple[int, float]]]] = {}
+        self._host_medians: dict[tuple[int, int], tuple[float, float]] = {}
         self._host_clock: dict[int, int] = {}
         self._host_seen: dict[tuple[int, int], int] = {}  # (tier, bucket) -> its last step
         self._warmed: set[tuple[int, int]] = set()  # (tier, bucket) whose first step ran
@@ -516,16 +514,13 @@ class AdaptiveSpeculation:
         per_token = self._host_per_token.setdefault(bucket, deque(maxlen=HOST_WINDOW))
         per_token.append(seconds / tokens)
         now = self._host_clock[bucket] = self._host_clock.get(bucket, 0) + 1
-        points = self._host_points.setdefault(bucket, {})
-        steps = self._host_steps.setdefault((tier, bucket), deque(maxlen=HOST_WINDOW))
-        if now - self._host_seen.get((tier, bucket), now) > HOST_POINT_AGE:
+        key = (tier, bucket)
+        steps = self._host_steps.setdefault(bucket, {}).setdefault(tier, deque(maxlen=HOST_WINDOW))
+        if now - self._host_seen.get(key, now) > HOST_POINT_AGE:
             steps.clear()  # (stale: the tier starts afresh)
-            points.pop(tier, None)
-        self._host_seen[(tier, bucket)] = now
+        self._host_seen[key] = now
         steps.append((tokens, seconds))
-        if len(steps) >= HOST_MIN_STEPS:
-            # (its medians are taken when the line is next fitted: `_host_cost_at`)
-            points[tier] = (steps, None, len(steps), now)
+        self._host_medians.pop(key, None)
         self._host_stale.add(bucket)
 
     def _host_cost_at(self, bucket: int) -> tuple[float, float]:
@@ -542,20 +537,17 @@ class AdaptiveSpeculation:
         through the tiers' median (tokens, seconds) per step, each weighing its steps, where
         they emit far enough apart to tell; else all per token."""
         now = self._host_clock[bucket]
-        tiers = self._host_points.get(bucket, {})
-        for tier, (steps, seconds, count, seen) in list(tiers.items()):
-            if seconds is None:  # (observed since the last fit: its medians now)
-                tiers[tier] = (
+        points = []  # (median tokens, median seconds, steps) of each tier timed lately
+        for tier, steps in self._host_steps[bucket].items():
+            key = (tier, bucket)
+            if len(steps) < HOST_MIN_STEPS or now - self._host_seen[key] > HOST_POINT_AGE:
+                continue
+            if key not in self._host_medians:
+                self._host_medians[key] = (
                     statistics.median(n for n, _ in steps),
                     statistics.median(s for _, s in steps),
-                    count,
-                    seen,
                 )
-        points = [
-            (n, s, w)
-            for n, s, w, seen in self._host_points.get(bucket, {}).values()
-            if now - seen <= HOST_POINT_AGE
-        ]
+            points.append((*self._host_medians[key], len(steps)))
         per_token = statistics.median(self._host_per_token[bucket])
         if not points or max(p[0] for p in points) < (1 + HOST_SPREAD) * min(p[0] for p in points):
             return 0.0, per_token
