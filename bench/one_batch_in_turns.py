@@ -5,7 +5,7 @@ every configuration alike. Prints JSON and a table: per batch size each configur
 median decode tok/s and accept length, its runs, and its ratio to the first configuration.
 Beside each run, the time a fixed pure-Python loop took just before it (`host_probe_ms`):
 the host's raw speed at the time, to tell the machine's slow moments from the engine's; and
-the CPUs the engine's loop thread ran on during the run (`loop_cpus`, Linux).
+the CPUs the engine's loop thread was on as the run started and ended (`loop_cpus`, Linux).
 
 Each engine's loop is a thread of its own, placed by the OS, and tends to stay on one CPU
 for whole runs; on a shared machine one CPU can run Python at half the speed of another (on
@@ -100,28 +100,13 @@ def loop_cpu(engine) -> int | None:
 
 
 def timed_with_cpus(engine, prompts, sp) -> tuple[dict, list[int]]:
-    """`timed_run`, with the CPUs its loop thread was seen on, sampled every 10 ms."""
-    import threading
-
-    seen: list[int] = []
-    done = threading.Event()
-
-    def sample():
-        while True:  # (once at the start and once at the end, at the least)
-            cpu = loop_cpu(engine)
-            if cpu is not None and (not seen or seen[-1] != cpu):
-                seen.append(cpu)
-            if done.is_set():
-                return
-            done.wait(0.01)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        return timed_run(engine, prompts, sp), seen
-    finally:
-        done.set()
-        sampler.join()
+    """`timed_run`, with the CPUs its loop thread was on as it started and as it ended (read
+    around the run, not during it: a sampling thread would take the GIL from the loop)."""
+    before = loop_cpu(engine)
+    run = timed_run(engine, prompts, sp)
+    after = loop_cpu(engine)
+    cpus = [c for c in (before, after) if c is not None]
+    return run, [c for i, c in enumerate(cpus) if i == 0 or c != cpus[i - 1]]
 
 
 def build_engines(configs: list[tuple[str, str]], common: list[str]) -> dict:
