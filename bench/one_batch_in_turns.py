@@ -14,13 +14,16 @@ thread of the process (the engines' loops included) to the CPUs listed, so that 
 configuration's loop runs where the others' do; `--probe-cpus` prints the probe's time on
 each CPU first. A diagnostic: pinned to the two fastest CPUs there, every configuration ran
 slower (every thread of the process shared them, and a CPU's speed moved within minutes).
+`--loop-cpu` pins the engines' loop threads alone, each run's on the same CPU: a given one,
+or `fastest`, the CPU where the probe ran fastest just before each round (one run of each
+configuration), so a CPU's speed moving over minutes falls on every configuration alike.
 
     python3 bench/one_batch_in_turns.py --batch-size 16 128 --repeats 8 \\
         --config tree4-4-16="--speculative-num-steps 4 --speculative-eagle-topk 4 \\
                              --speculative-num-draft-tokens 16" \\
         --config adaptive="--speculative-adaptive" [--output-json OUT.json] \\
         [--input-len N: random prompts instead of the packaged chats] \\
-        [--cpus 4,5] [--probe-cpus] \\
+        [--cpus 4,5] [--probe-cpus] [--loop-cpu fastest|CPU] \\
         [-- common engine flags, e.g. --model-path smollm2-135m --dtype bfloat16]
 
 Every engine keeps its KV cache to `--max-total-tokens` (default 100000 here: the engines
@@ -89,6 +92,12 @@ def pin_process(cpus: set[int]) -> set[int]:
     return before
 
 
+def pin_loops(engines, cpus: set[int]) -> None:
+    """Pin each engine's loop thread (only) to `cpus` (Linux)."""
+    for engine in engines:
+        os.sched_setaffinity(engine._thread.native_id, cpus)
+
+
 def loop_cpu(engine) -> int | None:
     """The CPU the engine's loop thread last ran on (Linux), or None."""
     tid = getattr(getattr(engine, "_thread", None), "native_id", None)
@@ -123,16 +132,30 @@ def build_engines(configs: list[tuple[str, str]], common: list[str]) -> dict:
 
 
 def measure(
-    engines: dict, batch_size: int, output_len: int, repeats: int, input_len: int | None = None
+    engines: dict,
+    batch_size: int,
+    output_len: int,
+    repeats: int,
+    input_len: int | None = None,
+    loop_cpu_choice: str | None = None,
 ) -> dict:
     """Warm each engine up at this batch size, then time `repeats` runs of each, in turns,
-    on the same prompts (`timed_batch`: the packaged chats, or random ones of input_len)."""
+    on the same prompts (`timed_batch`: the packaged chats, or random ones of input_len).
+    loop_cpu_choice: None (the OS places the loops), a CPU, or "fastest" (chosen per round)."""
     first = next(iter(engines.values()))
     prompts, sp, warm = timed_batch(first, batch_size, input_len, output_len)
     for engine in engines.values():
         warm_up(engine, warm, sp)
     runs = {name: [] for name in engines}
     for _ in range(repeats):
+        pinned = None
+        if loop_cpu_choice == "fastest":
+            probes = probe_each_cpu()
+            pinned = min(probes, key=probes.get)
+        elif loop_cpu_choice is not None:
+            pinned = int(loop_cpu_choice)
+        if pinned is not None:
+            pin_loops(engines.values(), {pinned})
         for name, engine in engines.items():
             engine.flush_cache()  # each timed prefill computes its prompts afresh
             probe = host_probe_ms()
@@ -145,6 +168,7 @@ def measure(
                     "accept_length": round(sum(accept) / len(accept), 3),
                     "host_probe_ms": round(probe, 2),
                     "loop_cpus": cpus,
+                    "loop_pinned_to": pinned,
                 }
             )
     return runs
@@ -174,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--probe-cpus", action="store_true", help="print the probe's ms on each CPU first"
     )
+    p.add_argument(
+        "--loop-cpu",
+        default=None,
+        help="pin the engines' loop threads alone to this CPU, or to the fastest one by the "
+        "probe before each round ('fastest') (Linux)",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     common = []
     if "--" in argv:
@@ -186,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not name:
             p.error(f"--config {item!r}: expected NAME=FLAGS")
         configs.append((name, flags))
+    if args.loop_cpu not in (None, "fastest") and not args.loop_cpu.isdigit():
+        p.error(f"--loop-cpu {args.loop_cpu!r}: expected a CPU number or 'fastest'")
     if args.probe_cpus:
         print(json.dumps({"probe_ms_by_cpu": probe_each_cpu()}))
     unpinned = pin_process({int(c) for c in args.cpus.split(",")}) if args.cpus else None
@@ -195,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     try:
         for bs in args.batch_size:
-            runs = measure(engines, bs, args.output_len, args.repeats, args.input_len)
+            runs = measure(
+                engines, bs, args.output_len, args.repeats, args.input_len, args.loop_cpu
+            )
             table.append({"batch_size": bs, "runs": runs})
     finally:
         for engine in engines.values():

@@ -71,3 +71,35 @@ def test_cpus_pins_every_engines_loop_and_the_process_gets_its_cpus_back(tmp_pat
     seen = [c for runs in table[0]["runs"].values() for r in runs for c in r["loop_cpus"]]
     assert seen and set(seen) == {cpu}  # (every sample of both engines' loops)
     assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="CPU affinity is Linux's")
+@pytest.mark.parametrize("choice", ["fastest", "last"])
+def test_loop_cpu_pins_each_rounds_loops_to_one_cpu_and_leaves_the_process_free(tmp_path, choice):
+    before = os.sched_getaffinity(0)
+    flag = "fastest" if choice == "fastest" else str(max(before))
+    out = tmp_path / "in_turns.json"
+    rc = main(
+        [
+            "--batch-size", "2", "--input-len", "6", "--output-len", "24", "--repeats", "2",
+            "--config", "a=", "--config", "b=", "--loop-cpu", flag, "--output-json", str(out),
+            "--", "--model-path", "tiny", "--load-format", "dummy", "--device", "cpu",
+            "--dtype", "float32", "--skip-tokenizer-init",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    runs = json.loads(out.read_text())[0]["runs"]
+    for round_ in zip(runs["a"], runs["b"]):
+        pinned = {r["loop_pinned_to"] for r in round_}
+        assert len(pinned) == 1 and pinned <= before  # both configurations on one CPU
+        if choice == "last":
+            assert pinned == {max(before)}
+        for r in round_:
+            assert set(r["loop_cpus"]) == pinned
+    assert os.sched_getaffinity(0) == before  # (the loops alone were pinned)
+
+
+def test_loop_cpu_rejects_what_is_not_a_cpu_or_fastest(capsys):
+    with pytest.raises(SystemExit):
+        main(["--config", "a=", "--loop-cpu", "quick", "--", "--model-path", "tiny"])
+    assert "--loop-cpu 'quick': expected a CPU number or 'fastest'" in capsys.readouterr().err
