@@ -76,6 +76,39 @@ def test_any_sequence_of_tiers_decodes_as_plain_decoding(page_size, overlap, pad
     assert 1.0 < quarter <= half <= tree  # pruned trees verify less of the same drafts
 
 
+def test_each_tiers_step_reads_the_context_width_of_its_own_window():
+    """A step of a small tier (plain, a chain) writes fewer positions past kv_len than the
+    configured tree: it runs at kv_len + its own window (+ a catch-up's reach when it catches
+    the draft up), so it is not pushed into a wider context bucket than the small tree alone
+    would be; outputs stay those of plain decoding."""
+    from specserve.speculative.step import DecodeStep
+
+    prompts = mixed_prompts(4, 512, seed=7)
+    params = dict(SP, max_new_tokens=30)
+    plain, _, _ = run(prompts, params)
+    seen = []  # (tier, catch_up, width - max kv_upper, the step's tier_slot_width)
+    real_run = DecodeStep.run
+
+    def recording_run(self, rows, sampling, width, kv_upper, tier=0, catch_up=False):
+        seen.append((tier, catch_up, width - max(kv_upper), self.tier_slot_width(tier, catch_up)))
+        return real_run(self, rows, sampling, width, kv_upper, tier, catch_up)
+
+    spec = spec_args("tiny", 3, 4, 10, speculative_adaptive=True)
+    DecodeStep.run = recording_run
+    try:
+        outs, stats, _ = run(prompts, params, random_tiers=3, **spec)
+    finally:
+        DecodeStep.run = real_run
+    assert outs == plain
+    count = len(stats["speculative_adaptive"]["tiers"])
+    assert all(extra == own for _, _, extra, own in seen)
+    by_tier = {(t, c): extra for t, c, extra, _ in seen}
+    whole = by_tier[(count - 1, False)]
+    assert by_tier[(0, False)] < by_tier[(1, False)] < whole  # plain, a chain of 1, the tree
+    caught_up = [extra for (t, c), extra in by_tier.items() if c]
+    assert caught_up and min(caught_up) >= 32  # a catch-up reaches over the ring of 32
+
+
 def test_eagle_with_switches_and_retraction_under_random_tiers(tmp_path):
     from specserve.model.config import PRESETS
     from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint

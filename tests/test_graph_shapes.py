@@ -176,7 +176,8 @@ def test_ready_tiers_are_the_tiers_captured_at_the_steps_shape():
 
     from specserve.ops.sampling import SamplingTensors
 
-    worker = SimpleNamespace(rows=SimpleNamespace(version=0))
+    # (every tier's slot width 0 here: the widths asked about are the steps' widths)
+    worker = SimpleNamespace(rows=SimpleNamespace(version=0), tier_slot_width=lambda t, c: 0)
     graphs = DecodeGraphs(worker, 16, max_width=4096, capture=True)
     rows = {name: torch.zeros(3) for name in ("temperatures", "top_ks", "top_ps", "min_ps")}
     greedy = SamplingTensors(**rows, seeds=torch.zeros(3), all_greedy=True, needs_filter=False)
@@ -208,6 +209,38 @@ def test_ready_tiers_are_the_tiers_captured_at_the_steps_shape():
     assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) == set()
     graphs.capture = False  # eager steps: no capture to avoid
     assert graphs.ready_tiers(3, 300, greedy, 4, no_catch_up) is None
+
+
+def test_each_tier_is_looked_up_at_its_own_width():
+    """A small tier of a wide configured tree writes fewer positions past kv_len: its steps
+    run, and are looked up, at the width the small tree alone would have (a wide tier at
+    the same contexts may already be in the next width bucket)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from specserve.ops.sampling import SamplingTensors
+
+    slot_widths = {0: 2, 1: 16, 2: 64}  # plain, a small tree, the configured wide tree
+    worker = SimpleNamespace(
+        rows=SimpleNamespace(version=0),
+        tier_slot_width=lambda t, catch_up: max(slot_widths[t], 33) if catch_up else slot_widths[t],
+    )
+    graphs = DecodeGraphs(worker, 16, max_width=4096, capture=True)
+    rows = {name: torch.zeros(3) for name in ("temperatures", "top_ks", "top_ps", "min_ps")}
+    greedy = SamplingTensors(**rows, seeds=torch.zeros(3), all_greedy=True, needs_filter=False)
+    for tier in (1, 2):
+        graphs.graphs[graphs._key(graphs.bucket(4, 256), greedy, tier, False)] = object()
+    no_catch_up = lambda tier: False  # noqa: E731
+    # kv_len up to 200: the small tree's steps fit width 256, the wide tree's need 512
+    assert graphs.ready_tiers(4, 200, greedy, 3, no_catch_up) == {1}
+    assert graphs.ready_tiers(4, 190, greedy, 3, no_catch_up) == {1, 2}
+    # a catch-up reaches further than the small tree's own window
+    assert graphs.ready_tiers(4, 230, greedy, 3, lambda tier: tier > 0) == set()
+    assert graphs.ready_tiers(4, 230, greedy, 3, no_catch_up) == {1}
+    # a long streak at a shape a tier runs at here: every tier may run (and capture)
+    graphs.streak = ((4, 256, *graphs._mode(greedy)), 64)
+    assert graphs.ready_tiers(4, 200, greedy, 3, no_catch_up) is None
 
 
 def test_a_tier_timed_at_start_is_wanted_at_each_new_width_in_any_sampling_mode():

@@ -259,25 +259,39 @@ class DecodeGraphs:
         return outputs.head(len(rows))
 
     def ready_tiers(
-        self, batch_size: int, width: int, sampling: SamplingTensors, tiers: int, catch_up
+        self, batch_size: int, kv_bound: int, sampling: SamplingTensors, tiers: int, catch_up
     ) -> AbstractSet[int] | None:
-        """Which of `tiers` tiers a step of this shape can replay now, its graph captured
-        (catch_up(tier): whether that tier's step would catch the draft up); a step of any
-        other tier first stalls on its capture. None when every tier may run alike: no step
-        of this shape is captured (eager steps, or a batch past the largest bucket), or the
-        shape is long-lived (`LONG_LIVED_SHAPE_STEPS`), so a capture there pays. Each tier
-        is looked up when asked about (`ReadyTiers`)."""
-        shape = self.bucket(batch_size, width)
-        if shape is None or not self.capture:
+        """Which of `tiers` tiers a step of this batch (its kv_len bounded by kv_bound) can
+        replay now, its graph captured (catch_up(tier): whether that tier's step would catch
+        the draft up); a step of any other tier first stalls on its capture. Each tier's
+        width is its own (kv_bound + its slot width). None when every tier may run alike: no
+        step of this batch is captured (eager steps, or a batch past the largest bucket), or
+        the shape last run is long-lived (`LONG_LIVED_SHAPE_STEPS`), so a capture there
+        pays. Each tier is looked up when asked about (`ReadyTiers`)."""
+        worker = self.worker
+
+        def shape_of(tier: int) -> tuple[int, int] | None:
+            return self.bucket(batch_size, kv_bound + worker.tier_slot_width(tier, catch_up(tier)))
+
+        if shape_of(0) is None or not self.capture:
             return None
-        if self.worker.rows.version != self._rows_version:
+        if worker.rows.version != self._rows_version:
             return frozenset()  # the next step drops every graph
         last, steps = self.streak
-        if last == self._key(shape, sampling, 0, False)[:-2] and steps >= LONG_LIVED_SHAPE_STEPS:
-            return None
-        return ReadyTiers(
-            lambda t: self._replayable(self._key(shape, sampling, t, catch_up(t))), tiers
-        )
+        if steps >= LONG_LIVED_SHAPE_STEPS:
+            # (the streak is of the shape the last tier ran at: any tier's shape here counts)
+            mode = self._mode(sampling)
+            shapes = (shape_of(t) for t in range(tiers))
+            if any(last == (*shape, *mode) for shape in shapes if shape is not None):
+                return None
+
+        def replayable(t: int) -> bool:
+            shape = shape_of(t)
+            return shape is not None and self._replayable(
+                self._key(shape, sampling, t, catch_up(t))
+            )
+
+        return ReadyTiers(replayable, tiers)
 
     def _replayable(self, key: tuple) -> bool:
         """Whether a step of this key runs without a capture: its own graph or a cover."""
@@ -349,17 +363,19 @@ class DecodeGraphs:
         return self._covers[key]
 
     @staticmethod
-    def _key(shape: tuple[int, int], sampling: SamplingTensors, tier: int, catch_up: bool):
+    def _mode(sampling: SamplingTensors) -> tuple:
+        """The part of a graph's key its sampling decides."""
         return (
-            *shape,
             sampling.all_greedy,
             sampling.needs_filter,
             sampling.logprobs,
             sampling.top_logprobs,
             sampling.any_plain,
-            tier,
-            catch_up,
         )
+
+    @classmethod
+    def _key(cls, shape: tuple[int, int], sampling: SamplingTensors, tier: int, catch_up: bool):
+        return (*shape, *cls._mode(sampling), tier, catch_up)
 
     def _drop_stale_graphs(self) -> None:
         """The row tensors were reallocated (more requests or longer contexts than sized
@@ -456,7 +472,7 @@ class DecodeGraphs:
             plain_rows=pad("plain_rows", torch.bool),
             any_plain=any_plain,
         )
-        kv_upper = [width - worker.slot_width] * bs
+        kv_upper = [width - worker.tier_slot_width(tier, catch_up)] * bs
 
         def step():
             with torch.inference_mode():

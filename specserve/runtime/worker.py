@@ -207,6 +207,10 @@ class Worker:
         """Logical positions past kv_len whose slots a decode step may read (>= the window)."""
         return self.step.slot_width
 
+    def tier_slot_width(self, tier: int, catch_up: bool) -> int:
+        """`slot_width` of a step of `tier` alone (speculative/step.py)."""
+        return self.step.tier_slot_width(tier, catch_up)
+
     @property
     def kv_lookahead(self) -> int:
         """Positions past kv_len that stay owned between steps (a standalone draft's root)."""
@@ -398,8 +402,10 @@ class Worker:
         this batch are not replayed from graphs); see DecodeGraphs.ready_tiers."""
         if self.graphs is None:
             return None
-        width = max(kv_upper) + self.slot_width
-        return self.graphs.ready_tiers(len(reqs), width, self._sampling_for(reqs), tiers, catch_up)
+        kv_bound = max(kv_upper)
+        return self.graphs.ready_tiers(
+            len(reqs), kv_bound, self._sampling_for(reqs), tiers, catch_up
+        )
 
     @torch.inference_mode()
     def launch_decode(
@@ -417,7 +423,7 @@ class Worker:
         self.rows.flush()
         rows = self.rows.rows_of([r.rid for r in reqs])
         sampling = self._sampling_for(reqs)
-        width = max(kv_upper) + self.slot_width
+        width = max(kv_upper) + self.tier_slot_width(tier, catch_up)
         timer = StepTimer(self.device) if timed else None  # around the step alone
         out = None
         if self.graphs is not None:

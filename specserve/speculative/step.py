@@ -183,6 +183,24 @@ class DecodeStep:
             return self.window
         return max(self.window, self.drafter.delta + self.rows.lag_capacity)
 
+    def tier_window(self, tier: int) -> int:
+        """Logical positions past kv_len a step of `tier` writes (<= `window`)."""
+        if len(self.tiers) == 1:
+            return self.window
+        return min(self.window, self.tiers[tier].window(self.drafter.delta))
+
+    def tier_slot_width(self, tier: int, catch_up: bool) -> int:
+        """`slot_width` for a step of `tier` alone: its own window, or with a catch-up the
+        catch-up's reach too. A step's context width (kv_len + this) picks its attention
+        splits and its graph's width bucket, so a small tier of a wide configured tree runs
+        at the width the small tree configured alone would (at the configured 6/8/64 tree's
+        width, SmolLM2's 4/4/16 steps crossed into the next width bucket tens of tokens
+        earlier than the fixed 4/4/16 tree's)."""
+        if len(self.tiers) == 1:
+            return self.slot_width
+        own = self.tier_window(tier)
+        return max(own, self.drafter.delta + self.rows.lag_capacity) if catch_up else own
+
     @functools.cached_property
     def max_accept(self) -> int:
         """Most tokens one step can add to a request (read per request per step: cached)."""
@@ -198,9 +216,9 @@ class DecodeStep:
         catch_up: bool = False,
     ) -> StepOutputs:
         """One step of the requests in `rows` (PAD_ROW: padding, touching only scratch);
-        `width` bounds every kv_len + slot_width. catch_up: first run the draft over the
-        positions plain steps skipped."""
-        batch = self._read(rows, sampling, width, kv_upper)
+        `width` bounds every kv_len + tier_slot_width(tier, catch_up). catch_up: first run
+        the draft over the positions plain steps skipped."""
+        batch = self._read(rows, sampling, width, kv_upper, self.tier_window(tier))
         if catch_up:
             batch.root_g = self.drafter.catch_up(batch, rows)
         shape = self.tiers[tier]
@@ -220,9 +238,9 @@ class DecodeStep:
             return StepOutputs(counts[0], acc.emitted, logprobs, counts[1])
         return StepOutputs(acc.accept_len, acc.emitted, logprobs, reach)
 
-    def _read(self, rows, sampling, width, kv_upper) -> DecodeBatch:
-        """The batch's state, read by row on the device."""
-        st, window = self.rows, self.window
+    def _read(self, rows, sampling, width, kv_upper, window: int) -> DecodeBatch:
+        """The batch's state, read by row on the device (window: the step's tier's)."""
+        st = self.rows
         pad = rows == PAD_ROW
         kv_lens = torch.where(pad, 0, st.kv_lens[rows])
         owned = st.slots(rows, width)
