@@ -90,6 +90,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("host_speed_under_overlap.py needs a CUDA device")
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     items = list(range(args.items))
