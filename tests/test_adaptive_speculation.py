@@ -1104,3 +1104,32 @@ def test_a_tier_underrated_on_earlier_text_is_explored_until_it_wins():
     # (doubling the wait after the second would have put the third at 127)
     assert explored[1] - explored[0] == explored[2] - explored[1] == 32, explored
     assert picks[96:].count(1) >= 31, picks
+
+
+def test_a_batchs_sampling_tensors_are_rebuilt_when_a_request_stops_speculating():
+    """The sampling tensors of a batch are reused while the same requests run, and rebuilt
+    when one of them turns plain (its stale draft is no longer verified) or the batch's
+    membership or order changes."""
+    from specserve.config.engine_config import EngineConfig
+    from specserve.runtime.engine_core import EngineCore
+    from specserve.runtime.request import Request
+    from specserve.sampling_params import SamplingParams
+
+    core = EngineCore(EngineConfig.from_kwargs(**TINY).resolve())
+    sampling_for = core.worker._sampling_for
+    sp = SamplingParams(temperature=0.0)
+    a, b, c = (Request(name, [1, 2], sp, seed=0) for name in "abc")
+    first = sampling_for([a, b, c])
+    assert sampling_for([a, b, c]) is first  # the same batch: reused
+    b.draft_stale = True
+    turned = sampling_for([a, b, c])
+    assert turned is not first and turned.plain_rows.tolist() == [False, True, False]
+    assert turned.any_plain and not first.any_plain
+    assert sampling_for([a, b, c]) is turned
+    assert sampling_for([a, c, b]).plain_rows.tolist() == [False, False, True]  # order
+    assert sampling_for([a, c]).plain_rows.tolist() == [False, False]  # membership
+    # a later request reusing a finished one's rid, in its place, samples by its own params
+    twin = Request("b", [1, 2], SamplingParams(temperature=0.7), seed=0)
+    twin.draft_stale = True
+    sampling_for([a, b, c])
+    assert sampling_for([a, twin, c]).temperatures.tolist()[1] == pytest.approx(0.7)
