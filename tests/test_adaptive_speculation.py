@@ -1128,8 +1128,10 @@ def test_a_batchs_sampling_tensors_are_rebuilt_when_a_request_stops_speculating(
     assert sampling_for([a, b, c]) is turned
     assert sampling_for([a, c, b]).plain_rows.tolist() == [False, False, True]  # order
     assert sampling_for([a, c]).plain_rows.tolist() == [False, False]  # membership
-    # a later request reusing a finished one's rid, in its place, samples by its own params
-    twin = Request("b", [1, 2], SamplingParams(temperature=0.7), seed=0)
-    twin.draft_stale = True
+    # a request reaped is forgotten (the cache held it); its rid's next request samples by
+    # its own parameters
     sampling_for([a, b, c])
+    core.worker.forget("b")
+    assert core.worker._sampling_cache is None
+    twin = Request("b", [1, 2], SamplingParams(temperature=0.7), seed=0)
     assert sampling_for([a, twin, c]).temperatures.tolist()[1] == pytest.approx(0.7)

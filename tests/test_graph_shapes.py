@@ -238,9 +238,11 @@ def test_each_tier_is_looked_up_at_its_own_width():
     # a catch-up reaches further than the small tree's own window
     assert graphs.ready_tiers(4, 230, greedy, 3, lambda tier: tier > 0) == set()
     assert graphs.ready_tiers(4, 230, greedy, 3, no_catch_up) == {1}
-    # a long streak at a shape a tier runs at here: every tier may run (and capture)
+    # a long streak at a shape: a tier at that shape may run (and capture) there, a tier
+    # whose width is in the next bucket may not; where every tier is at it, any tier may
     graphs.streak = ((4, 256, *graphs._mode(greedy)), 64)
-    assert graphs.ready_tiers(4, 200, greedy, 3, no_catch_up) is None
+    assert graphs.ready_tiers(4, 200, greedy, 3, no_catch_up) == {0, 1}
+    assert graphs.ready_tiers(4, 150, greedy, 3, no_catch_up) is None
 
 
 def test_a_tier_timed_at_start_is_wanted_at_each_new_width_in_any_sampling_mode():
@@ -254,7 +256,9 @@ def test_a_tier_timed_at_start_is_wanted_at_each_new_width_in_any_sampling_mode(
 
     from specserve.ops.sampling import SamplingTensors
 
-    worker = SimpleNamespace(rows=SimpleNamespace(version=0))
+    # (a catch-up reaches 300 positions past kv_len, a step without one none here)
+    reach = lambda tier, catch_up: 300 if catch_up else 0  # noqa: E731
+    worker = SimpleNamespace(rows=SimpleNamespace(version=0), tier_slot_width=reach)
     graphs = DecodeGraphs(worker, 32, max_width=4096, capture=True)
     rows = {name: torch.zeros(3) for name in ("temperatures", "top_ks", "top_ps", "min_ps")}
     greedy = SamplingTensors(**rows, seeds=torch.zeros(3), all_greedy=True, needs_filter=False)
@@ -270,6 +274,13 @@ def test_a_tier_timed_at_start_is_wanted_at_each_new_width_in_any_sampling_mode(
     graphs.wanted.clear()
     graphs._want_alike(graphs._key((16, 512), greedy, 1, False))  # not timed at 16
     assert not graphs.wanted
+    # a catch-up run at 16 is wanted at the widths met there that can hold its reach only
+    graphs._want_alike(graphs._key((16, 512), greedy, 1, True))
+    graphs.wanted.clear()
+    graphs._want_alike(graphs._key((16, 256), greedy, 1, False))
+    assert set(graphs.wanted) == set()  # (256 < 300: no catch-up step fits there)
+    graphs._want_alike(graphs._key((16, 1024), greedy, 1, False))
+    assert set(graphs.wanted) == {graphs._key((16, 1024), greedy, 1, True)}
 
 
 def test_ready_tiers_are_looked_up_once_each_and_only_when_asked():

@@ -264,32 +264,38 @@ class DecodeGraphs:
         """Which of `tiers` tiers a step of this batch (its kv_len bounded by kv_bound) can
         replay now, its graph captured (catch_up(tier): whether that tier's step would catch
         the draft up); a step of any other tier first stalls on its capture. Each tier's
-        width is its own (kv_bound + its slot width). None when every tier may run alike: no
-        step of this batch is captured (eager steps, or a batch past the largest bucket), or
-        the shape last run is long-lived (`LONG_LIVED_SHAPE_STEPS`), so a capture there
-        pays. Each tier is looked up when asked about (`ReadyTiers`)."""
-        worker = self.worker
+        width is its own (kv_bound + its slot width). A tier whose shape is the one last run,
+        if that shape is long-lived (`LONG_LIVED_SHAPE_STEPS`), counts as ready: a capture
+        there pays. None when every tier may run alike: no step of this batch is captured
+        (eager steps, or a batch past the largest bucket), or every tier is at that
+        long-lived shape. Each tier is looked up when asked about (`ReadyTiers`)."""
+        worker, shapes = self.worker, {}  # width -> its shape (few tiers' widths differ)
 
         def shape_of(tier: int) -> tuple[int, int] | None:
-            return self.bucket(batch_size, kv_bound + worker.tier_slot_width(tier, catch_up(tier)))
+            width = kv_bound + worker.tier_slot_width(tier, catch_up(tier))
+            if width not in shapes:
+                shapes[width] = self.bucket(batch_size, width)
+            return shapes[width]
 
         if shape_of(0) is None or not self.capture:
             return None
         if worker.rows.version != self._rows_version:
             return frozenset()  # the next step drops every graph
+        mode = self._mode(sampling)
         last, steps = self.streak
-        if steps >= LONG_LIVED_SHAPE_STEPS:
-            # (the streak is of the shape the last tier ran at: any tier's shape here counts)
-            mode = self._mode(sampling)
-            shapes = (shape_of(t) for t in range(tiers))
-            if any(last == (*shape, *mode) for shape in shapes if shape is not None):
-                return None
+        # (the streak is of the shape the last tier ran at: a tier at that shape may capture)
+        long_lived = last if steps >= LONG_LIVED_SHAPE_STEPS else None
+        if long_lived is not None and all(
+            (*shape_of(t), *mode) == long_lived for t in range(tiers) if shape_of(t) is not None
+        ):
+            return None
 
         def replayable(t: int) -> bool:
             shape = shape_of(t)
-            return shape is not None and self._replayable(
-                self._key(shape, sampling, t, catch_up(t))
-            )
+            if shape is None:
+                return False
+            key = (*shape, *mode, t, catch_up(t))
+            return key[:-2] == long_lived or self._replayable(key)
 
         return ReadyTiers(replayable, tiers)
 
@@ -339,7 +345,10 @@ class DecodeGraphs:
         )
         for w, v in pairs:
             alike = (bs, w, *mode, *v)
-            if alike != key and alike not in self.graphs:
+            # (a tier's step reaches its slot width past kv_len: no step of it fits a
+            # narrower graph, e.g. a catch-up's ring at a width a plain step met)
+            fits = w >= self.worker.tier_slot_width(*v)
+            if fits and alike != key and alike not in self.graphs:
                 self.wanted[alike] = None
 
     def note_timed(self, batch_bucket: int, tier: int) -> None:

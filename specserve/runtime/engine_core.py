@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -449,10 +450,19 @@ class EngineCore:
             everyone = len(live) == len(reqs)
             ready = None
             if live:
-                lagging = self.draft_lag is not None and any(r.draft_lag > 0 for r in live)
-                ready = self.worker.ready_tiers(
-                    reqs, kv_upper, len(self.adaptive.tiers), lambda t: t > 0 and lagging
+                lag = self.draft_lag
+                lagging = lag is not None and any(r.draft_lag > 0 for r in live)
+                # a plain step catches up only where a ring is full and speculation pays
+                # (DraftLag.plan): its graph, and its width, are then a catch-up's
+                full = lagging and any(r.draft_lag >= lag.capacity for r in live)
+                plain_catches_up = functools.cache(
+                    lambda: full and self.adaptive.speculation_pays(len(reqs))
                 )
+
+                def catch_up(t: int) -> bool:
+                    return lagging if t > 0 else plain_catches_up()
+
+                ready = self.worker.ready_tiers(reqs, kv_upper, len(self.adaptive.tiers), catch_up)
             tier = self.adaptive.pick(len(reqs), bool(live), ready=ready)
             if self.draft_lag is not None:
                 lagged = self.draft_lag.plan(

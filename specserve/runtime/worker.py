@@ -218,9 +218,9 @@ class Worker:
 
     def forget(self, rid: str) -> None:
         if self._sampling_cache is not None and any(
-            rid == cached for cached, _ in self._sampling_cache[0]
+            r.rid == rid for r in self._sampling_cache[0][0]
         ):
-            self._sampling_cache = None
+            self._sampling_cache = None  # (it holds the request)
         if self.drafter.observes_tokens:
             self.drafter.release_tokens((rid,))
 
@@ -392,7 +392,8 @@ class Worker:
         """Sampling tensors of a batch, reused while the batch's membership (and which of
         its requests decode plainly) is unchanged. (Asked twice a step under adaptive
         speculation: the key is the requests themselves, identity-compared, and the stale
-        ones among them, a quarter of the cost of a pair per request at batch 128.)"""
+        ones among them, a quarter of the cost of a pair per request at batch 128; `forget`
+        drops it when one of them is reaped.)"""
         key = (tuple(reqs), tuple(r for r in reqs if r.draft_stale))
         if self._sampling_cache is None or self._sampling_cache[0] != key:
             self._sampling_cache = (key, request_sampling(reqs, self.device))
