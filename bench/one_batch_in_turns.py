@@ -4,8 +4,10 @@ call (on a shared machine whole runs of host work can be 1.5x slower than others
 every configuration alike. Prints JSON and a table: per batch size each configuration's
 median decode tok/s and accept length, its runs, and its ratio to the first configuration.
 Beside each run, the time a fixed pure-Python loop took just before it (`host_probe_ms`):
-the host's raw speed at the time, to tell the machine's slow moments from the engine's; and
-the CPUs the engine's loop thread was on as the run started and ended (`loop_cpus`, Linux).
+the host's raw speed at the time, to tell the machine's slow moments from the engine's; the
+CPUs the engine's loop thread was on as the run started and ended (`loop_cpus`, Linux); and
+the garbage collections during the run and the time they held the interpreter
+(`gc_collections` per generation, `gc_pause_ms`).
 
 Each engine's loop is a thread of its own, placed by the OS, and tends to stay on one CPU
 for whole runs; on a shared machine one CPU can run Python at half the speed of another (on
@@ -169,6 +171,7 @@ def measure(
                     "host_probe_ms": round(probe, 2),
                     "loop_cpus": cpus,
                     "loop_pinned_to": pinned,
+                    **run["pauses"],  # (the collector's pauses within the run)
                 }
             )
     return runs

@@ -40,6 +40,7 @@ def test_configurations_run_in_turns_and_ratios_come_from_their_medians(tmp_path
             speeds = sorted(r["decode_tok_s"] for r in runs)
             assert row["median_tok_s"][name] == speeds[1]
             assert all(r["host_probe_ms"] > 0 for r in runs)
+            assert all(len(r["gc_collections"]) == 3 and r["gc_pause_ms"] >= 0 for r in runs)
         assert {r["accept_length"] for r in row["runs"]["plain"]} == {1.0}
         # acceptance forced to 3 a step (a request's last step may be cut by max_new_tokens)
         assert all(r["accept_length"] > 2.0 for r in row["runs"]["chain"])
