@@ -32,6 +32,13 @@ def python_work(items: list[int]) -> int:
     return total
 
 
+def python_timed(items: list[int]) -> float:
+    """Milliseconds `python_work` takes alone."""
+    start = time.perf_counter()
+    python_work(items)
+    return (time.perf_counter() - start) * 1e3
+
+
 def cycles_per_ms() -> float:
     """Device clock cycles `torch.cuda._sleep` busy-waits per millisecond, measured."""
     torch.cuda._sleep(1_000_000)  # (warm)
@@ -113,12 +120,6 @@ def main() -> None:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"host_work_alone_ms": alone, "rows": rows}, f, indent=2)
-
-
-def python_timed(items: list[int]) -> float:
-    start = time.perf_counter()
-    python_work(items)
-    return (time.perf_counter() - start) * 1e3
 
 
 if __name__ == "__main__":

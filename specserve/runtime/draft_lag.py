@@ -39,6 +39,14 @@ class DraftLag:
     def speculating(self, req: Request) -> bool:
         return req.params.speculative and not req.draft_stale
 
+    def catches_up(self, tier: int, live: list[Request], speculation_pays) -> bool:
+        """Whether a step of `tier` first catches the draft up, `live` being its speculating
+        requests: a speculative step wherever one of them lags, a plain one only where one's
+        ring is full and speculation pays (else those stop speculating)."""
+        if tier > 0:
+            return any(r.draft_lag > 0 for r in live)
+        return any(r.draft_lag >= self.capacity for r in live) and speculation_pays()
+
     def plan(
         self, reqs: list[Request], tier: int, speculation_pays, live: list[Request] | None = None
     ) -> LaggedStep:
@@ -51,16 +59,13 @@ class DraftLag:
         if live is None:
             live = [r for r in reqs if self.speculating(r)]
         everyone = len(live) == len(reqs)
-        if tier > 0:
-            catch_up = any(r.draft_lag > 0 for r in live)
-        else:
+        catch_up = self.catches_up(tier, live, speculation_pays)
+        if tier == 0 and not catch_up:
             full = [r for r in live if r.draft_lag >= self.capacity]
-            catch_up = bool(full) and speculation_pays()
-            if full and not catch_up:
-                for r in full:
-                    r.draft_stale = True
-                self.num_stale += len(full)
-                everyone = False
+            for r in full:
+                r.draft_stale = True
+            self.num_stale += len(full)
+            everyone = everyone and not full
         if catch_up:
             self.num_catch_ups += 1
             for r in live:  # (none of them was just left behind: that needs no catch-up)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
@@ -450,19 +449,14 @@ class EngineCore:
             everyone = len(live) == len(reqs)
             ready = None
             if live:
-                lag = self.draft_lag
-                lagging = lag is not None and any(r.draft_lag > 0 for r in live)
-                # a plain step catches up only where a ring is full and speculation pays
-                # (DraftLag.plan): its graph, and its width, are then a catch-up's
-                full = lagging and any(r.draft_lag >= lag.capacity for r in live)
-                plain_catches_up = functools.cache(
-                    lambda: full and self.adaptive.speculation_pays(len(reqs))
+                # whether a speculative, and a plain, step would catch the draft up (as
+                # DraftLag.plan decides): its graph, and its width, are then a catch-up's
+                lag, pays = self.draft_lag, lambda: self.adaptive.speculation_pays(len(reqs))
+                speculative = lag is not None and lag.catches_up(1, live, pays)
+                plain = speculative and lag.catches_up(0, live, pays)  # (a full ring lags)
+                ready = self.worker.ready_tiers(
+                    reqs, kv_upper, len(self.adaptive.tiers), lambda t: speculative if t else plain
                 )
-
-                def catch_up(t: int) -> bool:
-                    return lagging if t > 0 else plain_catches_up()
-
-                ready = self.worker.ready_tiers(reqs, kv_upper, len(self.adaptive.tiers), catch_up)
             tier = self.adaptive.pick(len(reqs), bool(live), ready=ready)
             if self.draft_lag is not None:
                 lagged = self.draft_lag.plan(
