@@ -67,3 +67,46 @@ def test_state_by_row_and_padding_row_slots_are_scratch():
     rows.set_state(r, torch.tensor([7]), torch.tensor([42]))
     assert rows.kv_lens[r].item() == 7 and rows.roots[r].item() == 42
     assert torch.equal(rows.slots(r, 8)[0], torch.tensor([20, 21, 22, 23, 24, 25, 26, 27]))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_reserving_for_a_batch_gives_each_request_what_one_reserve_each_would(page_size):
+    """A decode step reserves for its whole batch at once: each request gets the pages that
+    one `reserve` per request, in order, would give it, the mirror follows, and a batch that
+    does not fit takes nothing (evicting cached pages only where the batch then fits)."""
+    rng = random.Random(page_size)
+    one, batch = (KVTable(PageAllocator(300, page_size)) for _ in range(2))
+    rows = RequestRows(torch.device("cpu"), page_size, max_pages=2, rows=2)
+    batch.mirror = rows
+    rids = [f"r{i}" for i in range(6)]
+    wants = {r: 0 for r in rids}
+    for _ in range(20):
+        for r in rids:
+            wants[r] += rng.randint(0, 2 * page_size)
+        bounds = [wants[r] for r in rids]
+        for r, n in zip(rids, bounds):
+            assert one.reserve(r, n)
+        assert batch.reserve_all(rids, bounds)
+        assert [batch.pages(r) for r in rids] == [one.pages(r) for r in rids]
+        check(batch, rows)
+    free = batch.allocator.num_free_pages
+    held = {r: batch.pages(r) for r in rids}
+    too_much = [wants[r] + (free // len(rids) + 2) * page_size for r in rids]
+    assert not batch.reserve_all(rids, too_much)
+    assert batch.allocator.num_free_pages == free and {r: batch.pages(r) for r in rids} == held
+
+
+def test_reserving_for_a_batch_evicts_cached_pages_nobody_uses():
+    from specserve.kv.prefix_cache import PrefixCache
+
+    alloc = PageAllocator(10, page_size=1)
+    table = KVTable(alloc)
+    table.cache = PrefixCache(alloc)
+    pages = alloc.alloc(5)
+    table.cache.insert([1, 2, 3, 4, 5], pages, 5)
+    alloc.free(pages)  # the cache alone holds them: 4 free pages, 5 evictable
+    assert table.reserve_all(["a", "b"], [3, 4])  # 7 pages: 3 of them evicted
+    assert len(table.pages("a")) == 3 and len(table.pages("b")) == 4
+    assert table.cache.num_pages == 2 and alloc.num_free_pages == 0
+    assert not table.reserve_all(["a", "c"], [4, 2])  # 3 more: only 2 evictable
+    assert table.cache.num_pages == 2 and table.pages("c") == []

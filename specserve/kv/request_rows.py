@@ -24,6 +24,8 @@ all the scratch page 0, so padded tokens read and write only scratch slots.
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import numpy as np
 import torch
 
@@ -151,8 +153,7 @@ class RequestRows:
         end = first_index + len(pages)
         if end > self.pages.shape[1]:
             self._allocate(self.num_rows, max(end, 2 * self.pages.shape[1]))
-        for i, page in enumerate(pages):
-            self._pending[(row, first_index + i)] = page
+        self._pending.update(zip(zip(repeat(row), range(first_index, end)), pages))
 
     def on_release(self, rid: str) -> None:
         row = self._row_of.pop(rid, None)

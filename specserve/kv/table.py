@@ -72,6 +72,36 @@ class KVTable:
         owned.extend(pages)
         return True
 
+    def reserve_all(self, rids: list[str], num_tokens: list[int]) -> bool:
+        """`reserve` for several requests at once (a decode step's batch), all or nothing;
+        one allocation for the batch. The pages each gets are those one `reserve` per
+        request, in order, would give it."""
+        ps = self.page_size
+        held = [self._pages.get(rid) for rid in rids]
+        needs = [
+            max(0, -(-n // ps) - (len(h) if h is not None else 0)) for n, h in zip(num_tokens, held)
+        ]
+        total = sum(needs)
+        if total > self.available_pages:
+            return False
+        pages = self.allocator.alloc(total)
+        if pages is None:
+            self.cache.evict(total - self.allocator.num_free_pages)
+            pages = self.allocator.alloc(total)
+            if pages is None:
+                return False
+        at = 0
+        for rid, h, need in zip(rids, held, needs):
+            if h is None:
+                h = self._pages[rid] = []
+            if need:
+                got = pages[at : at + need]
+                at += need
+                if self.mirror is not None:
+                    self.mirror.on_pages_added(rid, len(h), got)
+                h.extend(got)
+        return True
+
     def truncate(self, rid: str, num_tokens: int) -> None:
         """Give back the pages past logical position num_tokens."""
         pages = self._pages.get(rid)

@@ -507,6 +507,11 @@ class EngineCore:
         touched = []
         emitted = {}
         logprobs = out.logprobs or [None] * len(pending.reqs)
+        # (one pass over the batch, its loop-invariant lookups hoisted: at large batches of a
+        # small model the host's time is the step's)
+        drafter, decode_done = self.worker.drafter, self.scheduler.decode_done
+        observes, speculative = drafter.observes_tokens, drafter.speculative
+        verified = accepted = 0
         for req, tokens, n, lp in zip(pending.reqs, out.emitted, out.accept_lens, logprobs):
             req.inflight_steps -= 1
             if req.finished:
@@ -514,18 +519,20 @@ class EngineCore:
             if lagged is not None:
                 DraftLag.applied(lagged, req, n)
             self._append_tokens(req, tokens, lp)
-            self.scheduler.decode_done(req, n)  # (after: a request just finished keeps less)
-            if self.worker.drafter.observes_tokens:
+            decode_done(req, n)  # (after: a request just finished keeps less)
+            if observes:
                 emitted[req.rid] = tokens
             touched.append(req)
-            if self.worker.drafter.speculative:
+            if speculative:
                 req.spec_verify_ct += 1
                 hist = req.spec_accept_histogram
-                while len(hist) < n:
-                    hist.append(0)
+                if len(hist) < n:
+                    hist.extend([0] * (n - len(hist)))
                 hist[n - 1] += 1
-                self.spec_totals["verify_ct"] += 1
-                self.spec_totals["accepted"] += n
+                verified += 1
+                accepted += n
+        self.spec_totals["verify_ct"] += verified
+        self.spec_totals["accepted"] += accepted
         if emitted:
             self.worker.observe_tokens(emitted)
         if self.worker.drafter.speculative and self.num_steps % 100 == 0:

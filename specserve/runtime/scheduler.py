@@ -263,12 +263,8 @@ class Scheduler:
         reqs = [r for r in self.running if not r.finished]
         w = self.limits.decode_window
         bounds = [r.kv_len + r.inflight_steps * max_accept + w for r in reqs]
-        need = sum(self.table.extra_pages_needed(r.rid, b) for r, b in zip(reqs, bounds))
-        if not reqs or need > self.table.available_pages:
+        if not reqs or not self.table.reserve_all([r.rid for r in reqs], bounds):
             return []
-        for r, b in zip(reqs, bounds):
-            ok = self.table.reserve(r.rid, b)
-            assert ok, "reservation failed after the capacity check"
         return reqs
 
     def _pick_victim(self) -> Request | None:

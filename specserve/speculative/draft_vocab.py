@@ -65,7 +65,6 @@ class DraftVocab:
 
     # The mutators run in inference mode: an Engine built inside torch.inference_mode() holds
     # these buffers as inference tensors, which the loop thread could not write in place.
-    @torch.inference_mode()
     def add(self, tokens_by_owner: Mapping[str, Iterable[int]]) -> int:
         """Each owner's tokens join the vocabulary while room lasts (one device update for
         all of them); returns how many columns were taken."""
@@ -74,8 +73,17 @@ class DraftVocab:
         new: list[int] = []
         for owner, tokens in tokens_by_owner.items():
             held = self._owned.setdefault(owner, set())
-            for t in tokens:
-                if t in held or t in self._map:
+            if not isinstance(tokens, (list, tuple)):
+                tokens = list(tokens)  # (read twice below)
+            # (set differences in C first: a decode step's tokens are nearly all in the map
+            # or held already, and this runs for every request of every step)
+            fresh = set(tokens)
+            fresh -= held
+            fresh -= self._map
+            if not fresh:
+                continue
+            for t in tokens:  # (in order: the first tokens take the room left)
+                if t not in fresh or t in held:
                     continue
                 if t in self._column:
                     self._holders[t] += 1
@@ -87,14 +95,19 @@ class DraftVocab:
                     continue  # no room: the token stays undraftable
                 held.add(t)
         if new:
-            dev = self.weight.device
-            # pinned staging: a pageable copy could make the host wait for the step in flight
-            ids = to_device(torch.tensor(new, dtype=torch.int64), dev)
-            cols = to_device(torch.tensor([self._column[t] for t in new]), dev)
-            self.weight.index_copy_(0, cols, self._full.index_select(0, ids))
-            self.ids.index_copy_(0, cols, ids)
-            self.bias.index_fill_(0, cols, 0)
+            self._write_columns(new)
         return len(new)
+
+    @torch.inference_mode()
+    def _write_columns(self, new: list[int]) -> None:
+        """The added tokens' columns on the device: weight rows, ids, bias 0."""
+        dev = self.weight.device
+        # pinned staging: a pageable copy could make the host wait for the step in flight
+        ids = to_device(torch.tensor(new, dtype=torch.int64), dev)
+        cols = to_device(torch.tensor([self._column[t] for t in new]), dev)
+        self.weight.index_copy_(0, cols, self._full.index_select(0, ids))
+        self.ids.index_copy_(0, cols, ids)
+        self.bias.index_fill_(0, cols, 0)
 
     @torch.inference_mode()
     def release(self, owners: Iterable[str]) -> None:
