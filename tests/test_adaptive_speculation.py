@@ -1106,32 +1106,47 @@ def test_a_tier_underrated_on_earlier_text_is_explored_until_it_wins():
     assert picks[96:].count(1) >= 31, picks
 
 
-def test_a_batchs_sampling_tensors_are_rebuilt_when_a_request_stops_speculating():
-    """The sampling tensors of a batch are reused while the same requests run, and rebuilt
-    when one of them turns plain (its stale draft is no longer verified) or the batch's
-    membership or order changes."""
+def test_a_batchs_sampling_is_rebuilt_when_a_request_stops_speculating():
+    """A batch's sampling mode is reused while the same requests run, and rebuilt when one of
+    them turns plain (its stale draft is no longer verified) or the batch's membership or
+    order changes; each request's row holds its sampling parameters and whether it decodes
+    plainly, which the step gathers by row."""
     from specserve.config.engine_config import EngineConfig
+    from specserve.ops.sampling import SamplingTensors
     from specserve.runtime.engine_core import EngineCore
     from specserve.runtime.request import Request
     from specserve.sampling_params import SamplingParams
 
     core = EngineCore(EngineConfig.from_kwargs(**TINY).resolve())
-    sampling_for = core.worker._sampling_for
+    worker, rows = core.worker, core.rows
+    sampling_for = worker._sampling_for
+
+    def gathered(reqs):
+        mode = sampling_for(reqs)
+        idx = torch.tensor(rows.rows_of([r.rid for r in reqs]))
+        return SamplingTensors.gather(rows.sampling_floats, rows.sampling_ints, idx, mode)
+
     sp = SamplingParams(temperature=0.0)
     a, b, c = (Request(name, [1, 2], sp, seed=0) for name in "abc")
+    for r in (a, b, c):
+        core.table.reserve(r.rid, 4)
     first = sampling_for([a, b, c])
     assert sampling_for([a, b, c]) is first  # the same batch: reused
     b.draft_stale = True
     turned = sampling_for([a, b, c])
-    assert turned is not first and turned.plain_rows.tolist() == [False, True, False]
-    assert turned.any_plain and not first.any_plain
+    assert turned is not first and turned.any_plain and not first.any_plain
+    assert gathered([a, b, c]).plain_rows.tolist() == [False, True, False]
     assert sampling_for([a, b, c]) is turned
-    assert sampling_for([a, c, b]).plain_rows.tolist() == [False, False, True]  # order
-    assert sampling_for([a, c]).plain_rows.tolist() == [False, False]  # membership
-    # a request reaped is forgotten (the cache held it); its rid's next request samples by
-    # its own parameters
+    assert gathered([a, c, b]).plain_rows.tolist() == [False, False, True]  # order
+    assert not sampling_for([a, c]).any_plain  # membership
+    # a request reaped is forgotten (the cache held it); its rid's next request, in the
+    # row it freed, samples by its own parameters
     sampling_for([a, b, c])
-    core.worker.forget("b")
-    assert core.worker._sampling_cache is None
+    core.table.release("b")
+    worker.forget("b")
+    assert worker._sampling_cache is None
     twin = Request("b", [1, 2], SamplingParams(temperature=0.7), seed=0)
-    assert sampling_for([a, twin, c]).temperatures.tolist()[1] == pytest.approx(0.7)
+    core.table.reserve("b", 4)
+    st = gathered([a, twin, c])
+    assert st.temperatures.tolist()[1] == pytest.approx(0.7) and not st.all_greedy
+    assert st.plain_rows.tolist() == [False, False, False]

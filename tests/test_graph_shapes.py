@@ -397,3 +397,60 @@ def test_a_ragged_tier_verifies_as_many_nodes_per_request_on_a_larger_graph():
         return [(o["output_ids"], o["meta_info"]["spec_accept_histogram"]) for o in outs]
 
     assert serve(padded=True) == serve(padded=False)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_each_request_samples_with_its_own_parameters_as_batches_and_rows_change(eagle, padded):
+    """A step reads each request's sampling parameters by row on the device (inside its
+    graph), written when the request first decodes in its row. Requests with different
+    parameters come and go (at most three run at once, so rows are freed and taken by
+    others, a draft-less one among them, and a caller's id is used again with other
+    parameters): each output equals the request's output alone."""
+    prompts = mixed_prompts(7, 512, seed=5)
+    sps = [
+        {"max_new_tokens": 5 + 3 * i, "ignore_eos": True, "temperature": 0.0}
+        if i % 2 == 0
+        else {
+            "max_new_tokens": 4 + 2 * i,
+            "ignore_eos": True,
+            "temperature": 0.7 + 0.1 * i,
+            "top_k": 0 if i % 3 else 15,
+            "top_p": 0.95,
+            "seed": 7 * i,
+        }
+        for i in range(7)
+    ]
+    sps[3]["speculative"] = False
+    kw = dict(
+        TINY, debug_check_invariants=True, max_running_requests=3, **spec_args(eagle, 2, 3, 6)
+    )
+    with Engine(**kw) as e:
+        if padded:
+            padded_graphs(e)
+        alone = [e.generate(input_ids=p, sampling_params=sp) for p, sp in zip(prompts, sps)]
+        together = e.generate(input_ids=prompts, sampling_params=sps)
+        greedy = e.generate(input_ids=prompts[1], sampling_params=sps[0], rid="same")
+        sampled = e.generate(input_ids=prompts[1], sampling_params=sps[1], rid="same")
+    assert [o["output_ids"] for o in together] == [o["output_ids"] for o in alone]
+    assert sampled["output_ids"] == alone[1]["output_ids"] != greedy["output_ids"]
+    assert together[3]["meta_info"]["spec_accept_length"] == 1.0
+
+
+def test_a_retracted_request_resumes_in_another_row_with_its_own_sampling_parameters():
+    """Retraction frees a request's row; resumed, it may decode in another row, which must
+    hold its parameters (seeded draws, some greedy) and not the row's last occupant's."""
+    prompts = mixed_prompts(24, 512, seed=2, min_len=4, max_len=20)
+    sps = [
+        {"max_new_tokens": 30, "ignore_eos": True, "temperature": 0.0}
+        if i % 3 == 0
+        else {"max_new_tokens": 30, "ignore_eos": True, "temperature": 1.0, "seed": i}
+        for i in range(len(prompts))
+    ]
+    with Engine(**TINY) as e:
+        padded_graphs(e)
+        expected = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sps)]
+    with Engine(**TINY, max_total_tokens=200, page_size=4, debug_check_invariants=True) as e:
+        padded_graphs(e)
+        outs = e.generate(input_ids=prompts, sampling_params=sps)
+        assert e.stats()["num_retractions"] > 0, "the budget was meant to force retraction"
+    assert [o["output_ids"] for o in outs] == expected

@@ -9,6 +9,11 @@
   positions < draft_lens[row]; the decode steps that skipped the draft left, at ring index
   q % lag_capacity, the token after position q and the target's features at q, so the draft
   can catch up on them later in one pass (speculative/drafter.py `catch_up`).
+- `sampling_floats[:, row]` (temperature, top_p, min_p) and `sampling_ints[:, row]` (top_k,
+  seed, decoded plainly): the request's sampling parameters, written when it first decodes
+  in the row and when it stops speculating. A decode step gathers its batch's by row, inside
+  its CUDA graph, so a batch whose membership changed (every step of a large batch's tail, or
+  of a server whose requests come and go) builds and copies no sampling tensors.
 - `reached[row, d]`, `predicted[row, d]` (ragged verification): how often the request's
   accepted path reached depth d, and the draft's best path probability there, moving
   averages that calibrate its share of a step's verified nodes (speculative/verify_budget.py).
@@ -32,6 +37,9 @@ import torch
 from specserve.device import to_device
 
 PAD_ROW = 0
+# what padding rows sample with: greedily, no filters (their outputs are discarded)
+PAD_SAMPLING_FLOATS = (0.0, 1.0, 0.0)  # temperature, top_p, min_p
+PAD_SAMPLING_INTS = (0, 0, 0)  # top_k, seed, decoded plainly
 
 
 class RequestRows:
@@ -66,11 +74,18 @@ class RequestRows:
             features = torch.zeros(rows, dim, dtype=dtype, device=dev)
         ring = self._new_ring(rows)
         calibration = self._new_calibration(rows)
+        floats = torch.tensor(PAD_SAMPLING_FLOATS, dtype=torch.float32, device=dev)
+        floats = floats[:, None].repeat(1, rows)
+        ints = torch.tensor(PAD_SAMPLING_INTS, dtype=torch.int64, device=dev)[:, None].repeat(
+            1, rows
+        )
         if old is not None:  # keep what is there (a device copy, ordered after launched work)
             r, p = old.shape
             pages[:r, :p] = old
             kv_lens[:r] = self.kv_lens
             roots[:r] = self.roots
+            floats[:, :r] = self.sampling_floats
+            ints[:, :r] = self.sampling_ints
             if features is not None and self.features is not None:
                 features[:r] = self.features
             if ring is not None and self.draft_lens is not None:
@@ -80,6 +95,7 @@ class RequestRows:
                 calibration[0][:r], calibration[1][:r] = self.reached, self.predicted
             self.version += 1
         self.pages, self.kv_lens, self.roots, self.features = pages, kv_lens, roots, features
+        self.sampling_floats, self.sampling_ints = floats, ints
         if ring is not None:
             self.draft_lens, self.ring_tokens, self.ring_features = ring
         if calibration is not None:
@@ -172,6 +188,20 @@ class RequestRows:
         self._pending.clear()
         upd = to_device(host, self.device)
         self.pages[upd[0], upd[1]] = upd[2].to(torch.int32)
+
+    # ---- sampling parameters by row ------------------------------------------------------------
+    def set_sampling(
+        self, rows: list[int], floats: list[tuple[float, float, float]], ints: list[tuple]
+    ) -> None:
+        """Rows' sampling parameters: (temperature, top_p, min_p) and (top_k, seed, decoded
+        plainly) each; two host->device copies for the lot, ordered after launched steps."""
+        if not rows:
+            return
+        idx = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+        f = to_device(torch.tensor(floats, dtype=torch.float32).T.contiguous(), self.device)
+        i = to_device(torch.tensor(ints, dtype=torch.int64).T.contiguous(), self.device)
+        self.sampling_floats[:, idx] = f
+        self.sampling_ints[:, idx] = i
 
     # ---- device-side reads and writes (no host values needed) ---------------------------------
     def slots(self, rows: torch.Tensor, width: int) -> torch.Tensor:

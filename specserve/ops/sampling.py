@@ -76,6 +76,18 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
+@dataclass(frozen=True)
+class SamplingMode:
+    """What a batch's sampling decides on the host: which code a step runs (and so which CUDA
+    graph); the parameters themselves are per-row device values."""
+
+    all_greedy: bool  # skip the noise entirely
+    needs_filter: bool  # sort only when someone uses top_k / top_p / min_p
+    logprobs: bool = False  # a request of the batch asks for log-probs
+    top_logprobs: int = 0  # top-k width of those log-probs (ops/logprobs.py)
+    any_plain: bool = False  # a request of the batch decodes without drafts
+
+
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters on the device (one row per token to be sampled)."""
@@ -91,6 +103,27 @@ class SamplingTensors:
     top_logprobs: int = 0  # host-known: top-k width of those log-probs (ops/logprobs.py)
     plain_rows: torch.Tensor | None = None  # [R] bool: requests decoded without drafts
     any_plain: bool = False  # host-known: plain_rows has a True
+
+    @classmethod
+    def gather(
+        cls, floats: torch.Tensor, ints: torch.Tensor, rows: torch.Tensor, mode: SamplingMode
+    ) -> SamplingTensors:
+        """The tensors of a batch's rows from per-row tables: floats [3, rows] (temperature,
+        top_p, min_p), ints [3, rows] (top_k, seed, decoded plainly); device gathers only."""
+        f, i = floats[:, rows], ints[:, rows]
+        return cls(
+            temperatures=f[0],
+            top_ks=i[0],
+            top_ps=f[1],
+            min_ps=f[2],
+            seeds=i[1],
+            all_greedy=mode.all_greedy,
+            needs_filter=mode.needs_filter,
+            logprobs=mode.logprobs,
+            top_logprobs=mode.top_logprobs if mode.logprobs else 0,
+            plain_rows=i[2] != 0,
+            any_plain=mode.any_plain,
+        )
 
     def expand(self, repeats: int) -> SamplingTensors:
         """Each request row repeated `repeats` times (one row per tree node); one copy kernel

@@ -8,8 +8,9 @@ A step's shapes depend on three host values, which key the graphs:
   laid out in a [bs, width] block, and the attention launch plan is sized for it;
 - the sampling mode (all greedy; filters on or off; log-probs on or off and their top-k
   width), which selects host-side code paths and output shapes.
-Graphs are captured lazily from padding-only inputs (so capture writes nothing but scratch)
-and share one memory pool. A shape without a graph replays the smallest captured graph that
+A graph's one static input is its batch's rows: a step reads each request's pages, KV length
+and sampling parameters by row on the device. Graphs are captured lazily from padding-only
+inputs (so capture writes nothing but scratch) and share one memory pool. A shape without a graph replays the smallest captured graph that
 covers it (same sampling mode and tier, batch and width buckets at least as large, and at
 most `MAX_COVER_FACTOR` times: more padding rows, a wider KV layout) and gets its own graph
 when the engine is idle (`capture_wanted`) or once it has served `LONG_LIVED_SHAPE_STEPS`
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kv.request_rows import PAD_ROW
-from specserve.ops.sampling import SamplingTensors
+from specserve.ops.sampling import SamplingMode, SamplingTensors
 from specserve.speculative.step import StepOutputs
 
 log = logging.getLogger(__name__)
@@ -152,12 +153,8 @@ class ReadyTiers(AbstractSet[int]):
 class _Captured:
     graph: object | None  # torch.cuda.CUDAGraph; None when not capturing (see DecodeGraphs)
     step: object  # the step over the static inputs (what the graph replays)
-    rows: torch.Tensor  # [bs] static input
-    sampling: SamplingTensors  # [bs] static inputs
+    rows: torch.Tensor  # [bs] static input (the step gathers its sampling parameters by row)
     outputs: tuple | None  # the graph's static outputs: DecodeStep.run's, as captured
-    # (real batch size, sampling object) last copied in; holding the object keeps its
-    # identity from being reused by a different batch's tensors
-    last_inputs: tuple | None = None
 
 
 class DecodeGraphs:
@@ -204,7 +201,7 @@ class DecodeGraphs:
     def run(
         self,
         rows: list[int],
-        sampling: SamplingTensors,
+        mode: SamplingMode,
         width: int,
         tier: int = 0,
         catch_up: bool = False,
@@ -220,7 +217,7 @@ class DecodeGraphs:
         if shape is None:
             return None
         self._drop_stale_graphs()
-        key = self._key(shape, sampling, tier, catch_up)
+        key = self._key(shape, mode, tier, catch_up)
         self._want_alike(key)
         last, steps = self.streak
         self.streak = (key[:-2], steps + 1 if key[:-2] == last else 1)
@@ -239,7 +236,7 @@ class DecodeGraphs:
             if key not in self._eager:
                 self._eager[key] = self._padded_step(*key)
             cap = self._eager[key]
-            self._copy_inputs(cap, rows, sampling)
+            self._copy_inputs(cap, rows)
             return cap.step().head(len(rows))
         self.covered_last = cover is not None  # (its time is a larger shape's)
         self.captured_last = cap is None and cover is None  # (its time includes the capture)
@@ -250,7 +247,7 @@ class DecodeGraphs:
             cap = self._capture(*key)
             self.graphs[key] = cap
             self._covers.clear()  # (a smaller cover may exist now)
-        self._copy_inputs(cap, rows, sampling)
+        self._copy_inputs(cap, rows)
         if cap.graph is not None:
             cap.graph.replay()
             outputs = cap.outputs
@@ -259,7 +256,7 @@ class DecodeGraphs:
         return outputs.head(len(rows))
 
     def ready_tiers(
-        self, batch_size: int, kv_bound: int, sampling: SamplingTensors, tiers: int, catch_up
+        self, batch_size: int, kv_bound: int, mode: SamplingMode, tiers: int, catch_up
     ) -> AbstractSet[int] | None:
         """Which of `tiers` tiers a step of this batch (its kv_len bounded by kv_bound) can
         replay now, its graph captured (catch_up(tier): whether that tier's step would catch
@@ -281,12 +278,12 @@ class DecodeGraphs:
             return None
         if worker.rows.version != self._rows_version:
             return frozenset()  # the next step drops every graph
-        mode = self._mode(sampling)
+        mode_key = self._mode(mode)
         last, steps = self.streak
         # (the streak is of the shape the last tier ran at: a tier at that shape may capture)
         long_lived = last if steps >= LONG_LIVED_SHAPE_STEPS else None
         if long_lived is not None and all(
-            (*shape_of(t), *mode) == long_lived for t in range(tiers) if shape_of(t) is not None
+            (*shape_of(t), *mode_key) == long_lived for t in range(tiers) if shape_of(t) is not None
         ):
             return None
 
@@ -294,7 +291,7 @@ class DecodeGraphs:
             shape = shape_of(t)
             if shape is None:
                 return False
-            key = (*shape, *mode, t, catch_up(t))
+            key = (*shape, *mode_key, t, catch_up(t))
             return key[:-2] == long_lived or self._replayable(key)
 
         return ReadyTiers(replayable, tiers)
@@ -372,19 +369,19 @@ class DecodeGraphs:
         return self._covers[key]
 
     @staticmethod
-    def _mode(sampling: SamplingTensors) -> tuple:
-        """The part of a graph's key its sampling decides."""
+    def _mode(mode: SamplingMode) -> tuple:
+        """The part of a graph's key the batch's sampling decides."""
         return (
-            sampling.all_greedy,
-            sampling.needs_filter,
-            sampling.logprobs,
-            sampling.top_logprobs,
-            sampling.any_plain,
+            mode.all_greedy,
+            mode.needs_filter,
+            mode.logprobs,
+            mode.top_logprobs,
+            mode.any_plain,
         )
 
     @classmethod
-    def _key(cls, shape: tuple[int, int], sampling: SamplingTensors, tier: int, catch_up: bool):
-        return (*shape, *cls._mode(sampling), tier, catch_up)
+    def _key(cls, shape: tuple[int, int], mode: SamplingMode, tier: int, catch_up: bool):
+        return (*shape, *cls._mode(mode), tier, catch_up)
 
     def _drop_stale_graphs(self) -> None:
         """The row tensors were reallocated (more requests or longer contexts than sized
@@ -435,18 +432,10 @@ class DecodeGraphs:
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / replays
 
-    def _copy_inputs(self, cap: _Captured, rows: list[int], sampling: SamplingTensors) -> None:
+    @staticmethod
+    def _copy_inputs(cap: _Captured, rows: list[int]) -> None:
         bs, n = cap.rows.shape[0], len(rows)
         copy_from_host(cap.rows, rows + [PAD_ROW] * (bs - n))
-        last = cap.last_inputs
-        if last is not None and last[0] == n and last[1] is sampling:
-            return  # same batch as last replay: sampling rows are already in place
-        for name in ("temperatures", "top_ks", "top_ps", "min_ps", "seeds", "plain_rows"):
-            dst = getattr(cap.sampling, name)
-            dst[:n].copy_(getattr(sampling, name))
-            if n < bs:
-                dst[n:].fill_(_PAD_SAMPLING[name])
-        cap.last_inputs = (n, sampling)
 
     def _padded_step(
         self,
@@ -464,30 +453,19 @@ class DecodeGraphs:
         replays, and how a shape runs before it is captured (or without CUDA graphs)."""
         worker, dev = self.worker, self.worker.device
         rows = torch.full((bs,), PAD_ROW, dtype=torch.int64, device=dev)
-
-        def pad(name: str, dtype) -> torch.Tensor:
-            return torch.full((bs,), _PAD_SAMPLING[name], dtype=dtype, device=dev)
-
-        sampling = SamplingTensors(
-            temperatures=pad("temperatures", torch.float32),
-            top_ks=pad("top_ks", torch.int64),
-            top_ps=pad("top_ps", torch.float32),
-            min_ps=pad("min_ps", torch.float32),
-            seeds=pad("seeds", torch.int64),
-            all_greedy=all_greedy,
-            needs_filter=needs_filter,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            plain_rows=pad("plain_rows", torch.bool),
-            any_plain=any_plain,
-        )
+        mode = SamplingMode(all_greedy, needs_filter, logprobs, top_logprobs, any_plain)
         kv_upper = [width - worker.tier_slot_width(tier, catch_up)] * bs
+        table = worker.rows
 
         def step():
             with torch.inference_mode():
+                # (gathered in the graph: a new batch copies in its rows alone)
+                sampling = SamplingTensors.gather(
+                    table.sampling_floats, table.sampling_ints, rows, mode
+                )
                 return worker.step.run(rows, sampling, width, kv_upper, tier, catch_up)
 
-        return _Captured(None, step, rows, sampling, None)
+        return _Captured(None, step, rows, None)
 
     def _capture(self, *key, idle: bool = False) -> _Captured:
         # (fresh padding rows: a capture runs the step, and the eager step's hold real rows)
@@ -518,14 +496,3 @@ class DecodeGraphs:
             catch_up,
         )
         return cap
-
-
-# Padding rows sample greedily with no filters (their outputs are discarded).
-_PAD_SAMPLING = {
-    "temperatures": 0.0,
-    "top_ks": 0,
-    "top_ps": 1.0,
-    "min_ps": 0.0,
-    "seeds": 0,
-    "plain_rows": False,
-}

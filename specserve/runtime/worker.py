@@ -22,7 +22,7 @@ from specserve.kv.table import KVInvariantError, KVTable
 from specserve.model.runner import ModelRunner
 from specserve.ops.attention_metadata import Segment, build_metadata
 from specserve.ops.logprobs import token_logprobs, top_logprobs_bucket
-from specserve.ops.sampling import SamplingTensors, sample
+from specserve.ops.sampling import SamplingMode, SamplingTensors, sample
 from specserve.runtime.logprobs import TokenLogprobs, host_rows
 from specserve.runtime.request import PrefillChunk, Request
 from specserve.speculative.step import DecodeStep, StepLogprobs, sampling_tensors
@@ -167,6 +167,17 @@ def request_sampling(reqs: list[Request], device: torch.device) -> SamplingTenso
     )
 
 
+def request_sampling_mode(reqs: list[Request]) -> SamplingMode:
+    asking = [r.top_logprobs_num for r in reqs if r.return_logprob]
+    return SamplingMode(
+        all_greedy=all(r.params.greedy for r in reqs),
+        needs_filter=any(r.params.needs_filter and not r.params.greedy for r in reqs),
+        logprobs=bool(asking),
+        top_logprobs=top_logprobs_bucket(max(asking, default=0)) if asking else 0,
+        any_plain=any(not r.params.speculative or r.draft_stale for r in reqs),
+    )
+
+
 class Worker:
     def __init__(
         self,
@@ -189,7 +200,9 @@ class Worker:
         self.step = DecodeStep(target, drafter, rows, kernels, simulator, tiers)
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
         self.prefill_graphs = None  # PrefillGraphs, when CUDA graphs are on
-        self._sampling_cache: tuple[tuple, SamplingTensors] | None = None
+        self._sampling_cache: tuple[tuple, SamplingMode] | None = None
+        # rid -> (request, row, decoded plainly) whose sampling parameters its row holds
+        self._sampling_rows: dict[str, tuple[Request, int, bool]] = {}
 
     # ---- sizes the scheduler must reserve ------------------------------------------------
     @property
@@ -221,6 +234,7 @@ class Worker:
             r.rid == rid for r in self._sampling_cache[0][0]
         ):
             self._sampling_cache = None  # (it holds the request)
+        self._sampling_rows.pop(rid, None)
         if self.drafter.observes_tokens:
             self.drafter.release_tokens((rid,))
 
@@ -388,16 +402,34 @@ class Worker:
         return build_metadata(segments, torch.cat(out_slots), self.device)
 
     # ---- decode -----------------------------------------------------------------------------
-    def _sampling_for(self, reqs: list[Request]) -> SamplingTensors:
-        """Sampling tensors of a batch, reused while the batch's membership (and which of
-        its requests decode plainly) is unchanged. (Asked twice a step under adaptive
-        speculation: the key is the requests themselves, identity-compared, and the stale
-        ones among them, a quarter of the cost of a pair per request at batch 128; `forget`
-        drops it when one of them is reaped.)"""
+    def _sampling_for(self, reqs: list[Request]) -> SamplingMode:
+        """A batch's sampling mode, reused while its membership (and which of its requests
+        decode plainly) is unchanged; when it changes, the rows of requests new to their row,
+        or that stopped speculating, get their sampling parameters (the step gathers the
+        rest by row on the device). (Asked twice a step under adaptive speculation: the key
+        is the requests themselves, identity-compared, and the stale ones among them, a
+        quarter of the cost of a pair per request at batch 128; `forget` drops it when one
+        of them is reaped.)"""
         key = (tuple(reqs), tuple(r for r in reqs if r.draft_stale))
         if self._sampling_cache is None or self._sampling_cache[0] != key:
-            self._sampling_cache = (key, request_sampling(reqs, self.device))
+            self._write_sampling_rows(reqs)
+            self._sampling_cache = (key, request_sampling_mode(reqs))
         return self._sampling_cache[1]
+
+    def _write_sampling_rows(self, reqs: list[Request]) -> None:
+        written, row_of = self._sampling_rows, self.rows.row
+        rows, floats, ints = [], [], []
+        for r in reqs:
+            row, plain = row_of(r.rid), r.draft_stale or not r.params.speculative
+            held = written.get(r.rid)
+            if held is not None and held[0] is r and held[1] == row and held[2] == plain:
+                continue
+            written[r.rid] = (r, row, plain)
+            p = r.params
+            rows.append(row)
+            floats.append((p.temperature, p.top_p, p.min_p))
+            ints.append((p.top_k, r.seed, int(plain)))
+        self.rows.set_sampling(rows, floats, ints)
 
     def ready_tiers(
         self, reqs: list[Request], kv_upper: list[int], tiers: int, catch_up
@@ -438,7 +470,10 @@ class Worker:
                 timer = None
         if out is None:
             rows_dev = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
-            out = self.step.run(rows_dev, sampling, width, kv_upper, tier, catch_up)
+            st = SamplingTensors.gather(
+                self.rows.sampling_floats, self.rows.sampling_ints, rows_dev, sampling
+            )
+            out = self.step.run(rows_dev, st, width, kv_upper, tier, catch_up)
         if timer is not None:
             timer.stop()
         return PendingDecode(reqs, *out, tier=tier, timer=timer)
