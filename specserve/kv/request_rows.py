@@ -47,7 +47,11 @@ class RequestRows:
         self.device = device
         self.page_size = page_size
         self._row_of: dict[str, int] = {}
-        self._pending: dict[tuple[int, int], int] = {}  # (row, page index) -> page id
+        # page updates since the last flush, in order: (row, page index) -> page id, the
+        # latest write of a (row, index) winning
+        self._pending_rows: list[int] = []
+        self._pending_index: list[int] = []
+        self._pending_pages: list[int] = []
         self._feature_spec: tuple[int, torch.dtype] | None = None
         self._ring_spec: tuple[int, int, torch.dtype] | None = None  # (capacity, dim, dtype)
         self.draft_lens = self.ring_tokens = self.ring_features = None
@@ -169,7 +173,9 @@ class RequestRows:
         end = first_index + len(pages)
         if end > self.pages.shape[1]:
             self._allocate(self.num_rows, max(end, 2 * self.pages.shape[1]))
-        self._pending.update(zip(zip(repeat(row), range(first_index, end)), pages))
+        self._pending_rows.extend(repeat(row, len(pages)))
+        self._pending_index.extend(range(first_index, end))
+        self._pending_pages.extend(pages)
 
     def on_release(self, rid: str) -> None:
         row = self._row_of.pop(rid, None)
@@ -178,14 +184,20 @@ class RequestRows:
 
     def flush(self) -> None:
         """Apply the page updates since the last flush (one host->device copy)."""
-        if not self._pending:
+        if not self._pending_pages:
             return
-        # (numpy builds the [3, N] array from the keys' tuples in C: a chat turn's prompt
-        # brings a page per token at page size 1, tens of thousands in one prefill)
-        keys = np.array(list(self._pending), dtype=np.int64).reshape(-1, 2)
-        pages = np.fromiter(self._pending.values(), dtype=np.int64, count=len(self._pending))
-        host = torch.from_numpy(np.stack([keys[:, 0], keys[:, 1], pages]))  # [3, N], contiguous
-        self._pending.clear()
+        # (numpy in C: a chat turn's prompt brings a page per token at page size 1, tens of
+        # thousands in one prefill, and a decode step a few per request)
+        upd = np.array([self._pending_rows, self._pending_index, self._pending_pages], np.int64)
+        self._pending_rows, self._pending_index, self._pending_pages = [], [], []
+        # a (row, index) written twice (truncated, then given a new page) keeps its latest
+        # page: the first of each in reverse order (an index_put with repeated indices would
+        # pick any)
+        keys = upd[0] * self.pages.shape[1] + upd[1]
+        _, last = np.unique(keys[::-1], return_index=True)
+        if len(last) < len(keys):
+            upd = upd[:, len(keys) - 1 - last]
+        host = torch.from_numpy(np.ascontiguousarray(upd))  # [3, N]
         upd = to_device(host, self.device)
         self.pages[upd[0], upd[1]] = upd[2].to(torch.int32)
 
