@@ -424,12 +424,14 @@ def test_each_request_samples_with_its_own_parameters_as_batches_and_rows_change
     kw = dict(
         TINY, debug_check_invariants=True, max_running_requests=3, **spec_args(eagle, 2, 3, 6)
     )
+    with Engine(**kw) as e:  # (no graphs: each step gathers its sampling eagerly)
+        alone = [e.generate(input_ids=p, sampling_params=sp) for p, sp in zip(prompts, sps)]
     with Engine(**kw) as e:
         if padded:
             padded_graphs(e)
-        alone = [e.generate(input_ids=p, sampling_params=sp) for p, sp in zip(prompts, sps)]
         together = e.generate(input_ids=prompts, sampling_params=sps)
-        greedy = e.generate(input_ids=prompts[1], sampling_params=sps[0], rid="same")
+        greedy_sp = {**sps[1], "temperature": 0.0}
+        greedy = e.generate(input_ids=prompts[1], sampling_params=greedy_sp, rid="same")
         sampled = e.generate(input_ids=prompts[1], sampling_params=sps[1], rid="same")
     assert [o["output_ids"] for o in together] == [o["output_ids"] for o in alone]
     assert sampled["output_ids"] == alone[1]["output_ids"] != greedy["output_ids"]
@@ -454,3 +456,69 @@ def test_a_retracted_request_resumes_in_another_row_with_its_own_sampling_parame
         outs = e.generate(input_ids=prompts, sampling_params=sps)
         assert e.stats()["num_retractions"] > 0, "the budget was meant to force retraction"
     assert [o["output_ids"] for o in outs] == expected
+
+
+def test_a_request_resumed_in_the_row_another_used_meanwhile_samples_with_its_own():
+    """A retracted request frees its row; another request may decode there and finish before
+    the first resumes in that very row (free rows are taken last in, first out), which must
+    then hold the resumed request's parameters again, not the other's."""
+    import torch
+
+    from specserve.config.engine_config import EngineConfig
+    from specserve.ops.sampling import SamplingTensors
+    from specserve.runtime.engine_core import EngineCore
+    from specserve.runtime.request import Request
+    from specserve.sampling_params import SamplingParams
+
+    core = EngineCore(EngineConfig.from_kwargs(**TINY).resolve())
+    worker, rows, table = core.worker, core.rows, core.table
+    b = Request("b", [1, 2], SamplingParams(temperature=0.9, top_p=0.8), seed=11)
+    x = Request("x", [1, 2], SamplingParams(temperature=0.0), seed=0)
+
+    def sampling(req):
+        idx = torch.tensor([rows.row(req.rid)])
+        st = SamplingTensors.gather(
+            rows.sampling_floats, rows.sampling_ints, idx, worker._sampling_for([req])
+        )
+        return st.temperatures.item(), st.top_ps.item(), st.seeds.item()
+
+    table.reserve("b", 4)
+    first = sampling(b)
+    row = rows.row("b")
+    table.release("b")  # retracted
+    table.reserve("x", 4)
+    assert rows.row("x") == row and sampling(x) == (0.0, 1.0, 0)
+    table.release("x")
+    worker.forget("x")  # finished and reaped
+    table.reserve("b", 4)  # resumed, in the same row
+    assert rows.row("b") == row and sampling(b) == first == pytest.approx((0.9, 0.8, 11))
+
+
+def test_retractions_under_a_tight_budget_keep_every_samples_own_parameters():
+    """Samples of one prompt (n > 1) wait for the first one's prefill, so a retracted sample
+    can be passed over while other requests take and free its row: the outputs under a
+    budget that retracts equal those with room for all."""
+    import random
+
+    rng = random.Random(200)
+    prompts = mixed_prompts(10, 32, seed=200, min_len=3, max_len=24)
+    sps = []
+    for _ in prompts:
+        sp = {"max_new_tokens": rng.choice([2, 3, 5, 12, 30]), "ignore_eos": True}
+        if rng.random() < 0.4:
+            sp["temperature"] = 0.0
+        else:
+            sp.update(
+                temperature=rng.choice([0.5, 1.0, 1.5]),
+                seed=rng.randint(0, 99),
+                top_k=rng.choice([0, 5]),
+            )
+        sp["n"] = rng.choice([1, 1, 2, 3])
+        sps.append(sp)
+    with Engine(**TINY) as e:
+        roomy = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sps)]
+    tight = dict(max_total_tokens=80, page_size=1, chunked_prefill_size=-1, max_running_requests=4)
+    with Engine(**TINY, debug_check_invariants=True, **tight) as e:
+        outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sps)]
+        assert e.stats()["num_retractions"] > 0, "the budget was meant to force retraction"
+    assert outs == roomy

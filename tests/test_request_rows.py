@@ -110,3 +110,23 @@ def test_reserving_for_a_batch_evicts_cached_pages_nobody_uses():
     assert table.cache.num_pages == 2 and alloc.num_free_pages == 0
     assert not table.reserve_all(["a", "c"], [4, 2])  # 3 more: only 2 evictable
     assert table.cache.num_pages == 2 and table.pages("c") == []
+
+
+def test_sampling_parameters_stay_in_their_rows_as_the_rows_grow_and_go_with_a_release():
+    rows = RequestRows(torch.device("cpu"), 1, max_pages=2, rows=2)
+    table = KVTable(PageAllocator(64, 1))
+    table.mirror = rows
+    table.reserve("a", 2)
+    a = rows.row("a")
+    rows.set_sampling([a], [(0.7, 0.9, 0.05)], [(20, 12345, 1)], ["tag-a"])
+    for i in range(5):  # more requests than rows: the row tensors are reallocated
+        table.reserve(f"r{i}", 2)
+    assert rows.num_rows > 2
+    assert rows.sampling_floats[:, a].tolist() == pytest.approx([0.7, 0.9, 0.05])
+    assert rows.sampling_ints[:, a].tolist() == [20, 12345, 1]
+    assert rows.sampling_tag(a) == "tag-a"
+    # the padding row samples greedily, unfiltered, speculating
+    assert rows.sampling_floats[:, PAD_ROW].tolist() == [0.0, 1.0, 0.0]
+    assert rows.sampling_ints[:, PAD_ROW].tolist() == [0, 0, 0]
+    table.release("a")
+    assert rows.sampling_tag(a) is None  # its next holder writes its own

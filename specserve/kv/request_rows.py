@@ -47,6 +47,9 @@ class RequestRows:
         self.device = device
         self.page_size = page_size
         self._row_of: dict[str, int] = {}
+        # row -> the caller's tag of the sampling parameters written there (`set_sampling`);
+        # dropped when the row is released, so its next holder's are always written
+        self._sampling_tags: dict[int, object] = {}
         # page updates since the last flush, in order: (row, page index) -> page id, the
         # latest write of a (row, index) winning
         self._pending_rows: list[int] = []
@@ -180,6 +183,7 @@ class RequestRows:
     def on_release(self, rid: str) -> None:
         row = self._row_of.pop(rid, None)
         if row is not None:
+            self._sampling_tags.pop(row, None)
             self._free.append(row)
 
     def flush(self) -> None:
@@ -202,13 +206,23 @@ class RequestRows:
         self.pages[upd[0], upd[1]] = upd[2].to(torch.int32)
 
     # ---- sampling parameters by row ------------------------------------------------------------
+    def sampling_tag(self, row: int) -> object | None:
+        """The tag `set_sampling` last wrote with at this row, while the row is held."""
+        return self._sampling_tags.get(row)
+
     def set_sampling(
-        self, rows: list[int], floats: list[tuple[float, float, float]], ints: list[tuple]
+        self,
+        rows: list[int],
+        floats: list[tuple[float, float, float]],
+        ints: list[tuple],
+        tags: list[object],
     ) -> None:
         """Rows' sampling parameters: (temperature, top_p, min_p) and (top_k, seed, decoded
-        plainly) each; two host->device copies for the lot, ordered after launched steps."""
+        plainly) each, and what the caller knows them by (`sampling_tag`); two host->device
+        copies for the lot, ordered after launched steps."""
         if not rows:
             return
+        self._sampling_tags.update(zip(rows, tags))
         idx = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         f = to_device(torch.tensor(floats, dtype=torch.float32).T.contiguous(), self.device)
         i = to_device(torch.tensor(ints, dtype=torch.int64).T.contiguous(), self.device)

@@ -74,8 +74,8 @@ class KVTable:
 
     def reserve_all(self, rids: list[str], num_tokens: list[int]) -> bool:
         """`reserve` for several requests at once (a decode step's batch), all or nothing;
-        one allocation for the batch. The pages each gets are those one `reserve` per
-        request, in order, would give it."""
+        one allocation for the batch. Unless cached pages are evicted for it, each request
+        gets the pages one `reserve` per request, in order, would give it."""
         ps = self.page_size
         held = [self._pages.get(rid) for rid in rids]
         needs = [

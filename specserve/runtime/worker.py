@@ -201,8 +201,6 @@ class Worker:
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
         self.prefill_graphs = None  # PrefillGraphs, when CUDA graphs are on
         self._sampling_cache: tuple[tuple, SamplingMode] | None = None
-        # rid -> (request, row, decoded plainly) whose sampling parameters its row holds
-        self._sampling_rows: dict[str, tuple[Request, int, bool]] = {}
 
     # ---- sizes the scheduler must reserve ------------------------------------------------
     @property
@@ -234,7 +232,6 @@ class Worker:
             r.rid == rid for r in self._sampling_cache[0][0]
         ):
             self._sampling_cache = None  # (it holds the request)
-        self._sampling_rows.pop(rid, None)
         if self.drafter.observes_tokens:
             self.drafter.release_tokens((rid,))
 
@@ -417,19 +414,22 @@ class Worker:
         return self._sampling_cache[1]
 
     def _write_sampling_rows(self, reqs: list[Request]) -> None:
-        written, row_of = self._sampling_rows, self.rows.row
-        rows, floats, ints = [], [], []
+        """Write the sampling parameters of the requests whose row does not hold theirs: a
+        row's tag is (its request, whether it decodes plainly), and a released row has none
+        (so a request resumed after a retraction, in whatever row, writes its own again)."""
+        table = self.rows
+        rows, floats, ints, tags = [], [], [], []
         for r in reqs:
-            row, plain = row_of(r.rid), r.draft_stale or not r.params.speculative
-            held = written.get(r.rid)
-            if held is not None and held[0] is r and held[1] == row and held[2] == plain:
+            row, plain = table.row(r.rid), r.draft_stale or not r.params.speculative
+            held = table.sampling_tag(row)
+            if held is not None and held[0] is r and held[1] == plain:
                 continue
-            written[r.rid] = (r, row, plain)
             p = r.params
             rows.append(row)
             floats.append((p.temperature, p.top_p, p.min_p))
             ints.append((p.top_k, r.seed, int(plain)))
-        self.rows.set_sampling(rows, floats, ints)
+            tags.append((r, plain))
+        table.set_sampling(rows, floats, ints, tags)
 
     def ready_tiers(
         self, reqs: list[Request], kv_upper: list[int], tiers: int, catch_up
