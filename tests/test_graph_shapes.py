@@ -522,3 +522,19 @@ def test_retractions_under_a_tight_budget_keep_every_samples_own_parameters():
         outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sps)]
         assert e.stats()["num_retractions"] > 0, "the budget was meant to force retraction"
     assert outs == roomy
+
+
+def test_an_adaptive_engine_built_inside_inference_mode_writes_its_rows_sampling():
+    """The adaptive policy's graph lookup asks for a batch's sampling before the step is
+    launched; an engine built inside torch.inference_mode() holds its row tables as inference
+    tensors, which that write must still reach."""
+    import torch
+
+    prompts = mixed_prompts(3, 512, seed=1)
+    sp = {"max_new_tokens": 8, "temperature": 0.7, "seed": 3, "ignore_eos": True}
+    with torch.inference_mode():
+        engine = Engine(**TINY, **spec_args("tiny", 2, 3, 6, speculative_adaptive=True))
+    with engine as e:
+        padded_graphs(e)
+        outs = e.generate(input_ids=prompts, sampling_params=sp)
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * 3

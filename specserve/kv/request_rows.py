@@ -210,6 +210,10 @@ class RequestRows:
         """The tag `set_sampling` last wrote with at this row, while the row is held."""
         return self._sampling_tags.get(row)
 
+    # (in inference mode: an engine built inside torch.inference_mode() holds these tables as
+    # inference tensors, and the adaptive policy's graph lookup asks for a batch's sampling
+    # before the step is launched, outside it)
+    @torch.inference_mode()
     def set_sampling(
         self,
         rows: list[int],

@@ -10,20 +10,20 @@ A step's shapes depend on three host values, which key the graphs:
   width), which selects host-side code paths and output shapes.
 A graph's one static input is its batch's rows: a step reads each request's pages, KV length
 and sampling parameters by row on the device. Graphs are captured lazily from padding-only
-inputs (so capture writes nothing but scratch) and share one memory pool. A shape without a graph replays the smallest captured graph that
-covers it (same sampling mode and tier, batch and width buckets at least as large, and at
-most `MAX_COVER_FACTOR` times: more padding rows, a wider KV layout) and gets its own graph
-when the engine is idle (`capture_wanted`) or once it has served `LONG_LIVED_SHAPE_STEPS`
-steps in a row (a request outliving its batch); a shape nothing covers runs eagerly for its
-first `EAGER_STEPS` steps (about a capture's time; a batch's tail passes most shapes in
-fewer), then is captured, or is captured when the engine idles. Under load-adaptive
-speculation a step's key also names its tier; an idle engine captures every tier that has
-run, or was timed at engine start, at a batch bucket at every context width met there, so
-that the next wave of requests, whose tails pass the same shapes with other tiers, does not
-stop to capture them. Anything outside the buckets runs eagerly through the same
-`DecodeStep.run`.
+inputs (so capture writes nothing but scratch) and share one memory pool. A shape without a
+graph replays the smallest captured graph that covers it (same sampling mode and tier, batch
+and width buckets at least as large, and at most `MAX_COVER_FACTOR` times: more padding
+rows, a wider KV layout) and gets its own graph when the engine is idle (`capture_wanted`)
+or once it has served `LONG_LIVED_SHAPE_STEPS` steps in a row (a request outliving its
+batch); a shape nothing covers runs eagerly for its first `EAGER_STEPS` steps (about a
+capture's time; a batch's tail passes most shapes in fewer), then is captured, or is
+captured when the engine idles. Under load-adaptive speculation a step's key also names its
+tier; an idle engine captures every tier that has run, or was timed at engine start, at a
+batch bucket at every context width met there, so that the next wave of requests, whose
+tails pass the same shapes with other tiers, does not stop to capture them. Anything
+outside the buckets runs eagerly through the same `DecodeStep.run`.
 
-Inputs are copied into each graph's static tensors before a replay; those copies and the
+The rows are copied into each graph's static tensor before a replay; that copy and the
 replay are ordered on the stream after the previous step, so under overlap scheduling the
 host can prepare step k+1 while step k still runs.
 """
@@ -421,7 +421,6 @@ class DecodeGraphs:
         # wanted like the tiers that ran; without, the first wave to run it at a new width
         # stalled on its eager steps and capture, 0.2 s of a 0.3 s SmolLM2 run at batch 64)
         self.note_timed(shape[0], tier)
-        cap.last_inputs = None  # the rows are padding now
         copy_from_host(cap.rows, [PAD_ROW] * cap.rows.shape[0])
         cap.graph.replay()  # settles clocks and caches
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
