@@ -10,10 +10,12 @@
   q % lag_capacity, the token after position q and the target's features at q, so the draft
   can catch up on them later in one pass (speculative/drafter.py `catch_up`).
 - `sampling_floats[:, row]` (temperature, top_p, min_p) and `sampling_ints[:, row]` (top_k,
-  seed, decoded plainly): the request's sampling parameters, written when it first decodes
-  in the row and when it stops speculating. A decode step gathers its batch's by row, inside
-  its CUDA graph, so a batch whose membership changed (every step of a large batch's tail, or
-  of a server whose requests come and go) builds and copies no sampling tensors.
+  seed, decoded plainly): the request's sampling parameters, written by the first step of a
+  batch whose row does not hold them (tagged by the writer; a released row holds none): its
+  first step in the row, after a retraction, when it stops speculating. A decode step
+  gathers its batch's by row, inside its CUDA graph, so a batch whose membership changed
+  (every step of a large batch's tail, or of a server whose requests come and go) builds and
+  copies no sampling tensors.
 - `reached[row, d]`, `predicted[row, d]` (ragged verification): how often the request's
   accepted path reached depth d, and the draft's best path probability there, moving
   averages that calibrate its share of a step's verified nodes (speculative/verify_budget.py).
