@@ -83,11 +83,13 @@ class RequestRows:
             features = torch.zeros(rows, dim, dtype=dtype, device=dev)
         ring = self._new_ring(rows)
         calibration = self._new_calibration(rows)
-        floats = torch.tensor(PAD_SAMPLING_FLOATS, dtype=torch.float32, device=dev)
-        floats = floats[:, None].repeat(1, rows)
-        ints = torch.tensor(PAD_SAMPLING_INTS, dtype=torch.int64, device=dev)[:, None].repeat(
-            1, rows
-        )
+        # (filled on the device: a tensor built from host values would be a pageable copy,
+        # which waits for the step in flight, and this can run while one is)
+        floats = torch.empty((3, rows), dtype=torch.float32, device=dev)
+        ints = torch.empty((3, rows), dtype=torch.int64, device=dev)
+        for table, pad in ((floats, PAD_SAMPLING_FLOATS), (ints, PAD_SAMPLING_INTS)):
+            for i, value in enumerate(pad):
+                table[i].fill_(value)
         if old is not None:  # keep what is there (a device copy, ordered after launched work)
             r, p = old.shape
             pages[:r, :p] = old
@@ -224,8 +226,8 @@ class RequestRows:
         tags: list[object],
     ) -> None:
         """Rows' sampling parameters: (temperature, top_p, min_p) and (top_k, seed, decoded
-        plainly) each, and what the caller knows them by (`sampling_tag`); two host->device
-        copies for the lot, ordered after launched steps."""
+        plainly) each, and what the caller knows them by (`sampling_tag`); three host->device
+        copies for the lot (rows, floats, ints), ordered after launched steps."""
         if not rows:
             return
         self._sampling_tags.update(zip(rows, tags))
