@@ -56,26 +56,13 @@ class KVTable:
 
     def reserve(self, rid: str, num_tokens: int) -> bool:
         """Make room for logical positions [0, num_tokens); all or nothing."""
-        need = self.extra_pages_needed(rid, num_tokens)
-        if need == 0:
-            self._pages.setdefault(rid, [])
-            return True
-        pages = self.allocator.alloc(need)
-        if pages is None and self.cache is not None:
-            self.cache.evict(need - self.allocator.num_free_pages)
-            pages = self.allocator.alloc(need)
-        if pages is None:
-            return False
-        owned = self._pages.setdefault(rid, [])
-        if self.mirror is not None:
-            self.mirror.on_pages_added(rid, len(owned), pages)
-        owned.extend(pages)
-        return True
+        return self.reserve_all([rid], [num_tokens])
 
     def reserve_all(self, rids: list[str], num_tokens: list[int]) -> bool:
-        """`reserve` for several requests at once (a decode step's batch), all or nothing;
-        one allocation for the batch. Unless cached pages are evicted for it, each request
-        gets the pages one `reserve` per request, in order, would give it."""
+        """Make room for logical positions [0, n) of each request, all or nothing: one
+        allocation for the batch (a decode step reserves for every running request), with
+        cached pages nobody uses evicted only when that makes it fit. Without eviction each
+        request gets the pages one reservation per request, in order, would give it."""
         ps = self.page_size
         held = [self._pages.get(rid) for rid in rids]
         needs = [

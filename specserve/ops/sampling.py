@@ -105,25 +105,30 @@ class SamplingTensors:
     any_plain: bool = False  # host-known: plain_rows has a True
 
     @classmethod
-    def gather(
-        cls, floats: torch.Tensor, ints: torch.Tensor, rows: torch.Tensor, mode: SamplingMode
-    ) -> SamplingTensors:
-        """The tensors of a batch's rows from per-row tables: floats [3, rows] (temperature,
-        top_p, min_p), ints [3, rows] (top_k, seed, decoded plainly); device gathers only."""
-        f, i = floats[:, rows], ints[:, rows]
+    def from_tables(cls, floats: torch.Tensor, ints: torch.Tensor, mode: SamplingMode):
+        """floats [3, R] (temperature, top_p, min_p) and ints [3, R] (top_k, seed, decoded
+        plainly), one column per row to sample, with the batch's host-known mode."""
         return cls(
-            temperatures=f[0],
-            top_ks=i[0],
-            top_ps=f[1],
-            min_ps=f[2],
-            seeds=i[1],
+            temperatures=floats[0],
+            top_ks=ints[0],
+            top_ps=floats[1],
+            min_ps=floats[2],
+            seeds=ints[1],
             all_greedy=mode.all_greedy,
             needs_filter=mode.needs_filter,
             logprobs=mode.logprobs,
             top_logprobs=mode.top_logprobs if mode.logprobs else 0,
-            plain_rows=i[2] != 0,
+            plain_rows=ints[2] != 0,
             any_plain=mode.any_plain,
         )
+
+    @classmethod
+    def gather(
+        cls, floats: torch.Tensor, ints: torch.Tensor, rows: torch.Tensor, mode: SamplingMode
+    ) -> SamplingTensors:
+        """The tensors of a batch's rows from per-row tables (`from_tables`'s layout); device
+        gathers only."""
+        return cls.from_tables(floats[:, rows], ints[:, rows], mode)
 
     def expand(self, repeats: int) -> SamplingTensors:
         """Each request row repeated `repeats` times (one row per tree node); one copy kernel

@@ -25,7 +25,7 @@ from specserve.ops.logprobs import token_logprobs, top_logprobs_bucket
 from specserve.ops.sampling import SamplingMode, SamplingTensors, sample
 from specserve.runtime.logprobs import TokenLogprobs, host_rows
 from specserve.runtime.request import PrefillChunk, Request
-from specserve.speculative.step import DecodeStep, StepLogprobs, sampling_tensors
+from specserve.speculative.step import DecodeStep, StepLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -155,16 +155,15 @@ class PendingDecode:
         return out
 
 
-def request_sampling(reqs: list[Request], device: torch.device) -> SamplingTensors:
-    asking = [r.top_logprobs_num for r in reqs if r.return_logprob]
-    return sampling_tensors(
-        [r.params for r in reqs],
-        [r.seed for r in reqs],
-        device,
-        logprobs=bool(asking),
-        top_logprobs=top_logprobs_bucket(max(asking, default=0)),
-        plain=[r.draft_stale for r in reqs],
-    )
+def decodes_plainly(req: Request) -> bool:
+    """Whether a request's steps verify its root alone: it asked so, or its draft went stale."""
+    return req.draft_stale or not req.params.speculative
+
+
+def sampling_row(req: Request) -> tuple[tuple[float, float, float], tuple[int, int, int]]:
+    """A request's column of the sampling tables (`SamplingTensors.from_tables`)."""
+    p = req.params
+    return (p.temperature, p.top_p, p.min_p), (p.top_k, req.seed, int(decodes_plainly(req)))
 
 
 def request_sampling_mode(reqs: list[Request]) -> SamplingMode:
@@ -174,7 +173,18 @@ def request_sampling_mode(reqs: list[Request]) -> SamplingMode:
         needs_filter=any(r.params.needs_filter and not r.params.greedy for r in reqs),
         logprobs=bool(asking),
         top_logprobs=top_logprobs_bucket(max(asking, default=0)) if asking else 0,
-        any_plain=any(not r.params.speculative or r.draft_stale for r in reqs),
+        any_plain=any(decodes_plainly(r) for r in reqs),
+    )
+
+
+def request_sampling(reqs: list[Request], device: torch.device) -> SamplingTensors:
+    """A batch's sampling tensors built on the host (a prefill's first tokens; decode steps
+    gather theirs by row): two host-to-device copies."""
+    floats, ints = zip(*(sampling_row(r) for r in reqs))
+    return SamplingTensors.from_tables(
+        to_device(torch.tensor(floats, dtype=torch.float32).T.contiguous(), device),
+        to_device(torch.tensor(ints, dtype=torch.int64).T.contiguous(), device),
+        request_sampling_mode(reqs),
     )
 
 
@@ -420,14 +430,14 @@ class Worker:
         table = self.rows
         rows, floats, ints, tags = [], [], [], []
         for r in reqs:
-            row, plain = table.row(r.rid), r.draft_stale or not r.params.speculative
+            row, plain = table.row(r.rid), decodes_plainly(r)
             held = table.sampling_tag(row)
             if held is not None and held[0] is r and held[1] == plain:
                 continue
-            p = r.params
+            f, i = sampling_row(r)
             rows.append(row)
-            floats.append((p.temperature, p.top_p, p.min_p))
-            ints.append((p.top_k, r.seed, int(plain)))
+            floats.append(f)
+            ints.append(i)
             tags.append((r, plain))
         table.set_sampling(rows, floats, ints, tags)
 

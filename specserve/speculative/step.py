@@ -17,13 +17,11 @@ from typing import NamedTuple
 import torch
 
 from specserve.config.kernels import Kernels
-from specserve.device import to_device
 from specserve.kv.request_rows import PAD_ROW, RequestRows
 from specserve.ops.attention import PackedQueries
 from specserve.ops.attention_metadata import build_device_metadata
 from specserve.ops.logprobs import token_logprobs
 from specserve.ops.sampling import SamplingTensors, sample
-from specserve.sampling_params import SamplingParams
 from specserve.speculative.kv_commit import commit_accepted_path
 from specserve.speculative.tree import (
     Acceptance,
@@ -109,40 +107,6 @@ class StepOutputs(NamedTuple):
             None if self.logprobs is None else self.logprobs.head(n),
             None if self.chain_reach is None else self.chain_reach[:n],
         )
-
-
-def sampling_tensors(
-    params: list[SamplingParams],
-    seeds: list[int],
-    device: torch.device,
-    logprobs: bool = False,
-    top_logprobs: int = 0,
-    plain: list[bool] | None = None,
-) -> SamplingTensors:
-    """The batch's sampling parameters as device tensors, one row per request; `logprobs` and
-    `top_logprobs` (host values) choose whether a step computes log-probs, and how many
-    alternatives; plain: requests decoded plainly besides those asking so (a draft that
-    stopped speculating)."""
-    plain_rows = [not p.speculative or bool(plain and plain[i]) for i, p in enumerate(params)]
-    # two host-to-device copies, not one per parameter: a batch's tensors are rebuilt each
-    # time a request leaves it, which in a large batch's tail is every step
-    floats = [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]]
-    ints = [[p.top_k for p in params], list(seeds), [int(x) for x in plain_rows]]
-    floats_dev = to_device(torch.tensor(floats, dtype=torch.float32), device)
-    ints_dev = to_device(torch.tensor(ints, dtype=torch.int64), device)
-    return SamplingTensors(
-        temperatures=floats_dev[0],
-        top_ks=ints_dev[0],
-        top_ps=floats_dev[1],
-        min_ps=floats_dev[2],
-        seeds=ints_dev[1],
-        all_greedy=all(p.greedy for p in params),
-        needs_filter=any(p.needs_filter and not p.greedy for p in params),
-        logprobs=logprobs,
-        top_logprobs=top_logprobs if logprobs else 0,
-        plain_rows=ints_dev[2] != 0,
-        any_plain=any(plain_rows),
-    )
 
 
 class DecodeStep:
