@@ -51,7 +51,7 @@ ENGINE_HELP = {
     "simulate_acc_token_mode": "real-draft-token (default; tokens and KV consistent) | fixed.",
     "simulate_acc_fixed_token": "Token id emitted in fixed mode (default: one that decodes to a plain word).",
     "simulate_acc_rates": "per-position: acceptance rate per draft depth, comma-separated (e.g. 0.8,0.6,0.4).",
-    "log_level": "debug | info | warning | error.",
+    "log_level": "debug | info | warning | error | critical.",
 }
 
 
@@ -71,23 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             g.add_argument(flag, action="store_true", help=help_text)
         else:
-            kind = {int: int, float: float}.get(type(default), None)
-            if kind is None and f.name in (
-                "max_total_tokens",
-                "max_running_requests",
-                "chunked_prefill_size",
-                "context_length",
-                "speculative_num_steps",
-                "speculative_eagle_topk",
-                "speculative_num_draft_tokens",
-                "speculative_token_map_growth",
-                "simulate_acc_fixed_token",
-                "cuda_graph_max_bs",
-                "cuda_graph_max_prefill_tokens",
-            ):
-                kind = int
-            if f.name == "simulate_acc_len":
-                kind = float
+            # the field's own annotation ("int | None", "float", ...) types the flag
+            base = str(f.type).replace(" | None", "").strip()
+            kind = {"int": int, "float": float}.get(base)
             g.add_argument(flag, type=kind or str, default=None, help=help_text)
 
 

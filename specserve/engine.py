@@ -112,6 +112,8 @@ class Engine:
         self.config = cfg.resolve()
         self.config.log_decisions()
         self.core = start_engine_core(self.config)
+        # what only the loaded model and the device decide (context length, KV tokens)
+        self.config = self.config.with_startup_decisions(self.core.load_decisions)
         freeze_startup_heap()
         self.tokenizer = self.core.tokenizer
         self._inbox: queue.Queue = queue.Queue()
@@ -266,6 +268,17 @@ class Engine:
         self._wake.set()
         return [r.name for r in reqs]  # (the engine may key them apart: see add_request)
 
+    def check_submission(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict | SamplingParams | None,
+        **logprob_options: Any,
+    ) -> None:
+        """Raise the InvalidArgument that `submit_samples` would, without submitting (a server
+        checks every prompt of a batch before it admits any)."""
+        (opts,) = self._normalize_logprob_options(1, **logprob_options)
+        self._check_request(prompt_ids, SamplingParams.from_any(sampling_params), "input_ids", opts)
+
     def _incremental_callback(self, on_output, index: int):
         tokenizer = self.tokenizer
         return lambda r: on_output(index, request_output(r, incremental=True, tokenizer=tokenizer))
@@ -315,9 +328,12 @@ class Engine:
             raise InvalidArgument("prompt", "give exactly one of prompt or input_ids")
         if prompt is not None:
             if self.tokenizer is None:
-                raise InvalidArgument(
-                    "prompt", "text needs a tokenizer; pass input_ids (skip_tokenizer_init is on)"
+                why = (
+                    "skip_tokenizer_init is on"
+                    if self.config.skip_tokenizer_init
+                    else "the model has no tokenizer"
                 )
+                raise InvalidArgument("prompt", f"text needs a tokenizer ({why}); pass input_ids")
             if isinstance(prompt, str):
                 return True, [(self._encode(prompt), "prompt")]
             if (
@@ -388,15 +404,7 @@ class Engine:
         """The prompt's n requests: sample i draws with seed + i when the prompt has a seed,
         else each its own random seed; samples after the first wait for its prefill
         (`prefill_after`), to reuse the prompt's pages."""
-        self.core.validate_prompt(ids, field)
-        if params.stop and self.tokenizer is None:
-            raise InvalidArgument("stop", "stop strings need a tokenizer; use stop_token_ids")
-        opts = {"return_logprob": False, "logprob_start_len": -1, **logprob_options}
-        if opts["return_logprob"] and opts["logprob_start_len"] >= len(ids):
-            raise InvalidArgument(
-                "logprob_start_len",
-                f"must be -1 or a prompt position in [0, {len(ids)}), got {opts['logprob_start_len']}",
-            )
+        opts = self._check_request(ids, params, field, logprob_options)
         if not opts["return_logprob"]:
             opts["logprob_start_len"] = -1  # (a cached prefix may then cover the prompt)
         with self._lock:
@@ -420,6 +428,22 @@ class Engine:
         for r in reqs[1:]:
             r.prefill_after = reqs[0]
         return reqs
+
+    def _check_request(
+        self, ids: list[int], params: SamplingParams, field: str, logprob_options: dict[str, Any]
+    ) -> dict[str, Any]:
+        """What a prompt's requests need beyond their parameters' own checks; returns the
+        log-prob options with their defaults."""
+        self.core.validate_prompt(ids, field)
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgument("stop", "stop strings need a tokenizer; use stop_token_ids")
+        opts = {"return_logprob": False, "logprob_start_len": -1, **logprob_options}
+        if opts["return_logprob"] and opts["logprob_start_len"] >= len(ids):
+            raise InvalidArgument(
+                "logprob_start_len",
+                f"must be -1 or a prompt position in [0, {len(ids)}), got {opts['logprob_start_len']}",
+            )
+        return opts
 
     # ---- plumbing ---------------------------------------------------------------------------
     def _submit(self, req: Request, incremental: bool = True) -> queue.Queue:

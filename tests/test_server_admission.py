@@ -225,3 +225,85 @@ def test_the_cheap_chat_check_never_rejects_messages_that_fit(served, engine):
             if not fits:
                 assert error_of(r)["param"] in ("messages", "max_tokens")
     served.wait_idle()
+
+
+# ---- a bad request is a 400 whatever the load, and runs nothing --------------------------------
+def test_a_bad_prompt_is_a_400_on_a_full_server_and_no_prompt_of_its_batch_runs(engine):
+    app = create_app(engine, ServerConfig(max_queued_requests=8), owns_engine=False)
+    bad_requests = [
+        ("/v1/completions", {"prompt": [[5, 6], [1, 999]], "n": 4, "max_tokens": 2}, "prompt"),
+        ("/generate", {"input_ids": [[5, 6], [7, 500]]}, "input_ids"),
+        (
+            "/generate",
+            {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 5},
+            "logprob_start_len",
+        ),
+        ("/generate", {"input_ids": [[5, 6], [7, 8]], "rid": ["dup", "dup"]}, "rid"),
+    ]
+    with ServerThread(app) as srv:
+        served = Served(engine, srv, "m")
+        before = served.metrics()
+        for route, body, param in bad_requests:  # an idle server
+            r = served.http.post(route, json=body)
+            assert r.status_code == 400 and error_of(r)["param"] == param, (route, r.text)
+        state = app.state.server
+        state.reserve(8)  # the server is full (as with 8 requests in flight)
+        try:
+            for route, body, param in bad_requests:
+                r = served.http.post(route, json=body)
+                assert r.status_code == 400, (route, r.status_code, r.text)
+                assert error_of(r)["param"] == param
+            good = served.http.post("/generate", json={"input_ids": [5, 6]})
+            assert good.status_code == 503  # a good request does wait for room
+        finally:
+            state.release(8)
+        good = served.http.post("/generate", json={"input_ids": [5, 6]})
+        assert good.status_code == 200, good.text
+        after = served.wait_idle()
+        served.http.close()
+    # only the long request reached the engine: nothing of the rejected batches ran
+    key = "specserve_prompt_tokens_total"
+    assert after[key] - before[key] == 2
+    aborted = 'specserve_requests_total{finish_reason="abort"}'
+    assert after.get(aborted, 0) == before.get(aborted, 0)
+
+
+def test_more_samples_in_one_request_than_the_server_takes_at_once_is_a_400(engine):
+    app = create_app(engine, ServerConfig(max_samples_per_request=8), owns_engine=False)
+    with ServerThread(app) as srv:
+        served = Served(engine, srv, "m")
+        r = served.http.post("/v1/completions", json={"prompt": [[5, 6]] * 3, "n": 3})
+        err = error_of(r)
+        assert r.status_code == 400 and err["param"] == "n", r.text
+        assert "max_samples_per_request=8" in err["message"]
+        r = served.http.post("/generate", json={"input_ids": [[5, 6]] * 9})
+        assert r.status_code == 400 and error_of(r)["param"] == "input_ids", r.text
+        r = served.http.post("/v1/completions", json={"prompt": [[5, 6]] * 2, "n": 4})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 8, r.text
+        served.http.close()
+
+
+def test_max_tokens_past_what_the_kv_cache_holds_is_a_400_naming_the_room(tmp_path):
+    from tests.model_factory import write_hf_model
+
+    folder = write_hf_model(tmp_path / "m", vocab_size=101, with_tokenizer=True)
+    with Engine(
+        model_path=folder,
+        dtype="float32",
+        device="cpu",
+        context_length=CONTEXT,
+        max_total_tokens=48,
+    ) as small:
+        app = create_app(small, ServerConfig(), owns_engine=False)
+        with ServerThread(app) as srv:
+            served = Served(small, srv, "m")
+            prompt = [5] * 10
+            body = {"prompt": prompt, "max_tokens": 100, "ignore_eos": True}
+            r = served.http.post("/v1/completions", json=body)
+            err = error_of(r)
+            assert r.status_code == 400 and err["param"] == "max_tokens", r.text
+            assert "48" in err["message"] and "38" in err["message"]
+            r = served.http.post("/v1/completions", json={**body, "max_tokens": 30})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 30
+            served.http.close()

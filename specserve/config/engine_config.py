@@ -26,7 +26,12 @@ log = logging.getLogger(__name__)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SPEC_ALGORITHMS = (None, "EAGLE", "EAGLE3", "STANDALONE")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_GRAPH_PREFILL_TOKENS = 512
+# Each running request holds a row of device tables (sampling, page table, draft state),
+# allocated as requests arrive; a bound keeps a typo from asking for terabytes.
+MAX_RUNNING_REQUESTS = 1 << 16
+SEED_MAX = 2**63 - 1  # torch generators take a signed 64-bit seed
 
 
 @dataclass(frozen=True)
@@ -116,12 +121,19 @@ class EngineConfig:
             c = replace(c, **{name: value})
             decided.append((name, value, reason))
 
+        _check_types(c)
         _check_choice("dtype", c.dtype, DTYPES)
         _check_choice("attention_backend", c.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("log_level", c.log_level, LOG_LEVELS)
         _check_int("page_size", c.page_size, minimum=1)
         for name in ("max_total_tokens", "max_running_requests", "context_length"):
             if getattr(c, name) is not None:
                 _check_int(name, getattr(c, name), minimum=1)
+        if c.max_running_requests is not None:
+            _check_int(
+                "max_running_requests", c.max_running_requests, 1, maximum=MAX_RUNNING_REQUESTS
+            )
+        _check_int("random_seed", c.random_seed, minimum=0, maximum=SEED_MAX)
         if c.chunked_prefill_size is not None:
             _check_int("chunked_prefill_size", c.chunked_prefill_size, minimum=-1)
             require(
@@ -129,7 +141,11 @@ class EngineConfig:
                 "chunked_prefill_size",
                 "must be >= 1, or -1 to disable chunking",
             )
-        require(0.0 < c.mem_fraction_static < 1.0, "mem_fraction_static", "must be in (0, 1)")
+        require(
+            _is_real(c.mem_fraction_static) and 0.0 < c.mem_fraction_static < 1.0,
+            "mem_fraction_static",
+            f"must be a number in (0, 1), got {c.mem_fraction_static!r}",
+        )
         _check_int("tp_size", c.tp_size, minimum=1)
 
         if c.device == "auto":
@@ -246,6 +262,14 @@ class EngineConfig:
             )
         return replace(c, decisions=tuple(decided))
 
+    def with_startup_decisions(self, decided: list[tuple[str, Any, str]]) -> EngineConfig:
+        """This configuration with the values decided once the model is loaded and the device
+        measured (they replace what was asked for; the reasons say how)."""
+        for name, value, reason in decided:
+            log.info("config: %s = %r (%s)", name, value, reason)
+        values = {name: value for name, value, _ in decided}
+        return replace(self, **values, decisions=self.decisions + tuple(decided))
+
     def draft_summary(self) -> str:
         """One line: which draft runs and why (a packaged model's bundled draft, or none)."""
         why = next((r for f, _, r in self.decisions if f == "speculative_draft_model_path"), None)
@@ -336,11 +360,43 @@ def _check_choice(name: str, value: Any, allowed: tuple) -> None:
     require(value in allowed, name, f"{value!r} is not one of {', '.join(map(str, allowed))}")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    what = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     require(
-        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+        is_int and value >= minimum and (maximum is None or value <= maximum),
         name,
-        f"must be an integer >= {minimum}, got {value!r}",
+        f"must be an integer {what}, got {value!r}",
+    )
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_types(c: EngineConfig) -> None:
+    """Fields whose values are used as given: a wrong type would fail deep inside the engine
+    or, for a flag given as the string "false", silently read as true."""
+    for f in fields(c):
+        if isinstance(f.default, bool):
+            value = getattr(c, f.name)
+            require(isinstance(value, bool), f.name, f"must be true or false, got {value!r}")
+    require(
+        isinstance(c.model_path, str) and c.model_path != "",
+        "model_path",
+        f"must be a packaged model name, a .gguf file or a model folder, got {c.model_path!r}",
+    )
+    for name in ("tokenizer_path", "speculative_draft_model_path", "speculative_token_map"):
+        value = getattr(c, name)
+        require(
+            value is None or (isinstance(value, str) and value != ""),
+            name,
+            f"must be a path, got {value!r}",
+        )
+    require(
+        isinstance(c.device, str),
+        "device",
+        f"must be one of auto, cpu, cuda, cuda:N, got {c.device!r}",
     )
 
 

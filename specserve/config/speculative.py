@@ -32,6 +32,9 @@ SPEC_FIELDS = (
 # (a ring of the target's features per request): one catch-up pass reads the draft's weights
 # once for them all, and the ring stays small (EAGLE3 at 8B: 24 KiB per token).
 DRAFT_LAG_TOKENS = 32
+# The ring holds this many positions of target features per running request (EAGLE3 at 8B:
+# 24 KiB each), and one catch-up pass extends the draft over them all.
+MAX_DRAFT_LAG_TOKENS = 1024
 
 
 def small_tree(steps: int, topk: int, tokens: int) -> tuple[int, int, int] | None:
@@ -65,7 +68,9 @@ def resolve_bundled_draft(c, on_gpu: bool) -> tuple[Any, list[tuple[str, Any, st
         why_not = "load_format=dummy: random target weights, a trained draft is no use"
     elif c.speculative_draft_model_path is not None:
         why_not = "the user's own draft"
-    elif c.speculative_algorithm not in (None, draft.algorithm):
+    elif c.speculative_algorithm is not None and str(c.speculative_algorithm).upper() != (
+        draft.algorithm
+    ):
         why_not = f"{c.speculative_algorithm} asked for; the bundled draft is {draft.algorithm}"
     folder = None if why_not else bundled_draft_folder(c.model_path)
     if why_not is None and folder is None:
@@ -79,6 +84,7 @@ def resolve_bundled_draft(c, on_gpu: bool) -> tuple[Any, list[tuple[str, Any, st
             )
         )
         return c, decisions
+    user_draft_tokens = c.speculative_num_draft_tokens
     settings = {
         "speculative_algorithm": draft.algorithm,
         "speculative_draft_model_path": folder,
@@ -96,10 +102,11 @@ def resolve_bundled_draft(c, on_gpu: bool) -> tuple[Any, list[tuple[str, Any, st
                     "(no_default_draft turns it off)",
                 )
             )
-    # A user's steps / topk may leave the bundled tree size impossible: fit it to the tree.
+    # A user's steps / topk may leave the bundled tree size impossible: fit it to the tree
+    # (a size the user gave is theirs, checked by resolve_speculative)
     steps, topk = c.speculative_num_steps, c.speculative_eagle_topk
     ndt = c.speculative_num_draft_tokens
-    if _is_int(steps) and _is_int(topk) and _is_int(ndt) and steps >= 1 and topk >= 1:
+    if user_draft_tokens is None and all(_is_int(v) and v >= 1 for v in (steps, topk, ndt)):
         max_tree = 1 + topk + (steps - 1) * topk * topk
         if ndt > max_tree:
             c = replace(c, speculative_num_draft_tokens=max_tree)
@@ -243,9 +250,10 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         )
         lag = c.speculative_adaptive_lag_tokens
         require(
-            lag is None or lag >= 0,
+            lag is None or (_is_int(lag) and 0 <= lag <= MAX_DRAFT_LAG_TOKENS),
             "speculative_adaptive_lag_tokens",
-            f"must be >= 0 (0: the draft runs every step), got {lag}",
+            f"must be an integer in [0, {MAX_DRAFT_LAG_TOKENS}] (0: the draft runs every "
+            f"step), got {lag!r}",
         )
         if lag is None:
             c = replace(c, speculative_adaptive_lag_tokens=DRAFT_LAG_TOKENS)
@@ -362,6 +370,11 @@ def resolve_simulation(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         )
     if c.simulate_acc_fixed_token is not None:
         t = c.simulate_acc_fixed_token
+        require(
+            c.simulate_acc_token_mode == "fixed",
+            "simulate_acc_fixed_token",
+            "applies to simulate_acc_token_mode=fixed only: set that mode too",
+        )
         require(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0,
             "simulate_acc_fixed_token",

@@ -48,9 +48,15 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config.json dictionary (Llama, Qwen2, Qwen3, SmolLM2)."""
+        """Build from a Hugging Face config.json dictionary (Llama, Qwen2, Qwen3, SmolLM2).
+        A setting that would change the maths and that this decoder does not implement is
+        refused (ValueError), never ignored."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         model_type = cfg.get("model_type", "llama")
+        _check_supported(cfg, model_type)
+        missing = [k for k in _REQUIRED_HF_KEYS if k not in cfg]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         scaling = None
@@ -60,6 +66,9 @@ class ModelConfig:
             rope_theta = rs.get("rope_theta", rope_theta)
             kind = rs.get("rope_type") or rs.get("type")
             if kind == "llama3":
+                absent = [k for k in _LLAMA3_ROPE_KEYS if k not in rs]
+                if absent:
+                    raise ValueError(f"llama3 rope scaling lacks {', '.join(absent)}")
                 scaling = RopeScaling(
                     factor=rs["factor"],
                     low_freq_factor=rs["low_freq_factor"],
@@ -71,6 +80,7 @@ class ModelConfig:
             if rs.get("freq_factors") is not None:  # written by hf_style_config for GGUF targets
                 base = scaling or RopeScaling()
                 scaling = replace(base, freq_factors=tuple(float(x) for x in rs["freq_factors"]))
+        _check_numbers(cfg, head_dim, rope_theta)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return ModelConfig(
@@ -91,6 +101,61 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=arch,
+        )
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+_REQUIRED_HF_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+_LLAMA3_ROPE_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
+
+
+def _check_numbers(cfg: dict[str, Any], head_dim: Any, rope_theta: Any) -> None:
+    sizes = {k: cfg[k] for k in _REQUIRED_HF_KEYS}
+    sizes["head_dim"] = head_dim
+    for key in ("num_key_value_heads", "max_position_embeddings"):
+        if cfg.get(key) is not None:
+            sizes[key] = cfg[key]
+    for key, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    for key, value in (("rope_theta", rope_theta), ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-5))):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{key} must be a positive number, got {value!r}")
+
+
+def _check_supported(cfg: dict[str, Any], model_type: str) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported (allowed: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (allowed: silu)")
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias is not supported (the MLP's projections have no bias)")
+    if model_type == "llama" and cfg.get("attention_bias"):
+        # a Llama with attention_bias biases o_proj too; only q/k/v biases are implemented
+        raise ValueError("attention_bias is not supported for model_type 'llama'")
+    window = cfg.get("sliding_window")
+    positions = cfg.get("max_position_embeddings", 4096)
+    if cfg.get("use_sliding_window") and window is not None and window < positions:
+        raise ValueError(
+            f"sliding-window attention (sliding_window {window} < max_position_embeddings "
+            f"{positions}) is not supported"
         )
 
 

@@ -12,6 +12,7 @@ bytes are memory-mapped; `gguf.quants.dequantize` turns them into float32.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
@@ -134,7 +135,16 @@ def read_gguf(path: str, keep_string_arrays: Container[str] = ()) -> GGUFFile:
     """Parse a GGUF file's metadata and tensor table. String arrays not named in
     `keep_string_arrays` are skipped (a `StringArray` holding their length)."""
     with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size < 24:
+            raise ValueError(f"{path} is not a GGUF file (shorter than a GGUF header)")
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _parse_gguf(path, buf, keep_string_arrays)
+    except (struct.error, IndexError, OverflowError, MemoryError) as e:
+        raise ValueError(f"{path}: truncated or corrupt GGUF metadata ({e})") from e
+
+
+def _parse_gguf(path: str, buf: mmap.mmap, keep_string_arrays: Container[str]) -> GGUFFile:
     if buf[:4] != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (bad magic bytes)")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
@@ -195,7 +205,12 @@ def read_gguf(path: str, keep_string_arrays: Container[str] = ()) -> GGUFFile:
     align = int(metadata.get("general.alignment", 32))
     data_start = -(-pos // align) * align
     tensors = []
+    known_types = {int(t) for t in gguf.GGMLQuantizationType}
     for name, shape, ggml_type, offset in entries:
+        if ggml_type not in known_types or gguf.GGMLQuantizationType(ggml_type) not in (
+            gguf.GGML_QUANT_SIZES
+        ):
+            raise ValueError(f"{path}: tensor {name!r} has an unknown GGML type {ggml_type}")
         block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
         n = int(np.prod(shape, dtype=np.int64))
         nbytes = n // block * type_size
@@ -208,6 +223,13 @@ def read_gguf(path: str, keep_string_arrays: Container[str] = ()) -> GGUFFile:
 
 def load_gguf_config(path: str, gf: GGUFFile | None = None) -> ModelConfig:
     gf = gf or read_gguf(path)
+    try:
+        return _gguf_config(path, gf)
+    except KeyError as e:
+        raise ValueError(f"{path}: GGUF metadata lacks {e.args[0]!r}") from e
+
+
+def _gguf_config(path: str, gf: GGUFFile) -> ModelConfig:
     m = gf.metadata
     arch = m.get("general.architecture")
     if arch not in _SUPPORTED_ARCHS:
@@ -322,6 +344,10 @@ def iter_gguf_weights(
 
 def gguf_chat_template(path: str) -> str | None:
     return read_gguf(path).metadata.get("tokenizer.chat_template")
+
+
+def gguf_has_tokenizer(path: str) -> bool:
+    return "tokenizer.ggml.tokens" in read_gguf(path).metadata
 
 
 def gguf_architecture(path: str) -> str | None:

@@ -7,10 +7,11 @@ import os
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 
 from specserve.errors import InvalidArgument
 from specserve.model.config import PRESETS, ModelConfig
-from specserve.model.gguf_loader import iter_gguf_weights, load_gguf_config
+from specserve.model.gguf_loader import gguf_has_tokenizer, iter_gguf_weights, load_gguf_config
 from specserve.model.hf_loader import iter_safetensors, load_hf_config
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.registry import packaged_model_names, resolve_packaged
@@ -27,7 +28,8 @@ class ModelSource:
     kind: str  # 'gguf' | 'hf' | 'preset'
 
 
-def locate(model_path: str, load_format: str) -> ModelSource:
+def locate(model_path: str, load_format: str, field: str = "model_path") -> ModelSource:
+    """field: the user's argument that named this path (errors point at it)."""
     if load_format not in LOAD_FORMATS:
         raise InvalidArgument("load_format", f"{load_format!r} is not one of {LOAD_FORMATS}")
     if load_format == "dummy" and model_path.lower() in PRESETS:
@@ -37,15 +39,23 @@ def locate(model_path: str, load_format: str) -> ModelSource:
         if load_format == "dummy":
             return ModelSource(model_path.lower(), "preset")
         return ModelSource(packaged, "gguf")
-    if os.path.isfile(model_path) and model_path.endswith(".gguf"):
-        return ModelSource(model_path, "gguf")
-    if os.path.isdir(model_path):
-        return ModelSource(model_path, "hf")
-    if load_format == "dummy" and model_path in PRESETS:
-        return ModelSource(model_path, "preset")
+    src = None
+    if os.path.isfile(model_path) and model_path.lower().endswith(".gguf"):
+        src = ModelSource(model_path, "gguf")
+    elif os.path.isdir(model_path):
+        src = ModelSource(model_path, "hf")
+    if src is not None:
+        expected = {"gguf": "gguf", "hf": "safetensors"}[src.kind]
+        if load_format not in ("auto", "dummy", expected):
+            raise InvalidArgument(
+                "load_format",
+                f"{load_format!r} does not match {model_path!r}, which is read as "
+                f"{expected} (allowed: auto, {expected}, dummy)",
+            )
+        return src
     allowed = packaged_model_names() + [f"{p} (with load_format='dummy')" for p in PRESETS]
     raise InvalidArgument(
-        "model_path",
+        field,
         f"{model_path!r} is not a .gguf file, a model folder, or a known name; known names: {', '.join(allowed)}",
     )
 
@@ -125,30 +135,58 @@ def load_model(
     tokenizer_path: str | None = None,
     seed: int = 0,
     tp=None,
+    field: str = "model_path",
 ) -> LoadedModel:
-    """tp: a TensorParallel handle: load this rank's shard of the model."""
-    src = locate(model_path, load_format)
-    cfg = read_config(src)
-    model = build_model(cfg, src, load_format, dtype, device, seed, tp)
-    tokenizer = None
-    if not skip_tokenizer_init:
-        if tokenizer_path:
-            tokenizer = load_tokenizer(
-                tokenizer_path, "gguf" if tokenizer_path.endswith(".gguf") else "hf"
-            )
-        elif src.kind == "gguf":
-            tokenizer = load_tokenizer(src.path, "gguf")
-        elif src.kind == "hf" and has_tokenizer_files(src.path):
-            tokenizer = load_tokenizer(src.path, "hf")
-        elif src.kind == "preset" and src.path in ("smollm2-135m", "smollm2-135m-instruct"):
-            try:  # the real model's tokenizer, when its package is installed
-                packaged = resolve_packaged(src.path)
-                tokenizer = load_tokenizer(packaged, "gguf") if packaged else None
-            except FileNotFoundError:
-                log.warning("%s: package not installed, token ids only", src.path)
-        else:
-            log.warning(
-                "no tokenizer found for %s: token ids only (as with skip_tokenizer_init)",
-                model_path,
-            )
+    """tp: a TensorParallel handle: load this rank's shard of the model. field: the user's
+    argument that named `model_path`; a path that cannot be read as a model raises
+    InvalidArgument naming it."""
+    src = locate(model_path, load_format, field)
+    try:
+        cfg = read_config(src)
+        model = build_model(cfg, src, load_format, dtype, device, seed, tp)
+    except InvalidArgument:
+        raise
+    except _UNREADABLE as e:
+        raise InvalidArgument(field, f"{model_path!r} cannot be loaded: {e}") from e
+    tokenizer = None if skip_tokenizer_init else _load_tokenizer(src, tokenizer_path, field)
     return LoadedModel(model, cfg, tokenizer, src)
+
+
+# what reading a malformed or unsupported checkpoint raises (json, struct, safetensors, the
+# weight loader's checks)
+_UNREADABLE = (ValueError, KeyError, OSError, EOFError, SafetensorError)
+
+
+def _load_tokenizer(src: ModelSource, tokenizer_path: str | None, field: str):
+    if tokenizer_path:
+        if not os.path.exists(tokenizer_path):
+            raise InvalidArgument(
+                "tokenizer_path", f"{tokenizer_path!r} is neither a .gguf file nor a folder"
+            )
+        kind = "gguf" if tokenizer_path.lower().endswith(".gguf") else "hf"
+        try:
+            return load_tokenizer(tokenizer_path, kind)
+        except _UNREADABLE as e:
+            raise InvalidArgument("tokenizer_path", f"{tokenizer_path!r}: {e}") from e
+    if src.kind == "gguf":
+        if not gguf_has_tokenizer(src.path):
+            log.warning("%s holds no tokenizer: token ids only", src.path)
+            return None
+        try:
+            return load_tokenizer(src.path, "gguf")
+        except _UNREADABLE as e:
+            raise InvalidArgument(field, f"{src.path!r}: its tokenizer: {e}") from e
+    if src.kind == "hf" and has_tokenizer_files(src.path):
+        try:
+            return load_tokenizer(src.path, "hf")
+        except _UNREADABLE as e:
+            raise InvalidArgument(field, f"{src.path!r}: its tokenizer: {e}") from e
+    if src.kind == "preset" and src.path in ("smollm2-135m", "smollm2-135m-instruct"):
+        try:  # the real model's tokenizer, when its package is installed
+            packaged = resolve_packaged(src.path)
+            return load_tokenizer(packaged, "gguf") if packaged else None
+        except FileNotFoundError:
+            log.warning("%s: package not installed, token ids only", src.path)
+            return None
+    log.warning("no tokenizer found for %s: token ids only (as with skip_tokenizer_init)", src.path)
+    return None

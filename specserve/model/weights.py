@@ -25,11 +25,13 @@ def load_hf_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.
     params = dict(module.named_parameters())
     written: set[str] = set()
     parts: dict[str, dict[int, torch.Tensor]] = {}
+    tied_copy = None
     for name, tensor in weights:
         if "rotary_emb" in name:
             continue
         if name == "lm_head.weight" and "lm_head.weight" not in params:
-            continue  # tied embeddings: some checkpoints still carry a copy
+            tied_copy = tensor  # tied embeddings: some checkpoints still carry a copy
+            continue
         pieces = name.split(".")
         fused = next(((i, _FUSED[p]) for i, p in enumerate(pieces) if p in _FUSED), None)
         if fused is not None:
@@ -49,6 +51,23 @@ def load_hf_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.
     missing = sorted(set(params) - written)
     if missing:
         raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
+    embed = params.get("model.embed_tokens.weight")
+    if tied_copy is not None and embed is not None:
+        _check_tied_copy(embed, tied_copy)
+
+
+def _check_tied_copy(embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+    """A tied model computes its logits with the embedding; a checkpoint whose lm_head differs
+    from it was trained untied, and running it tied would give other logits."""
+    same = tuple(lm_head.shape) == tuple(embed.shape) and torch.equal(
+        lm_head.to(device=embed.device, dtype=embed.dtype), embed
+    )
+    if not same:
+        raise ValueError(
+            "tie_word_embeddings is true but the checkpoint's lm_head.weight differs from "
+            "model.embed_tokens.weight: set tie_word_embeddings to false in config.json to use "
+            "that lm_head, or drop the tensor"
+        )
 
 
 def _copy_stacked(param: torch.Tensor, shards: list[torch.Tensor], name: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -69,11 +70,27 @@ class EngineCore:
         )
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.context_len = min(
-            cfg.context_length or loaded.config.max_position_embeddings,
-            loaded.config.max_position_embeddings,
-        )
         mc = loaded.config
+        model_positions = mc.max_position_embeddings
+        if cfg.context_length is not None and cfg.context_length > model_positions:
+            # past the positions it was trained on a model's output is garbage (SGLang and
+            # vLLM refuse this too)
+            raise InvalidArgument(
+                "context_length",
+                f"must be <= {model_positions} (the model's max_position_embeddings), "
+                f"got {cfg.context_length}",
+            )
+        self.context_len = cfg.context_length or model_positions
+        # values that depend on the model or the device, for Engine.resolved_args()
+        self.load_decisions: list[tuple[str, Any, str]] = [
+            (
+                "context_length",
+                self.context_len,
+                "requested"
+                if cfg.context_length is not None
+                else "the model's max_position_embeddings",
+            )
+        ]
 
         draft = build_drafter(cfg, draft_target(loaded), self.device, self.dtype)
         kv_heads = mc.num_kv_heads if tp is None else local_kv_heads(mc, tp.size)
@@ -85,6 +102,23 @@ class EngineCore:
         num_pages = 1 + -(-max_tokens // cfg.page_size)  # + the scratch page
         num_slots = num_pages * cfg.page_size
         self.max_total_tokens = (num_pages - 1) * cfg.page_size
+        self.load_decisions.append(
+            (
+                "max_total_tokens",
+                self.max_total_tokens,
+                (
+                    f"{cfg.max_total_tokens} requested"
+                    if cfg.max_total_tokens
+                    else (
+                        "mem_fraction_static of the device's memory, less the weights"
+                        if self.device.type == "cuda"
+                        else f"the CPU default of {CPU_DEFAULT_KV_TOKENS}"
+                    )
+                )
+                + f", in whole pages of {cfg.page_size}"
+                + (", the same on every rank" if tp is not None else ""),
+            )
+        )
         self.kv_cache = KVCache(
             mc.num_layers, num_slots, kv_heads, mc.head_dim, self.dtype, self.device
         )

@@ -25,6 +25,13 @@ def add_serve_parser(sub, add_engine_args, engine_kwargs) -> None:
         help="most requests submitted and not finished; more get HTTP 503 (default: no limit)",
     )
     g.add_argument(
+        "--max-samples-per-request",
+        type=int,
+        default=2048,
+        help="most prompts x n in one request; more get HTTP 400 (admitting and answering a "
+        "request runs on the event loop that every client shares; default: 2048)",
+    )
+    g.add_argument(
         "--default-max-tokens",
         type=int,
         default=128,

@@ -23,10 +23,17 @@ MERGE_MARGIN = 2
 
 
 class RequestSize:
-    def __init__(self, tokenizer, context_len: int, max_queued_requests: int | None):
+    def __init__(
+        self,
+        tokenizer,
+        context_len: int,
+        max_queued_requests: int | None,
+        max_samples_per_request: int,
+    ):
         self.tokenizer = tokenizer
         self.context_len = context_len
         self.max_queued_requests = max_queued_requests
+        self.max_samples_per_request = max_samples_per_request
         self._longest: int | None = None
         # The fewest tokens the chat template spends on a message, whatever its content;
         # measured on the first chat request (tokenizing: off the event loop).
@@ -34,19 +41,21 @@ class RequestSize:
 
     def check_batch(self, prompts: int, n: int, prompt_param: str, n_param: str) -> None:
         """A request of `prompts` prompts sampled n times each must fit max_queued_requests
-        on an idle server."""
-        limit = self.max_queued_requests
-        if limit is None or prompts * n <= limit:
+        on an idle server, and max_samples_per_request."""
+        limit, name = self.max_samples_per_request, "max_samples_per_request"
+        if self.max_queued_requests is not None and self.max_queued_requests < limit:
+            limit, name = self.max_queued_requests, "max_queued_requests"
+        if prompts * n <= limit:
             return
         if prompts > limit:
             raise APIError(
                 f"{prompt_param}: {prompts} prompts are more than this server admits at once "
-                f"(max_queued_requests={limit}); send at most {limit} prompts per request",
+                f"({name}={limit}); send at most {limit} prompts per request",
                 param=prompt_param,
             )
         raise APIError(
             f"{n_param}: {prompts} prompt(s) sampled n={n} times are {prompts * n} requests, "
-            f"more than this server admits at once (max_queued_requests={limit}); with "
+            f"more than this server admits at once ({name}={limit}); with "
             f"{prompts} prompt(s) n can be at most {limit // prompts}",
             param=n_param,
         )

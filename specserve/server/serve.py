@@ -29,6 +29,7 @@ def server_config_from_args(args) -> ServerConfig:
         port=getattr(args, "port", 30000),
         served_model_name=getattr(args, "served_model_name", None),
         max_queued_requests=getattr(args, "max_queued_requests", None),
+        max_samples_per_request=getattr(args, "max_samples_per_request", 2048),
         default_max_tokens=None if default_max in (None, 0, -1) else default_max,
         graceful_shutdown_timeout=getattr(args, "graceful_shutdown_timeout", 30.0),
         api_key=getattr(args, "api_key", None),

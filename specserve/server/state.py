@@ -42,6 +42,9 @@ class ServerConfig:
     port: int = 30000
     served_model_name: str | None = None
     max_queued_requests: int | None = None  # None: no limit
+    # prompts x n of one HTTP request: admitting and answering it runs on the event loop
+    # (about 0.1 ms per sample), so a larger one would stall every other client and /health
+    max_samples_per_request: int = 2048
     default_max_tokens: int | None = 128  # None: the rest of the context
     graceful_shutdown_timeout: float = 30.0
     api_key: str | None = None  # required as "Authorization: Bearer <key>" (not on /health)
@@ -54,6 +57,10 @@ class ServerConfig:
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise InvalidArgument(
                 "max_queued_requests", f"must be >= 1, got {self.max_queued_requests}"
+            )
+        if self.max_samples_per_request < 1:
+            raise InvalidArgument(
+                "max_samples_per_request", f"must be >= 1, got {self.max_samples_per_request}"
             )
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise InvalidArgument(
@@ -102,7 +109,11 @@ class ServerState:
         self.runs: weakref.WeakSet[Run] = weakref.WeakSet()
         self.metrics = ServerMetrics(engine, self._server_state)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specserve-tokenize")
-        self.size = RequestSize(self.tokenizer, self.context_len, cfg.max_queued_requests)
+        self.size = RequestSize(
+            self.tokenizer, self.context_len, cfg.max_queued_requests, cfg.max_samples_per_request
+        )
+        # the most tokens one sequence can hold: its prompt and output share the KV cache
+        self.kv_tokens: int = engine.core.max_total_tokens
         self._outbox: LoopOutbox | None = None
 
     def outbox(self, loop: asyncio.AbstractEventLoop) -> LoopOutbox:
@@ -171,7 +182,7 @@ class ServerState:
         if self.tokenizer is None:
             raise APIError(
                 f"{param}: text needs a tokenizer, and this server runs without one "
-                "(skip_tokenizer_init); send token ids",
+                "(skip_tokenizer_init, or a model without one); send token ids",
                 param=param,
             )
         self.size.check_text(len(text), param)
@@ -211,6 +222,13 @@ class ServerState:
                 f"has {n}, so at most {room} can be generated; {max_tokens} were requested",
                 param=max_param,
             )
+        if n + max_tokens > self.kv_tokens:
+            raise APIError(
+                f"{max_param}: the KV cache holds {self.kv_tokens} tokens (max_total_tokens) "
+                f"and the prompt has {n}, so at most {max(self.kv_tokens - n, 0)} can be "
+                f"generated; {max_tokens} were requested",
+                param=max_param,
+            )
         return max_tokens
 
     def abort_all(self) -> None:
@@ -243,6 +261,17 @@ class ServerState:
         err.rejected = False  # it reached the engine
         return err
 
+    def _check_rid_free(self, rid: str, n: int) -> None:
+        names = sample_rids(rid, n)
+        with self._lock:
+            taken = next((r for r in names if r in self.active_rids), None)
+        if taken is not None:
+            raise InvalidArgument(
+                "rid",
+                f"request id {taken!r} is in use by a request still running; choose "
+                "another id, or reuse it once that request has finished",
+            )
+
     # ---- runs ---------------------------------------------------------------------------------
     def start(
         self,
@@ -258,6 +287,18 @@ class ServerState:
         prompt. Raises APIError (400/503)."""
         counts = [sp.get("n", 1) if isinstance(sp.get("n", 1), int) else 1 for sp in params]
         total = sum(counts)
+        # every prompt is checked before any is admitted: a bad one is a 400 whatever the
+        # load, and costs no engine work for the prompts before it
+        try:
+            if rids and len(set(rids)) < len(rids):
+                repeated = next(r for r in rids if rids.count(r) > 1)
+                raise InvalidArgument("rid", f"request id {repeated!r} is given to two prompts")
+            for i, (ids, sp) in enumerate(zip(prompts, params)):
+                self.engine.check_submission(ids, sp, **(logprob_options or {}))
+                if rids:
+                    self._check_rid_free(rids[i], counts[i])
+        except InvalidArgument as e:
+            raise engine_error(e, rename, prefix) from None
         self.reserve(total)
         run = Run(self, asyncio.get_running_loop())
         self.runs.add(run)

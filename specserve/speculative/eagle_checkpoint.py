@@ -142,8 +142,24 @@ def load_eagle_head(folder: str, algorithm: str, target) -> tuple[torch.nn.Modul
             (k[len("midlayer.") :] if k.startswith("midlayer.") else k, v) for k, v in state.items()
         ]
         load_hf_named_weights(head, renamed)
+        _check_draft_vocab(d2t, draft_vocab, target.config.vocab_size)
         head.d2t.copy_(d2t.to(torch.int64))
     return head, raw
+
+
+def _check_draft_vocab(d2t: torch.Tensor, draft_vocab: int, target_vocab: int) -> None:
+    """Draft token i is target token i + d2t[i]: every one must be a target token."""
+    if draft_vocab > target_vocab:
+        raise ValueError(
+            f"EAGLE3 draft vocabulary {draft_vocab} exceeds the target's {target_vocab}"
+        )
+    if d2t.shape != (draft_vocab,):
+        raise ValueError(f"d2t has shape {tuple(d2t.shape)}, expected ({draft_vocab},)")
+    target_ids = torch.arange(draft_vocab) + d2t.to(torch.int64).cpu()
+    if bool(((target_ids < 0) | (target_ids >= target_vocab)).any()):
+        raise ValueError(
+            f"d2t maps draft tokens outside the target's vocabulary [0, {target_vocab})"
+        )
 
 
 def save_eagle_checkpoint(

@@ -24,7 +24,15 @@ def build_drafter(
     if algo == "STANDALONE":
         # A dummy target pairs with a dummy draft of the same seed (the target as its own draft).
         fmt = "dummy" if cfg.load_format == "dummy" else "auto"
-        draft = load_model(path, fmt, dtype, device, skip_tokenizer_init=True, seed=cfg.random_seed)
+        draft = load_model(
+            path,
+            fmt,
+            dtype,
+            device,
+            skip_tokenizer_init=True,
+            seed=cfg.random_seed,
+            field="speculative_draft_model_path",
+        )
         if draft.config.vocab_size != target.config.vocab_size:
             raise InvalidArgument(
                 "speculative_draft_model_path",
