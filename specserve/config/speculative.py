@@ -334,10 +334,16 @@ def resolve_simulation(c) -> tuple[Any, list[tuple[str, Any, str]]]:
     require(
         isinstance(length, (int, float)) and not isinstance(length, bool) and length >= 1,
         "simulate_acc_len",
-        f"must be a number >= 1 (1 = every draft rejected), got {length!r}",
+        f"must be a number >= 1 (the mean accept length: 1 = every draft rejected), got {length!r}",
     )
     if c.simulate_acc_method is None:
-        decide("simulate_acc_method", "multinomial", "default method")
+        decide(
+            "simulate_acc_method",
+            "multinomial",
+            "SGLang's default: each length is round(Normal(simulate_acc_len, 1)) clipped to "
+            "[1, num_steps + 1], so near either end the mean moves inward (1 gives about 1.4); "
+            "match-expected gives the mean exactly",
+        )
     require(
         c.simulate_acc_method in SIMULATE_METHODS,
         "simulate_acc_method",
