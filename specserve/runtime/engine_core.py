@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any
 
 import torch
 
@@ -20,6 +19,7 @@ from specserve.model.loader import load_model
 from specserve.model.runner import ModelRunner
 from specserve.model.sharding import draft_target, local_kv_heads
 from specserve.ops.attention import TorchAttentionBackend
+from specserve.runtime.capacity import context_length, kv_pages
 from specserve.runtime.draft_lag import DraftLag
 from specserve.runtime.host_clock import HostClock
 from specserve.runtime.logprobs import TokenLogprobs
@@ -33,7 +33,6 @@ from specserve.speculative.factory import build_drafter
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CPU_DEFAULT_KV_TOKENS = 16384
 # An idle engine captures wanted decode graphs only once it has had no work this long: a
 # capture blocks the loop for 0.05-0.3 s, and a client that sends one request after another
 # (a chat turn after the last answer) leaves gaps of a millisecond or so.
@@ -71,54 +70,17 @@ class EngineCore:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         mc = loaded.config
-        model_positions = mc.max_position_embeddings
-        if cfg.context_length is not None and cfg.context_length > model_positions:
-            # past the positions it was trained on a model's output is garbage (SGLang and
-            # vLLM refuse this too)
-            raise InvalidArgument(
-                "context_length",
-                f"must be <= {model_positions} (the model's max_position_embeddings), "
-                f"got {cfg.context_length}",
-            )
-        self.context_len = cfg.context_length or model_positions
-        # values that depend on the model or the device, for Engine.resolved_args()
-        self.load_decisions: list[tuple[str, Any, str]] = [
-            (
-                "context_length",
-                self.context_len,
-                "requested"
-                if cfg.context_length is not None
-                else "the model's max_position_embeddings",
-            )
-        ]
+        self.context_len, context_decision = context_length(cfg, mc)
 
         draft = build_drafter(cfg, draft_target(loaded), self.device, self.dtype)
         kv_heads = mc.num_kv_heads if tp is None else local_kv_heads(mc, tp.size)
         per_slot = KVCache.bytes_per_slot(mc.num_layers, kv_heads, mc.head_dim, self.dtype)
         per_slot += draft.kv_bytes_per_slot
-        max_tokens = cfg.max_total_tokens or self._auto_kv_tokens(per_slot)
-        if tp is not None:  # every rank's cache holds the same slots
-            max_tokens = tp.min_int(max_tokens)
-        num_pages = 1 + -(-max_tokens // cfg.page_size)  # + the scratch page
+        num_pages, kv_decision = kv_pages(cfg, self.device, per_slot, tp)
         num_slots = num_pages * cfg.page_size
-        self.max_total_tokens = (num_pages - 1) * cfg.page_size
-        self.load_decisions.append(
-            (
-                "max_total_tokens",
-                self.max_total_tokens,
-                (
-                    f"{cfg.max_total_tokens} requested"
-                    if cfg.max_total_tokens
-                    else (
-                        "mem_fraction_static of the device's memory, less the weights"
-                        if self.device.type == "cuda"
-                        else f"the CPU default of {CPU_DEFAULT_KV_TOKENS}"
-                    )
-                )
-                + f", in whole pages of {cfg.page_size}"
-                + (", the same on every rank" if tp is not None else ""),
-            )
-        )
+        self.max_total_tokens = kv_decision[1]
+        # what the loaded model and the device decided, for Engine.resolved_args()
+        self.load_decisions = [context_decision, kv_decision]
         self.kv_cache = KVCache(
             mc.num_layers, num_slots, kv_heads, mc.head_dim, self.dtype, self.device
         )
@@ -272,17 +234,6 @@ class EngineCore:
             if len(ids) == 1:
                 return ids[0]
         return min(100, self.model_config.vocab_size - 1)
-
-    def _auto_kv_tokens(self, per_slot: int) -> int:
-        if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_TOKENS
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = free - (1.0 - self.cfg.mem_fraction_static) * total
-        if budget <= per_slot * 1024:
-            raise InvalidArgument(
-                "mem_fraction_static", "leaves no memory for the KV cache after the weights"
-            )
-        return int(budget // per_slot)
 
     # ---- requests -----------------------------------------------------------------------
     def validate_prompt(self, ids: list[int], field: str) -> None:
