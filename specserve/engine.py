@@ -20,6 +20,7 @@ from specserve.config import EngineConfig
 from specserve.errors import InvalidArgument
 from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
+from specserve.runtime.grammar import RequestGrammar
 from specserve.runtime.logprobs import TokenLogprobs, add_logprobs, sglang_logprobs
 from specserve.runtime.request import Request
 from specserve.runtime.tensor_parallel import start_engine_core
@@ -277,7 +278,8 @@ class Engine:
         """Raise the InvalidArgument that `submit_samples` would, without submitting (a server
         checks every prompt of a batch before it admits any)."""
         (opts,) = self._normalize_logprob_options(1, **logprob_options)
-        self._check_request(prompt_ids, SamplingParams.from_any(sampling_params), "input_ids", opts)
+        params = SamplingParams.from_any(sampling_params)
+        self._check_request(prompt_ids, params, "input_ids", opts)
 
     def _incremental_callback(self, on_output, index: int):
         tokenizer = self.tokenizer
@@ -404,7 +406,7 @@ class Engine:
         """The prompt's n requests: sample i draws with seed + i when the prompt has a seed,
         else each its own random seed; samples after the first wait for its prefill
         (`prefill_after`), to reuse the prompt's pages."""
-        opts = self._check_request(ids, params, field, logprob_options)
+        opts, compiled = self._check_request(ids, params, field, logprob_options)
         if not opts["return_logprob"]:
             opts["logprob_start_len"] = -1  # (a cached prefix may then cover the prompt)
         with self._lock:
@@ -421,6 +423,7 @@ class Engine:
                 prompt_ids=list(ids),
                 params=params,
                 seed=seed,
+                grammar=None if compiled is None else RequestGrammar(compiled),
                 **opts,
             )
             for i, seed in enumerate(seeds)
@@ -433,8 +436,9 @@ class Engine:
         self, ids: list[int], params: SamplingParams, field: str, logprob_options: dict[str, Any]
     ) -> dict[str, Any]:
         """What a prompt's requests need beyond their parameters' own checks; returns the
-        log-prob options with their defaults."""
+        log-prob options with their defaults and the compiled grammar of structured output."""
         self.core.validate_prompt(ids, field)
+        compiled = self.core.compile_grammar(params)
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop", "stop strings need a tokenizer; use stop_token_ids")
         opts = {"return_logprob": False, "logprob_start_len": -1, **logprob_options}
@@ -443,7 +447,7 @@ class Engine:
                 "logprob_start_len",
                 f"must be -1 or a prompt position in [0, {len(ids)}), got {opts['logprob_start_len']}",
             )
-        return opts
+        return opts, compiled
 
     # ---- plumbing ---------------------------------------------------------------------------
     def _submit(self, req: Request, incremental: bool = True) -> queue.Queue:

@@ -8,6 +8,7 @@ a float is not an integer, a string or null is not a boolean.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -24,6 +25,7 @@ MAX_STOP_TOKEN_IDS = 1024  # each generated token is looked up in this list
 INT64_MAX = 2**63 - 1  # integers the engine packs into int64 tensors must fit
 MAX_N = 64  # samples per prompt
 MAX_TOP_LOGPROBS = 20  # alternatives per position (vLLM's default cap)
+GRAMMAR_PARAMS = ("json_schema", "regex", "ebnf")  # structured output (SGLang's names)
 
 
 @dataclass
@@ -40,6 +42,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1  # samples of the prompt (the engine runs n requests; sample i uses seed + i)
     speculative: bool = True  # False: decoded plainly, also inside a speculative batch
+    # structured output (at most one): the output follows a JSON schema (an object or its
+    # text), a regular expression, or an EBNF grammar (runtime/grammar.py)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @staticmethod
     def from_any(
@@ -55,7 +62,9 @@ class SamplingParams:
                 "sampling_params", f"must be a dict or SamplingParams, got {type(value).__name__}"
             )
         kwargs = {name: check_field(name, v, max_temperature) for name, v in value.items()}
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)
+        params._check_one_grammar()
+        return params
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +78,18 @@ class SamplingParams:
         """Check every field (and normalize: a tiny temperature becomes 0, i.e. greedy)."""
         for f in fields(self):
             setattr(self, f.name, check_field(f.name, getattr(self, f.name), max_temperature))
+        self._check_one_grammar()
+
+    @property
+    def constrained(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
+
+    def _check_one_grammar(self) -> None:
+        given = [n for n in GRAMMAR_PARAMS if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise InvalidArgument(
+                given[1], f"structured output takes one of {', '.join(GRAMMAR_PARAMS)}; got {given}"
+            )
 
 
 # ---- the checks ---------------------------------------------------------------------------------
@@ -173,7 +194,31 @@ def _n(v: Any) -> int:
     return n
 
 
+def _json_schema(v: Any) -> str | None:
+    if v is None:
+        return None
+    if isinstance(v, dict):
+        try:
+            return json.dumps(v)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument("json_schema", f"is not JSON-serializable: {e}") from None
+    if not isinstance(v, str) or not v.strip():
+        raise InvalidArgument("json_schema", "must be a JSON schema: an object or its JSON text")
+    return v
+
+
+def _grammar_text(name: str, v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise InvalidArgument(name, f"must be a non-empty string, got {_short(v)}")
+    return v
+
+
 _CHECKS: dict[str, Callable[[Any], Any]] = {
+    "json_schema": _json_schema,
+    "regex": lambda v: _grammar_text("regex", v),
+    "ebnf": lambda v: _grammar_text("ebnf", v),
     "top_p": _top_p,
     "top_k": _top_k,
     "min_p": _min_p,

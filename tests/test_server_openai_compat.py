@@ -78,21 +78,11 @@ def test_null_means_the_default_for_every_optional_field(served, route):
 
 
 # ---- features the server lacks ----------------------------------------------------------------
-UNSUPPORTED = [  # (routes, field, value)
-    ((COMPLETIONS,), "response_format", {"type": "json_object"}),
-    ((CHAT, COMPLETIONS), "response_format", {"type": "json_schema", "json_schema": {}}),
+UNSUPPORTED = [  # (routes, field, value); structured output: tests/test_structured_output.py
     ((COMPLETIONS,), "tools", [{"type": "function", "function": {"name": "f"}}]),
     ((COMPLETIONS,), "tool_choice", "required"),
     ((CHAT,), "functions", [{"name": "f", "parameters": {}}]),
     ((CHAT,), "function_call", {"name": "f"}),
-    ((CHAT, COMPLETIONS), "guided_json", {"type": "object"}),
-    ((CHAT, COMPLETIONS), "guided_regex", "[a-z]+"),
-    ((CHAT, COMPLETIONS), "guided_choice", ["yes", "no"]),
-    ((CHAT, COMPLETIONS), "guided_grammar", "root ::= 'a'"),
-    ((CHAT, COMPLETIONS), "structured_outputs", {"choice": ["yes", "no"]}),
-    ((CHAT, COMPLETIONS), "regex", "[a-z]+"),
-    ((CHAT, COMPLETIONS), "ebnf", "root ::= 'a'"),
-    ((CHAT, COMPLETIONS), "json_schema", "{}"),
     ((CHAT, COMPLETIONS), "min_tokens", 5),
     ((CHAT, COMPLETIONS), "min_new_tokens", 5),
     ((CHAT, COMPLETIONS), "use_beam_search", True),

@@ -21,6 +21,7 @@ from specserve.model.sharding import draft_target, local_kv_heads
 from specserve.ops.attention import TorchAttentionBackend
 from specserve.runtime.capacity import context_length, kv_pages
 from specserve.runtime.draft_lag import DraftLag
+from specserve.runtime.grammar import GrammarCompiler, advance_grammar, grammar_spec
 from specserve.runtime.host_clock import HostClock
 from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import ReqState, Request
@@ -29,6 +30,7 @@ from specserve.runtime.stop import StopChecker
 from specserve.runtime.worker import Worker
 from specserve.speculative.adaptive import AdaptiveSpeculation, batch_bucket, speculation_tiers
 from specserve.speculative.factory import build_drafter
+from specserve.speculative.simulate import build_simulator
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,7 @@ class EngineCore:
             self.rows,
             draft,
             cfg.kernels,
-            self._build_simulator(cfg),
+            build_simulator(cfg, self.tokenizer, mc.vocab_size, self.device),
             tiers,
         )
         if not cfg.disable_cuda_graph:
@@ -172,6 +174,19 @@ class EngineCore:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.stop_checker = StopChecker(self.tokenizer, eos, self.context_len)
+        unsupported = None
+        if tp is not None and tp.size > 1:
+            unsupported = "is not supported with tp_size > 1"
+        elif self.worker.step.simulator is not None:
+            unsupported = "is not supported under simulated acceptance (it forces what is accepted)"
+        self.grammars = (
+            None
+            if self.tokenizer is None
+            else GrammarCompiler(self.tokenizer, mc.vocab_size, unsupported)
+        )
+        # live requests with structured output: steps are not launched ahead while there
+        # are any, since a step's masks need the grammar state after the step before it
+        self.constrained: set[str] = set()
         self.requests: dict[str, Request] = {}
         self.by_name: dict[str, Request] = {}  # the latest request of each caller's id
         self._rekeyed = itertools.count(1)
@@ -197,44 +212,6 @@ class EngineCore:
             cfg.dtype,
         )
 
-    def _build_simulator(self, cfg: EngineConfig):
-        if cfg.simulate_acc_len is None:
-            return None
-        from specserve.config.speculative import parse_rates
-        from specserve.speculative.simulate import SimulatedAcceptance
-
-        fixed = cfg.simulate_acc_fixed_token
-        if cfg.simulate_acc_token_mode == "fixed":
-            fixed = self._default_fixed_token() if fixed is None else fixed
-            if not 0 <= fixed < self.model_config.vocab_size:
-                raise InvalidArgument(
-                    "simulate_acc_fixed_token",
-                    f"must be a token id in [0, {self.model_config.vocab_size})",
-                )
-        rates = (
-            parse_rates(cfg.simulate_acc_rates)
-            if cfg.simulate_acc_method == "per-position"
-            else None
-        )
-        return SimulatedAcceptance(
-            cfg.simulate_acc_len,
-            cfg.simulate_acc_method,
-            cfg.simulate_acc_token_mode,
-            cfg.speculative_num_steps,
-            rates,
-            fixed,
-            self.device,
-            cfg.random_seed,
-        )
-
-    def _default_fixed_token(self) -> int:
-        """A token that decodes to a plain word, so fixed-mode streams stay readable."""
-        if self.tokenizer is not None:
-            ids = self.tokenizer.encode(" the", add_special_tokens=False)
-            if len(ids) == 1:
-                return ids[0]
-        return min(100, self.model_config.vocab_size - 1)
-
     # ---- requests -----------------------------------------------------------------------
     def validate_prompt(self, ids: list[int], field: str) -> None:
         if not ids:
@@ -255,6 +232,15 @@ class EngineCore:
                 f"for one request (raise max_total_tokens)",
             )
 
+    def compile_grammar(self, params):
+        """The compiled grammar a request's structured output asks for (None: none)."""
+        spec = grammar_spec(params)
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise InvalidArgument(spec[0], "structured output needs a tokenizer (none is loaded)")
+        return self.grammars.compile(*spec)
+
     def add_request(self, req: Request) -> None:
         live = self.by_name.get(req.name)
         if live is not None and not live.finished:
@@ -268,6 +254,8 @@ class EngineCore:
             req.rid = f"{req.name}#{next(self._rekeyed)}"
         self.requests[req.rid] = req
         self.by_name[req.name] = req
+        if req.grammar is not None:
+            self.constrained.add(req.rid)
         if req.params.max_new_tokens == 0 and not req.wants_prompt_logprobs:
             req.finish("length", length=0)  # (with prompt log-probs: prefill, then finish)
             return
@@ -323,7 +311,7 @@ class EngineCore:
             self.host_clock.interrupt()  # the loop may have idled: not a step's host time
         if self.pending is not None:
             ahead = None
-            if self.overlap:
+            if self.overlap and not self.constrained:
                 reqs = self.scheduler.schedule_decode_ahead(self.worker.max_accept)
                 if reqs:
                     ahead = self._launch_decode(reqs)
@@ -397,6 +385,8 @@ class EngineCore:
             kept = self.stop_checker.append_tokens(req, tokens)
             if logprobs is not None:
                 req.logprobs.output.extend(logprobs, limit=kept)
+            if req.grammar is not None:
+                advance_grammar(req, tokens[:kept])
         except Exception as e:
             log.exception("request %s: processing its new tokens failed", req.rid)
             req.finish("abort", message=f"internal error: {type(e).__name__}: {e}")
@@ -552,6 +542,7 @@ class EngineCore:
         for r in done:
             self.scheduler.remove(r)
             del self.requests[r.rid]
+            self.constrained.discard(r.rid)
             if self.by_name.get(r.name) is r:
                 del self.by_name[r.name]
         # after the tables: should freeing a request's worker state fail, no request is left

@@ -81,6 +81,8 @@ class Request:
     draft_behind: int = 0  # tokens at the end of the KV without an exact draft entry
     draft_stale: bool = False  # stopped speculating: its draft fell too far behind
     # speculative decoding statistics (SGLang's names)
+    # structured output: the grammar's state after the emitted tokens (runtime/grammar.py)
+    grammar: Any = None
     spec_verify_ct: int = 0
     spec_accept_histogram: list[int] = field(default_factory=list)
     # detokenized output (maintained by the engine's detokenizer)

@@ -23,6 +23,8 @@ from specserve.model.runner import ModelRunner
 from specserve.ops.attention_metadata import Segment, build_metadata
 from specserve.ops.logprobs import token_logprobs, top_logprobs_bucket
 from specserve.ops.sampling import SamplingMode, SamplingTensors, sample
+from specserve.ops.token_bitmask import apply_token_bitmask
+from specserve.runtime.grammar import batch_grammar, next_token_bitmask
 from specserve.runtime.logprobs import TokenLogprobs, host_rows
 from specserve.runtime.request import PrefillChunk, Request
 from specserve.speculative.step import DecodeStep, StepLogprobs
@@ -208,6 +210,7 @@ class Worker:
         self.drafter = drafter
         self.kernels = kernels
         self.step = DecodeStep(target, drafter, rows, kernels, simulator, tiers)
+        self.vocab_size = target.model.config.vocab_size
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
         self.prefill_graphs = None  # PrefillGraphs, when CUDA graphs are on
         self._sampling_cache: tuple[tuple, SamplingMode] | None = None
@@ -301,6 +304,8 @@ class Worker:
             logits = self.target.model.compute_logits(out.hidden[last_rows], self.kernels)
             reqs = [chunks[i].req for i in done]
             sample_pos = to_device(torch.tensor([chunks[i].end for i in done]), dev)
+            if any(r.grammar is not None for r in reqs):
+                apply_token_bitmask(logits, next_token_bitmask(reqs, logits.shape[-1], dev))
             sampled = sample(logits, request_sampling(reqs, dev), sample_pos, self.kernels)
             first_logprobs = self._first_token_logprobs(reqs, logits, sampled)
         if graphed and self.drafter.graphs_prefill:
@@ -472,7 +477,10 @@ class Worker:
         width = max(kv_upper) + self.tier_slot_width(tier, catch_up)
         timer = StepTimer(self.device) if timed else None  # around the step alone
         out = None
-        if self.graphs is not None:
+        # structured output: the step waits for its drafts to mask the target's draws on the
+        # host, so it runs eagerly
+        grammar = batch_grammar(reqs, self.vocab_size)
+        if self.graphs is not None and grammar is None:
             out = self.graphs.run(rows, sampling, width, tier, catch_up)
             if self.graphs.captured_last or self.graphs.covered_last or self.graphs.eager_last:
                 # a capture's time, a larger shape's, or launches a graph will not have, are
@@ -483,7 +491,7 @@ class Worker:
             st = SamplingTensors.gather(
                 self.rows.sampling_floats, self.rows.sampling_ints, rows_dev, sampling
             )
-            out = self.step.run(rows_dev, st, width, kv_upper, tier, catch_up)
+            out = self.step.run(rows_dev, st, width, kv_upper, tier, catch_up, grammar)
         if timer is not None:
             timer.stop()
         return PendingDecode(reqs, *out, tier=tier, timer=timer)

@@ -16,6 +16,7 @@ from specserve.server.logprobs import CompletionLogprobs, TokenStrings, chat_con
 from specserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.protocol import APIError, parse
 from specserve.server.state import Run, ServerState, watch_disconnect
+from specserve.server.structured_output import structured_output
 
 # Bodies larger than this are parsed on the server's thread pool, not on the event loop.
 PARSE_OFF_LOOP_BYTES = 64 * 1024
@@ -74,7 +75,12 @@ def _max_new_tokens(state: ServerState, req, prompts: list[list[int]], prompt_pa
 
 def _rename(req, prompt_param: str) -> dict[str, str]:
     _, max_param = req.requested_max_tokens()
-    return {"input_ids": prompt_param, "prompt": prompt_param, "max_new_tokens": max_param}
+    return {
+        "input_ids": prompt_param,
+        "prompt": prompt_param,
+        "max_new_tokens": max_param,
+        **structured_output(req)[1],
+    }
 
 
 async def parse_body(request: Request, state: ServerState, model):

@@ -21,6 +21,7 @@ from specserve.server.protocol import (
     is_token_ids,
     short,
 )
+from specserve.server.structured_output import structured_output
 
 OPENAI_MAX_TEMPERATURE = 2.0
 
@@ -44,7 +45,6 @@ _NULL_IS_DEFAULT = ("stream", "return_token_ids", "echo", "logprobs")
 CHAT_MAX_TOP_LOGPROBS = 20
 COMPLETION_MAX_LOGPROBS = 5
 
-_NO_STRUCTURED_OUTPUT = "structured output is not supported (only null)"
 # Features this server does not implement: accepted only at their neutral value (null always).
 _NEUTRAL: dict[str, tuple[Any, str]] = {
     "presence_penalty": (lambda v: v == 0, "is not supported (only 0)"),
@@ -63,10 +63,6 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
         lambda v: v in ("none", "auto"),
         "function calling is not supported (only null, 'none' or 'auto')",
     ),
-    "response_format": (
-        lambda v: v.get("type") == "text",
-        "structured output is not supported (only null or {'type': 'text'})",
-    ),
     # sampling extensions of vLLM and SGLang that would change the output
     "min_tokens": (lambda v: v == 0, "is not supported (only 0)"),
     "min_new_tokens": (lambda v: v == 0, "is not supported (only 0)"),
@@ -76,20 +72,6 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "include_stop_str_in_output": (lambda v: v is False, "is not supported (only false)"),
     "truncate_prompt_tokens": (lambda v: False, "is not supported (only null)"),
     "prompt_logprobs": (lambda v: False, "is not supported (only null)"),
-    # structured output as vLLM (guided_*, structured_outputs) and SGLang (regex, ...) ask
-    **{
-        name: (lambda v: False, _NO_STRUCTURED_OUTPUT)
-        for name in (
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-            "guided_grammar",
-            "structured_outputs",
-            "json_schema",
-            "regex",
-            "ebnf",
-        )
-    },
 }
 
 
@@ -136,6 +118,7 @@ class _CommonRequest(StrictModel):
     logit_bias: dict[str, float] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    # structured output (server/structured_output.py)
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -209,6 +192,7 @@ class _CommonRequest(StrictModel):
             sp["seed"] = self.seed
         if self.n is not None:
             sp["n"] = self.n
+        sp.update(structured_output(self)[0])
         return sp
 
     def logprob_options(self) -> dict[str, Any]:

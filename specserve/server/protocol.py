@@ -98,6 +98,10 @@ class NativeSamplingParams(StrictModel):
     skip_special_tokens: bool = True
     n: int = Field(1, **_schema(minimum=1, maximum=64))
     speculative: bool = True
+    # structured output: a JSON schema (an object or its text), a regex, an EBNF grammar
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @field_validator("*", mode="before")
     @classmethod

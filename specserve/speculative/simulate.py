@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from specserve.errors import InvalidArgument
 from specserve.ops.sampling import uniform_noise
 from specserve.speculative.tree import Acceptance, DraftTrees, acceptance_of_path
 
@@ -93,3 +94,40 @@ class SimulatedAcceptance:
             acc.emitted = torch.full_like(acc.emitted, self.fixed_token)
             acc.bonus = torch.full_like(acc.bonus, self.fixed_token)
         return acc
+
+
+def build_simulator(cfg, tokenizer, vocab_size: int, device: torch.device):
+    """The configuration's simulated acceptance (None when simulate_acc_len is unset)."""
+    if cfg.simulate_acc_len is None:
+        return None
+    from specserve.config.speculative import parse_rates
+
+    fixed = cfg.simulate_acc_fixed_token
+    if cfg.simulate_acc_token_mode == "fixed":
+        fixed = _default_fixed_token(tokenizer, vocab_size) if fixed is None else fixed
+        if not 0 <= fixed < vocab_size:
+            raise InvalidArgument(
+                "simulate_acc_fixed_token", f"must be a token id in [0, {vocab_size})"
+            )
+    rates = (
+        parse_rates(cfg.simulate_acc_rates) if cfg.simulate_acc_method == "per-position" else None
+    )
+    return SimulatedAcceptance(
+        cfg.simulate_acc_len,
+        cfg.simulate_acc_method,
+        cfg.simulate_acc_token_mode,
+        cfg.speculative_num_steps,
+        rates,
+        fixed,
+        device,
+        cfg.random_seed,
+    )
+
+
+def _default_fixed_token(tokenizer, vocab_size: int) -> int:
+    """A token that decodes to a plain word, so fixed-mode streams stay readable."""
+    if tokenizer is not None:
+        ids = tokenizer.encode(" the", add_special_tokens=False)
+        if len(ids) == 1:
+            return ids[0]
+    return min(100, vocab_size - 1)

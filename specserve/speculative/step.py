@@ -22,6 +22,7 @@ from specserve.ops.attention import PackedQueries
 from specserve.ops.attention_metadata import build_device_metadata
 from specserve.ops.logprobs import token_logprobs
 from specserve.ops.sampling import SamplingTensors, sample
+from specserve.ops.token_bitmask import apply_token_bitmask
 from specserve.speculative.kv_commit import commit_accepted_path
 from specserve.speculative.tree import (
     Acceptance,
@@ -178,16 +179,21 @@ class DecodeStep:
         kv_upper: list[int],
         tier: int = 0,
         catch_up: bool = False,
+        grammar=None,
     ) -> StepOutputs:
         """One step of the requests in `rows` (PAD_ROW: padding, touching only scratch);
         `width` bounds every kv_len + tier_slot_width(tier, catch_up). catch_up: first run
-        the draft over the positions plain steps skipped."""
+        the draft over the positions plain steps skipped. grammar: the batch's structured
+        output (runtime/grammar.py `BatchGrammar`), which masks each node's draw to what its
+        request's grammar allows after the node's path; the host waits for the drafts."""
         batch = self._read(rows, sampling, width, kv_upper, self.tier_window(tier))
         if catch_up:
             batch.root_g = self.drafter.catch_up(batch, rows)
         shape = self.tiers[tier]
         trees = self.drafter.draft(batch, shape)
-        acc, target_out, logprobs, path_rows, reach = self.verify(batch, trees, shape.verified)
+        acc, target_out, logprobs, path_rows, reach = self.verify(
+            batch, trees, shape.verified, grammar
+        )
         new_lens = batch.kv_lens_dev + acc.accept_len
         if self.skips_draft and shape.tokens == 1:
             self.drafter.record_skipped(batch, target_out, acc, rows)
@@ -224,7 +230,7 @@ class DecodeStep:
         )
 
     def verify(
-        self, batch: DecodeBatch, trees: DraftTrees, verified: int = 0
+        self, batch: DecodeBatch, trees: DraftTrees, verified: int = 0, grammar=None
     ) -> tuple[Acceptance, object, StepLogprobs | None, torch.Tensor, torch.Tensor | None]:
         """One target forward over every tree of the batch (node i at position kv_len +
         depth[i], its KV written at kv_len + i, seeing its ancestors); the target draws a token
@@ -252,6 +258,9 @@ class DecodeStep:
         out = self.target.forward(tokens, positions, meta, self.drafter.capture_layers, packed)
         st = batch.sampling
         logits = self.target.model.compute_logits(out.hidden, kernels, upcast=not st.all_greedy)
+        if grammar is not None:
+            bitmask = grammar.tree_bitmask(trees.tokens, trees.parents)
+            apply_token_bitmask(logits, bitmask if plan is None else bitmask[plan.packed])
         if n > 1 and not st.all_greedy:  # greedy rows need no per-node sampling parameters
             st = st.expand(n) if plan is None else st.expand(n).take(plan.packed)
         # each node's draw is for the position after it: kv_len + depth + 1

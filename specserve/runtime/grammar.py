@@ -1,0 +1,192 @@
+"""Structured output: a request's grammar (a JSON schema, a regular expression or an EBNF
+grammar, SGLang's `json_schema` / `regex` / `ebnf`) decides which tokens may come next,
+through xgrammar.
+
+A constrained request's matcher holds the state after every token it has emitted. Before the
+target draws at a node of a draft tree, that node's logits are masked to what the grammar
+allows after the path from the root to the node (`tree_bitmask`), so a draw, and therefore
+every accepted draft token and bonus token, is one the grammar allows: speculative output
+equals plain output under a grammar as without one. Drafts themselves are not constrained:
+a draft token the grammar forbids is never drawn by the target at its parent, so it is
+never accepted.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from specserve.errors import InvalidArgument
+from specserve.sampling_params import GRAMMAR_PARAMS
+
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:  # (a dependency of the package; a hand-made environment may lack it)
+        raise InvalidArgument(
+            "json_schema", f"structured output needs xgrammar, which is not importable: {e}"
+        ) from e
+    return xgrammar
+
+
+class GrammarCompiler:
+    """Compiles requests' grammars for one tokenizer (compiled grammars are cached by text,
+    so the samples of a prompt and repeated schemas compile once)."""
+
+    def __init__(self, tokenizer, vocab_size: int, unsupported: str | None = None):
+        """unsupported: why this engine refuses structured output (None: it serves it)."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.unsupported = unsupported
+        self._compiler = None
+        self._lock = threading.Lock()  # built once, by whichever thread asks first
+
+    def _get(self):
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size
+                )
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
+
+    def compile(self, field: str, spec: str):
+        """The compiled grammar of `spec` given as sampling parameter `field`."""
+        if self.unsupported is not None:
+            raise InvalidArgument(field, f"structured output {self.unsupported}")
+        compiler = self._get()
+        try:
+            if field == "json_schema":
+                return compiler.compile_json_schema(spec)
+            if field == "regex":
+                return compiler.compile_regex(spec)
+            return compiler.compile_grammar(spec)
+        except Exception as e:  # xgrammar reports a bad schema / pattern as a RuntimeError
+            raise InvalidArgument(field, f"cannot be compiled: {e}") from None
+
+
+def grammar_spec(params) -> tuple[str, str] | None:
+    """(field, text) of the grammar a request's sampling parameters ask for, if any."""
+    for name in GRAMMAR_PARAMS:
+        value = getattr(params, name)
+        if value is not None:
+            return name, value
+    return None
+
+
+class RequestGrammar:
+    """One request's grammar state: the tokens it has emitted, accepted in order."""
+
+    def __init__(self, compiled):
+        xgr = _xgrammar()
+        self.matcher = xgr.GrammarMatcher(compiled)
+
+    def accept(self, tokens) -> bool:
+        """Advance over emitted tokens; False if one of them leaves the grammar."""
+        return all(self.matcher.accept_token(int(t)) for t in tokens)
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete (its stop token accepted): nothing may follow."""
+        return self.matcher.is_terminated()
+
+    def fill_next(self, bitmask: torch.Tensor, index: int) -> None:
+        """bitmask[index]: the tokens allowed after what has been emitted."""
+        self.matcher.fill_next_token_bitmask(bitmask, index)
+
+    def fill_tree(self, tokens: torch.Tensor, parents: torch.Tensor, bitmask: torch.Tensor):
+        """bitmask[i] for each node i of one draft tree (node 0: the root, the last emitted
+        token): the tokens allowed after the path to node i. A node whose own token the grammar
+        forbids can never be accepted; its row allows nothing (`allow_where_empty`)."""
+        first_child, next_sibling = _child_links(parents.tolist())
+        self.matcher.traverse_draft_tree(
+            torch.tensor(first_child), torch.tensor(next_sibling), tokens, bitmask
+        )
+
+
+def advance_grammar(req, tokens) -> None:
+    """A request's grammar takes its new tokens; a complete grammar ends the request (nothing
+    may follow it, ignore_eos or not)."""
+    if not req.grammar.accept(tokens):
+        req.finish(
+            "abort", message="structured output: no token of the vocabulary continues the grammar"
+        )
+    elif tokens and req.grammar.terminated and not req.finished:
+        req.finish("stop", matched=int(tokens[-1]))
+
+
+def _child_links(parents: list[int]) -> tuple[list[int], list[int]]:
+    """The first-child / next-sibling form of a tree given by parent indices."""
+    n = len(parents)
+    first_child, next_sibling, last_child = [-1] * n, [-1] * n, [-1] * n
+    for node in range(1, n):
+        p = parents[node]
+        if p < 0:
+            continue
+        if first_child[p] < 0:
+            first_child[p] = node
+        else:
+            next_sibling[last_child[p]] = node
+        last_child[p] = node
+    return first_child, next_sibling
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(vocab / 32)] int32 on the CPU, every token allowed (-1: all bits set)."""
+    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
+
+
+def allow_where_empty(bitmask: torch.Tensor) -> torch.Tensor:
+    """Rows that allow no token allow every token instead. Such a row is a node whose own
+    token the grammar forbids (it is never accepted, so its draw is unused), or a state no
+    token of the vocabulary continues: a draw there leaves the grammar, and the host ends
+    the request with that reason (`EngineCore`), rather than draw from no token at all."""
+    bitmask[(bitmask == 0).all(dim=1)] = -1
+    return bitmask
+
+
+class BatchGrammar:
+    """The grammars of a decode batch's requests (None: unconstrained), by batch index; the
+    decode step asks it for its trees' masks (`tree_bitmask`)."""
+
+    def __init__(self, grammars: list[RequestGrammar | None], vocab_size: int):
+        self.grammars = grammars
+        self.vocab_size = vocab_size
+
+    def tree_bitmask(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """[B * N, words] bitmask of every node of the batch's [B, N] trees (device tensors:
+        the host waits for the drafts here). Rows past the batch's requests (a padded batch)
+        and unconstrained requests' rows allow everything."""
+        b, n = tokens.shape
+        tokens_h, parents_h = tokens.cpu(), parents.cpu()
+        bitmask = new_bitmask(b * n, self.vocab_size)
+        for i, grammar in enumerate(self.grammars):
+            if grammar is None:
+                continue
+            rows = bitmask[i * n : (i + 1) * n]
+            if n == 1:
+                grammar.fill_next(rows, 0)
+            else:
+                grammar.fill_tree(tokens_h[i], parents_h[i], rows)
+        return allow_where_empty(bitmask).to(tokens.device)
+
+
+def batch_grammar(reqs, vocab_size: int) -> BatchGrammar | None:
+    """The grammars of a decode batch, or None when no request of it is constrained."""
+    grammars = [r.grammar for r in reqs]
+    if grammars.count(None) == len(grammars):
+        return None
+    return BatchGrammar(grammars, vocab_size)
+
+
+def next_token_bitmask(reqs, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(reqs), words] bitmask of the tokens each request may emit next."""
+    bitmask = new_bitmask(len(reqs), vocab_size)
+    for i, r in enumerate(reqs):
+        if r.grammar is not None:
+            r.grammar.fill_next(bitmask, i)
+    return allow_where_empty(bitmask).to(device)

@@ -1,0 +1,130 @@
+"""Structured output as the OpenAI routes are asked for it, in the engine's terms (SGLang's
+sampling parameters `json_schema`, `regex`, `ebnf`).
+
+Accepted, one per request:
+- OpenAI: `response_format` `{"type": "json_object"}` (any JSON object) or `{"type":
+  "json_schema", "json_schema": {"schema": {...}}}`; `{"type": "text"}` is no constraint;
+- vLLM: `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and the
+  older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
+- SGLang: `json_schema`, `regex`, `ebnf`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from specserve.server.protocol import APIError, short
+
+ANY_JSON_OBJECT = '{"type": "object"}'
+SOURCES = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "json_schema",
+    "regex",
+    "ebnf",
+)
+
+
+def structured_output(req) -> tuple[dict[str, Any], dict[str, str]]:
+    """(the engine's sampling parameters for the request's structured output, the request's
+    field each of them came from: an error the engine finds names that field)."""
+    given = [name for name in SOURCES if _given(name, getattr(req, name, None))]
+    if not given:
+        return {}, {}
+    if len(given) > 1:
+        raise APIError(
+            f"{given[1]}: structured output takes one constraint; {given[0]} is given too",
+            param=given[1],
+        )
+    source = given[0]
+    engine_field, spec = _engine_param(source, getattr(req, source))
+    return {engine_field: spec}, {engine_field: source}
+
+
+def _given(name: str, value: Any) -> bool:
+    if value is None:
+        return False
+    if name == "response_format":
+        return not (isinstance(value, dict) and value.get("type") == "text")
+    return True
+
+
+def _engine_param(source: str, value: Any) -> tuple[str, Any]:
+    if source == "response_format":
+        return _response_format(value)
+    if source == "structured_outputs":
+        return _structured_outputs(value)
+    if source in ("guided_json", "json_schema"):
+        return "json_schema", value
+    if source in ("guided_regex", "regex"):
+        return "regex", value
+    if source == "guided_choice":
+        return "ebnf", _choice_grammar(source, value)
+    return "ebnf", value  # guided_grammar, ebnf
+
+
+def _response_format(value: Any) -> tuple[str, Any]:
+    kinds = "'text', 'json_object' or 'json_schema'"
+    if not isinstance(value, dict):
+        raise APIError(
+            f"response_format: must be an object, got {short(value)}", param="response_format"
+        )
+    kind = value.get("type")
+    if kind == "json_object":
+        return "json_schema", ANY_JSON_OBJECT
+    if kind != "json_schema":
+        raise APIError(
+            f"response_format.type: must be {kinds}, got {short(kind)}",
+            param="response_format.type",
+        )
+    spec = value.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if schema is None:
+        raise APIError(
+            "response_format.json_schema: must be an object with a 'schema' (the JSON schema)",
+            param="response_format.json_schema",
+        )
+    return "json_schema", schema
+
+
+def _structured_outputs(value: Any) -> tuple[str, Any]:
+    keys = ("json", "regex", "choice", "grammar", "json_object")
+    if not isinstance(value, dict):
+        raise APIError(
+            f"structured_outputs: must be an object, got {short(value)}",
+            param="structured_outputs",
+        )
+    given = [k for k in keys if value.get(k) not in (None, False)]
+    unknown = sorted(set(value) - set(keys) - {"disable_any_whitespace"})
+    if unknown or len(given) != 1:
+        raise APIError(
+            f"structured_outputs: must give exactly one of {', '.join(keys)}"
+            + (f"; unknown: {', '.join(unknown)}" if unknown else f"; got {given or 'none'}"),
+            param="structured_outputs",
+        )
+    key = given[0]
+    if key == "json":
+        return "json_schema", value["json"]
+    if key == "json_object":
+        return "json_schema", ANY_JSON_OBJECT
+    if key == "regex":
+        return "regex", value["regex"]
+    if key == "choice":
+        return "ebnf", _choice_grammar("structured_outputs.choice", value["choice"])
+    return "ebnf", value["grammar"]
+
+
+def _choice_grammar(field: str, choices: Any) -> str:
+    """An EBNF grammar whose strings are exactly the choices."""
+    if (
+        not isinstance(choices, list)
+        or not choices
+        or not all(isinstance(c, str) and c for c in choices)
+    ):
+        raise APIError(f"{field}: must be a non-empty list of non-empty strings", param=field)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)

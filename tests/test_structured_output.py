@@ -1,0 +1,352 @@
+"""Structured output (a JSON schema, a regex or an EBNF grammar per request): every output
+follows its grammar, speculative output under a grammar equals plain output under it (trees,
+chains, load-adaptive speculation, page sizes, overlap), and a constrained request changes
+nothing for the unconstrained requests beside it. Float32 on the CPU."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from specserve import Engine, InvalidArgument
+from specserve.model.hf_loader import load_hf_config
+from specserve.ops.token_bitmask import apply_token_bitmask, apply_token_bitmask_reference
+from specserve.runtime.grammar import BatchGrammar, GrammarCompiler, RequestGrammar, new_bitmask
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+from tests.model_factory import build_tokenizer, write_hf_model
+from tests.test_server import Served, ServerThread
+from tests.test_server_hardening import error_of
+
+VOCAB = 300  # byte-level BPE: any text has tokens
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"enum": ["yes", "no"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["answer", "count"],
+    "additionalProperties": False,
+}
+GRAMMARS = [
+    {"regex": "(yes|no|maybe)"},
+    {"regex": "[a-z]{2,6}( [0-9]{1,3}){1,3}"},
+    {"json_schema": SCHEMA},
+    {"ebnf": 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'},
+]
+PROMPTS = ["hello world", "the quick brown fox", "What is the capital of France?"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("structured")
+    folder = write_hf_model(root / "m", vocab_size=VOCAB, with_tokenizer=True)
+    draft = write_random_eagle_checkpoint(str(root / "d"), load_hf_config(folder), "EAGLE", seed=5)
+    return folder, draft
+
+
+def _tree(draft: str, steps: int, topk: int, tokens: int, **extra) -> dict:
+    return dict(
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=draft,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=tokens,
+        **extra,
+    )
+
+
+def _batch(sampling: dict) -> list[tuple[str, dict]]:
+    """Every prompt under every grammar, and unconstrained requests beside them."""
+    out = [(p, {**g, **sampling}) for p in PROMPTS for g in GRAMMARS]
+    return out + [(p, dict(sampling)) for p in PROMPTS]
+
+
+def _generate(engine, batch) -> list[dict]:
+    prompts = [p for p, _ in batch]
+    return engine.generate(prompt=prompts, sampling_params=[sp for _, sp in batch])
+
+
+def _follows_its_grammar(engine, sp: dict, out: dict) -> None:
+    """A fresh matcher takes every output token; a finished ("stop") output is complete."""
+    spec = next(((k, v) for k, v in sp.items() if k in ("json_schema", "regex", "ebnf")), None)
+    if spec is None:
+        return
+    field, text = spec
+    text = json.dumps(text) if isinstance(text, dict) else text
+    matcher = RequestGrammar(engine.core.grammars.compile(field, text))
+    assert matcher.accept(out["output_ids"]), (sp, out["text"])
+    if out["meta_info"]["finish_reason"]["type"] == "stop":
+        assert matcher.terminated, (sp, out["text"])
+        if field == "json_schema":
+            value = json.loads(out["text"])
+            assert value["answer"] in ("yes", "no") and 0 <= value["count"] <= 99
+
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 11, "max_new_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(models):
+    folder, _ = models
+    with Engine(model_path=folder, device="cpu", debug_check_invariants=True) as engine:
+        outs = {}
+        for name, sampling in (("greedy", GREEDY), ("seeded", SEEDED)):
+            batch = _batch(sampling)
+            outs[name] = _generate(engine, batch)
+            for (_, sp), out in zip(batch, outs[name]):
+                _follows_its_grammar(engine, sp, out)
+        # alone, the unconstrained requests decode as beside the constrained ones
+        alone = _generate(engine, [(p, GREEDY) for p in PROMPTS])
+        assert [o["output_ids"] for o in alone] == [
+            o["output_ids"] for o in outs["greedy"][-len(PROMPTS) :]
+        ]
+    # the grammars finish some outputs and leave others running to max_new_tokens
+    reasons = {o["meta_info"]["finish_reason"]["type"] for o in outs["greedy"]}
+    assert reasons == {"stop", "length"}, reasons
+    return outs
+
+
+@pytest.mark.parametrize(
+    "name, engine_args",
+    [
+        ("tree", lambda d: _tree(d, 3, 3, 8)),
+        ("chain", lambda d: _tree(d, 3, 1, 4)),
+        ("tree, page size 4, no overlap", lambda d: _tree(d, 4, 2, 7, page_size=4)),
+        ("adaptive", lambda d: _tree(d, 4, 4, 16, speculative_adaptive=True)),
+    ],
+)
+def test_speculative_output_under_a_grammar_equals_plain_output(
+    models, plain_outputs, name, engine_args
+):
+    folder, draft = models
+    args = engine_args(draft)
+    if "no overlap" in name:
+        args["disable_overlap_schedule"] = True
+    with Engine(model_path=folder, device="cpu", debug_check_invariants=True, **args) as engine:
+        if engine.core.adaptive is not None:  # every tier, ragged ones included, at random
+            rng, count = random.Random(3), len(engine.core.adaptive.tiers)
+            engine.core.adaptive.pick = lambda b, can=True, ready=None: rng.randrange(count)
+        for mode, sampling in (("greedy", GREEDY), ("seeded", SEEDED)):
+            outs = _generate(engine, _batch(sampling))
+            want = plain_outputs[mode]
+            assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in want], mode
+            assert [o["meta_info"]["finish_reason"] for o in outs] == [
+                o["meta_info"]["finish_reason"] for o in want
+            ]
+        verified = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+        assert verified > 0  # the drafts were verified, not skipped
+
+
+def test_every_sample_of_a_prompt_follows_the_grammar(models):
+    folder, _ = models
+    with Engine(model_path=folder, device="cpu") as engine:
+        sp = {"regex": "(red|green|blue)( (red|green|blue))*", "n": 4, "temperature": 1.0}
+        outs = engine.generate(prompt="colors:", sampling_params=dict(sp, max_new_tokens=12))
+        assert len(outs) == 4
+        for out in outs:
+            _follows_its_grammar(engine, sp, out)
+
+
+def test_a_bad_or_unservable_grammar_is_refused_naming_its_field(models):
+    folder, draft = models
+    with Engine(model_path=folder, device="cpu") as engine:
+        cases = [
+            ({"regex": "(unclosed"}, "regex"),
+            ({"ebnf": "root ::= missing_rule"}, "ebnf"),
+            ({"json_schema": "{not json"}, "json_schema"),
+            ({"json_schema": 5}, "json_schema"),
+            ({"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf"),
+        ]
+        for sp, field in cases:
+            with pytest.raises(InvalidArgument) as info:
+                engine.generate(prompt="hi", sampling_params=sp)
+            assert info.value.field == field, (sp, str(info.value))
+        out = engine.generate(prompt="hi", sampling_params={"regex": "ok", "max_new_tokens": 4})
+        assert out["text"] == "ok"
+    with Engine(model_path=folder, device="cpu", skip_tokenizer_init=True) as engine:
+        with pytest.raises(InvalidArgument) as info:
+            engine.generate(input_ids=[5, 6], sampling_params={"regex": "a+"})
+        assert info.value.field == "regex" and "tokenizer" in str(info.value)
+    simulated = dict(_tree(draft, 3, 1, 4), simulate_acc_len=2.0)
+    with Engine(model_path=folder, device="cpu", **simulated) as engine:
+        with pytest.raises(InvalidArgument) as info:
+            engine.generate(prompt="hi", sampling_params={"regex": "a+"})
+        assert info.value.field == "regex" and "simulated" in str(info.value)
+
+
+# ---- the masks ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("vocab", [32, 100, 257])
+def test_the_bitmask_kernel_masks_as_its_torch_reference(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    rows = 7
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, -(-vocab // 32)), generator=g)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[0] = -1  # a row allowing everything, and one allowing one token
+    bitmask[1] = 0
+    bitmask[1, 0] = 1 << 3
+    logits = torch.randn(rows, vocab, generator=g)
+    want = logits.clone()
+    apply_token_bitmask_reference(want, bitmask)
+    apply_token_bitmask(logits, bitmask)
+    assert torch.equal(logits, want)
+    assert torch.isinf(want[1]).sum() == vocab - 1 and not torch.isinf(want[0]).any()
+
+
+def _random_tree(n: int, rng: random.Random) -> list[int]:
+    """Parent indices of a random tree whose nodes come after their parents."""
+    return [-1] + [rng.randrange(i) for i in range(1, n)]
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    out = []
+    while parents[node] >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_trees_masks_are_what_the_grammar_allows_after_each_nodes_path(seed):
+    """Each node's row, from one walk over the tree, against a fresh matcher fed the path
+    from the root to that node (a path the grammar refuses: a row that allows all)."""
+    rng = random.Random(seed)
+    tokenizer = build_tokenizer(VOCAB)
+    compiler = GrammarCompiler(tokenizer, VOCAB)
+    compiled = compiler.compile("json_schema", json.dumps(SCHEMA))
+    prefix = tokenizer.encode('{"answer": "', add_special_tokens=False)
+    batch, n = 3, 9
+    tokens = torch.zeros(batch, n, dtype=torch.int64)
+    parents = torch.zeros(batch, n, dtype=torch.int64)
+    grammars = []
+    likely = tokenizer.encode('yes", "count": 12}no', add_special_tokens=False)
+    for b in range(batch):
+        parents[b] = torch.tensor(_random_tree(n, rng))
+        tokens[b] = torch.tensor([rng.choice(likely + [rng.randrange(VOCAB)]) for _ in range(n)])
+        grammar = RequestGrammar(compiled)
+        assert grammar.accept(prefix)
+        grammars.append(None if b == 1 else grammar)
+    before = [_next_mask(g) for g in grammars if g is not None]
+    got = BatchGrammar(grammars, VOCAB).tree_bitmask(tokens, parents)
+    for b in range(batch):
+        for node in range(n):
+            row = got[b * n + node]
+            if grammars[b] is None:
+                assert (row == -1).all()
+                continue
+            fresh = RequestGrammar(compiled)
+            assert fresh.accept(prefix)
+            path = [int(tokens[b, i]) for i in _path(parents[b].tolist(), node)]
+            want = new_bitmask(1, VOCAB)
+            if all(fresh.matcher.accept_token(t) for t in path):
+                fresh.fill_next(want, 0)
+            if (want == 0).all():
+                want[:] = -1
+            assert torch.equal(row, want[0]), (b, node, path)
+    # the walk leaves each request's grammar where it was
+    after = [_next_mask(g) for g in grammars if g is not None]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def _next_mask(grammar: RequestGrammar) -> torch.Tensor:
+    mask = new_bitmask(1, VOCAB)
+    grammar.fill_next(mask, 0)
+    return mask
+
+
+# ---- the OpenAI routes --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served(models):
+    from specserve.server.app import create_app
+    from specserve.server.state import ServerConfig
+
+    folder, draft = models
+    with Engine(model_path=folder, device="cpu", **_tree(draft, 3, 2, 6)) as engine:
+        app = create_app(engine, ServerConfig(), owns_engine=False)
+        with ServerThread(app) as srv:
+            s = Served(engine, srv, folder)
+            yield s
+            s.http.close()
+
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MESSAGES = [{"role": "user", "content": "Answer yes or no."}]
+
+
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("guided_choice", ["yes", "no"], {"yes", "no"}),
+        ("structured_outputs", {"choice": ["left", "right"]}, {"left", "right"}),
+        ("guided_regex", "(up|down)", {"up", "down"}),
+        ("regex", "(up|down)", {"up", "down"}),
+        ("ebnf", 'root ::= "on" | "off"', {"on", "off"}),
+        ("guided_grammar", 'root ::= "on" | "off"', {"on", "off"}),
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "a", "schema": {"enum": ["x", "y"]}}},
+            {'"x"', '"y"'},
+        ),
+    ],
+)
+def test_each_way_of_asking_for_structured_output_constrains_the_answer(
+    served, field, value, allowed
+):
+    for route in (CHAT, COMPLETIONS):
+        base = {"messages": MESSAGES} if route == CHAT else {"prompt": "Answer:"}
+        body = {**base, field: value, "max_tokens": 16, "temperature": 0}
+        r = served.http.post(route, json=body)
+        assert r.status_code == 200, (route, r.text)
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"] if route == CHAT else choice["text"]
+        assert text.strip() in allowed and choice["finish_reason"] == "stop", (field, text)
+
+
+def test_json_mode_output_is_a_json_object_or_its_beginning(served):
+    body = {"prompt": "{", "response_format": {"type": "json_object"}, "max_tokens": 24}
+    r = served.http.post(COMPLETIONS, json={**body, "temperature": 0, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    grammar = RequestGrammar(
+        served.engine.core.grammars.compile("json_schema", '{"type": "object"}')
+    )
+    assert grammar.accept(choice["token_ids"])
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["text"]), dict)
+
+
+def test_a_bad_structured_output_request_gets_400_naming_the_field(served):
+    cases = [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+            "response_format",
+        ),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
+        ({"guided_regex": "a", "regex": "b"}, "regex"),
+    ]
+    for extra, param in cases:
+        r = served.http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 4, **extra})
+        err = error_of(r)
+        assert r.status_code == 400 and err["param"] == param, (extra, r.text)
+    served.wait_idle()
+
+
+def test_generate_takes_sglangs_structured_output_parameters(served):
+    sp = {"json_schema": {"enum": ["x", "y"]}, "max_new_tokens": 16, "temperature": 0}
+    r = served.http.post("/generate", json={"text": "pick:", "sampling_params": sp})
+    assert r.status_code == 200, r.text
+    assert r.json()["text"].strip() in ('"x"', '"y"')
+    r = served.http.post(
+        "/generate", json={"text": "pick:", "sampling_params": {"regex": "(unclosed"}}
+    )
+    assert r.status_code == 400 and error_of(r)["param"] == "sampling_params.regex", r.text
