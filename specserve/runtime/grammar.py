@@ -21,7 +21,6 @@ from specserve.errors import InvalidArgument
 from specserve.sampling_params import GRAMMAR_PARAMS
 
 
-
 def _xgrammar():
     try:
         import xgrammar
