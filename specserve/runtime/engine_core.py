@@ -235,11 +235,13 @@ class EngineCore:
     def compile_grammar(self, params):
         """The compiled grammar a request's structured output asks for (None: none)."""
         spec = grammar_spec(params)
-        if spec is None:
-            return None
+        return None if spec is None else self.compile_grammar_text(*spec)
+
+    def compile_grammar_text(self, field: str, text: str):
+        """The compiled grammar of sampling parameter `field` (thread-safe, cached)."""
         if self.grammars is None:
-            raise InvalidArgument(spec[0], "structured output needs a tokenizer (none is loaded)")
-        return self.grammars.compile(*spec)
+            raise InvalidArgument(field, "structured output needs a tokenizer (none is loaded)")
+        return self.grammars.compile(field, text)
 
     def add_request(self, req: Request) -> None:
         live = self.by_name.get(req.name)
@@ -449,7 +451,9 @@ class EngineCore:
             catch_up=lagged is not None and lagged.catch_up,
         )
         graphs = self.worker.graphs
-        if graphs is not None and (graphs.captured_last or graphs.eager_last):
+        if pending.constrained or (
+            graphs is not None and (graphs.captured_last or graphs.eager_last)
+        ):
             self.host_clock.interrupt()  # a capture's or an eager launch's time: no step's
         pending.lagged = lagged
         pending.everyone_speculates = everyone  # (at launch)

@@ -111,6 +111,9 @@ class PendingDecode:
         self.tier = tier
         self.lagged = None  # what the step did to lagging drafts (runtime/draft_lag.py)
         self.everyone_speculates = False  # every request in it speculated at launch
+        # it masked drafts to grammars: run eagerly, waiting on the host mid-step, so its
+        # times are no tier's (set by the worker)
+        self.constrained = False
         self._timer = timer
         self.seconds: float | None = None
         self._reach = chain_reach is not None
@@ -492,9 +495,13 @@ class Worker:
                 self.rows.sampling_floats, self.rows.sampling_ints, rows_dev, sampling
             )
             out = self.step.run(rows_dev, st, width, kv_upper, tier, catch_up, grammar)
-        if timer is not None:
+        if grammar is not None:
+            timer = None
+        elif timer is not None:
             timer.stop()
-        return PendingDecode(reqs, *out, tier=tier, timer=timer)
+        pending = PendingDecode(reqs, *out, tier=tier, timer=timer)
+        pending.constrained = grammar is not None
+        return pending
 
 
 def _host_logprobs(token: torch.Tensor, values: torch.Tensor | None, ids: torch.Tensor | None):

@@ -136,6 +136,7 @@ async def completions(request: Request, state: ServerState):
     prompts = [await state.encode(p, "prompt") if isinstance(p, str) else list(p) for p in given]
     max_new = _max_new_tokens(state, req, prompts, "prompt")
     params = [req.sampling_params(m) for m in max_new]
+    await state.compile_grammars(params, _rename(req, "prompt"))
     run = state.start(
         prompts, params, _rename(req, "prompt"), logprob_options=req.logprob_options()
     )
@@ -278,9 +279,11 @@ async def chat_completions(request: Request, state: ServerState):
     state.size.check_batch(1, _n(req), "messages", "n")
     ids = await state.encode_chat(req.chat_messages())
     max_new = _max_new_tokens(state, req, [ids], "messages")
+    params = [req.sampling_params(max_new[0])]
+    await state.compile_grammars(params, _rename(req, "messages"))
     run = state.start(
         [ids],
-        [req.sampling_params(max_new[0])],
+        params,
         _rename(req, "messages"),
         logprob_options=req.logprob_options(),
     )

@@ -27,7 +27,9 @@ from typing import Any, TypeVar
 
 from specserve.engine import sample_rids
 from specserve.errors import InvalidArgument
+from specserve.runtime.grammar import grammar_spec
 from specserve.runtime.logprobs import add_logprobs
+from specserve.sampling_params import SamplingParams
 from specserve.server.metrics import ServerMetrics
 from specserve.server.outbox import LoopOutbox
 from specserve.server.protocol import APIError
@@ -271,6 +273,18 @@ class ServerState:
                 f"request id {taken!r} is in use by a request still running; choose "
                 "another id, or reuse it once that request has finished",
             )
+
+    async def compile_grammars(
+        self, params: list[dict[str, Any]], rename: dict[str, str], prefix: str = ""
+    ) -> None:
+        """Compile the requests' structured-output grammars off the event loop (a large JSON
+        schema takes a while); `start` then finds them in the compiler's cache."""
+        try:
+            specs = {grammar_spec(SamplingParams.from_any(sp)) for sp in params} - {None}
+            for field, text in specs:
+                await self.off_loop(self.engine.core.compile_grammar_text, field, text)
+        except InvalidArgument as e:
+            raise engine_error(e, rename, prefix) from None
 
     # ---- runs ---------------------------------------------------------------------------------
     def start(
