@@ -494,7 +494,10 @@ class Worker:
             st = SamplingTensors.gather(
                 self.rows.sampling_floats, self.rows.sampling_ints, rows_dev, sampling
             )
-            out = self.step.run(rows_dev, st, width, kv_upper, tier, catch_up, grammar)
+            if grammar is None:
+                out = self.step.run(rows_dev, st, width, kv_upper, tier, catch_up)
+            else:
+                out = self.step.run(rows_dev, st, width, kv_upper, tier, catch_up, grammar=grammar)
         if grammar is not None:
             timer = None
         elif timer is not None:
