@@ -191,8 +191,9 @@ class DecodeStep:
             batch.root_g = self.drafter.catch_up(batch, rows)
         shape = self.tiers[tier]
         trees = self.drafter.draft(batch, shape)
+        extra = {} if grammar is None else {"grammar": grammar}  # (wrappers keep the old call)
         acc, target_out, logprobs, path_rows, reach = self.verify(
-            batch, trees, shape.verified, grammar
+            batch, trees, shape.verified, **extra
         )
         new_lens = batch.kv_lens_dev + acc.accept_len
         if self.skips_draft and shape.tokens == 1:
