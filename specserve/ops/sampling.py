@@ -67,13 +67,16 @@ def _mix32(x: torch.Tensor, round_: int) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """float32 [R, vocab] in (0, 1), a pure function of (seed, position, index)."""
+    """float32 [R, vocab] in (0, 1), a pure function of (seed, position, index). 23 random
+    bits: (k + 0.5) / 2**23 is exact in float32, so no draw rounds to 1.0 (with 24 bits the
+    largest did, one value in 2**24, and its Gumbel noise was infinite: that token won
+    whatever its probability, even a filtered or masked one)."""
     s = _mix32(seeds.to(torch.int64) & _MASK32, 0)
     s = _mix32(s ^ (positions.to(torch.int64) & _MASK32), 1)
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     x = _mix32(s[:, None] ^ idx[None, :], 2)
     x = _mix32(x ^ (s[:, None] >> 7), 3)
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass(frozen=True)
