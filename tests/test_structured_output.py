@@ -151,6 +151,54 @@ def test_every_sample_of_a_prompt_follows_the_grammar(models):
             _follows_its_grammar(engine, sp, out)
 
 
+def test_a_grammar_completed_inside_a_step_ends_the_request_there(models):
+    """A draft guessing the stop token right after the root: the step's bonus draw past the
+    grammar's completion is no grammar's, and is not kept (ignore_eos or not)."""
+    folder, draft = models
+    sp = {"regex": "a", "max_new_tokens": 8, "temperature": 0}
+    with Engine(model_path=folder, device="cpu") as engine:
+        plain = [
+            engine.generate(prompt="hello", sampling_params={**sp, "ignore_eos": i})
+            for i in (False, True)
+        ]
+    with Engine(model_path=folder, device="cpu", **_tree(draft, 3, 1, 4)) as engine:
+        drafter, eos = engine.core.worker.step.drafter, engine.tokenizer.eos_token_id
+        draft_trees = drafter.draft
+
+        def guessing_eos(batch, shape=None):
+            trees = draft_trees(batch, shape)
+            if trees.tokens.shape[1] > 1:
+                trees.tokens[:, 1] = eos
+            return trees
+
+        drafter.draft = guessing_eos
+        for ignore_eos, want in zip((False, True), plain):
+            out = engine.generate(prompt="hello", sampling_params={**sp, "ignore_eos": ignore_eos})
+            assert out["output_ids"] == want["output_ids"] and out["text"] == "a"
+            assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+
+
+def test_log_probs_under_a_grammar_are_the_models_own_and_finite(models):
+    folder, draft = models
+    sp = {"regex": "(yes|no)", "max_new_tokens": 8, "temperature": 0}
+    options = {"return_logprob": True, "top_logprobs_num": 5}
+    for extra in ({}, _tree(draft, 3, 2, 6)):
+        with Engine(model_path=folder, device="cpu", **extra) as engine:
+            constrained = engine.generate(prompt="hi", sampling_params=sp, **options)
+            free = engine.generate(
+                prompt="hi", sampling_params={"max_new_tokens": 1, "temperature": 0}, **options
+            )
+        meta = constrained["meta_info"]
+        values = [v for v, _, _ in meta["output_token_logprobs"]]
+        values += [v for top in meta["output_top_logprobs"] for v, _, _ in top]
+        assert all(v > float("-inf") for v in values)
+        # the first position's alternatives are the unconstrained model's (its prompt is
+        # cached by then: the values agree to rounding)
+        got, want = meta["output_top_logprobs"][0], free["meta_info"]["output_top_logprobs"][0]
+        assert [t for _, t, _ in got] == [t for _, t, _ in want]
+        assert [v for v, _, _ in got] == pytest.approx([v for v, _, _ in want], abs=1e-5)
+
+
 def test_a_bad_or_unservable_grammar_is_refused_naming_its_field(models):
     folder, draft = models
     with Engine(model_path=folder, device="cpu") as engine:
@@ -333,6 +381,10 @@ def test_a_bad_structured_output_request_gets_400_naming_the_field(served):
         ({"guided_choice": []}, "guided_choice"),
         ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
         ({"guided_regex": "a", "regex": "b"}, "regex"),
+        (
+            {"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+            "structured_outputs.disable_any_whitespace",
+        ),
     ]
     for extra, param in cases:
         r = served.http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 4, **extra})

@@ -21,7 +21,7 @@ from specserve.model.sharding import draft_target, local_kv_heads
 from specserve.ops.attention import TorchAttentionBackend
 from specserve.runtime.capacity import context_length, kv_pages
 from specserve.runtime.draft_lag import DraftLag
-from specserve.runtime.grammar import GrammarCompiler, advance_grammar, grammar_spec
+from specserve.runtime.grammar import GrammarCompiler, finish_by_grammar, grammar_spec
 from specserve.runtime.host_clock import HostClock
 from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import ReqState, Request
@@ -384,11 +384,16 @@ class EngineCore:
         it is enough, since its pages are reaped only once no launched step can still write
         them."""
         try:
+            # the grammar first: it keeps the tokens up to the one completing it, or before
+            # one it refuses (a draw at a node past its completion is unconstrained)
+            ended = None
+            if req.grammar is not None:
+                tokens, ended = req.grammar.take(tokens)
             kept = self.stop_checker.append_tokens(req, tokens)
             if logprobs is not None:
                 req.logprobs.output.extend(logprobs, limit=kept)
-            if req.grammar is not None:
-                advance_grammar(req, tokens[:kept])
+            if ended is not None and not req.finished:
+                finish_by_grammar(req, ended, tokens)
         except Exception as e:
             log.exception("request %s: processing its new tokens failed", req.rid)
             req.finish("abort", message=f"internal error: {type(e).__name__}: {e}")

@@ -20,6 +20,11 @@ import torch
 from specserve.errors import InvalidArgument
 from specserve.sampling_params import GRAMMAR_PARAMS
 
+# Compiled grammars kept for reuse (each holds token-mask tables): least recently used ones
+# go past this (vLLM's default), so clients sending ever new schemas cannot grow the host's
+# memory without bound.
+CACHE_BYTES = 512 * 2**20
+
 
 def _xgrammar():
     try:
@@ -50,7 +55,7 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size
                 )
-                self._compiler = xgr.GrammarCompiler(info)
+                self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
             return self._compiler
 
     def compile(self, field: str, spec: str):
@@ -88,6 +93,17 @@ class RequestGrammar:
         """Advance over emitted tokens; False if one of them leaves the grammar."""
         return all(self.matcher.accept_token(int(t)) for t in tokens)
 
+    def take(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Advance over a step's tokens as far as the grammar goes: (the tokens taken, None
+        if all of them were; "complete" if the last one taken completed the grammar;
+        "refused" if the one after them left it)."""
+        for i, t in enumerate(tokens):
+            if not self.matcher.accept_token(int(t)):
+                return tokens[:i], "refused"
+            if self.matcher.is_terminated():
+                return tokens[: i + 1], "complete"
+        return tokens, None
+
     @property
     def terminated(self) -> bool:
         """The grammar is complete (its stop token accepted): nothing may follow."""
@@ -107,15 +123,15 @@ class RequestGrammar:
         )
 
 
-def advance_grammar(req, tokens) -> None:
-    """A request's grammar takes its new tokens; a complete grammar ends the request (nothing
-    may follow it, ignore_eos or not)."""
-    if not req.grammar.accept(tokens):
+def finish_by_grammar(req, ended: str, tokens) -> None:
+    """End a request whose grammar is complete ("complete": nothing may follow it, ignore_eos
+    or not) or refused its next token ("refused": no token of the vocabulary continues it)."""
+    if ended == "complete":
+        req.finish("stop", matched=int(tokens[-1]))
+    else:
         req.finish(
             "abort", message="structured output: no token of the vocabulary continues the grammar"
         )
-    elif tokens and req.grammar.terminated and not req.finished:
-        req.finish("stop", matched=int(tokens[-1]))
 
 
 def _child_links(parents: list[int]) -> tuple[list[int], list[int]]:

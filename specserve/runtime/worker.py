@@ -307,9 +307,11 @@ class Worker:
             logits = self.target.model.compute_logits(out.hidden[last_rows], self.kernels)
             reqs = [chunks[i].req for i in done]
             sample_pos = to_device(torch.tensor([chunks[i].end for i in done]), dev)
-            if any(r.grammar is not None for r in reqs):
-                apply_token_bitmask(logits, next_token_bitmask(reqs, logits.shape[-1], dev))
-            sampled = sample(logits, request_sampling(reqs, dev), sample_pos, self.kernels)
+            drawn_from = logits
+            if any(r.grammar is not None for r in reqs):  # (log-probs: the model's own)
+                drawn_from = logits.clone()
+                apply_token_bitmask(drawn_from, next_token_bitmask(reqs, logits.shape[-1], dev))
+            sampled = sample(drawn_from, request_sampling(reqs, dev), sample_pos, self.kernels)
             first_logprobs = self._first_token_logprobs(reqs, logits, sampled)
         if graphed and self.drafter.graphs_prefill:
             c = chunks[0]  # the token after the chunk: sampled, or the prompt's own

@@ -100,6 +100,12 @@ def _structured_outputs(value: Any) -> tuple[str, Any]:
             param="structured_outputs",
         )
     given = [k for k in keys if value.get(k) not in (None, False)]
+    if value.get("disable_any_whitespace"):
+        raise APIError(
+            "structured_outputs.disable_any_whitespace: is not supported (only false): JSON "
+            "takes any whitespace between tokens",
+            param="structured_outputs.disable_any_whitespace",
+        )
     unknown = sorted(set(value) - set(keys) - {"disable_any_whitespace"})
     if unknown or len(given) != 1:
         raise APIError(

@@ -259,13 +259,15 @@ class DecodeStep:
         out = self.target.forward(tokens, positions, meta, self.drafter.capture_layers, packed)
         st = batch.sampling
         logits = self.target.model.compute_logits(out.hidden, kernels, upcast=not st.all_greedy)
-        if grammar is not None:
+        drawn_from = logits
+        if grammar is not None:  # (log-probs stay the model's own, as vLLM reports them)
             bitmask = grammar.tree_bitmask(trees.tokens, trees.parents)
-            apply_token_bitmask(logits, bitmask if plan is None else bitmask[plan.packed])
+            drawn_from = logits.clone()
+            apply_token_bitmask(drawn_from, bitmask if plan is None else bitmask[plan.packed])
         if n > 1 and not st.all_greedy:  # greedy rows need no per-node sampling parameters
             st = st.expand(n) if plan is None else st.expand(n).take(plan.packed)
         # each node's draw is for the position after it: kv_len + depth + 1
-        drawn = sample(logits, st, positions + 1, kernels)
+        drawn = sample(drawn_from, st, positions + 1, kernels)
         if plan is None:
             target_tokens = drawn.view(b, n)
             node_rows = torch.arange(b * n, device=self.device).view(b, n)
