@@ -34,7 +34,7 @@ def _refused(field: str, **kwargs) -> InvalidArgument:
     "overrides, named",
     [
         ({"model_type": "gemma"}, "gemma"),
-        ({"model_type": "mistral", "sliding_window": 8}, "mistral"),
+        ({"model_type": "mistral", "sliding_window": 8}, "sliding_window"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"attention_bias": True}, "attention_bias"),  # a Llama's bias covers o_proj too
@@ -70,6 +70,7 @@ def test_a_sliding_window_that_is_switched_off_or_covers_the_context_loads(tmp_p
         [
             {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4},
             {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 512},
+            {"model_type": "mistral", "sliding_window": None},
         ]
     ):
         folder = write_dummy_config(str(tmp_path / f"m{i}"), **overrides)
@@ -266,3 +267,30 @@ def test_a_context_longer_than_the_model_is_refused_and_resolved_args_report_wha
         assert resolved["max_total_tokens"] == engine.core.max_total_tokens
         reasons = {d["field"]: d["reason"] for d in resolved["decisions"]}
         assert "max_position_embeddings" in reasons["context_length"]
+
+
+def test_a_mistral_folder_without_a_short_window_gives_transformers_logits(tmp_path):
+    import transformers
+
+    from tests.model_factory import (
+        SequenceRunner,
+        _randomize_small_params_,
+        load_hf_model,
+        load_ours,
+        random_prompt,
+    )
+
+    cfg = transformers.MistralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=None,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(cfg).float().eval()
+    _randomize_small_params_(model, 0)
+    model.save_pretrained(tmp_path / "mistral")
+    ids = random_prompt(40, 256, seed=1)
+    ours = SequenceRunner(load_ours(tmp_path / "mistral")).extend({"a": ids})["a"]
+    with torch.no_grad():
+        ref = load_hf_model(tmp_path / "mistral")(torch.tensor([ids])).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()

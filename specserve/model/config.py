@@ -104,7 +104,8 @@ class ModelConfig:
         )
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# (a Mistral without a sliding window shorter than its context is a Llama)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _REQUIRED_HF_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -152,7 +153,8 @@ def _check_supported(cfg: dict[str, Any], model_type: str) -> None:
         raise ValueError("attention_bias is not supported for model_type 'llama'")
     window = cfg.get("sliding_window")
     positions = cfg.get("max_position_embeddings", 4096)
-    if cfg.get("use_sliding_window") and window is not None and window < positions:
+    windowed = cfg.get("use_sliding_window") or model_type == "mistral"
+    if windowed and window is not None and window < positions:
         raise ValueError(
             f"sliding-window attention (sliding_window {window} < max_position_embeddings "
             f"{positions}) is not supported"
