@@ -26,12 +26,12 @@ from specserve.sampling_params import GRAMMAR_PARAMS
 CACHE_BYTES = 512 * 2**20
 
 
-def _xgrammar():
+def _xgrammar(field: str = "json_schema"):
     try:
         import xgrammar
     except ImportError as e:  # (a dependency of the package; a hand-made environment may lack it)
         raise InvalidArgument(
-            "json_schema", f"structured output needs xgrammar, which is not importable: {e}"
+            field, f"structured output needs xgrammar, which is not importable: {e}"
         ) from e
     return xgrammar
 
@@ -48,10 +48,10 @@ class GrammarCompiler:
         self._compiler = None
         self._lock = threading.Lock()  # built once, by whichever thread asks first
 
-    def _get(self):
+    def _get(self, field: str):
         with self._lock:
             if self._compiler is None:
-                xgr = _xgrammar()
+                xgr = _xgrammar(field)
                 info = xgr.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size
                 )
@@ -62,7 +62,7 @@ class GrammarCompiler:
         """The compiled grammar of `spec` given as sampling parameter `field`."""
         if self.unsupported is not None:
             raise InvalidArgument(field, f"structured output {self.unsupported}")
-        compiler = self._get()
+        compiler = self._get(field)
         try:
             if field == "json_schema":
                 return compiler.compile_json_schema(spec)
@@ -116,7 +116,7 @@ class RequestGrammar:
     def fill_tree(self, tokens: torch.Tensor, parents: torch.Tensor, bitmask: torch.Tensor):
         """bitmask[i] for each node i of one draft tree (node 0: the root, the last emitted
         token): the tokens allowed after the path to node i. A node whose own token the grammar
-        forbids can never be accepted; its row allows nothing (`allow_where_empty`)."""
+        forbids is never accepted; its row comes back empty (see `allow_where_empty`)."""
         first_child, next_sibling = _child_links(parents.tolist())
         self.matcher.traverse_draft_tree(
             torch.tensor(first_child), torch.tensor(next_sibling), tokens, bitmask
