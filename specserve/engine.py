@@ -434,7 +434,7 @@ class Engine:
 
     def _check_request(
         self, ids: list[int], params: SamplingParams, field: str, logprob_options: dict[str, Any]
-    ) -> dict[str, Any]:
+    ) -> tuple[dict[str, Any], Any]:
         """What a prompt's requests need beyond their parameters' own checks; returns the
         log-prob options with their defaults and the compiled grammar of structured output."""
         self.core.validate_prompt(ids, field)

@@ -80,10 +80,6 @@ class SamplingParams:
             setattr(self, f.name, check_field(f.name, getattr(self, f.name), max_temperature))
         self._check_one_grammar()
 
-    @property
-    def constrained(self) -> bool:
-        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
-
     def _check_one_grammar(self) -> None:
         given = [n for n in GRAMMAR_PARAMS if getattr(self, n) is not None]
         if len(given) > 1:
