@@ -20,7 +20,7 @@ from specserve.config import EngineConfig
 from specserve.errors import InvalidArgument
 from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
-from specserve.runtime.grammar import RequestGrammar
+from specserve.runtime.grammar import RequestGrammar, grammar_spec
 from specserve.runtime.logprobs import TokenLogprobs, add_logprobs, sglang_logprobs
 from specserve.runtime.request import Request
 from specserve.runtime.tensor_parallel import start_engine_core
@@ -407,6 +407,7 @@ class Engine:
         else each its own random seed; samples after the first wait for its prefill
         (`prefill_after`), to reuse the prompt's pages."""
         opts, compiled = self._check_request(ids, params, field, logprob_options)
+        grammar_field = None if compiled is None else grammar_spec(params)[0]
         if not opts["return_logprob"]:
             opts["logprob_start_len"] = -1  # (a cached prefix may then cover the prompt)
         with self._lock:
@@ -423,7 +424,7 @@ class Engine:
                 prompt_ids=list(ids),
                 params=params,
                 seed=seed,
-                grammar=None if compiled is None else RequestGrammar(compiled),
+                grammar=None if compiled is None else RequestGrammar(compiled, grammar_field),
                 **opts,
             )
             for i, seed in enumerate(seeds)

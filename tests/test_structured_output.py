@@ -15,6 +15,8 @@ from specserve import Engine, InvalidArgument
 from specserve.model.hf_loader import load_hf_config
 from specserve.ops.token_bitmask import apply_token_bitmask, apply_token_bitmask_reference
 from specserve.runtime.grammar import BatchGrammar, GrammarCompiler, RequestGrammar, new_bitmask
+from specserve.server.app import create_app
+from specserve.server.state import ServerConfig
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 from tests.model_factory import build_tokenizer, write_hf_model
 from tests.test_server import Served, ServerThread
@@ -199,6 +201,31 @@ def test_log_probs_under_a_grammar_are_the_models_own_and_finite(models):
         assert [v for v, _, _ in got] == pytest.approx([v for v, _, _ in want], abs=1e-5)
 
 
+def test_a_grammar_the_vocabulary_cannot_follow_ends_its_request_as_a_client_error(tmp_path):
+    """A one-character-per-token vocabulary without 'é': a grammar no output can begin is
+    refused on submission; one that dead-ends after its first token aborts with a client
+    error (status 400) naming its field, keeping the tokens it took."""
+    folder = write_hf_model(tmp_path / "ascii", vocab_size=120, with_tokenizer=True)
+    with Engine(model_path=folder, device="cpu") as engine:
+        with pytest.raises(InvalidArgument) as info:
+            engine.generate(prompt="hi", sampling_params={"regex": "é+"})
+        assert info.value.field == "regex"
+        out = engine.generate(prompt="hi", sampling_params={"regex": "aé", "temperature": 0})
+        assert out["text"] == "a"
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and reason["status_code"] == 400
+        assert reason["param"] == "regex"
+        app = create_app(engine, ServerConfig(), owns_engine=False)
+        with ServerThread(app) as srv:
+            served = Served(engine, srv, folder)
+            for regex, param in (("é+", "guided_regex"), ("aé", None)):
+                body = {"prompt": "hi", "guided_regex": regex, "max_tokens": 4}
+                r = served.http.post(COMPLETIONS, json=body)
+                err = error_of(r)
+                assert r.status_code == 400 and err["param"] == (param or "regex"), r.text
+            served.http.close()
+
+
 def test_a_bad_or_unservable_grammar_is_refused_naming_its_field(models):
     folder, draft = models
     with Engine(model_path=folder, device="cpu") as engine:
@@ -308,9 +335,6 @@ def _next_mask(grammar: RequestGrammar) -> torch.Tensor:
 # ---- the OpenAI routes --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served(models):
-    from specserve.server.app import create_app
-    from specserve.server.state import ServerConfig
-
     folder, draft = models
     with Engine(model_path=folder, device="cpu", **_tree(draft, 3, 2, 6)) as engine:
         app = create_app(engine, ServerConfig(), owns_engine=False)
@@ -379,6 +403,7 @@ def test_a_bad_structured_output_request_gets_400_naming_the_field(served):
             "response_format",
         ),
         ({"guided_choice": []}, "guided_choice"),
+        ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"),
         ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
         ({"guided_regex": "a", "regex": "b"}, "regex"),
         (

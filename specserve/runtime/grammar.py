@@ -65,12 +65,18 @@ class GrammarCompiler:
         compiler = self._get(field)
         try:
             if field == "json_schema":
-                return compiler.compile_json_schema(spec)
-            if field == "regex":
-                return compiler.compile_regex(spec)
-            return compiler.compile_grammar(spec)
+                compiled = compiler.compile_json_schema(spec)
+            elif field == "regex":
+                compiled = compiler.compile_regex(spec)
+            else:
+                compiled = compiler.compile_grammar(spec)
         except Exception as e:  # xgrammar reports a bad schema / pattern as a RuntimeError
             raise InvalidArgument(field, f"cannot be compiled: {e}") from None
+        first = new_bitmask(1, self.vocab_size)
+        RequestGrammar(compiled, field).fill_next(first, 0)
+        if not first.any():
+            raise InvalidArgument(field, "no token of the vocabulary can begin an output of it")
+        return compiled
 
 
 def grammar_spec(params) -> tuple[str, str] | None:
@@ -85,9 +91,11 @@ def grammar_spec(params) -> tuple[str, str] | None:
 class RequestGrammar:
     """One request's grammar state: the tokens it has emitted, accepted in order."""
 
-    def __init__(self, compiled):
-        xgr = _xgrammar()
+    def __init__(self, compiled, field: str = "json_schema"):
+        """field: the sampling parameter that gave the grammar (errors name it)."""
+        xgr = _xgrammar(field)
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.field = field
 
     def accept(self, tokens) -> bool:
         """Advance over emitted tokens; False if one of them leaves the grammar."""
@@ -128,9 +136,13 @@ def finish_by_grammar(req, ended: str, tokens) -> None:
     or not) or refused its next token ("refused": no token of the vocabulary continues it)."""
     if ended == "complete":
         req.finish("stop", matched=int(tokens[-1]))
-    else:
+    else:  # (the request's own fault: a client error, as its grammar's field says)
+        field = req.grammar.field
         req.finish(
-            "abort", message="structured output: no token of the vocabulary continues the grammar"
+            "abort",
+            message=f"{field}: no token of the vocabulary continues this grammar",
+            status_code=400,
+            param=field,
         )
 
 

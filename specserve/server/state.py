@@ -258,6 +258,8 @@ class ServerState:
                 status=503,
                 type="service_unavailable_error",
             )
+        elif reason.get("status_code") == 400:  # the request's own fault (its grammar)
+            err = APIError(f"request aborted: {message}", param=reason.get("param"))
         else:
             err = APIError(f"request aborted: {message}", status=500, type="server_error")
         err.rejected = False  # it reached the engine

@@ -99,6 +99,12 @@ def _structured_outputs(value: Any) -> tuple[str, Any]:
             f"structured_outputs: must be an object, got {short(value)}",
             param="structured_outputs",
         )
+    flag = value.get("json_object")
+    if flag is not None and not isinstance(flag, bool):
+        raise APIError(
+            f"structured_outputs.json_object: must be true or false, got {short(flag)}",
+            param="structured_outputs.json_object",
+        )
     given = [k for k in keys if value.get(k) not in (None, False)]
     if value.get("disable_any_whitespace"):
         raise APIError(
