@@ -218,11 +218,19 @@ def test_a_grammar_the_vocabulary_cannot_follow_ends_its_request_as_a_client_err
         app = create_app(engine, ServerConfig(), owns_engine=False)
         with ServerThread(app) as srv:
             served = Served(engine, srv, folder)
-            for regex, param in (("é+", "guided_regex"), ("aé", None)):
-                body = {"prompt": "hi", "guided_regex": regex, "max_tokens": 4}
-                r = served.http.post(COMPLETIONS, json=body)
-                err = error_of(r)
-                assert r.status_code == 400 and err["param"] == (param or "regex"), r.text
+            for regex in ("é+", "aé"):  # refused on submission; aborted after "a"
+                for stream in (False, True):
+                    body = {"prompt": "hi", "guided_regex": regex, "max_tokens": 4}
+                    r = served.http.post(COMPLETIONS, json={**body, "stream": stream})
+                    if stream and regex == "aé":  # the stream has begun: an error event
+                        assert r.status_code == 200 and '"param":"guided_regex"' in r.text
+                        continue
+                    err = error_of(r)
+                    assert r.status_code == 400 and err["param"] == "guided_regex", r.text
+                    assert (
+                        err["message"].startswith("guided_regex")
+                        or "guided_regex" in err["message"]
+                    )
             served.http.close()
 
 

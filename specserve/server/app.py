@@ -259,7 +259,7 @@ async def _generate(request: Request, state: ServerState):
     for out in outs:
         reason = out["meta_info"].get("finish_reason") or {}
         if reason.get("type") == "abort":
-            raise state.abort_error(out["meta_info"])
+            raise run.abort_error(out["meta_info"])
     # one prompt sampled n > 1 times answers a list of n outputs, as SGLang
     return JSONResponse(outs[0] if single and len(outs) == 1 else outs)
 
@@ -276,7 +276,7 @@ async def _generate_chunks(run):
         meta = out["meta_info"]
         add_logprobs(logprobs.setdefault(index, {}), meta)
         if out["finished"] and (meta.get("finish_reason") or {}).get("type") == "abort":
-            yield openai_api.sse(run.state.abort_error(meta).body())
+            yield openai_api.sse(run.abort_error(meta).body())
             break
         meta = {**meta, **{k: list(v) for k, v in logprobs[index].items()}}
         yield openai_api.sse(

@@ -159,7 +159,7 @@ async def completions(request: Request, state: ServerState):
     for i, out in enumerate(outs):
         meta = out["meta_info"]
         if finish_reason(meta) == "abort":
-            raise state.abort_error(meta)
+            raise run.abort_error(meta)
         choice: dict[str, Any] = {
             "index": i,
             "text": (echoes[i // n] if echoes else "") + out["text"],
@@ -253,7 +253,7 @@ async def _completion_chunks(
         if out["finished"]:
             metas[index] = meta
             if finish_reason(meta) == "abort":
-                yield sse(state.abort_error(meta).body())
+                yield sse(run.abort_error(meta).body())
                 yield SSE_DONE
                 return
             yield chunk(index, "", finish_reason(meta), [] if with_ids else None)
@@ -304,7 +304,7 @@ async def chat_completions(request: Request, state: ServerState):
     for i, out in enumerate(outs):
         meta = out["meta_info"]
         if finish_reason(meta) == "abort":
-            raise state.abort_error(meta)
+            raise run.abort_error(meta)
         choice: dict[str, Any] = {
             "index": i,
             "message": {"role": "assistant", "content": out["text"]},
@@ -366,7 +366,7 @@ async def _chat_chunks(
         if out["finished"]:
             metas[index] = meta
             if finish_reason(meta) == "abort":
-                yield sse(state.abort_error(meta).body())
+                yield sse(run.abort_error(meta).body())
                 yield SSE_DONE
                 return
             yield chunk(index, {}, finish_reason(meta))

@@ -248,8 +248,11 @@ class ServerState:
             run.end_now(message)
         self.abort_all()
 
-    def abort_error(self, meta: dict[str, Any]) -> APIError:
-        """The error for a request the engine aborted (shutdown or an internal failure)."""
+    def abort_error(
+        self, meta: dict[str, Any], rename: dict[str, str] | None = None, prefix: str = ""
+    ) -> APIError:
+        """The error for a request the engine aborted (shutdown, an internal failure, or the
+        request's own fault: its grammar, named as the client wrote it through `rename`)."""
         reason = meta.get("finish_reason") or {}
         message = str(reason.get("message") or "request aborted")
         if self.shutting_down or "shut down" in message:
@@ -259,7 +262,11 @@ class ServerState:
                 type="service_unavailable_error",
             )
         elif reason.get("status_code") == 400:  # the request's own fault (its grammar)
-            err = APIError(f"request aborted: {message}", param=reason.get("param"))
+            field = reason.get("param")
+            param = (rename or {}).get(field, prefix + field) if field else None
+            if field and message.startswith(field + ": "):
+                message = f"{param}: {message[len(field) + 2 :]}"
+            err = APIError(f"request aborted: {message}", param=param)
         else:
             err = APIError(f"request aborted: {message}", status=500, type="server_error")
         err.rejected = False  # it reached the engine
@@ -316,7 +323,7 @@ class ServerState:
         except InvalidArgument as e:
             raise engine_error(e, rename, prefix) from None
         self.reserve(total)
-        run = Run(self, asyncio.get_running_loop())
+        run = Run(self, asyncio.get_running_loop(), rename, prefix)
         self.runs.add(run)
         try:
             for i, (ids, sp, n) in enumerate(zip(prompts, params, counts)):
@@ -337,8 +344,16 @@ class ServerState:
 
 
 class Run:
-    def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        state: ServerState,
+        loop: asyncio.AbstractEventLoop,
+        rename: dict[str, str] | None = None,
+        prefix: str = "",
+    ):
+        """rename, prefix: the engine's field names as the client wrote them (errors)."""
         self.state = state
+        self.rename, self.prefix = rename or {}, prefix
         self.outbox = state.outbox(loop)  # every output reaches the run's queue through it
         self.queue: asyncio.Queue = asyncio.Queue()
         self.rids: list[str] = []  # engine request ids, by choice index
@@ -394,6 +409,10 @@ class Run:
         self.rids += rids
         self.names += names
         self.unfinished.update(range(base, base + n))
+
+    def abort_error(self, meta: dict[str, Any]) -> APIError:
+        """The error for one of this run's requests that the engine aborted."""
+        return self.state.abort_error(meta, self.rename, self.prefix)
 
     def abort(self) -> None:
         """Abort what has not finished (client gone, error, shutdown); frees its KV. By engine
