@@ -258,28 +258,30 @@ class Engine:
         """Low-level: validated submission of the prompt's n samples (the server uses this).
         `on_output(index, dict)` is called from the loop thread with each sample's incremental
         outputs. Returns the samples' request ids (`rid`, or with n > 1 `rid-0` ...)."""
+        reqs = self.make_samples(prompt_ids, sampling_params, rid, **logprob_options)
+        return self.submit_made(reqs, on_output)
+
+    def make_samples(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict | SamplingParams | None,
+        rid: str | None = None,
+        **logprob_options: Any,
+    ) -> list[Request]:
+        """The prompt's n sample requests, validated (InvalidArgument), not yet submitted: a
+        server builds every prompt's before it admits any."""
         (opts,) = self._normalize_logprob_options(1, **logprob_options)
-        reqs = self._make_requests(
-            prompt_ids, SamplingParams.from_any(sampling_params), rid, "input_ids", opts
-        )
+        params = SamplingParams.from_any(sampling_params)
+        return self._make_requests(prompt_ids, params, rid, "input_ids", opts)
+
+    def submit_made(self, reqs: list[Request], on_output) -> list[str]:
+        """Submit requests from `make_samples`; see `submit_samples`."""
         self._check_running()
         for i, req in enumerate(reqs):
             req.on_output = self._incremental_callback(on_output, i)
             self._inbox.put(("add", req))
         self._wake.set()
         return [r.name for r in reqs]  # (the engine may key them apart: see add_request)
-
-    def check_submission(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict | SamplingParams | None,
-        **logprob_options: Any,
-    ) -> None:
-        """Raise the InvalidArgument that `submit_samples` would, without submitting (a server
-        checks every prompt of a batch before it admits any)."""
-        (opts,) = self._normalize_logprob_options(1, **logprob_options)
-        params = SamplingParams.from_any(sampling_params)
-        self._check_request(prompt_ids, params, "input_ids", opts)
 
     def _incremental_callback(self, on_output, index: int):
         tokenizer = self.tokenizer

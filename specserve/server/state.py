@@ -272,17 +272,6 @@ class ServerState:
         err.rejected = False  # it reached the engine
         return err
 
-    def _check_rid_free(self, rid: str, n: int) -> None:
-        names = sample_rids(rid, n)
-        with self._lock:
-            taken = next((r for r in names if r in self.active_rids), None)
-        if taken is not None:
-            raise InvalidArgument(
-                "rid",
-                f"request id {taken!r} is in use by a request still running; choose "
-                "another id, or reuse it once that request has finished",
-            )
-
     async def compile_grammars(
         self, params: list[dict[str, Any]], rename: dict[str, str], prefix: str = ""
     ) -> None:
@@ -308,26 +297,31 @@ class ServerState:
         """Admit and submit each prompt's n samples (sampling parameter `n`) as engine
         requests; choice i * n + j is prompt i's sample j. rids: the client's id of each
         prompt. Raises APIError (400/503)."""
-        counts = [sp.get("n", 1) if isinstance(sp.get("n", 1), int) else 1 for sp in params]
-        total = sum(counts)
-        # every prompt is checked before any is admitted: a bad one is a 400 whatever the
-        # load, and costs no engine work for the prompts before it
+        # every prompt's requests are built (validated) before any is admitted: a bad one is
+        # a 400 whatever the load, and costs no engine work for the prompts before it
         try:
             if rids and len(set(rids)) < len(rids):
                 repeated = next(r for r in rids if rids.count(r) > 1)
                 raise InvalidArgument("rid", f"request id {repeated!r} is given to two prompts")
+            made = []
             for i, (ids, sp) in enumerate(zip(prompts, params)):
-                self.engine.check_submission(ids, sp, **(logprob_options or {}))
-                if rids:
-                    self._check_rid_free(rids[i], counts[i])
+                reqs = self.engine.make_samples(
+                    ids, sp, uuid.uuid4().hex, **(logprob_options or {})
+                )
+                name = rids[i] if rids else None
+                if name:
+                    with self._lock:
+                        _check_ids_free(self.active_rids, sample_rids(name, len(reqs)))
+                made.append((reqs, name))
         except InvalidArgument as e:
             raise engine_error(e, rename, prefix) from None
+        total = sum(len(reqs) for reqs, _ in made)
         self.reserve(total)
         run = Run(self, asyncio.get_running_loop(), rename, prefix)
         self.runs.add(run)
         try:
-            for i, (ids, sp, n) in enumerate(zip(prompts, params, counts)):
-                run.submit(ids, sp, n, rids[i] if rids else None, logprob_options)
+            for reqs, name in made:
+                run.submit(reqs, name)
         except InvalidArgument as e:
             run.abort()
             self.release(total - len(run.rids))
@@ -341,6 +335,17 @@ class ServerState:
             self.release(total - len(run.rids))
             raise
         return run
+
+
+def _check_ids_free(active_rids: dict[str, str], names: list[str]) -> None:
+    """(called holding the state's lock)"""
+    taken = next((r for r in names if r in active_rids), None)
+    if taken is not None:
+        raise InvalidArgument(
+            "rid",
+            f"request id {taken!r} is in use by a request still running; choose another id, "
+            "or reuse it once that request has finished",
+        )
 
 
 class Run:
@@ -364,19 +369,12 @@ class Run:
     def id(self) -> str:
         return self.names[0]
 
-    def submit(
-        self,
-        ids: list[int],
-        sp: dict[str, Any],
-        n: int,
-        rid: str | None,
-        logprob_options: dict[str, Any] | None,
-    ) -> None:
-        """Submit one prompt's n samples as the next n choices."""
+    def submit(self, reqs: list, rid: str | None) -> None:
+        """Submit one prompt's sample requests (`Engine.make_samples`) as the next choices;
+        rid: the client's id of the prompt."""
         state, outbox, queue = self.state, self.outbox, self.queue
-        base = len(self.rids)
-        group = uuid.uuid4().hex
-        rids = sample_rids(group, n)
+        base, n = len(self.rids), len(reqs)
+        rids = [r.name for r in reqs]
         names = sample_rids(rid, n) if rid else rids
 
         def on_output(j: int, out: dict[str, Any]) -> None:  # runs on the engine's thread
@@ -390,17 +388,11 @@ class Run:
             except Exception:
                 log.exception("output delivery failed")
 
-        with state._lock:
-            taken = next((r for r in names if r in state.active_rids), None)
-            if taken is not None:
-                raise InvalidArgument(
-                    "rid",
-                    f"request id {taken!r} is in use by a request still running; choose "
-                    "another id, or reuse it once that request has finished",
-                )
+        with state._lock:  # (checked again: another request may have taken the id since)
+            _check_ids_free(state.active_rids, names)
             state.active_rids.update(zip(names, rids))
         try:
-            state.engine.submit_samples(ids, sp, on_output, group, **(logprob_options or {}))
+            state.engine.submit_made(reqs, on_output)
         except BaseException:
             with state._lock:
                 for name in names:
