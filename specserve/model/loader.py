@@ -169,12 +169,12 @@ def _load_tokenizer(src: ModelSource, tokenizer_path: str | None, field: str):
         except _UNREADABLE as e:
             raise InvalidArgument("tokenizer_path", f"{tokenizer_path!r}: {e}") from e
     if src.kind == "gguf":
-        if not gguf_has_tokenizer(src.path):
-            log.warning("%s holds no tokenizer: token ids only", src.path)
-            return None
         try:
             return load_tokenizer(src.path, "gguf")
         except _UNREADABLE as e:
+            if not gguf_has_tokenizer(src.path):  # (asked only then: it parses the header)
+                log.warning("%s holds no tokenizer: token ids only", src.path)
+                return None
             raise InvalidArgument(field, f"{src.path!r}: its tokenizer: {e}") from e
     if src.kind == "hf" and has_tokenizer_files(src.path):
         try:
