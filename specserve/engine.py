@@ -40,11 +40,9 @@ def request_output(req: Request, incremental: bool = False, tokenizer=None) -> d
     first_ids = req.stream_sent_tokens if incremental else 0
     with_input = not (incremental and req.stream_sent_input_logprobs)
     if incremental:
-        # While a stop string could still complete across the next tokens, hold back its
-        # possible beginning: text once sent cannot be taken back.
-        hold = (
-            0 if req.finished or not req.params.stop else max(len(x) for x in req.params.stop) - 1
-        )
+        # While a stop string could still complete across the next tokens, hold back the end
+        # of the text that could begin one: text once sent cannot be taken back.
+        hold = 0 if req.finished else stop_string_start(req.text, req.params.stop)
         limit = max(req.stream_sent_chars, len(req.text) - hold)
         text = req.text[req.stream_sent_chars : limit]
         ids = req.output_ids[req.stream_sent_tokens :]
@@ -52,7 +50,7 @@ def request_output(req: Request, incremental: bool = False, tokenizer=None) -> d
     else:
         text, ids = req.text, list(req.output_ids)
         if not req.detokenizes_live and req.finished and req.detok is not None:
-            text = req.text = req.detok.text_of(ids)
+            text = req.text = req.detok.text_of(req.text_ids)
     meta: dict[str, Any] = {
         "id": req.name,
         "prompt_tokens": len(req.prompt_ids),
@@ -72,6 +70,17 @@ def request_output(req: Request, incremental: bool = False, tokenizer=None) -> d
     if req.return_logprob:
         meta.update(_logprob_meta(req, first_ids, with_input, tokenizer))
     return {"text": text, "output_ids": ids, "meta_info": meta, "finished": req.finished}
+
+
+def stop_string_start(text: str, stops: list[str]) -> int:
+    """The length of the longest end of `text` that begins one of `stops` (0: none)."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:n]):
+                hold = n
+                break
+    return hold
 
 
 def _logprob_meta(req: Request, first: int, with_input: bool, tokenizer) -> dict[str, Any]:

@@ -3,6 +3,8 @@ character, and the Rust streaming path agrees with the rule run through `decode`
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specserve.model.registry import resolve_packaged
@@ -162,3 +164,113 @@ def test_text_decoded_at_the_end_is_the_streamed_text(tokenizer, skip):
         for ids in cases:
             want = "".join(streamed(IncrementalDetokenizer(tok, skip_special_tokens=skip), ids))
             assert IncrementalDetokenizer(tok, skip_special_tokens=skip).text_of(ids) == want
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_style():
+    """A Llama-2 / Mistral-style tokenizer: words carry their space as a leading "\u2581",
+    byte fallback, and a decoder that drops the space at the start of a sequence."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.model_factory import _CORPUS, _SPECIALS
+
+    rust = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    rust.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    rust.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=list(_SPECIALS), show_progress=False
+    )
+    rust.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    # the 256 byte tokens of the fallback are ordinary vocabulary, as in Llama's
+    spec = json.loads(rust.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    rust = Tokenizer.from_str(json.dumps(spec))
+    return PreTrainedTokenizerFast(tokenizer_object=rust, unk_token="<unk>", eos_token="</s>")
+
+
+def _continuation(tok, prompt: str, answer: str) -> tuple[list[int], list[int], str]:
+    """(prompt ids, the answer's ids after them, the answer's text in the whole decode)."""
+    ids = tok.encode(prompt, add_special_tokens=False)
+    whole = tok.encode(prompt + answer, add_special_tokens=False)
+    assert whole[: len(ids)] == ids
+    out = whole[len(ids) :]
+    return ids, out, tok.decode(ids + out)[len(tok.decode(ids)) :]
+
+
+@pytest.mark.parametrize("python_rule", [False, True])
+def test_an_answer_keeps_the_space_before_its_first_word(sentencepiece_style, python_rule):
+    """Decoded alone, "\u2581Paris" would lose its space ("The capital is" + "Paris."): the
+    first output tokens decode after the prompt's last ones, on both paths, live and at
+    the end, through the stop checker the engine uses."""
+    from specserve.runtime.request import Request
+    from specserve.runtime.stop import StopChecker
+    from specserve.sampling_params import SamplingParams
+
+    tok = _PythonOnly(sentencepiece_style) if python_rule else sentencepiece_style
+    prompt_ids, out, want = _continuation(sentencepiece_style, "the capital is", " the dog.")
+    assert want.startswith(" ") and not sentencepiece_style.decode(out).startswith(" ")
+    checker = StopChecker(tok, {2}, context_len=1024)
+    for stop in ([], ["zzz"]):  # (text at the end; live, as stop strings need)
+        req = Request(
+            rid="r",
+            prompt_ids=prompt_ids,
+            params=SamplingParams(max_new_tokens=64, stop=stop),
+            seed=0,
+        )
+        req.text_at_finish = True
+        checker.append_tokens(req, out)
+        text = req.text if stop else req.detok.text_of(out)
+        assert text == want
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_text_after_a_prompt_decoded_at_the_end_is_the_streamed_text(
+    tokenizer, sentencepiece_style, skip
+):
+    """With the prompt's tail as context, text decoded at once equals the streamed text, on
+    both paths: random prompts (ending inside a character too), outputs of real text."""
+    import random
+
+    from specserve.runtime.detokenizer import prompt_context
+
+    rng = random.Random(1)
+    words = " ".join(TEXTS).split(" ")
+    for real in (tokenizer, sentencepiece_style):
+        vocab = len(real)
+        for tok in (real, _PythonOnly(real)):
+            for _ in range(15):
+                prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))]
+                text = " ".join(rng.choice(words) for _ in range(rng.randrange(1, 12)))
+                ids = real.encode(rng.choice(["", " "]) + text, add_special_tokens=False)
+                context = prompt_context(real, prompt, skip)
+                at_end = IncrementalDetokenizer(tok, skip, context=context).text_of(ids)
+                live = streamed(IncrementalDetokenizer(tok, skip, context=context), ids)
+                assert at_end == "".join(live)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_stray_bytes_do_not_break_a_stream(sentencepiece_style, skip):
+    """Byte-fallback tokens that are not UTF-8 make tokenizers' streaming decoder give up;
+    the request's text goes on by the same rule through `decode`, piece for piece as if it
+    had run that way from the start."""
+    import random
+
+    rng = random.Random(2)
+    tok = sentencepiece_style
+    for _ in range(40):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
+        fast = IncrementalDetokenizer(tok, skip)
+        assert fast._stream is not None
+        assert streamed(fast, ids) == streamed(IncrementalDetokenizer(_PythonOnly(tok), skip), ids)

@@ -80,10 +80,10 @@ def test_a_raising_detokenizer_fails_only_its_request(engine, monkeypatch):
     checker = engine.core.stop_checker
     real = checker.append_tokens
 
-    def append_tokens(req, tokens):
+    def append_tokens(req, tokens, **kwargs):
         if req.rid == "bad" and len(req.output_ids) >= 3:
             raise TypeError("decode() got an unexpected value")
-        return real(req, tokens)
+        return real(req, tokens, **kwargs)
 
     monkeypatch.setattr(checker, "append_tokens", append_tokens)
     threads, results = run_in_background(engine, ps)

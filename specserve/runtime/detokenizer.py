@@ -2,7 +2,10 @@
 
 Text becomes final once decoding the ids since the last final text gives a longer string not
 ending in U+FFFD (an incomplete character). Tokens that change how earlier ones decode (e.g.
-a leading space) are decoded with the tokens just before them (`prefix_offset`).
+a leading space) are decoded with the tokens just before them (`prefix_offset`); the first
+output tokens with the prompt's last ones (`prompt_context`), since a SentencePiece-style
+decoder drops the leading space of a sequence's first token: an answer's first word
+"\u2581Paris" decoded alone would lose its space.
 
 A fast tokenizer whose `decode` is its Rust backend's decode alone runs that rule in Rust
 (`tokenizers.decoders.DecodeStream`): about 2.5 us a token against 19 us for two Python-level
@@ -63,20 +66,40 @@ def stream_backend_of(tokenizer):
 
 _FIND = object()
 
+# The most prompt tokens the first output tokens are decoded after.
+CONTEXT_TOKENS = 8
+
+
+def prompt_context(tokenizer, prompt_ids, skip_special_tokens: bool = True) -> list[int]:
+    """The prompt's shortest tail (at most CONTEXT_TOKENS) that decodes to whole characters:
+    the output decodes after it as it does in the whole text. Empty when none does (a prompt
+    ending inside a character: the output's text then starts afresh)."""
+    for n in range(1, min(len(prompt_ids), CONTEXT_TOKENS) + 1):
+        text = tokenizer.decode(prompt_ids[-n:], skip_special_tokens=skip_special_tokens)
+        if text and "\ufffd" not in text:
+            return list(prompt_ids[-n:])
+    return []
+
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, stream_backend=_FIND):
+    def __init__(
+        self, tokenizer, skip_special_tokens: bool = True, stream_backend=_FIND, context=()
+    ):
         """stream_backend: `stream_backend_of(tokenizer)` when the caller already has it (it is
-        one per tokenizer; finding it decodes a probe)."""
+        one per tokenizer; finding it decodes a probe). context: the ids the text follows
+        (`prompt_context`), decoded before the first token but not part of the text."""
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
-        self.ids: list[int] = []
+        self.context = list(context)
+        self.ids: list[int] = list(self.context)
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.ids)
         self._backend = stream_backend_of(tokenizer) if stream_backend is _FIND else stream_backend
-        self._stream = (
-            DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend else None
-        )
+        self._stream = None
+        if self._backend is not None:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            for t in self.context:  # (their text is the context's, not ours)
+                self._stream.step(self._backend, t)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
@@ -85,12 +108,19 @@ class IncrementalDetokenizer:
         """Add one token; return the text that became final with it (maybe empty)."""
         self.ids.append(token_id)
         if self._stream is not None:
-            text = self._stream.step(self._backend, token_id)
-            if not text:
-                return ""
-            # (the offsets the rule below would have: `flush` reads them)
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return text
+            try:
+                text = self._stream.step(self._backend, token_id)
+            except Exception as e:
+                # tokenizers' stream gives up on some byte tokens that are not UTF-8 (a byte
+                # fallback's stray bytes): the rule below goes on from where it was
+                log.debug("streaming decode failed (%s): decoding through decode", e)
+                self._stream = None
+            else:
+                if not text:
+                    return ""
+                # (the offsets the rule below would have: `flush` and a fallback read them)
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                return text
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -99,11 +129,17 @@ class IncrementalDetokenizer:
         return ""
 
     def text_of(self, ids: list[int]) -> str:
-        """The text `append` then `flush` would give for `ids` from the start, decoded at once
-        (a fresh stream decodes exactly as the backend's decode of the whole sequence)."""
+        """The text `append` then `flush` would give for `ids` from the start (after the same
+        context), decoded at once: a fresh stream decodes as the backend's decode of the whole
+        sequence does."""
         if self._stream is not None:
-            return self._backend.decode(ids, skip_special_tokens=self.skip)
-        fresh = IncrementalDetokenizer(self.tokenizer, self.skip, None)
+            if not self.context:
+                return self._backend.decode(ids, skip_special_tokens=self.skip)
+            before = self._backend.decode(self.context, skip_special_tokens=self.skip)
+            full = self._backend.decode(self.context + list(ids), skip_special_tokens=self.skip)
+            if full.startswith(before):
+                return full[len(before) :]
+        fresh = IncrementalDetokenizer(self.tokenizer, self.skip, None, self.context)
         return "".join(fresh.append(t) for t in ids) + fresh.flush()
 
     def flush(self) -> str:

@@ -21,7 +21,7 @@ from specserve.model.sharding import draft_target, local_kv_heads
 from specserve.ops.attention import TorchAttentionBackend
 from specserve.runtime.capacity import context_length, kv_pages
 from specserve.runtime.draft_lag import DraftLag
-from specserve.runtime.grammar import GrammarCompiler, finish_by_grammar, grammar_spec
+from specserve.runtime.grammar import GrammarCompiler, grammar_spec, refuse_by_grammar
 from specserve.runtime.host_clock import HostClock
 from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import ReqState, Request
@@ -389,11 +389,11 @@ class EngineCore:
             ended = None
             if req.grammar is not None:
                 tokens, ended = req.grammar.take(tokens)
-            kept = self.stop_checker.append_tokens(req, tokens)
+            kept = self.stop_checker.append_tokens(req, tokens, last_stops=ended == "complete")
             if logprobs is not None:
                 req.logprobs.output.extend(logprobs, limit=kept)
-            if ended is not None and not req.finished:
-                finish_by_grammar(req, ended, tokens)
+            if ended == "refused" and not req.finished:
+                refuse_by_grammar(req)
         except Exception as e:
             log.exception("request %s: processing its new tokens failed", req.rid)
             req.finish("abort", message=f"internal error: {type(e).__name__}: {e}")

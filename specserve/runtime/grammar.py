@@ -131,19 +131,16 @@ class RequestGrammar:
         )
 
 
-def finish_by_grammar(req, ended: str, tokens) -> None:
-    """End a request whose grammar is complete ("complete": nothing may follow it, ignore_eos
-    or not) or refused its next token ("refused": no token of the vocabulary continues it)."""
-    if ended == "complete":
-        req.finish("stop", matched=int(tokens[-1]))
-    else:  # (the request's own fault: a client error, as its grammar's field says)
-        field = req.grammar.field
-        req.finish(
-            "abort",
-            message=f"{field}: no token of the vocabulary continues this grammar",
-            status_code=400,
-            param=field,
-        )
+def refuse_by_grammar(req) -> None:
+    """End a request whose grammar refused its next token: no token of the vocabulary
+    continues it (the request's own fault: a client error, as its grammar's field says)."""
+    field = req.grammar.field
+    req.finish(
+        "abort",
+        message=f"{field}: no token of the vocabulary continues this grammar",
+        status_code=400,
+        param=field,
+    )
 
 
 def _child_links(parents: list[int]) -> tuple[list[int], list[int]]:

@@ -119,6 +119,14 @@ class Request:
         return not self.text_at_finish or bool(self.params.stop)
 
     @property
+    def text_ids(self) -> list[int]:
+        """The output ids whose text is the request's: all but a token that stopped it."""
+        reason = self.finish_reason or {}
+        if reason.get("type") == "stop" and isinstance(reason.get("matched"), int):
+            return self.output_ids[:-1]
+        return self.output_ids
+
+    @property
     def finished(self) -> bool:
         return self.state is ReqState.FINISHED
 

@@ -1,12 +1,18 @@
 """Appending tokens to a request and deciding when it stops.
 
 Speculative steps emit several tokens at once; a stop condition met inside that run ends
-the request at that token, and nothing after it is kept.
+the request at that token, and nothing after it is kept. The text of a token that stops the
+request (EOS, `stop_token_ids`, the token completing a grammar) is not part of its text, and
+a stop string is cut off, as in SGLang and vLLM: the text ends where the answer ends.
 """
 
 from __future__ import annotations
 
-from specserve.runtime.detokenizer import IncrementalDetokenizer, stream_backend_of
+from specserve.runtime.detokenizer import (
+    IncrementalDetokenizer,
+    prompt_context,
+    stream_backend_of,
+)
 from specserve.runtime.request import Request
 
 
@@ -17,23 +23,32 @@ class StopChecker:
         self.eos = eos_token_ids
         self.context_len = context_len
 
-    def append_tokens(self, req: Request, tokens: list[int]) -> int:
+    def append_tokens(self, req: Request, tokens: list[int], last_stops: bool = False) -> int:
         """Append up to len(tokens) tokens, stopping at the first finishing one. Returns how
-        many were kept."""
+        many were kept. last_stops: the last token stops the request (it completed the
+        request's grammar)."""
         p = req.params
         if req.detok is None and self.tokenizer is not None:
+            skip = p.skip_special_tokens
             req.detok = IncrementalDetokenizer(
-                self.tokenizer, p.skip_special_tokens, self.stream_backend
+                self.tokenizer,
+                skip,
+                self.stream_backend,
+                prompt_context(self.tokenizer, req.prompt_ids, skip),
             )
         detok = req.detok if req.detokenizes_live else None  # (else decoded at the end)
         for kept, tok in enumerate(tokens, start=1):
             req.output_ids.append(tok)
+            if (
+                tok in p.stop_token_ids
+                or (not p.ignore_eos and tok in self.eos)
+                or (last_stops and kept == len(tokens))
+            ):
+                req.finish("stop", matched=tok)
+                break
             len_before = len(req.text)
             if detok is not None:
                 req.text += detok.append(tok)
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
-                req.finish("stop", matched=tok)
-                return kept
             if p.stop and self._match_stop_string(req, len_before):
                 return kept
             if len(req.output_ids) >= p.max_new_tokens:
@@ -45,18 +60,23 @@ class StopChecker:
         else:
             return len(tokens)
         if detok is not None:
-            req.text += detok.flush()
+            req.text += detok.flush()  # (an incomplete character held back: as decoded whole)
         return kept
 
     @staticmethod
     def _match_stop_string(req: Request, len_before: int) -> bool:
+        """Whether a stop string now appears in the text: the text is cut before the first
+        one (by position, then by the order given), and the request finishes."""
         longest = max(len(s) for s in req.params.stop)
         # A stop string not present before this token must end inside the new text.
         tail_start = max(0, len_before - longest + 1)
+        first, matched = -1, None
         for s in req.params.stop:
             idx = req.text.find(s, tail_start)
-            if idx >= 0:
-                req.text = req.text[:idx]
-                req.finish("stop", matched=s)
-                return True
-        return False
+            if idx >= 0 and (first < 0 or idx < first):
+                first, matched = idx, s
+        if matched is None:
+            return False
+        req.text = req.text[:first]
+        req.finish("stop", matched=matched)
+        return True

@@ -1,0 +1,97 @@
+"""What a request's text is when it stops: the text of a stopping token (EOS,
+`stop_token_ids`) is not part of it, a stop string is cut at its first place in the text,
+and a stream holds back only text that could still begin a stop string. The same with
+speculation (several tokens a step), streamed or not, decoded live or at the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve import Engine
+from specserve.engine import request_output, stop_string_start
+from specserve.runtime.request import Request
+from specserve.sampling_params import SamplingParams
+from tests.model_factory import write_hf_model
+
+PROMPT = "the quick brown fox"
+GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_hf_model(tmp_path_factory.mktemp("m") / "m", vocab_size=300, with_tokenizer=True)
+
+
+def _standalone(model: str, topk: int, steps: int, tokens: int) -> dict:
+    """The target drafting for itself: its drafts are accepted, many tokens a step."""
+    return dict(
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=model,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=tokens,
+    )
+
+
+def _texts(engine, params: dict) -> list[str]:
+    """The text non-streamed, and the streamed pieces joined."""
+    whole = engine.generate(prompt=PROMPT, sampling_params=params)
+    pieces = engine.generate(prompt=PROMPT, sampling_params=params, stream=True)
+    return [whole["text"], "".join(p["text"] for p in pieces)], whole
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_stop_tokens_text_is_not_part_of_the_text(model, speculative):
+    extra = _standalone(model, 2, 3, 6) if speculative else {}
+    with Engine(model_path=model, dtype="float32", device="cpu", **extra) as e:
+        full = e.generate(prompt=PROMPT, sampling_params=GREEDY)["output_ids"]
+        k = next(
+            i
+            for i in range(3, len(full))
+            if full[i] not in full[:i] and e.tokenizer.decode(full[i])
+        )
+        before = e.generate(prompt=PROMPT, sampling_params={**GREEDY, "max_new_tokens": k})
+        for stop in ([], ["\x00never"]):  # (decoded at the end; decoded live, as stops need)
+            params = {**GREEDY, "stop_token_ids": [full[k]], "stop": stop}
+            texts, out = _texts(e, params)
+            assert out["output_ids"] == full[: k + 1]
+            assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": full[k]}
+            assert texts == [before["text"]] * 2
+
+
+def test_the_stop_string_first_in_the_text_ends_it(model):
+    """Two stop strings completing at the same character: the text is cut at the one that
+    begins first, though the other is listed first."""
+    sampled = {"temperature": 1.0, "seed": 7, "max_new_tokens": 24, "ignore_eos": True}
+    with Engine(
+        model_path=model, dtype="float32", device="cpu", **_standalone(model, 1, 4, 5)
+    ) as e:
+        text = e.generate(prompt=PROMPT, sampling_params=sampled)["text"]
+        # early = text[i:j] and late = its last character, both new at j
+        i, j = next(
+            (i, j)
+            for j in range(2, len(text))
+            for i in range(j - 1)
+            if text[j - 1] not in text[: j - 1] and text[i:j] not in text[: j - 1]
+            and text.find(text[i:j]) == i
+        )  # fmt: skip
+        early, late = text[i:j], text[j - 1]
+        texts, out = _texts(e, {**sampled, "stop": [late, early]})
+    assert texts == [text[:i]] * 2
+    assert out["meta_info"]["finish_reason"]["matched"] == early
+
+
+def test_a_stream_holds_back_only_what_could_begin_a_stop_string():
+    req = Request(
+        rid="r",
+        prompt_ids=[1],
+        params=SamplingParams(stop=["world!", "Observation: the tool returned"]),
+        seed=0,
+    )
+    req.output_ids, req.text = [5, 6], "Hello wor"
+    assert request_output(req, incremental=True)["text"] == "Hello "
+    req.output_ids.append(7)
+    req.text += "ds apart"
+    assert request_output(req, incremental=True)["text"] == "words apart"
+    assert stop_string_start("an Obs", ["Observation: x", "bs!"]) == 3
+    assert stop_string_start("nothing", ["Observation"]) == 0
