@@ -216,3 +216,21 @@ def test_logprob_fields_are_validated(served):
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model="m", prompt="a", best_of=2)
     assert exc.value.body["param"] == "best_of"
+
+
+def test_completion_top_logprobs_of_tokens_sharing_a_string_keep_the_likeliest():
+    """Bytes of split characters all show as U+FFFD: a position's top_logprobs, keyed by
+    string, keeps the likeliest of them, not whichever came last."""
+    from specserve.server.logprobs import CompletionLogprobs, TokenStrings
+
+    class Bytes:
+        def decode(self, ids, skip_special_tokens=True):
+            return "\ufffd" if ids[0] >= 200 else f"t{ids[0]}"
+
+    meta = {
+        "output_token_logprobs": [(-0.5, 201, None)],
+        "output_top_logprobs": [[(-0.5, 201, None), (-1.5, 7, None), (-1.7, 202, None)]],
+    }
+    part = CompletionLogprobs(TokenStrings(Bytes())).part(meta, with_prompt=False)
+    assert part["tokens"] == ["\ufffd"] and part["token_logprobs"] == [-0.5]
+    assert part["top_logprobs"] == [{"\ufffd": -0.5, "t7": -1.5}]

@@ -84,7 +84,11 @@ class CompletionLogprobs:
             if value is None:
                 out["top_logprobs"].append(None)
             else:
-                alternatives = {self.strings(t): _value(v) for v, t, _ in top or []}
+                # (tokens of one string, e.g. bytes of split characters, all showing U+FFFD:
+                # the string keeps its likeliest token's value)
+                alternatives: dict[str, float | None] = {}
+                for v, t, _ in top or []:
+                    alternatives.setdefault(self.strings(t), _value(v))
                 alternatives.setdefault(s, _value(value))
                 out["top_logprobs"].append(alternatives)
             out["text_offset"].append(self.offset)
