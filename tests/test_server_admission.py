@@ -307,3 +307,48 @@ def test_max_tokens_past_what_the_kv_cache_holds_is_a_400_naming_the_room(tmp_pa
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 30
             served.http.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_what_the_server_admits_past_the_kv_room_of_a_speculative_step_completes(
+    tmp_path, page_size
+):
+    """A speculative step needs its whole tree's window past the KV: a request the server
+    admits runs to its max_tokens (alone in the cache, as plain decoding would), and one
+    token more is a 400 saying how many fit."""
+    import re
+
+    from specserve.model.hf_loader import load_hf_config
+    from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+    from tests.model_factory import write_hf_model
+
+    folder = write_hf_model(tmp_path / "m", vocab_size=101, with_tokenizer=True)
+    draft = write_random_eagle_checkpoint(str(tmp_path / "d"), load_hf_config(folder), "EAGLE")
+    with Engine(
+        model_path=folder,
+        dtype="float32",
+        device="cpu",
+        context_length=CONTEXT,
+        max_total_tokens=64,
+        page_size=page_size,
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=draft,
+        speculative_num_steps=3,
+        speculative_eagle_topk=4,
+        speculative_num_draft_tokens=10,
+    ) as small:
+        app = create_app(small, ServerConfig(), owns_engine=False)
+        with ServerThread(app) as srv:
+            served = Served(small, srv, "m")
+            body = {"prompt": [5] * 20, "max_tokens": 100, "ignore_eos": True}
+            r = served.http.post("/v1/completions", json=body)
+            assert r.status_code == 400 and error_of(r)["param"] == "max_tokens", r.text
+            room = int(re.search(r"at most (\d+) can be generated", error_of(r)["message"])[1])
+            assert 0 < room < 44
+            r = served.http.post("/v1/completions", json={**body, "max_tokens": room})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == room
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            r = served.http.post("/v1/completions", json={**body, "max_tokens": room + 1})
+            assert r.status_code == 400 and error_of(r)["param"] == "max_tokens", r.text
+            served.http.close()

@@ -114,8 +114,10 @@ class ServerState:
         self.size = RequestSize(
             self.tokenizer, self.context_len, cfg.max_queued_requests, cfg.max_samples_per_request
         )
-        # the most tokens one sequence can hold: its prompt and output share the KV cache
-        self.kv_tokens: int = engine.core.max_total_tokens
+        # the most tokens one sequence can reach: its prompt and output share the KV cache,
+        # and each decode step needs room past its KV for its window (a speculative step
+        # writes its whole tree), so a sequence alone in the cache stops that much short of it
+        self.kv_tokens: int = engine.core.scheduler.max_prompt_tokens() + 1
         self._outbox: LoopOutbox | None = None
 
     def outbox(self, loop: asyncio.AbstractEventLoop) -> LoopOutbox:
@@ -216,6 +218,7 @@ class ServerState:
             )
         room = self.context_len - n
         if max_tokens is None:
+            room = max(0, min(room, self.kv_tokens - n))
             default = self.cfg.default_max_tokens
             return room if default is None else min(default, room)
         if max_tokens > room:
@@ -226,9 +229,10 @@ class ServerState:
             )
         if n + max_tokens > self.kv_tokens:
             raise APIError(
-                f"{max_param}: the KV cache holds {self.kv_tokens} tokens (max_total_tokens) "
-                f"and the prompt has {n}, so at most {max(self.kv_tokens - n, 0)} can be "
-                f"generated; {max_tokens} were requested",
+                f"{max_param}: the KV cache holds {self.kv_tokens} tokens of one sequence "
+                f"(max_total_tokens less one decode step's window) and the prompt has {n}, so "
+                f"at most {max(self.kv_tokens - n, 0)} can be generated; {max_tokens} were "
+                "requested",
                 param=max_param,
             )
         return max_tokens
