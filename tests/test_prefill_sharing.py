@@ -117,3 +117,22 @@ def test_a_waiting_request_keeps_its_running_slot():
                 first.setdefault(r.rid, steps)
     assert b.cached_tokens >= 96 - 1  # it waited, and took the prefix from the cache
     assert first["B"] < first["C"], first  # and kept its place ahead of C
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_under_chunked_prefill_a_sharer_starts_where_the_computing_request_got_to(
+    eagle, page_size, speculative
+):
+    """A 200-token prompt prefilled 16 tokens a batch, and a request sharing its first 150
+    arriving with it: held back while the first computes their shared part, it then starts
+    from the pages the finished chunks cached, not from nothing."""
+    g = torch.Generator().manual_seed(page_size)
+    long = torch.randint(3, 500, (200,), generator=g).tolist()
+    prompts = [long, long[:150] + [7, 8, 9, 11, 12]]
+    kw = dict(page_size=page_size, chunked_prefill_size=16)
+    spec = spec_args(eagle, 2, 3, 6) if speculative else {}
+    outs, cached, stats = burst(prompts, **kw, **spec)
+    ref, _, _ = burst(prompts, disable_radix_cache=True, **kw, **spec)
+    assert outs == ref
+    assert cached[0] == 0 and cached[1] >= 150 - 2 * page_size, cached

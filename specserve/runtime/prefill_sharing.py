@@ -2,9 +2,9 @@
 system prompt, a fan-out of agent calls): prefilled in one batch, each computes the prefix
 again. So while a request of the batch computes a prefix, a later request sharing at least
 SHARE_MIN_TOKENS of it beyond what that request took from the cache waits for the next
-prefill batch, where it starts from the cache (the prefix is cached when the computing
-request completes its prefill). SGLang holds such requests back in the same way; vLLM gets
-part of the effect from caching blocks as its chunked prefills complete them.
+prefill batch, where it starts from the cache (a computing request's pages are cached as
+each of its prefill chunks completes). SGLang holds such requests back in the same way; vLLM
+gets part of the effect from caching blocks as its chunked prefills complete them.
 
 A computing request's chunk start stands for what the cache holds of the shared part (the
 same tokens find the same pages). It can be less when that request could not take the
@@ -33,8 +33,8 @@ class PrefillSharing:
         self._by_length: dict[int, set[tuple[int, ...]]] = {}
 
     def add(self, req: Request, start: int) -> None:
-        """`req` prefills from position `start` in this batch; its prompt is cached once that
-        prefill completes (its full pages before its last known token)."""
+        """`req` prefills from position `start` in this batch; what it computes is cached once
+        the batch completes (its full pages, before its last known token)."""
         length = start - start % self.page_size + self.gain  # (the cache holds whole pages)
         if req.fill_len - 1 >= length:
             self._by_length.setdefault(length, set()).add(tuple(req.all_ids[:length]))

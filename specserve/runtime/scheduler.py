@@ -10,8 +10,8 @@ pages run out, the newest requests are retracted (KV freed, outputs kept, resume
 re-prefilling), so no request is lost and none changes its output.
 
 With a prefix cache (kv/prefix_cache.py) a request starts from the pages of its longest cached
-prefix and leaves its own full pages there when it completes its prefill, is retracted or
-finishes. An EAGLE draft's KV at the last cached position depends on the token after it
+prefix and leaves its own full pages there as its prefill chunks complete, and when it is
+retracted or finishes. An EAGLE draft's KV at the last cached position depends on the token after it
 (the draft pairs each token with the target's state one position earlier), which may differ:
 that last cached page is copied into a page of the request's own, and the prefill re-runs its
 last token, so the draft's entry there is computed afresh and no shared page is written.
@@ -308,9 +308,11 @@ class Scheduler:
             self.waiting.remove(req)
             req.set_state(ReqState.RUNNING)
             self.running.append(req)
-            self._cache_prefix(req)  # requests arriving meanwhile can share the prompt
         else:
             req.set_state(ReqState.PREFILLING)
+        # requests arriving meanwhile can share the prompt, also while its chunks go on (one
+        # held back while this one computed their shared part starts where it has got to)
+        self._cache_prefix(req)
 
     def decode_done(self, req: Request, accept_len: int) -> None:
         """A decode step's results applied to `req` (after its new tokens, which may have
