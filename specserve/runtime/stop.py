@@ -34,7 +34,8 @@ class StopChecker:
                 self.tokenizer,
                 skip,
                 self.stream_backend,
-                prompt_context(self.tokenizer, req.prompt_ids, skip),
+                # (through the Rust backend where it decodes as the tokenizer does: faster)
+                prompt_context(self.stream_backend or self.tokenizer, req.prompt_ids, skip),
             )
         detok = req.detok if req.detokenizes_live else None  # (else decoded at the end)
         for kept, tok in enumerate(tokens, start=1):
