@@ -76,10 +76,15 @@ def stop_string_start(text: str, stops: list[str]) -> int:
     """The length of the longest end of `text` that begins one of `stops` (0: none)."""
     hold = 0
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:n]):
-                hold = n
+        tail = text[max(0, len(text) - len(s) + 1) :] if len(s) > 1 else ""
+        # (only where the stop's first character is: linear in the stop's length, not
+        # quadratic; this runs on the engine's loop for every streamed request every step)
+        i = tail.find(s[0])
+        while i >= 0 and len(tail) - i > hold:
+            if s.startswith(tail[i:]):
+                hold = len(tail) - i
                 break
+            i = tail.find(s[0], i + 1)
     return hold
 
 
@@ -129,6 +134,9 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # held while checking the engine runs and queueing for its loop, and while stopping
+        # it: nothing is queued after the loop's last look at the inbox, unanswered
+        self._accepting = threading.Lock()
         self._rid_counter = itertools.count()
         self._seed_rng = random.Random(self.config.random_seed)
         self._lock = threading.Lock()
@@ -285,29 +293,35 @@ class Engine:
 
     def submit_made(self, reqs: list[Request], on_output) -> list[str]:
         """Submit requests from `make_samples`; see `submit_samples`."""
-        self._check_running()
         for i, req in enumerate(reqs):
             req.on_output = self._incremental_callback(on_output, i)
-            self._inbox.put(("add", req))
-        self._wake.set()
+        self._enqueue_requests(reqs)
         return [r.name for r in reqs]  # (the engine may key them apart: see add_request)
 
     def _incremental_callback(self, on_output, index: int):
         tokenizer = self.tokenizer
         return lambda r: on_output(index, request_output(r, incremental=True, tokenizer=tokenizer))
 
-    def _check_running(self) -> None:
-        if self._stop.is_set():
-            raise RuntimeError("the engine has been shut down")
+    def _enqueue_requests(self, reqs: list[Request]) -> None:
+        """Queue requests for the loop, or raise if the engine is shut down."""
+        with self._accepting:
+            if self._stop.is_set():
+                raise RuntimeError("the engine has been shut down")
+            for req in reqs:
+                self._inbox.put(("add", req))
+        self._wake.set()
 
     def flush_cache(self) -> int:
         """Empty the prefix cache of every page no live request uses (SGLang's flush_cache);
         returns how many pages were dropped. With no request live every page is then free."""
-        if self._stop.is_set():  # the loop thread has ended: nothing else touches the core
+        done: queue.Queue = queue.Queue()
+        with self._accepting:
+            stopped = self._stop.is_set()
+            if not stopped:
+                self._inbox.put(("flush", done))
+        if stopped:  # the loop thread has ended: nothing else touches the core
             self._thread.join()
             return self.core.flush_cache()
-        done: queue.Queue = queue.Queue()
-        self._inbox.put(("flush", done))
         self._wake.set()
         return done.get()
 
@@ -316,11 +330,12 @@ class Engine:
         self._wake.set()
 
     def shutdown(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
+        with self._accepting:
+            if self._stop.is_set():
+                return
+            self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=30)  # (its last look at the inbox answers what was queued)
         self.core.close()
         unfreeze_heap()
 
@@ -465,7 +480,6 @@ class Engine:
     def _submit(self, req: Request, incremental: bool = True) -> queue.Queue:
         """incremental=False: one output when the request finishes (no per-step dicts or
         thread wake-ups for a caller that only wants the result)."""
-        self._check_running()
         q: queue.Queue = queue.Queue()
         tok = self.tokenizer
         if incremental:
@@ -475,8 +489,7 @@ class Engine:
             req.on_output = lambda r: (
                 q.put(request_output(r, tokenizer=tok)) if r.finished else None
             )
-        self._inbox.put(("add", req))
-        self._wake.set()
+        self._enqueue_requests([req])
         return q
 
     def _wait(self, q: queue.Queue) -> dict:
@@ -496,13 +509,10 @@ class Engine:
     def _stream(self, reqs: list[Request]) -> Iterator[dict]:
         """Incremental outputs of the samples of one prompt, as they come, each with its
         sample's `index`."""
-        self._check_running()
         q: queue.Queue = queue.Queue()
         for i, req in enumerate(reqs):
             req.on_output = self._incremental_callback(lambda idx, out: q.put((idx, out)), i)
-        for req in reqs:
-            self._inbox.put(("add", req))
-        self._wake.set()
+        self._enqueue_requests(reqs)
         unfinished = set(range(len(reqs)))
         try:
             while unfinished:

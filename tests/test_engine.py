@@ -362,3 +362,41 @@ def test_the_collector_skips_the_startup_heap_while_serving_and_gets_it_back_aft
         [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_calls_racing_a_shutdown_are_answered_not_left_waiting():
+    """generate and flush_cache called while another thread shuts the engine down, caught
+    between seeing the engine run and queueing their work for its loop: each returns (an
+    aborted output, the flush's count) or raises, and none waits forever."""
+    e = Engine(**TINY)
+    put = e._inbox.put
+
+    def slow_put(item, *args, **kwargs):  # (widens the window between check and queueing)
+        if item[0] in ("add", "flush"):
+            time.sleep(0.3)
+        return put(item, *args, **kwargs)
+
+    e._inbox.put = slow_put
+    results = {}
+
+    def call(name, fn):
+        try:
+            results[name] = fn()
+        except RuntimeError as err:
+            results[name] = err
+
+    gen = lambda: e.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)  # noqa: E731
+    threads = [
+        threading.Thread(target=call, args=(name, fn), daemon=True)
+        for name, fn in (("generate", gen), ("flush", e.flush_cache))
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    e.shutdown()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads), results
+    out = results["generate"]
+    assert isinstance(out, RuntimeError) or out["finished"]  # (run, or aborted by the shutdown)
+    assert isinstance(results["flush"], (int, RuntimeError))
