@@ -240,7 +240,8 @@ def test_text_after_a_prompt_decoded_at_the_end_is_the_streamed_text(
     tokenizer, sentencepiece_style, skip
 ):
     """With the prompt's tail as context, text decoded at once equals the streamed text, on
-    both paths: random prompts (ending inside a character too), outputs of real text."""
+    both paths: random prompts (ending inside a character too), outputs of real text and of
+    random tokens (byte tokens that are not UTF-8 too)."""
     import random
 
     from specserve.runtime.detokenizer import prompt_context
@@ -250,10 +251,12 @@ def test_text_after_a_prompt_decoded_at_the_end_is_the_streamed_text(
     for real in (tokenizer, sentencepiece_style):
         vocab = len(real)
         for tok in (real, _PythonOnly(real)):
-            for _ in range(15):
+            for _ in range(30):
                 prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))]
                 text = " ".join(rng.choice(words) for _ in range(rng.randrange(1, 12)))
                 ids = real.encode(rng.choice(["", " "]) + text, add_special_tokens=False)
+                if rng.random() < 0.5:
+                    ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
                 context = prompt_context(real, prompt, skip)
                 at_end = IncrementalDetokenizer(tok, skip, context=context).text_of(ids)
                 live = streamed(IncrementalDetokenizer(tok, skip, context=context), ids)

@@ -133,13 +133,16 @@ class IncrementalDetokenizer:
         context), decoded at once: a fresh stream decodes as the backend's decode of the whole
         sequence does."""
         if self._stream is not None:
-            if not self.context:
-                return self._backend.decode(ids, skip_special_tokens=self.skip)
             before = self._backend.decode(self.context, skip_special_tokens=self.skip)
             full = self._backend.decode(self.context + list(ids), skip_special_tokens=self.skip)
-            if full.startswith(before):
+            # (bytes that are not UTF-8 decode apart differently than in one piece: such text
+            # is decoded as it streams)
+            if full.startswith(before) and "\ufffd" not in full:
                 return full[len(before) :]
-        fresh = IncrementalDetokenizer(self.tokenizer, self.skip, None, self.context)
+            backend = self._backend
+        else:
+            backend = None
+        fresh = IncrementalDetokenizer(self.tokenizer, self.skip, backend, self.context)
         return "".join(fresh.append(t) for t in ids) + fresh.flush()
 
     def flush(self) -> str:
