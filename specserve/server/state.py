@@ -230,7 +230,7 @@ class ServerState:
         if n + max_tokens > self.kv_tokens:
             raise APIError(
                 f"{max_param}: the KV cache holds {self.kv_tokens} tokens of one sequence "
-                f"(max_total_tokens less one decode step's window) and the prompt has {n}, so "
+                f"(its pages less one decode step's window) and the prompt has {n}, so "
                 f"at most {max(self.kv_tokens - n, 0)} can be generated; {max_tokens} were "
                 "requested",
                 param=max_param,
