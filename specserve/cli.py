@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     except InvalidArgument as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (the engine has shut down on the way out)
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -21,97 +21,13 @@ from specserve.errors import InvalidArgument
 from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 from specserve.runtime.grammar import RequestGrammar, grammar_spec
-from specserve.runtime.logprobs import TokenLogprobs, add_logprobs, sglang_logprobs
+from specserve.runtime.logprobs import add_logprobs
+from specserve.runtime.output import is_sample_of, request_output, sample_rids
 from specserve.runtime.request import Request
 from specserve.runtime.tensor_parallel import start_engine_core
 from specserve.sampling_params import INT64_MAX, LOGPROB_FIELDS, SamplingParams, check_logprob_field
 
 log = logging.getLogger(__name__)
-
-
-def verify_tokens(histogram: list[int]) -> int:
-    """Tokens emitted by verify steps, from the accept-length histogram (index i: length i+1)."""
-    return sum((i + 1) * count for i, count in enumerate(histogram))
-
-
-def request_output(req: Request, incremental: bool = False, tokenizer=None) -> dict[str, Any]:
-    """SGLang-shaped output. incremental: only text, ids and log-probs not sent before.
-    tokenizer: gives each log-prob entry its token's text (return_text_in_logprobs)."""
-    first_ids = req.stream_sent_tokens if incremental else 0
-    with_input = not (incremental and req.stream_sent_input_logprobs)
-    if incremental:
-        # While a stop string could still complete across the next tokens, hold back the end
-        # of the text that could begin one: text once sent cannot be taken back.
-        hold = 0 if req.finished else stop_string_start(req.text, req.params.stop)
-        limit = max(req.stream_sent_chars, len(req.text) - hold)
-        text = req.text[req.stream_sent_chars : limit]
-        ids = req.output_ids[req.stream_sent_tokens :]
-        req.stream_sent_chars, req.stream_sent_tokens = limit, len(req.output_ids)
-    else:
-        text, ids = req.text, list(req.output_ids)
-        if not req.detokenizes_live and req.finished and req.detok is not None:
-            text = req.text = req.detok.text_of(req.text_ids)
-    meta: dict[str, Any] = {
-        "id": req.name,
-        "prompt_tokens": len(req.prompt_ids),
-        "completion_tokens": len(req.output_ids),
-        "finish_reason": req.finish_reason,
-        "e2e_latency": (req.finish_time or time.perf_counter()) - req.arrival,
-        "num_retractions": req.num_retractions,
-        "cached_tokens": req.cached_tokens or 0,
-    }
-    if req.first_token_time is not None:
-        meta["ttft"] = req.first_token_time - req.arrival
-    if req.spec_verify_ct:
-        meta["spec_verify_ct"] = req.spec_verify_ct
-        # tokens per verify step (the prefill's token not counted; 1.0: no draft accepted)
-        meta["spec_accept_length"] = verify_tokens(req.spec_accept_histogram) / req.spec_verify_ct
-        meta["spec_accept_histogram"] = list(req.spec_accept_histogram)
-    if req.return_logprob:
-        meta.update(_logprob_meta(req, first_ids, with_input, tokenizer))
-    return {"text": text, "output_ids": ids, "meta_info": meta, "finished": req.finished}
-
-
-def stop_string_start(text: str, stops: list[str]) -> int:
-    """The length of the longest end of `text` that begins one of `stops` (0: none)."""
-    hold = 0
-    for s in stops:
-        tail = text[max(0, len(text) - len(s) + 1) :] if len(s) > 1 else ""
-        # (only where the stop's first character is: linear in the stop's length, not
-        # quadratic; this runs on the engine's loop for every streamed request every step)
-        i = tail.find(s[0])
-        while i >= 0 and len(tail) - i > hold:
-            if s.startswith(tail[i:]):
-                hold = len(tail) - i
-                break
-            i = tail.find(s[0], i + 1)
-    return hold
-
-
-def _logprob_meta(req: Request, first: int, with_input: bool, tokenizer) -> dict[str, Any]:
-    """SGLang's log-prob fields: the output tokens from index `first`; the prompt's entries
-    once they are complete (prefill done), and only once per stream."""
-    text_of = None
-    if req.return_text_in_logprobs and tokenizer is not None:
-        text_of = lambda t: tokenizer.decode([t])  # noqa: E731
-    top = req.top_logprobs_num > 0
-    rec = req.logprobs
-    output = TokenLogprobs(rec.output.values[first:], rec.output.top[first:])
-    meta = sglang_logprobs(output, req.output_ids[first:], "output", top, text_of)
-    prefilled = req.finished or bool(req.output_ids)
-    if with_input and prefilled:
-        req.stream_sent_input_logprobs = True
-        start = max(req.logprob_start_len, 0)
-        ids = req.prompt_ids[start:] if req.logprob_start_len >= 0 else []
-        meta.update(sglang_logprobs(rec.input, ids, "input", top, text_of))
-    else:
-        meta.update(sglang_logprobs(TokenLogprobs(), [], "input", top, text_of))
-    return meta
-
-
-def sample_rids(rid: str, n: int) -> list[str]:
-    """The request ids of a prompt's n samples: `rid` itself for one, else rid-0 .. rid-(n-1)."""
-    return [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
 
 
 def _is_token(t: Any) -> bool:
@@ -231,6 +147,14 @@ class Engine:
             for (p, field), sp, r, opt in zip(prompts, params, rids, options)
         ]
         reqs = [r for g in groups for r in g]
+        names = [r.name for r in reqs]
+        if len(set(names)) < len(names):  # (one would be refused as in use by the other)
+            repeated = next(n for n in names if names.count(n) > 1)
+            raise InvalidArgument(
+                "rid",
+                f"request id {repeated!r} names two requests of this call (with n > 1 "
+                "a prompt's samples are rid-0 .. rid-(n-1))",
+            )
         if stream:
             if not single:
                 raise InvalidArgument("stream", "streaming takes one prompt at a time")
@@ -326,6 +250,7 @@ class Engine:
         return done.get()
 
     def abort(self, rid: str) -> None:
+        """Abort the running request submitted as `rid` (with n > 1, all its samples)."""
         self._inbox.put(("abort", rid))
         self._wake.set()
 
@@ -348,7 +273,18 @@ class Engine:
     def tokenize_chat(self, messages: list[dict]) -> list[int]:
         from specserve.model.tokenizer import apply_chat_template
 
-        return apply_chat_template(self.tokenizer, messages)
+        if self.tokenizer is None:
+            raise InvalidArgument("messages", f"a chat needs a tokenizer ({self._no_tokenizer()})")
+        try:
+            return apply_chat_template(self.tokenizer, messages)
+        except ValueError as e:  # (no chat template, or the template refused the messages)
+            raise InvalidArgument("messages", str(e)) from None
+
+    def _no_tokenizer(self) -> str:
+        """Why this engine has no tokenizer."""
+        if self.config.skip_tokenizer_init:
+            return "skip_tokenizer_init is on"
+        return "the model has no tokenizer"
 
     # ---- inputs -----------------------------------------------------------------------------
     def _normalize_inputs(self, prompt, input_ids) -> tuple[bool, list[tuple[list[int], str]]]:
@@ -356,11 +292,7 @@ class Engine:
             raise InvalidArgument("prompt", "give exactly one of prompt or input_ids")
         if prompt is not None:
             if self.tokenizer is None:
-                why = (
-                    "skip_tokenizer_init is on"
-                    if self.config.skip_tokenizer_init
-                    else "the model has no tokenizer"
-                )
+                why = self._no_tokenizer()
                 raise InvalidArgument("prompt", f"text needs a tokenizer ({why}); pass input_ids")
             if isinstance(prompt, str):
                 return True, [(self._encode(prompt), "prompt")]
@@ -586,8 +518,11 @@ class Engine:
                     self._deliver(item)
             elif kind == "flush":
                 item.put(self.core.flush_cache())
-            else:
-                self.core.abort(item)  # reaped (and reported) by the next step
+            elif self.core.abort(item) is None and isinstance(item, str):
+                # (reaped and reported by the next step) a prompt's n samples are known by
+                # the rid they were submitted with: rid-0 .. rid-(n-1)
+                for name in [n for n in self.core.by_name if is_sample_of(n, item)]:
+                    self.core.abort(name)
 
     def _fail_all(self, message: str) -> list[Request]:
         # A step in flight is abandoned: its results are never applied.

@@ -400,3 +400,33 @@ def test_calls_racing_a_shutdown_are_answered_not_left_waiting():
     out = results["generate"]
     assert isinstance(out, RuntimeError) or out["finished"]  # (run, or aborted by the shutdown)
     assert isinstance(results["flush"], (int, RuntimeError))
+
+
+def test_abort_by_the_rid_of_a_prompt_sampled_n_times_aborts_its_samples():
+    with Engine(**TINY) as e:
+        outs = []
+        sp = {**GREEDY, "n": 2, "max_new_tokens": 2000}
+        t = threading.Thread(
+            target=lambda: outs.extend(e.generate(input_ids=[5, 6, 7], sampling_params=sp, rid="x"))
+        )
+        t.start()
+        deadline = time.time() + 30
+        while e.stats()["num_running_requests"] < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        e.abort("x")
+        t.join(30)
+    assert not t.is_alive()
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]
+
+
+def test_one_call_naming_a_request_id_twice_is_refused_before_anything_runs():
+    with Engine(**TINY) as e:
+        with pytest.raises(InvalidArgument, match="rid"):
+            e.generate(input_ids=[[5, 6], [7, 8]], rid=["a", "a"], sampling_params=GREEDY)
+        with pytest.raises(InvalidArgument, match="rid"):  # (a-1: the first prompt's sample)
+            e.generate(
+                input_ids=[[5, 6], [7, 8]],
+                rid=["a", "a-1"],
+                sampling_params=[{**GREEDY, "n": 2}, GREEDY],
+            )
+        assert e.stats()["num_running_requests"] == 0

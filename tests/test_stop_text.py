@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import Engine
-from specserve.engine import request_output, stop_string_start
+from specserve.runtime.output import request_output, stop_string_start
 from specserve.runtime.request import Request
 from specserve.sampling_params import SamplingParams
 from tests.model_factory import write_hf_model

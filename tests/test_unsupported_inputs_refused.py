@@ -294,3 +294,32 @@ def test_a_mistral_folder_without_a_short_window_gives_transformers_logits(tmp_p
     with torch.no_grad():
         ref = load_hf_model(tmp_path / "mistral")(torch.tensor([ids])).logits[0].float()
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
+
+
+def test_a_chat_on_a_model_without_tokenizer_is_a_one_line_cli_error(capsys):
+    from specserve.cli import main
+
+    rc = main(["generate", "hi", "--chat", "--model-path", "tiny", "--load-format", "dummy"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: messages:" in err and "tokenizer" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["one-batch", "--output-len", "0"],
+        ["one-batch", "--batch-size", "4", "0"],
+        ["one-batch", "--repeats", "0"],
+        ["multiturn", "--turns", "0"],
+        ["multiturn", "--conversations", "x"],
+    ],
+)
+def test_bench_counts_below_one_are_refused_naming_the_flag(command, capsys):
+    from specserve.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *command, "--model-path", "tiny", "--load-format", "dummy"])
+    assert info.value.code == 2
+    flag = next(c for c in command if c.startswith("--"))
+    assert f"argument {flag}: must be an integer >= 1" in capsys.readouterr().err

@@ -18,6 +18,8 @@ import os
 import time
 from typing import Any
 
+from specserve.bench.args import positive_int
+
 # name, num_steps, topk, num_draft_tokens
 DEFAULT_CONFIGS: list[tuple[str, int, int, int]] = [
     ("chain-3", 3, 1, 4),
@@ -155,8 +157,8 @@ def add_acceptance_parser(bsub) -> None:
         choices=["EAGLE", "EAGLE3", "STANDALONE"],
         help="default: EAGLE or EAGLE3, as the draft's config.json says",
     )
-    p.add_argument("--num-prompts", type=int, default=50)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=positive_int, default=50)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument(
         "--prompts", default="heldout", help="'heldout' (default), 'train' or a JSONL file"
     )

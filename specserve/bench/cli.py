@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from specserve.bench.args import positive_int
+
 
 def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
     bench = sub.add_parser("bench", help="benchmarks (print JSON and a table)")
@@ -28,13 +30,13 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
     add_multiturn_parser(bsub, add_engine_args, engine_kwargs)
 
     ob = bsub.add_parser("one-batch", help="static batch: prefill and decode throughput")
-    ob.add_argument("--batch-size", type=int, nargs="+", default=[1])
-    ob.add_argument("--input-len", type=int, default=128)
-    ob.add_argument("--output-len", type=int, default=256)
+    ob.add_argument("--batch-size", type=positive_int, nargs="+", default=[1])
+    ob.add_argument("--input-len", type=positive_int, default=128)
+    ob.add_argument("--output-len", type=positive_int, default=256)
     ob.add_argument("--output-json", help="also write the rows to this file")
     ob.add_argument(
         "--repeats",
-        type=int,
+        type=positive_int,
         default=1,
         help="timed runs per batch size; the row is the median by decode throughput",
     )

@@ -16,6 +16,7 @@ import tempfile
 import time
 from typing import Any
 
+from specserve.bench.args import positive_int
 from specserve.bench.one_batch import dump, free_device_memory, run_one_batch
 
 
@@ -25,14 +26,14 @@ def add_compare_parser(bsub) -> argparse.ArgumentParser:
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--batch-size", type=positive_int, default=1)
+    p.add_argument("--input-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=256)
     p.add_argument("--draft", default=None, help="EAGLE3 checkpoint (default: a random head)")
     p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--accept-lengths", type=float, nargs="+", default=[1.0, 2.0, 3.0, 4.0])
-    p.add_argument("--num-steps", type=int, default=3)
-    p.add_argument("--topk", type=int, default=1)
+    p.add_argument("--num-steps", type=positive_int, default=3)
+    p.add_argument("--topk", type=positive_int, default=1)
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--skip-hf", action="store_true", help="do not run HF transformers")
     p.add_argument("--output-json", default=None)

@@ -20,6 +20,7 @@ import statistics
 import time
 from typing import Any
 
+from specserve.bench.args import positive_int
 from specserve.bench.one_batch import dump, free_device_memory
 
 
@@ -34,8 +35,8 @@ def add_e2e_parser(bsub) -> argparse.ArgumentParser:
         help="default: EAGLE or EAGLE3, as the draft's config.json says",
     )
     p.add_argument("--prompts", default="heldout", help="'heldout', 'train' or a JSONL path")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--num-prompts", type=positive_int, default=16)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument(
         "--spec",
         nargs="+",

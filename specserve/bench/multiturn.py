@@ -20,16 +20,17 @@ import time
 from functools import partial
 from typing import Any
 
+from specserve.bench.args import positive_int
 from specserve.bench.one_batch import dump, free_device_memory, wait_for_idle_captures
 
 
 def add_multiturn_parser(bsub, add_engine_args, engine_kwargs) -> argparse.ArgumentParser:
     p = bsub.add_parser("multiturn", help="multi-turn chat through the prefix cache")
-    p.add_argument("--conversations", type=int, default=32)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--conversations", type=positive_int, default=32)
+    p.add_argument("--turns", type=positive_int, default=4)
     p.add_argument("--system-len", type=int, default=512, help="shared system prompt tokens")
-    p.add_argument("--user-len", type=int, default=64, help="tokens of each user turn")
-    p.add_argument("--answer-len", type=int, default=128, help="tokens of each answer")
+    p.add_argument("--user-len", type=positive_int, default=64, help="tokens of each user turn")
+    p.add_argument("--answer-len", type=positive_int, default=128, help="tokens of each answer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--variants",

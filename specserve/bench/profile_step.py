@@ -19,15 +19,16 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from specserve.bench.args import positive_int
 from specserve.bench.one_batch import dump, random_batch, warm_up
 
 
 def add_profile_parser(bsub, add_engine_args, engine_kwargs) -> argparse.ArgumentParser:
     p = bsub.add_parser("profile-step", help="device profile of decode steps (kernels, host)")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--top", type=int, default=15, help="kernel names to list")
+    p.add_argument("--batch-size", type=positive_int, default=1)
+    p.add_argument("--input-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--top", type=positive_int, default=15, help="kernel names to list")
     p.add_argument("--output-json", default=None)
     add_engine_args(p)
 

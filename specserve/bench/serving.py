@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from specserve.bench.args import positive_int
+
 ENDPOINTS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -442,13 +444,6 @@ def _rate(value: str) -> float:
     return v
 
 
-def _positive(value: str) -> int:
-    v = int(value)
-    if v < 1:
-        raise argparse.ArgumentTypeError("must be >= 1")
-    return v
-
-
 def add_serving_parser(bsub) -> argparse.ArgumentParser:
     p = bsub.add_parser(
         "serving",
@@ -467,7 +462,7 @@ def add_serving_parser(bsub) -> argparse.ArgumentParser:
         help="bundled (~100 short instructions), random (random token ids; completions or "
         "generate), or a JSONL file with {'prompt': ...} per line",
     )
-    p.add_argument("--num-prompts", type=_positive, default=100)
+    p.add_argument("--num-prompts", type=positive_int, default=100)
     p.add_argument(
         "--request-rate",
         type=_rate,
@@ -475,16 +470,16 @@ def add_serving_parser(bsub) -> argparse.ArgumentParser:
         help="requests per second, Poisson arrivals (default: inf, all at once)",
     )
     p.add_argument(
-        "--max-concurrency", type=_positive, default=None, help="most requests in flight at once"
+        "--max-concurrency", type=positive_int, default=None, help="most requests in flight at once"
     )
     p.add_argument(
         "--input-len",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="prompt tokens: random dataset (default 128); text datasets join instructions "
         "up to about this many tokens (default: the instructions as they are)",
     )
-    p.add_argument("--output-len", type=_positive, default=128, help="max tokens per request")
+    p.add_argument("--output-len", type=positive_int, default=128, help="max tokens per request")
     p.add_argument(
         "--range-ratio",
         type=float,

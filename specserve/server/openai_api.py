@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from specserve.engine import verify_tokens
+from specserve.runtime.output import verify_tokens
 from specserve.server.logprobs import CompletionLogprobs, TokenStrings, chat_content
 from specserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.protocol import APIError, parse

@@ -25,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from specserve.engine import sample_rids
 from specserve.errors import InvalidArgument
 from specserve.runtime.grammar import grammar_spec
 from specserve.runtime.logprobs import add_logprobs
+from specserve.runtime.output import sample_rids
 from specserve.sampling_params import SamplingParams
 from specserve.server.metrics import ServerMetrics
 from specserve.server.outbox import LoopOutbox
@@ -202,7 +202,9 @@ class ServerState:
             self.size.check_chat(messages)
         try:
             return await self.off_loop(self.engine.tokenize_chat, messages)
-        except Exception as e:  # no tokenizer/template, or the template rejected the messages
+        except InvalidArgument as e:  # no tokenizer/template, or the template refused them
+            raise APIError(str(e), param="messages") from None
+        except Exception as e:  # (a template's own error type)
             raise APIError(f"messages: {e}", param="messages") from None
 
     def check_context(

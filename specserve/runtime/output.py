@@ -1,0 +1,100 @@
+"""What a request's caller sees: its SGLang-shaped output dicts (whole, or the part not sent
+before, for streams), and the request ids of a prompt's n samples."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from specserve.runtime.logprobs import TokenLogprobs, sglang_logprobs
+from specserve.runtime.request import Request
+
+
+def verify_tokens(histogram: list[int]) -> int:
+    """Tokens emitted by verify steps, from the accept-length histogram (index i: length i+1)."""
+    return sum((i + 1) * count for i, count in enumerate(histogram))
+
+
+def request_output(req: Request, incremental: bool = False, tokenizer=None) -> dict[str, Any]:
+    """SGLang-shaped output. incremental: only text, ids and log-probs not sent before.
+    tokenizer: gives each log-prob entry its token's text (return_text_in_logprobs)."""
+    first_ids = req.stream_sent_tokens if incremental else 0
+    with_input = not (incremental and req.stream_sent_input_logprobs)
+    if incremental:
+        # While a stop string could still complete across the next tokens, hold back the end
+        # of the text that could begin one: text once sent cannot be taken back.
+        hold = 0 if req.finished else stop_string_start(req.text, req.params.stop)
+        limit = max(req.stream_sent_chars, len(req.text) - hold)
+        text = req.text[req.stream_sent_chars : limit]
+        ids = req.output_ids[req.stream_sent_tokens :]
+        req.stream_sent_chars, req.stream_sent_tokens = limit, len(req.output_ids)
+    else:
+        text, ids = req.text, list(req.output_ids)
+        if not req.detokenizes_live and req.finished and req.detok is not None:
+            text = req.text = req.detok.text_of(req.text_ids)
+    meta: dict[str, Any] = {
+        "id": req.name,
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": len(req.output_ids),
+        "finish_reason": req.finish_reason,
+        "e2e_latency": (req.finish_time or time.perf_counter()) - req.arrival,
+        "num_retractions": req.num_retractions,
+        "cached_tokens": req.cached_tokens or 0,
+    }
+    if req.first_token_time is not None:
+        meta["ttft"] = req.first_token_time - req.arrival
+    if req.spec_verify_ct:
+        meta["spec_verify_ct"] = req.spec_verify_ct
+        # tokens per verify step (the prefill's token not counted; 1.0: no draft accepted)
+        meta["spec_accept_length"] = verify_tokens(req.spec_accept_histogram) / req.spec_verify_ct
+        meta["spec_accept_histogram"] = list(req.spec_accept_histogram)
+    if req.return_logprob:
+        meta.update(_logprob_meta(req, first_ids, with_input, tokenizer))
+    return {"text": text, "output_ids": ids, "meta_info": meta, "finished": req.finished}
+
+
+def stop_string_start(text: str, stops: list[str]) -> int:
+    """The length of the longest end of `text` that begins one of `stops` (0: none)."""
+    hold = 0
+    for s in stops:
+        tail = text[max(0, len(text) - len(s) + 1) :] if len(s) > 1 else ""
+        # (only where the stop's first character is: linear in the stop's length, not
+        # quadratic; this runs on the engine's loop for every streamed request every step)
+        i = tail.find(s[0])
+        while i >= 0 and len(tail) - i > hold:
+            if s.startswith(tail[i:]):
+                hold = len(tail) - i
+                break
+            i = tail.find(s[0], i + 1)
+    return hold
+
+
+def _logprob_meta(req: Request, first: int, with_input: bool, tokenizer) -> dict[str, Any]:
+    """SGLang's log-prob fields: the output tokens from index `first`; the prompt's entries
+    once they are complete (prefill done), and only once per stream."""
+    text_of = None
+    if req.return_text_in_logprobs and tokenizer is not None:
+        text_of = lambda t: tokenizer.decode([t])  # noqa: E731
+    top = req.top_logprobs_num > 0
+    rec = req.logprobs
+    output = TokenLogprobs(rec.output.values[first:], rec.output.top[first:])
+    meta = sglang_logprobs(output, req.output_ids[first:], "output", top, text_of)
+    prefilled = req.finished or bool(req.output_ids)
+    if with_input and prefilled:
+        req.stream_sent_input_logprobs = True
+        start = max(req.logprob_start_len, 0)
+        ids = req.prompt_ids[start:] if req.logprob_start_len >= 0 else []
+        meta.update(sglang_logprobs(rec.input, ids, "input", top, text_of))
+    else:
+        meta.update(sglang_logprobs(TokenLogprobs(), [], "input", top, text_of))
+    return meta
+
+
+def sample_rids(rid: str, n: int) -> list[str]:
+    """The request ids of a prompt's n samples: `rid` itself for one, else rid-0 .. rid-(n-1)."""
+    return [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+
+
+def is_sample_of(name: str, rid: str) -> bool:
+    """Whether `name` is one of `sample_rids(rid, n)` for an n > 1."""
+    return name.startswith(rid + "-") and name[len(rid) + 1 :].isdigit()
