@@ -101,11 +101,13 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
         return model.compute_logits(out.hidden)
 
 
-def spec_args(draft: str, topk: int, steps: int, ndt: int, **extra) -> dict:
+def spec_args(
+    draft: str, topk: int, steps: int, ndt: int, algorithm: str | None = None, **extra
+) -> dict:
     """Engine arguments for speculative decoding: "tiny" is a STANDALONE draft (the target
-    itself), anything else an EAGLE checkpoint folder."""
+    itself), anything else an EAGLE checkpoint folder unless `algorithm` says otherwise."""
     return dict(
-        speculative_algorithm="STANDALONE" if draft == "tiny" else "EAGLE",
+        speculative_algorithm=algorithm or ("STANDALONE" if draft == "tiny" else "EAGLE"),
         speculative_draft_model_path=draft,
         speculative_num_steps=steps,
         speculative_eagle_topk=topk,

@@ -320,6 +320,7 @@ def test_what_the_server_admits_past_the_kv_room_of_a_speculative_step_completes
 
     from specserve.model.hf_loader import load_hf_config
     from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+    from tests.engine_utils import spec_args
     from tests.model_factory import write_hf_model
 
     folder = write_hf_model(tmp_path / "m", vocab_size=101, with_tokenizer=True)
@@ -331,11 +332,7 @@ def test_what_the_server_admits_past_the_kv_room_of_a_speculative_step_completes
         context_length=CONTEXT,
         max_total_tokens=64,
         page_size=page_size,
-        speculative_algorithm="EAGLE",
-        speculative_draft_model_path=draft,
-        speculative_num_steps=3,
-        speculative_eagle_topk=4,
-        speculative_num_draft_tokens=10,
+        **spec_args(draft, topk=4, steps=3, ndt=10),
     ) as small:
         app = create_app(small, ServerConfig(), owns_engine=False)
         with ServerThread(app) as srv:

@@ -11,6 +11,7 @@ from specserve import Engine
 from specserve.runtime.output import request_output, stop_string_start
 from specserve.runtime.request import Request
 from specserve.sampling_params import SamplingParams
+from tests.engine_utils import spec_args
 from tests.model_factory import write_hf_model
 
 PROMPT = "the quick brown fox"
@@ -24,13 +25,7 @@ def model(tmp_path_factory):
 
 def _standalone(model: str, topk: int, steps: int, tokens: int) -> dict:
     """The target drafting for itself: its drafts are accepted, many tokens a step."""
-    return dict(
-        speculative_algorithm="STANDALONE",
-        speculative_draft_model_path=model,
-        speculative_num_steps=steps,
-        speculative_eagle_topk=topk,
-        speculative_num_draft_tokens=tokens,
-    )
+    return spec_args(model, topk, steps, tokens, algorithm="STANDALONE")
 
 
 def _texts(engine, params: dict) -> list[str]:
