@@ -265,3 +265,17 @@ def test_a_killed_rank_fails_requests_with_its_reason(models):
         assert "rank 1" in e.failure
         again = e.generate(input_ids=prompt, sampling_params=GREEDY)  # fails at once, too
         assert "rank 1" in again["meta_info"]["finish_reason"]["message"]
+
+
+@pytest.mark.slow
+def test_ranks_run_as_many_cpu_threads_as_rank_0_whose_process_set_its_own(models, eagle):
+    # a CPU matmul's bits depend on how many threads share it: ranks spawned with the default
+    # would draft apart from a rank 0 whose process (a notebook, a test worker) set another
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        args = dict(CPU, model_path=models["llama"], tp_size=2)
+        args.update(spec_args(eagle["llama"], 4, 3, 10))
+        _generate(args, mixed_prompts(3, MODELS["llama"]["vocab_size"], seed=4), GREEDY)
+    finally:
+        torch.set_num_threads(threads)

@@ -101,7 +101,7 @@ class Peers:
             ours, theirs = ctx.Pipe()
             p = ctx.Process(
                 target=_rank_main,
-                args=(rank, cfg, store.port, theirs, os.getpid()),
+                args=(rank, cfg, store.port, theirs, os.getpid(), torch.get_num_threads()),
                 name=f"specserve-tp{rank}",
                 daemon=True,
             )
@@ -306,6 +306,7 @@ def _replica_state(worker, rids: list[str], page_counts: list[int]) -> dict:
         "device page table": rows.pages[dev].cpu(),
         "kv lengths": rows.kv_lens[dev].cpu(),
         "roots": rows.roots[dev].cpu(),
+        "cpu threads": torch.get_num_threads(),  # (the replicas' bits on a CPU depend on it)
     }
     if rows.features is not None:
         state["draft features"] = rows.features[dev].cpu()
@@ -382,8 +383,13 @@ class Follower:
         return PrefillChunk(req, start, end, copy_page, first)
 
 
-def _rank_main(rank: int, cfg: EngineConfig, port: int, conn, parent_pid: int) -> None:
+def _rank_main(
+    rank: int, cfg: EngineConfig, port: int, conn, parent_pid: int, cpu_threads: int
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: rank 0 ends them
+    # rank 0's thread count, whatever its process set: a CPU matmul's bits depend on how many
+    # threads share it, and the replicated parts (draft, sampler) must agree to the bit
+    torch.set_num_threads(cpu_threads)
     logging.basicConfig(level=getattr(logging, str(cfg.log_level).upper(), logging.WARNING))
     _leave_with_parent(parent_pid)
     try:
