@@ -38,13 +38,16 @@ format: venv
 	$(VENV)/bin/ruff format specserve tests bench tools
 	$(VENV)/bin/ruff check --fix specserve tests bench tools
 
-# Quick subset first (fails fast), then the slow tests.
+# Quick subset first (fails fast), then the slow tests. One pytest-xdist worker per core, a
+# test file per worker at a time (its module fixtures built once): on the 2-core CI machine
+# the suite takes half the time it takes in one process.
+PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
 test: lint
-	$(PY) -m pytest -q -x -m "not slow" tests
-	$(PY) -m pytest -q -m slow tests
+	$(PYTEST) -x -m "not slow" tests
+	$(PYTEST) -m slow tests
 
 test-quick: venv
-	$(PY) -m pytest -q -x -m "not slow" tests
+	$(PYTEST) -x -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
