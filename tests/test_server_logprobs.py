@@ -66,9 +66,14 @@ def test_chat_logprobs_match_transformers(served):
         [c.logprob for c in content],
         [ref[len(prompt) - 1 + j, t].item() for j, t in enumerate(ids)],
     )
+    # a client joining the tokens' bytes gets the answer's text (byte-level tokens of this
+    # vocabulary often hold part of a character)
+    joined = bytes(b for c in content for b in c.bytes).decode("utf-8", errors="replace")
+    assert joined == engine.tokenizer.decode(ids)
     for j, (c, t) in enumerate(zip(content, ids)):
         assert c.token == engine.tokenizer.decode([t])
-        assert c.bytes == list(c.token.encode("utf-8"))
+        if "\ufffd" not in c.token:
+            assert c.bytes == list(c.token.encode("utf-8"))
         values, top_ids = ref[len(prompt) - 1 + j].topk(3)
         assert [x.token for x in c.top_logprobs] == [engine.tokenizer.decode([i]) for i in top_ids]
         close([x.logprob for x in c.top_logprobs], values.tolist())
@@ -234,3 +239,25 @@ def test_completion_top_logprobs_of_tokens_sharing_a_string_keep_the_likeliest()
     part = CompletionLogprobs(TokenStrings(Bytes())).part(meta, with_prompt=False)
     assert part["tokens"] == ["\ufffd"] and part["token_logprobs"] == [-0.5]
     assert part["top_logprobs"] == [{"\ufffd": -0.5, "t7": -1.5}]
+
+
+@pytest.mark.parametrize("vocab_size", [320, 1000])
+def test_chat_bytes_of_tokens_splitting_characters_join_into_the_text(vocab_size):
+    """OpenAI's `bytes`: a character split over tokens (each showing U+FFFD) comes back whole
+    when a client joins the tokens' bytes."""
+    from specserve.server.logprobs import TokenBytes, TokenStrings, chat_content
+    from tests.model_factory import build_tokenizer
+
+    tok = build_tokenizer(vocab_size)
+    text = "naïve café, 😀 ok, 東京"
+    ids = tok.encode(text, add_special_tokens=False)
+    strings = TokenStrings(tok, TokenBytes(tok, vocab_size))
+    assert any("\ufffd" in strings(t) for t in ids), "the text meant to split a character"
+    meta = {
+        "output_token_logprobs": [(-0.1, t, None) for t in ids],
+        "output_top_logprobs": [[(-0.1, t, None)] for t in ids],
+    }
+    content = chat_content(meta, strings)
+    assert bytes(b for c in content for b in c["bytes"]) == text.encode("utf-8")
+    assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
+    assert [c["token"] for c in content] == [tok.decode([t]) for t in ids]

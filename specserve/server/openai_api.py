@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from specserve.runtime.output import verify_tokens
-from specserve.server.logprobs import CompletionLogprobs, TokenStrings, chat_content
+from specserve.server.logprobs import CompletionLogprobs, chat_content
 from specserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.protocol import APIError, parse
 from specserve.server.state import Run, ServerState, watch_disconnect
@@ -154,7 +154,7 @@ async def completions(request: Request, state: ServerState):
         )
 
     outs = await _collect_or_abort(request, run)
-    strings = TokenStrings(state.tokenizer)
+    strings = state.token_strings()
     choices = []
     for i, out in enumerate(outs):
         meta = out["meta_info"]
@@ -228,7 +228,7 @@ async def _completion_chunks(
     include_usage = req.include_usage()
     metas: dict[int, dict[str, Any]] = {}
     n = _n(req)
-    strings = TokenStrings(state.tokenizer)
+    strings = state.token_strings()
     builders: dict[int, CompletionLogprobs] = {}
     started: set[int] = set()
 
@@ -299,7 +299,7 @@ async def chat_completions(request: Request, state: ServerState):
         )
 
     outs = await _collect_or_abort(request, run)
-    strings = TokenStrings(state.tokenizer)
+    strings = state.token_strings()
     choices = []
     for i, out in enumerate(outs):
         meta = out["meta_info"]
@@ -340,7 +340,7 @@ async def _chat_chunks(
     """Each choice opens with a role chunk, sent with its first output; choices interleave,
     each chunk naming its index."""
     include_usage = req.include_usage()
-    strings = TokenStrings(state.tokenizer)
+    strings = state.token_strings()
 
     def chunk(
         index: int, delta: dict[str, Any], reason: str | None, ids=None, logprobs=None

@@ -30,6 +30,7 @@ from specserve.runtime.grammar import grammar_spec
 from specserve.runtime.logprobs import add_logprobs
 from specserve.runtime.output import sample_rids
 from specserve.sampling_params import SamplingParams
+from specserve.server.logprobs import TokenBytes, TokenStrings
 from specserve.server.metrics import ServerMetrics
 from specserve.server.outbox import LoopOutbox
 from specserve.server.protocol import APIError
@@ -119,6 +120,16 @@ class ServerState:
         # writes its whole tree), so a sequence alone in the cache stops that much short of it
         self.kv_tokens: int = engine.core.scheduler.max_prompt_tokens() + 1
         self._outbox: LoopOutbox | None = None
+        self._token_bytes = None
+        if self.tokenizer is not None:
+            # log-probs' raw token bytes: built now, off the event loop (a first request with
+            # log-probs would otherwise build them on it)
+            self._token_bytes = TokenBytes(self.tokenizer, engine.core.model_config.vocab_size)
+            self.pool.submit(self._token_bytes, 0)
+
+    def token_strings(self) -> TokenStrings:
+        """A response's token strings for its log-probs (the server's token bytes shared)."""
+        return TokenStrings(self.tokenizer, self._token_bytes)
 
     def outbox(self, loop: asyncio.AbstractEventLoop) -> LoopOutbox:
         """The engine-to-loop hand-over of the server's event loop (a run keeps its own: a new
