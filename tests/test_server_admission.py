@@ -306,7 +306,30 @@ def test_max_tokens_past_what_the_kv_cache_holds_is_a_400_naming_the_room(tmp_pa
             r = served.http.post("/v1/completions", json={**body, "max_tokens": 30})
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 30
+            # /generate: the same limit, under its own field's name
+            native = {"input_ids": prompt, "sampling_params": {"ignore_eos": True}}
+            native["sampling_params"]["max_new_tokens"] = 100
+            r = served.http.post("/generate", json=native)
+            err = error_of(r)
+            assert r.status_code == 400, r.text
+            assert err["param"] == "sampling_params.max_new_tokens" and "38" in err["message"]
+            native["sampling_params"]["max_new_tokens"] = 30
+            r = served.http.post("/generate", json=native)
+            assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 30
             served.http.close()
+
+
+def test_generate_max_new_tokens_past_the_context_is_a_400_and_its_default_stops_there(served):
+    prompt = [5] * (CONTEXT - 10)
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 11, "ignore_eos": True}}
+    r = served.http.post("/generate", json=body)
+    err = error_of(r)
+    assert r.status_code == 400 and err["param"] == "sampling_params.max_new_tokens", r.text
+    assert "at most 10 can be generated" in err["message"]
+    for sp in ({"max_new_tokens": 10, "ignore_eos": True}, {"ignore_eos": True}):  # (default 128)
+        r = served.http.post("/generate", json={"input_ids": prompt, "sampling_params": sp})
+        assert r.status_code == 200, r.text
+        assert r.json()["meta_info"]["completion_tokens"] == 10
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -261,3 +261,36 @@ def test_chat_bytes_of_tokens_splitting_characters_join_into_the_text(vocab_size
     assert bytes(b for c in content for b in c["bytes"]) == text.encode("utf-8")
     assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
     assert [c["token"] for c in content] == [tok.decode([t]) for t in ids]
+
+
+def test_a_streams_finishing_chunk_names_the_stop_as_the_unstreamed_answer_does(served):
+    engine, _, client, _ = served
+    greedy = {"max_tokens": 12, "temperature": 0}
+    ids = (
+        client.completions.create(
+            model="m", prompt="hello", **greedy, extra_body={"return_token_ids": True}
+        )
+        .choices[0]
+        .token_ids
+    )
+    text = engine.tokenizer.decode(ids[:8])
+    stops = [
+        {"extra_body": {"stop_token_ids": [ids[4]]}},
+        {"stop": [text[-2:]]} if text[-2:].strip() else {"stop": [text[-3:]]},
+        {},  # (length: null)
+    ]
+    reasons = []
+    for stop in stops:
+        kw = dict(model="m", **greedy, **stop)
+        whole = client.completions.create(prompt="hello", **kw).choices[0]
+        reasons.append(whole.finish_reason)
+        last = [c for c in client.completions.create(prompt="hello", stream=True, **kw)][-1]
+        assert last.choices[0].finish_reason == whole.finish_reason
+        assert last.choices[0].matched_stop == whole.matched_stop
+        chat = dict(kw, messages=MESSAGES)
+        whole = client.chat.completions.create(**chat).choices[0]
+        last = [c for c in client.chat.completions.create(stream=True, **chat)][-1]
+        assert last.choices[0].finish_reason == whole.finish_reason
+        assert last.choices[0].matched_stop == whole.matched_stop
+    assert reasons == ["stop", "stop", "length"]
+    assert whole.matched_stop is None

@@ -224,14 +224,13 @@ async def _generate(request: Request, state: ServerState):
         state.size.check_batch(len(prompts), n, prompt_param, "sampling_params.n")
     if req.stream and not single:
         raise APIError("stream: streaming takes one prompt at a time", param="stream")
-    for ids in prompts:
-        if len(ids) >= state.context_len:
-            raise APIError(
-                f"{prompt_param}: the prompt has {len(ids)} tokens but the model's context "
-                f"length is {state.context_len} (the prompt must be shorter)",
-                param=prompt_param,
-            )
     sp = req.sampling_params.engine_params() if req.sampling_params else {}
+    # the prompt, and a max_new_tokens given, must fit the context and the KV cache, as on
+    # the OpenAI routes (the default of 128 stops at the context instead, as in SGLang)
+    for ids in prompts:
+        state.check_context(
+            ids, sp.get("max_new_tokens"), prompt_param, "sampling_params.max_new_tokens"
+        )
     logprob_options = req.logprob_options()
     rids = _rids_per_prompt(req.rid, len(prompts), single)
     rename = {

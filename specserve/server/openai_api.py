@@ -232,8 +232,10 @@ async def _completion_chunks(
     builders: dict[int, CompletionLogprobs] = {}
     started: set[int] = set()
 
-    def chunk(index: int, text: str, reason: str | None, ids=None, logprobs=None) -> str:
+    def chunk(index: int, text: str, reason: str | None, ids=None, logprobs=None, meta=None) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        if meta is not None:  # the finishing chunk: what stopped the choice, as unstreamed
+            choice["matched_stop"] = matched_stop(meta)
         return _chunk(cid, "text_completion", created, state, choice, ids, include_usage)
 
     async for index, out in run.events():
@@ -256,7 +258,7 @@ async def _completion_chunks(
                 yield sse(run.abort_error(meta).body())
                 yield SSE_DONE
                 return
-            yield chunk(index, "", finish_reason(meta), [] if with_ids else None)
+            yield chunk(index, "", finish_reason(meta), [] if with_ids else None, meta=meta)
     if include_usage:
         yield sse(
             {
@@ -343,9 +345,11 @@ async def _chat_chunks(
     strings = state.token_strings()
 
     def chunk(
-        index: int, delta: dict[str, Any], reason: str | None, ids=None, logprobs=None
+        index: int, delta: dict[str, Any], reason: str | None, ids=None, logprobs=None, meta=None
     ) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        if meta is not None:  # the finishing chunk: what stopped the choice, as unstreamed
+            choice["matched_stop"] = matched_stop(meta)
         return _chunk(cid, "chat.completion.chunk", created, state, choice, ids, include_usage)
 
     metas: dict[int, dict[str, Any]] = {}
@@ -369,7 +373,7 @@ async def _chat_chunks(
                 yield sse(run.abort_error(meta).body())
                 yield SSE_DONE
                 return
-            yield chunk(index, {}, finish_reason(meta))
+            yield chunk(index, {}, finish_reason(meta), meta=meta)
     if include_usage:
         yield sse(
             {
