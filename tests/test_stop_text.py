@@ -90,3 +90,25 @@ def test_a_stream_holds_back_only_what_could_begin_a_stop_string():
     assert request_output(req, incremental=True)["text"] == "words apart"
     assert stop_string_start("an Obs", ["Observation: x", "bs!"]) == 3
     assert stop_string_start("nothing", ["Observation"]) == 0
+
+
+@pytest.mark.parametrize("reason", ["length", "stop token"])
+def test_a_stop_string_in_text_held_back_to_the_end_still_stops_it(reason):
+    """Bytes that never form a character decode to U+FFFD and are held back as an incomplete
+    character would be, until the request ends: a stop string in them still cuts the text
+    and is the reason, whatever ended the request."""
+    from specserve.runtime.stop import StopChecker
+    from specserve.server.logprobs import TokenBytes
+    from tests.model_factory import build_tokenizer
+
+    tok = build_tokenizer(300)
+    raw = TokenBytes(tok, 300)
+    stray = next(t for t in range(300) if raw(t) == b"\x80")  # a continuation byte, alone
+    letter = tok.convert_tokens_to_ids("h")
+    tokens = [letter] + [stray] * 4 + ([2] if reason == "stop token" else [])
+    params = SamplingParams(max_new_tokens=len(tokens), stop=["\ufffd\ufffd"])
+    req = Request(rid="r", prompt_ids=[1, letter], params=params, seed=0)
+    checker = StopChecker(tok, eos_token_ids={2}, context_len=64)
+    assert checker.append_tokens(req, tokens) == len(tokens)
+    assert req.finish_reason == {"type": "stop", "matched": "\ufffd\ufffd"}
+    assert req.text == "h"

@@ -45,24 +45,37 @@ class StopChecker:
                 or (not p.ignore_eos and tok in self.eos)
                 or (last_stops and kept == len(tokens))
             ):
-                req.finish("stop", matched=tok)
-                break
+                self._finish(req, detok, "stop", matched=tok)
+                return kept
             len_before = len(req.text)
             if detok is not None:
                 req.text += detok.append(tok)
             if p.stop and self._match_stop_string(req, len_before):
                 return kept
             if len(req.output_ids) >= p.max_new_tokens:
-                req.finish("length", length=len(req.output_ids))
-                break
+                self._finish(req, detok, "length", length=len(req.output_ids))
+                return kept
             if len(req.prompt_ids) + len(req.output_ids) >= self.context_len:
-                req.finish("length", length=len(req.output_ids), message="context length reached")
-                break
-        else:
-            return len(tokens)
+                self._finish(
+                    req,
+                    detok,
+                    "length",
+                    length=len(req.output_ids),
+                    message="context length reached",
+                )
+                return kept
+        return len(tokens)
+
+    def _finish(self, req: Request, detok, reason: str, **details) -> None:
+        """End the request. The text held back (an incomplete character, or bytes that never
+        form one) is final now, as decoded whole; a stop string it completes still cuts the
+        text there and is the reason."""
         if detok is not None:
-            req.text += detok.flush()  # (an incomplete character held back: as decoded whole)
-        return kept
+            len_before = len(req.text)
+            req.text += detok.flush()
+            if req.params.stop and self._match_stop_string(req, len_before):
+                return
+        req.finish(reason, **details)
 
     @staticmethod
     def _match_stop_string(req: Request, len_before: int) -> bool:
