@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from specserve import Engine
+from specserve import Engine, InvalidArgument
 from tests.model_factory import (
     SequenceRunner,
     hf_greedy,
@@ -196,3 +196,33 @@ def test_engine_text_and_chat_use_the_folder_tokenizer(tmp_path):
         expected = expected["input_ids"]
     assert chat == list(expected)
     assert tok.decode(chat).endswith("<|im_start|>assistant\n")
+
+
+def test_an_eos_listed_in_generation_config_alone_stops_as_in_transformers(tmp_path):
+    """Instruct models often list their end-of-turn token in generation_config.json alone;
+    transformers' generate stops at it, and so must the engine."""
+    folder = write_hf_model(tmp_path / "m", vocab_size=97)
+    prompt, greedy = [5, 9, 11, 3, 7], {"temperature": 0, "max_new_tokens": 12}
+    args = dict(model_path=folder, skip_tokenizer_init=True, dtype="float32", device="cpu")
+    with Engine(**args) as e:
+        free = e.generate(input_ids=prompt, sampling_params={**greedy, "ignore_eos": True})
+    stop = next(t for t in free["output_ids"][2:] if t != 2)
+    path = os.path.join(folder, "generation_config.json")
+    with open(path) as f:
+        gen = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**gen, "eos_token_id": [2, stop]}, f)
+    hf = load_hf_model(folder)
+    ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, pad_token_id=0)[
+        0, len(prompt) :
+    ].tolist()
+    with Engine(**args) as e:
+        out = e.generate(input_ids=prompt, sampling_params=greedy)
+    assert ref[-1] == stop and len(ref) < 12  # (transformers stopped there)
+    assert out["output_ids"] == ref
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    with open(path, "w") as f:
+        json.dump({**gen, "eos_token_id": "two"}, f)
+    with pytest.raises(InvalidArgument, match="eos_token_id must be an integer") as e:
+        Engine(**args)
+    assert e.value.field == "model_path"

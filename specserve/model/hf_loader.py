@@ -21,8 +21,33 @@ def read_hf_config(folder: str) -> dict:
         return json.load(f)
 
 
+def _generation_eos_ids(folder: str) -> list[int]:
+    """The end-of-sequence ids of the folder's generation_config.json, if any: instruct
+    models often list their end-of-turn token there alone (Qwen2.5: 151645 beside
+    config.json's 151643), and transformers, vLLM and SGLang stop at those too."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(
+            f"{path}: eos_token_id must be an integer or a list of integers, got {eos!r}"
+        )
+    return ids
+
+
 def load_hf_config(folder: str) -> ModelConfig:
-    return ModelConfig.from_hf_dict(read_hf_config(folder))
+    """The model's shape and special ids: config.json's, with generation_config.json's
+    end-of-sequence ids added to its own."""
+    cfg = read_hf_config(folder)
+    extra = _generation_eos_ids(folder)
+    if extra:
+        own = cfg.get("eos_token_id")
+        own = [] if own is None else own if isinstance(own, list) else [own]
+        cfg = {**cfg, "eos_token_id": list(dict.fromkeys(own + extra))}
+    return ModelConfig.from_hf_dict(cfg)
 
 
 def iter_safetensors(folder: str, shard=None) -> Iterator[tuple[str, torch.Tensor]]:
