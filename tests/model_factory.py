@@ -402,6 +402,7 @@ def write_gguf_model(
     with_tokenizer: bool = True,
     chat_template: str | None = CHAT_TEMPLATE,
     name: str = "tiny-test-model",
+    eot_token_id: int | None = None,
 ) -> tuple[str, dict[str, torch.Tensor]]:
     """Write a GGUF file the way llama.cpp's convert_hf_to_gguf lays it out.
 
@@ -415,7 +416,8 @@ def write_gguf_model(
     tests that must see the difference). llama3 rope scaling becomes a `rope_freqs` tensor.
     with_tokenizer: tokenizer.ggml.* fields of `build_tokenizer(vocab_size)` as a llama.cpp
     "gpt2" (byte-level BPE) tokenizer, plus `chat_template`; a working text tokenizer when
-    vocab_size >= 261, placeholder tokens (ids only) below that.
+    vocab_size >= 261, placeholder tokens (ids only) below that. eot_token_id: an end-of-turn
+    token (tokenizer.ggml.eot_token_id, as chat models' conversions write).
 
     Returns (path, state): state is the float32 dequantized weights under Hugging Face names
     (q/k un-permuted, i.e. what a correct loader must produce), for `load_hf_model(folder, state)`.
@@ -486,6 +488,8 @@ def write_gguf_model(
         w.add_bos_token_id(config.get("bos_token_id", BOS_ID) or BOS_ID)
         eos = config.get("eos_token_id", EOS_ID)
         w.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
+        if eot_token_id is not None:
+            w.add_eot_token_id(eot_token_id)
         w.add_add_bos_token(False)
         if chat_template:
             w.add_chat_template(chat_template)

@@ -141,6 +141,24 @@ def test_config_fields_are_read(gguf_file):
     assert cfg.architecture == "llama"
 
 
+def test_a_generation_ends_at_the_files_end_of_turn_token_too(hf_folder, tmp_path):
+    """Chat models' conversions mark <|im_end|> / <|eot_id|> as tokenizer.ggml.eot_token_id
+    beside the eos id; llama.cpp ends a generation at either, and so does the engine."""
+    args = dict(skip_tokenizer_init=True, dtype="float32", device="cpu")
+    prompt, greedy = [5, 9, 11, 3, 7], {"temperature": 0, "max_new_tokens": 10}
+    path, _ = write_gguf_model(tmp_path / "plain.gguf", hf_folder)
+    with Engine(model_path=str(path), **args) as e:
+        free = e.generate(input_ids=prompt, sampling_params={**greedy, "ignore_eos": True})
+    end = next(t for t in free["output_ids"][2:] if t != 2)
+    path, _ = write_gguf_model(tmp_path / "chat.gguf", hf_folder, eot_token_id=end)
+    assert load_gguf_config(str(path)).eos_token_ids == (2, end)
+    with Engine(model_path=str(path), **args) as e:
+        out = e.generate(input_ids=prompt, sampling_params=greedy)
+    stop = free["output_ids"].index(end)
+    assert out["output_ids"] == free["output_ids"][: stop + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": end}
+
+
 @pytest.mark.parametrize(
     "variant",
     [

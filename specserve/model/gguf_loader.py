@@ -271,7 +271,10 @@ def _gguf_config(path: str, gf: GGUFFile) -> ModelConfig:
         raise ValueError(
             f"{path}: rope scaling {m.get(f'{a}.rope.scaling.type')!r} is not supported (llama3 or none)"
         )
-    eos = m.get("tokenizer.ggml.eos_token_id")
+    # the tokens that end a generation, as llama.cpp counts them: end of sequence, of turn
+    # (chat models' <|eot_id|>, <|im_end|>) and of message
+    ends = ("eos", "eot", "eom")
+    eos = tuple(dict.fromkeys(m[k] for e in ends if (k := f"tokenizer.ggml.{e}_token_id") in m))
     return ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -288,7 +291,7 @@ def _gguf_config(path: str, gf: GGUFFile) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         bos_token_id=m.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(eos,) if eos is not None else (),
+        eos_token_ids=eos,
         architecture=arch,
     )
 
