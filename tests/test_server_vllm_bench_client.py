@@ -27,6 +27,7 @@ import pytest
 
 from specserve.engine import Engine
 from specserve.server.app import create_app
+from specserve.server.logprobs import TokenStrings
 from specserve.server.openai_api import _chat_chunks
 from specserve.server.openai_protocol import ChatCompletionRequest
 from specserve.server.protocol import parse
@@ -263,7 +264,9 @@ def test_chat_role_chunk_waits_for_the_first_token():
             yield 0, {"text": "", "output_ids": [], "meta_info": meta, "finished": True}
 
         run = SimpleNamespace(events=events)
-        state = SimpleNamespace(model_name=MODEL, tokenizer=None)
+        state = SimpleNamespace(
+            model_name=MODEL, tokenizer=None, token_strings=lambda: TokenStrings(None)
+        )
         req = parse(ChatCompletionRequest, json.dumps(chat_body("x", 1)).encode())
         stream = _chat_chunks(run, req, state, "chatcmpl-1", 0, with_ids=False)
         first = asyncio.ensure_future(stream.__anext__())

@@ -692,11 +692,49 @@ def test_two_layer_head_trains_saves_and_drafts_losslessly(tiny_data, tmp_path):
         make_head(target, seed=0, kind="eagle3", num_layers=2)
 
 
-def test_train_eagle_refuses_a_bad_head_depth_before_generating(tmp_path):
+BAD_TRAIN_FLAGS = [
+    (["--head", "eagle3", "--draft-layers", "2"], "--draft-layers"),
+    (["--draft-layers", "0"], "--draft-layers"),
+    (["--gen-batch-size", "0"], "--gen-batch-size"),
+    (["--num-prompts", "-3"], "--num-prompts"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--val-fraction", "-0.5"], "--val-fraction"),
+    (["--val-fraction", "1"], "--val-fraction"),
+    (["--epochs", "0"], "--epochs"),
+    (["--log-every", "0"], "--log-every"),
+    (["--seed", "-1"], "--seed"),
+    (["--ttt-steps", "-1"], "--ttt-steps"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--gen-dtype", "fp8"], "--gen-dtype"),
+    (["--autocast", "fp32"], "--autocast"),
+    (["--generator", "engine:x"], "--generator"),
+    (["--sampled-passes", "1", "--temperature", "0"], "--temperature"),
+    (["--token-map-size", "-1"], "--token-map-size"),
+    (["--curve-file", "/nonexistent-folder/c.json"], "--curve-file"),
+]
+
+
+@pytest.mark.parametrize("flags,named", BAD_TRAIN_FLAGS, ids=[n for _, n in BAD_TRAIN_FLAGS])
+def test_train_eagle_refuses_a_bad_flag_naming_it_before_generating(tmp_path, capsys, flags, named):
     from specserve import cli
 
-    for head, layers in (("eagle3", 2), ("eagle", 0)):
-        with pytest.raises(SystemExit, match="--draft-layers"):
-            cli.main(["train-eagle", "--out", str(tmp_path / "d"), "--head", head,
-                      "--draft-layers", str(layers)])  # fmt: skip
+    assert cli.main(["train-eagle", "--out", str(tmp_path / "d"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {named}:") and "Traceback" not in err, err
     assert not (tmp_path / "d.work").exists()  # nothing generated
+
+
+def test_token_map_refuses_a_bad_flag_naming_it_before_generating(tmp_path, capsys):
+    from specserve import cli
+
+    (tmp_path / "file").write_text("")
+    for flags, named in (
+        (["--num-prompts", "0"], "--num-prompts"),
+        (["--gen-batch-size", "0"], "--gen-batch-size"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+    ):
+        assert cli.main(["token-map", "--out", str(tmp_path / "m"), *flags]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {named}:")
+    assert cli.main(["token-map", "--out", str(tmp_path / "file")]) == 2
+    assert capsys.readouterr().err.startswith("error: --out:")
+    assert not (tmp_path / "m").exists()

@@ -188,14 +188,9 @@ def _write_token_map(data_dir: str, out: str, size: int, vocab_size: int) -> Non
 
 
 def run_train(args) -> int:
-    if args.token_map_size < 0:
-        raise SystemExit(f"--token-map-size must be >= 0 (0: none), got {args.token_map_size}")
-    if args.draft_layers < 1 or (args.head == "eagle3" and args.draft_layers != 1):
-        # before generating data: the head is built only when training starts
-        raise SystemExit(
-            f"--draft-layers must be >= 1 for --head eagle and 1 for --head eagle3, "
-            f"got {args.draft_layers}"
-        )
+    from specserve.train.arg_checks import check_train_args
+
+    check_train_args(args)  # (before generating data: the head is built only when training starts)
     from specserve.train.checkpoint import write_training_args
     from specserve.train.data import DataArgs, build_dataset, load_target
     from specserve.train.generate import parse_engine_args

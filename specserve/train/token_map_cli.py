@@ -66,9 +66,11 @@ def write_token_maps(
 
 def run_token_map(args) -> int:
     from specserve.model.loader import locate, read_config
+    from specserve.train.arg_checks import check_token_map_args
     from specserve.train.data import DataArgs, generate_answer_set
     from specserve.train.generate import parse_engine_args
 
+    check_token_map_args(args)
     for size in args.sizes:
         if size < 1:
             raise SystemExit(f"--sizes must be >= 1, got {size}")

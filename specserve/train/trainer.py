@@ -136,7 +136,8 @@ def train(
     if len(train_idx) == 0:
         raise ValueError(f"{data_dir}: no training sequence left after holding back prompts")
     first_epoch = data.batches(train_idx, args.seed * 1000, args.batch_size, args.batch_tokens)
-    total_steps = int(round(args.epochs * len(first_epoch))) if args.epochs > 0 else 0
+    # (at least one step: a fraction of an epoch that rounds to none would mean "no limit")
+    total_steps = max(1, round(args.epochs * len(first_epoch))) if args.epochs > 0 else 0
     limits = [f"{total_steps} steps" if total_steps else "no step limit"]
     limits.append(f"{args.time_budget:.0f}s budget" if args.time_budget > 0 else "no time limit")
     log(
@@ -147,17 +148,21 @@ def train(
         )
     )
 
+    work_dir = work_dir or out_dir
+    os.makedirs(work_dir, exist_ok=True)
+    ckpt_path = os.path.join(work_dir, "checkpoint.pt")
+    # (--resume with no checkpoint yet starts fresh, initialized as a run without it)
+    resume = resume and os.path.isfile(ckpt_path)
+    if not resume:
+        log(_stamp(f"no checkpoint at {ckpt_path}: starting fresh"))
     h = _build_head(target, data, args, device, resume, log)
     head = h.head
     opt_kw = {"fused": True} if device.type == "cuda" else {}
     opt = torch.optim.AdamW(
         head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, **opt_kw
     )
-    work_dir = work_dir or out_dir
-    os.makedirs(work_dir, exist_ok=True)
-    ckpt_path = os.path.join(work_dir, "checkpoint.pt")
     step, epoch, in_epoch, history, evals, trained = 0, 0, 0, [], [], 0.0
-    if resume and os.path.isfile(ckpt_path):
+    if resume:
         state = load_state(ckpt_path, args, device)
         head.load_state_dict(state["head"])
         if eagle3:  # the checkpoint's vocabulary, whatever this data would choose
