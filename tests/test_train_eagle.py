@@ -281,6 +281,25 @@ def test_resume_continues_from_saved_step(tiny_data):
     assert len(state["history"]) > len(ckpt["history"])
 
 
+def test_a_short_run_stops_and_resume_without_a_checkpoint_starts_as_a_fresh_run(tiny_data):
+    """A fraction of an epoch trains one step (it meant "no limit" once rounded to 0 steps);
+    unrolled steps past every position of a batch add nothing (they crashed); --resume
+    with no checkpoint yet is a fresh run, initialized alike."""
+    root, _, target_path = tiny_data
+    target = load_target(target_path, "float32", "cpu").model
+    # (short sequences: the last unrolled steps reach no position of a batch of one)
+    args = TrainArgs(epochs=1e-6, batch_size=1, ttt_steps=64, save_every=0, val_fraction=0)
+    heads = []
+    for name, resume in (("fresh", False), ("resumed", True)):
+        out = str(root / f"short-{name}")
+        summary = train(target, str(root / "data"), out, args, resume=resume, log=quiet)
+        assert summary["steps"] == 1
+        state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+        assert all(torch.isfinite(v).all() for v in state["head"].values())
+        heads.append(state["head"])
+    assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
+
+
 def test_time_budget_stops_training_and_anneals(tiny_data):
     root, _, target_path = tiny_data
     target = load_target(target_path, "float32", "cpu").model

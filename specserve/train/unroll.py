@@ -108,6 +108,11 @@ def unrolled_losses(
         else:
             g = head_step(head, tokens, feats, positions, caches, m)
         rows = batch["rows"][k]
+        if rows.numel() == 0:  # no position of the batch reaches step k: nothing to learn
+            zero = torch.zeros((), device=ids.device)
+            out.append((zero, zero, zero, 0))
+            feats = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)
+            continue
         if id(rows) not in prepared:
             r_ids, r_p = top_ids.index_select(0, rows), top_p.index_select(0, rows).float()
             ok = None
