@@ -757,3 +757,22 @@ def test_token_map_refuses_a_bad_flag_naming_it_before_generating(tmp_path, caps
     assert cli.main(["token-map", "--out", str(tmp_path / "file")]) == 2
     assert capsys.readouterr().err.startswith("error: --out:")
     assert not (tmp_path / "m").exists()
+
+
+def test_a_work_folder_with_other_data_is_refused_naming_the_flag(tmp_path, capsys):
+    """A rerun into the same work folder with another target or prompt count would train on
+    the earlier run's data: refused before anything runs (a --data-dir is used as it is)."""
+    from specserve import cli
+    from specserve.train.data import DataArgs, defining_args, refuse_other_data
+
+    data = tmp_path / "d.work" / "data"
+    data.mkdir(parents=True)
+    made = DataArgs(target=str(tmp_path / "t"), out_dir=str(data), num_prompts=16)
+    (data / "answers.json").write_text(json.dumps({"args": defining_args(made)}))
+    refuse_other_data(made)  # the same values: reused
+    argv = ["train-eagle", "--out", str(tmp_path / "d"), "--target", str(tmp_path / "t")]
+    assert cli.main([*argv, "--num-prompts", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --num-prompts:") and "16" in err and "64" in err, err
+    assert cli.main([*argv[:3], "--target", "other", "--num-prompts", "16"]) == 2
+    assert capsys.readouterr().err.startswith("error: --target:")

@@ -192,7 +192,7 @@ def run_train(args) -> int:
 
     check_train_args(args)  # (before generating data: the head is built only when training starts)
     from specserve.train.checkpoint import write_training_args
-    from specserve.train.data import DataArgs, build_dataset, load_target
+    from specserve.train.data import DataArgs, build_dataset, load_target, refuse_other_data
     from specserve.train.generate import parse_engine_args
     from specserve.train.train_args import TrainArgs
     from specserve.train.trainer import train
@@ -221,6 +221,8 @@ def run_train(args) -> int:
         load_format=args.load_format,
         engine_kwargs=parse_engine_args(args.engine_arg),
     )
+    if not args.data_dir:  # (a folder given is used as it is)
+        refuse_other_data(data_args)
     _log(f"train-eagle: target {args.target}, work folder {work}, draft to {args.out}")
     manifest = build_dataset(data_args)
     _log(

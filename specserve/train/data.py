@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
+from specserve.errors import InvalidArgument
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -115,6 +117,45 @@ def _write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=2)
 
 
+# What a dataset's answers depend on: a work folder reused by a run asking for other values
+# would train on data that is not what the run says (another target's hidden states).
+DEFINING = (
+    "target",
+    "load_format",
+    "prompts",
+    "num_prompts",
+    "max_new_tokens",
+    "sampled_pass",
+    "sampled_passes",
+    "temperatures",
+    "seed",
+)
+
+
+def defining_args(args: DataArgs) -> dict:
+    return json.loads(json.dumps({k: getattr(args, k) for k in DEFINING}))
+
+
+def refuse_other_data(args: DataArgs) -> None:
+    """InvalidArgument naming the first flag whose value differs from the one the data already
+    in args.out_dir (finished answers or dataset) was made with."""
+    for name in ("manifest.json", "answers.json"):
+        path = os.path.join(args.out_dir, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            saved = json.load(f).get("args")
+        if saved is None:
+            continue
+        for key, value in defining_args(args).items():
+            if key in saved and saved[key] != value:
+                raise InvalidArgument(
+                    "--" + key.replace("_", "-"),
+                    f"the data in {args.out_dir} was made with {saved[key]!r}, this run asks "
+                    f"for {value!r}: give the same value, or another --work-dir",
+                )
+
+
 def build_dataset(args: DataArgs, prompt_ids: list[list[int]] | None = None) -> dict:
     """Generate answers and features into args.out_dir; returns the manifest. `prompt_ids`
     (token ids, no chat template) replaces the prompt set, e.g. for tokenizer-less targets."""
@@ -139,7 +180,8 @@ def build_dataset(args: DataArgs, prompt_ids: list[list[int]] | None = None) -> 
         answers, prompt_ids, _ = generate_answer_set(args, prompt_ids)
         gen_seconds = time.perf_counter() - t0
         with open(answers_path + ".tmp", "w") as f:
-            json.dump({"prompt_ids": prompt_ids, "answers": answers, "seconds": gen_seconds}, f)
+            saved = {"prompt_ids": prompt_ids, "answers": answers, "seconds": gen_seconds}
+            json.dump({**saved, "args": defining_args(args)}, f)
         os.replace(answers_path + ".tmp", answers_path)
     t1 = time.perf_counter()
     loaded = load_target(args.target, args.feature_dtype, args.device, args.load_format)
