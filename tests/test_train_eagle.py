@@ -730,6 +730,8 @@ BAD_TRAIN_FLAGS = [
     (["--sampled-passes", "1", "--temperature", "0"], "--temperature"),
     (["--token-map-size", "-1"], "--token-map-size"),
     (["--curve-file", "/nonexistent-folder/c.json"], "--curve-file"),
+    (["--generator", "dense", "--engine-arg", "page_size=4"], "--engine-arg"),
+    (["--head", "eagle3", "--token-map-size", "512"], "--token-map-size"),
 ]
 
 

@@ -39,11 +39,15 @@ def _generation(args) -> None:
     _at_least(args, "gen_batch_size", 1)
     _at_least(args, "gen_time_budget", 0, " (0: no limit)")
     try:
-        parse_workers(args.generator)
+        workers = parse_workers(args.generator)
     except ValueError as e:
         raise InvalidArgument(
             "--generator", f"{e}; e.g. 'engine', 'dense', 'engine:4,dense:1'"
         ) from None
+    if args.engine_arg and "engine" not in workers:
+        raise InvalidArgument(
+            "--engine-arg", f"configures engine workers; --generator {args.generator} has none"
+        )
 
 
 def check_train_args(args) -> None:
@@ -77,6 +81,10 @@ def check_train_args(args) -> None:
         raise InvalidArgument(
             "--draft-layers",
             f"must be >= 1 for --head eagle and 1 for --head eagle3, got {args.draft_layers}",
+        )
+    if args.token_map_size and args.head == "eagle3":
+        raise InvalidArgument(
+            "--token-map-size", "applies to --head eagle (an EAGLE3 head drafts its own vocabulary)"
         )
     if args.init_layer is not None:
         _at_least(args, "init_layer", 0)
