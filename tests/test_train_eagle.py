@@ -778,3 +778,18 @@ def test_a_work_folder_with_other_data_is_refused_naming_the_flag(tmp_path, caps
     assert err.startswith("error: --num-prompts:") and "16" in err and "64" in err, err
     assert cli.main([*argv[:3], "--target", "other", "--num-prompts", "16"]) == 2
     assert capsys.readouterr().err.startswith("error: --target:")
+
+
+def test_a_work_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
+    """Two runs on one work folder would delete and overwrite each other's data."""
+    import fcntl
+
+    from specserve import cli
+
+    work = tmp_path / "d.work"
+    work.mkdir()
+    argv = ["train-eagle", "--out", str(tmp_path / "d"), "--target", str(tmp_path / "t")]
+    with open(work / "lock", "w") as held:  # (another run holds it)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert cli.main(argv) == 2
+        assert capsys.readouterr().err.startswith(f"error: --work-dir: {work} is in use")

@@ -187,6 +187,25 @@ def _write_token_map(data_dir: str, out: str, size: int, vocab_size: int) -> Non
     )
 
 
+def _hold_work_dir(work: str):
+    """The work folder's lock, held for the run: a second run on the same folder would delete
+    this one's answer files and overwrite its data and checkpoints."""
+    import fcntl
+
+    from specserve.errors import InvalidArgument
+
+    os.makedirs(work, exist_ok=True)
+    lock = open(os.path.join(work, "lock"), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise InvalidArgument(
+            "--work-dir", f"{work} is in use by another run: give another --work-dir or --out"
+        ) from None
+    return lock
+
+
 def run_train(args) -> int:
     from specserve.train.arg_checks import check_train_args
 
@@ -223,6 +242,7 @@ def run_train(args) -> int:
     )
     if not args.data_dir:  # (a folder given is used as it is)
         refuse_other_data(data_args)
+    lock = _hold_work_dir(work)  # noqa: F841 (held until the run returns)
     _log(f"train-eagle: target {args.target}, work folder {work}, draft to {args.out}")
     manifest = build_dataset(data_args)
     _log(
