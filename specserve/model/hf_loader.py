@@ -21,6 +21,11 @@ def read_hf_config(folder: str) -> dict:
         return json.load(f)
 
 
+def _id_list(value) -> list:
+    """An HF config's id field (one id, a list of them, or absent) as a list."""
+    return [] if value is None else value if isinstance(value, list) else [value]
+
+
 def _generation_eos_ids(folder: str) -> list[int]:
     """The end-of-sequence ids of the folder's generation_config.json, if any: instruct
     models often list their end-of-turn token there alone (Qwen2.5: 151645 beside
@@ -30,7 +35,7 @@ def _generation_eos_ids(folder: str) -> list[int]:
         return []
     with open(path) as f:
         eos = json.load(f).get("eos_token_id")
-    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    ids = _id_list(eos)
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(
             f"{path}: eos_token_id must be an integer or a list of integers, got {eos!r}"
@@ -44,8 +49,7 @@ def load_hf_config(folder: str) -> ModelConfig:
     cfg = read_hf_config(folder)
     extra = _generation_eos_ids(folder)
     if extra:
-        own = cfg.get("eos_token_id")
-        own = [] if own is None else own if isinstance(own, list) else [own]
+        own = _id_list(cfg.get("eos_token_id"))
         cfg = {**cfg, "eos_token_id": list(dict.fromkeys(own + extra))}
     return ModelConfig.from_hf_dict(cfg)
 
