@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specserve import Engine
+from specserve.errors import InvalidArgument
 from specserve.speculative.eagle_checkpoint import eagle3_capture_layers, load_eagle_head
 from specserve.train.checkpoint import save_draft
 from specserve.train.data import DataArgs, build_dataset, load_shards, load_target
@@ -279,6 +280,20 @@ def test_resume_continues_from_saved_step(tiny_data):
     state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
     assert state["step"] == 2 * per_epoch and state["epoch"] == 1
     assert len(state["history"]) > len(ckpt["history"])
+    # another split or batch layout would score the draft on sequences it trained on, and
+    # put the saved position in other batches: refused, naming the flag
+    for change, flag in (
+        ({"seed": 1}, "--seed"),
+        ({"val_fraction": 0.2}, "--val-fraction"),
+        ({"batch_size": 8}, "--batch-size"),
+    ):
+        bad = TrainArgs(**{**args2.__dict__, **change, "epochs": 3})
+        with pytest.raises(InvalidArgument, match=flag) as refused:
+            train(target, str(root / "data"), out, bad, resume=True, log=quiet)
+        assert refused.value.field == flag
+    assert (
+        torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)["step"] == state["step"]
+    )
 
 
 def test_a_short_run_stops_and_resume_without_a_checkpoint_starts_as_a_fresh_run(tiny_data):

@@ -9,14 +9,26 @@ from dataclasses import asdict
 
 import torch
 
+from specserve.errors import InvalidArgument
 from specserve.speculative.draft_heads import Eagle3Head, EagleHead
 from specserve.speculative.eagle_checkpoint import hf_style_config, save_eagle_checkpoint
 from specserve.train.train_args import TrainArgs
 
 ARCHITECTURE = "LlamaForCausalLMEagle"
 ARCHITECTURE_EAGLE3 = "LlamaForCausalLMEagle3"
-# a resumed run must build the same head as the checkpoint's
-_SAME_ON_RESUME = ("head", "draft_vocab", "draft_layers")
+# A resumed run must build the same head as the checkpoint's, and see the same split and batch
+# order: its position is an index into the epoch's batches, and another held-back set would
+# score the draft on sequences it trained on. (setting: its flag)
+_SAME_ON_RESUME = {
+    "head": "--head",
+    "draft_vocab": "--draft-vocab",
+    "draft_layers": "--draft-layers",
+    "seed": "--seed",
+    "val_fraction": "--val-fraction",
+    "max_len": "--max-len",
+    "batch_size": "--batch-size",
+    "batch_tokens": "--batch-tokens",
+}
 
 
 def save_state(path: str, head, opt, args: TrainArgs, progress: dict) -> None:
@@ -29,17 +41,19 @@ def save_state(path: str, head, opt, args: TrainArgs, progress: dict) -> None:
 
 
 def load_state(path: str, args: TrainArgs, device) -> dict:
-    """The state saved by `save_state`, after checking that it was trained with this head."""
+    """The state saved by `save_state`, after checking that it was trained with this head,
+    split and batch layout (InvalidArgument naming the flag that differs)."""
     state = torch.load(path, weights_only=False, map_location=device)
     saved = state.get("args", {})
-    for key in _SAME_ON_RESUME:
+    for key, flag in _SAME_ON_RESUME.items():
         # an EAGLE head has no draft vocabulary of its own: only EAGLE3 checks it
         if key == "draft_vocab" and args.head != "eagle3":
             continue
         if key in saved and saved[key] != getattr(args, key):
-            raise ValueError(
-                f"{path} was trained with {key}={saved[key]!r}, not "
-                f"{getattr(args, key)!r}: resume with the same value or another --work-dir"
+            raise InvalidArgument(
+                flag,
+                f"{path} was trained with {key}={saved[key]!r}, not {getattr(args, key)!r}: "
+                "resume with the same value or another --work-dir",
             )
     return state
 
