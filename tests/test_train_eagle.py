@@ -747,6 +747,8 @@ BAD_TRAIN_FLAGS = [
     (["--curve-file", "/nonexistent-folder/c.json"], "--curve-file"),
     (["--generator", "dense", "--engine-arg", "page_size=4"], "--engine-arg"),
     (["--head", "eagle3", "--token-map-size", "512"], "--token-map-size"),
+    (["--draft-vocab", "512"], "--draft-vocab"),  # (an EAGLE head: it did nothing)
+    (["--head", "eagle3", "--draft-vocab", "-1"], "--draft-vocab"),
 ]
 
 

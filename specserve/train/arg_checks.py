@@ -82,6 +82,14 @@ def check_train_args(args) -> None:
             "--draft-layers",
             f"must be >= 1 for --head eagle and 1 for --head eagle3, got {args.draft_layers}",
         )
+    if args.draft_vocab is not None:
+        if args.head != "eagle3":
+            raise InvalidArgument(
+                "--draft-vocab",
+                "applies to --head eagle3 (an EAGLE head drafts over the target's vocabulary; "
+                "--token-map-size writes a reduced one for it)",
+            )
+        _at_least(args, "draft_vocab", 0, " (0: the whole vocabulary)")
     if args.token_map_size and args.head == "eagle3":
         raise InvalidArgument(
             "--token-map-size", "applies to --head eagle (an EAGLE3 head drafts its own vocabulary)"

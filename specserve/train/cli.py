@@ -103,7 +103,7 @@ def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
     g.add_argument(
         "--draft-vocab",
         type=int,
-        default=t.draft_vocab,
+        default=None,  # (given with --head eagle it would do nothing: refused)
         help=f"eagle3: draft vocabulary size, most frequent tokens (0: all; default {t.draft_vocab})",
     )
     g.add_argument(
@@ -267,7 +267,7 @@ def run_train(args) -> int:
         val_fraction=args.val_fraction,
         head=args.head,
         draft_layers=args.draft_layers,
-        draft_vocab=args.draft_vocab,
+        draft_vocab=TrainArgs.draft_vocab if args.draft_vocab is None else args.draft_vocab,
         ce_vocab=args.ce_vocab,
         ce_chunk=args.ce_chunk,
         init_layer=args.init_layer,
