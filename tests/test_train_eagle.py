@@ -403,13 +403,51 @@ def test_parallel_workers_answer_every_job_once(tiny_data, tmp_path):
         cfg, prompts, jobs, ["engine", "dense"], str(tmp_path), chunk=4, log=logs.append
     )
     assert not any("failed" in m for m in logs), logs
-    assert sorted(os.listdir(tmp_path)) == ["answers_0_engine.jsonl", "answers_1_dense.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "answers_0_engine.jsonl",
+        "answers_1_dense.jsonl",
+        "plan.json",
+    ]
     assert [r["job"] for r in res] == list(range(len(jobs)))
     assert all(r["complete"] for r in res)
     model = load_target(target_path, "float32", "cpu").model
     greedy = [(j, job) for j, job in enumerate(jobs) if job[1] == 0.0]
     ref = generate_dense(model, [prompts[job[0]] for _, job in greedy], 12, {2})
     assert [res[j]["ids"] for j, _ in greedy] == ref
+
+
+def test_a_stopped_generation_keeps_its_finished_answers(tiny_data, tmp_path):
+    """A run killed mid-generation leaves its finished answers (and a line cut by the kill);
+    the next run of the same jobs keeps those and generates only the others. Other jobs (here
+    another length) start over."""
+    _, _, target_path = tiny_data
+    prompts = mixed_prompts(12, VOCAB, seed=23, max_len=10)
+    jobs = make_jobs(len(prompts), 1, (), seed=0)
+    cfg = GenConfig(target=target_path, dense_dtype="float32", max_new_tokens=8, eos=[2])
+    full = generate_answers(cfg, prompts, jobs, ["dense"], str(tmp_path), log=quiet)
+    path = tmp_path / "answers_0_dense.jsonl"
+    lines = path.read_text().splitlines()
+    # as a kill leaves it: 5 finished answers (one marked to tell a kept answer from a new
+    # one), an unfinished one, and a torn line
+    marked = {**json.loads(lines[0]), "ids": [7, 7, 7]}
+    partial = {**json.loads(lines[5]), "complete": False}
+    kept = [json.dumps(marked), *lines[1:5], json.dumps(partial)]
+    path.write_text("".join(line + "\n" for line in kept) + lines[6][:9])  # (torn: no newline)
+    logs: list[str] = []
+    again = generate_answers(cfg, prompts, jobs, ["dense"], str(tmp_path), log=logs.append)
+    assert any("keeping 5 finished answers" in m for m in logs), logs
+    assert [r["job"] for r in again] == list(range(len(jobs))) and all(r["complete"] for r in again)
+    assert again[marked["job"]]["ids"] == [7, 7, 7]
+    assert [r for r in again if r["job"] != marked["job"]] == [
+        r for r in full if r["job"] != marked["job"]
+    ]
+    assert any(f"generated {len(jobs) - 5} answers" in m for m in logs), logs
+    # a second stop keeps them still; another plan does not
+    again = generate_answers(cfg, prompts, jobs, ["dense"], str(tmp_path), log=quiet)
+    assert again[marked["job"]]["ids"] == [7, 7, 7]
+    cfg.max_new_tokens = 6
+    other = generate_answers(cfg, prompts, jobs, ["dense"], str(tmp_path), log=quiet)
+    assert all(len(r["ids"]) <= 6 for r in other) and len(other) == len(jobs)
 
 
 def test_deadline_cuts_generation_and_keeps_prefixes(tiny_data):

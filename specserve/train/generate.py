@@ -12,14 +12,16 @@ Workers pull chunks of jobs from one queue (a faster worker simply takes more):
   (no paging, no scheduler: the fastest way to use an otherwise idle GPU).
 
 One worker runs in this process; several run as processes of their own (`spawn`), each
-writing one JSON line per answer to its own file as answers finish, so nothing is lost if the
-run is cut short. At the deadline a worker stops and also writes what its unfinished answers
+writing one JSON line per answer to its own file as answers finish. A run stopped before the
+end (killed, its machine lost) thus keeps what it finished: the next run of the same jobs in
+that folder generates only the others. At the deadline a worker stops and also writes what its unfinished answers
 have so far (marked `complete: false`; the dataset keeps them as answers cut short).
 A worker that fails writes its traceback next to its output and the others carry on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -282,21 +284,22 @@ def generate_answers(
 ) -> list[dict]:
     """Answers for `jobs` (those finished or cut by `deadline`, a time.time() value), as
     dicts {job, ids, complete}, sorted by job. One worker runs in this process; several run
-    as processes. Worker files `answers_<i>_<kind>.jsonl` go to `out_dir`."""
+    as processes. Worker files `answers_<i>_<kind>.jsonl` go to `out_dir`, beside the plan
+    they answer; the finished answers of an earlier run of the same plan that was stopped
+    (killed, or its machine lost) are kept, and only the other jobs are generated."""
     os.makedirs(out_dir, exist_ok=True)
-    items = list(enumerate(jobs))
+    kept = _finished_answers_of_plan(out_dir, _plan_of(cfg, prompt_ids, jobs))
+    if kept:
+        log(f"generate: keeping {len(kept)} finished answers of an earlier run of these jobs")
+    items = [(j, job) for j, job in enumerate(jobs) if j not in kept]
     chunks = chunked(items, chunk)
     paths = [os.path.join(out_dir, f"answers_{i}_{k}.jsonl") for i, k in enumerate(workers)]
-    for p in paths:
-        for old in (p, p + ".error"):
-            if os.path.exists(old):
-                os.remove(old)
     t0 = time.time()
-    if len(workers) == 1:
+    if items and len(workers) == 1:
         run_worker(workers[0], cfg, prompt_ids, _ListSource(chunks), paths[0], deadline)
-    else:
+    elif items:
         _run_processes(cfg, prompt_ids, chunks, workers, paths, deadline, log, poll_seconds, t0)
-    results: dict[int, dict] = {}
+    results: dict[int, dict] = dict(kept)
     for p in paths:
         for r in read_results(p):
             results[r["job"]] = r
@@ -306,12 +309,53 @@ def generate_answers(
     if not results:
         raise RuntimeError(f"no answers generated (worker errors: {errors or 'none'})")
     out = [results[j] for j in sorted(results)]
-    ntok = sum(len(r["ids"]) for r in out)
+    ntok = sum(len(r["ids"]) for r in out if r["job"] not in kept)
     log(
-        f"generated {len(out)} answers, {ntok} tokens in {time.time() - t0:.0f}s "
-        f"({ntok / max(1e-9, time.time() - t0):.0f} tok/s; {len(jobs)} jobs planned)"
+        f"generated {len(out) - len(kept)} answers, {ntok} tokens in {time.time() - t0:.0f}s "
+        f"({ntok / max(1e-9, time.time() - t0):.0f} tok/s; {len(jobs)} jobs planned, "
+        f"{len(kept)} answered before)"
     )
     return out
+
+
+def _plan_of(cfg: GenConfig, prompt_ids, jobs: list[Job]) -> str:
+    """What the answers of `jobs` depend on, as one digest."""
+    spec = [cfg.target, cfg.max_new_tokens, sorted(cfg.eos), prompt_ids, jobs]
+    return hashlib.sha256(json.dumps(spec).encode()).hexdigest()
+
+
+def _finished_answers_of_plan(out_dir: str, plan: str) -> dict[int, dict]:
+    """The finished answers in `out_dir` if its files answer `plan`, gathered into one file;
+    the folder is then set up for this run (every other answer file removed)."""
+    plan_path = os.path.join(out_dir, "plan.json")
+    same = False
+    if os.path.isfile(plan_path):
+        with open(plan_path) as f:
+            same = json.load(f).get("plan") == plan
+    kept: dict[int, dict] = {}
+    names = sorted(n for n in os.listdir(out_dir) if n.startswith("answers_"))
+    if same:
+        for name in names:
+            if name.endswith(".jsonl"):
+                kept.update(
+                    (r["job"], r)
+                    for r in read_results(os.path.join(out_dir, name))
+                    if r["complete"]
+                )
+    for name in names:
+        os.remove(os.path.join(out_dir, name))
+    with open(plan_path + ".tmp", "w") as f:
+        json.dump({"plan": plan}, f)
+    os.replace(plan_path + ".tmp", plan_path)
+    if kept:
+        with open(os.path.join(out_dir, "answers_kept.jsonl.tmp"), "w") as f:
+            for job_id in sorted(kept):
+                f.write(json.dumps(kept[job_id]) + "\n")
+        os.replace(
+            os.path.join(out_dir, "answers_kept.jsonl.tmp"),
+            os.path.join(out_dir, "answers_kept.jsonl"),
+        )
+    return kept
 
 
 def _run_processes(cfg, prompt_ids, chunks, workers, paths, deadline, log, poll_seconds, t0):
