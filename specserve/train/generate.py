@@ -14,8 +14,9 @@ Workers pull chunks of jobs from one queue (a faster worker simply takes more):
 One worker runs in this process; several run as processes of their own (`spawn`), each
 writing one JSON line per answer to its own file as answers finish. A run stopped before the
 end (killed, its machine lost) thus keeps what it finished: the next run of the same jobs in
-that folder generates only the others. At the deadline a worker stops and also writes what its unfinished answers
-have so far (marked `complete: false`; the dataset keeps them as answers cut short).
+that folder generates only the others. At the deadline a worker stops and also writes what
+its unfinished answers have so far (marked `complete: false`; the dataset keeps them as
+answers cut short).
 A worker that fails writes its traceback next to its output and the others carry on.
 """
 
@@ -318,6 +319,9 @@ def generate_answers(
     return out
 
 
+KEPT = "answers_kept.jsonl"  # the finished answers of earlier runs of the same jobs
+
+
 def _plan_of(cfg: GenConfig, prompt_ids, jobs: list[Job]) -> str:
     """What the answers of `jobs` depend on, as one digest."""
     spec = [cfg.target, cfg.max_new_tokens, sorted(cfg.eos), prompt_ids, jobs]
@@ -325,9 +329,10 @@ def _plan_of(cfg: GenConfig, prompt_ids, jobs: list[Job]) -> str:
 
 
 def _finished_answers_of_plan(out_dir: str, plan: str) -> dict[int, dict]:
-    """The finished answers in `out_dir` if its files answer `plan`, gathered into one file;
-    the folder is then set up for this run (every other answer file removed)."""
-    plan_path = os.path.join(out_dir, "plan.json")
+    """The finished answers in `out_dir` if its files answer `plan`, gathered into one file
+    (written before the others are removed: a stop meanwhile loses none); the folder is then
+    set up for this run, every other answer file removed."""
+    plan_path, kept_path = os.path.join(out_dir, "plan.json"), os.path.join(out_dir, KEPT)
     same = False
     if os.path.isfile(plan_path):
         with open(plan_path) as f:
@@ -337,24 +342,18 @@ def _finished_answers_of_plan(out_dir: str, plan: str) -> dict[int, dict]:
     if same:
         for name in names:
             if name.endswith(".jsonl"):
-                kept.update(
-                    (r["job"], r)
-                    for r in read_results(os.path.join(out_dir, name))
-                    if r["complete"]
-                )
-    for name in names:
-        os.remove(os.path.join(out_dir, name))
+                done = read_results(os.path.join(out_dir, name))
+                kept.update((r["job"], r) for r in done if r["complete"])
+    if kept:
+        with open(kept_path + ".tmp", "w") as f:
+            f.writelines(json.dumps(kept[job_id]) + "\n" for job_id in sorted(kept))
+        os.replace(kept_path + ".tmp", kept_path)
+    for name in os.listdir(out_dir):
+        if name.startswith("answers_") and not (kept and name == KEPT):
+            os.remove(os.path.join(out_dir, name))
     with open(plan_path + ".tmp", "w") as f:
         json.dump({"plan": plan}, f)
     os.replace(plan_path + ".tmp", plan_path)
-    if kept:
-        with open(os.path.join(out_dir, "answers_kept.jsonl.tmp"), "w") as f:
-            for job_id in sorted(kept):
-                f.write(json.dumps(kept[job_id]) + "\n")
-        os.replace(
-            os.path.join(out_dir, "answers_kept.jsonl.tmp"),
-            os.path.join(out_dir, "answers_kept.jsonl"),
-        )
     return kept
 
 
