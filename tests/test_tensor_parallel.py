@@ -27,7 +27,7 @@ from specserve.ops.attention import TorchAttentionBackend
 from specserve.ops.attention_metadata import Segment, build_metadata
 from specserve.ops.collectives import TensorParallel, connect_rendezvous, serve_rendezvous
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
-from tests.engine_utils import mixed_prompts, spec_args
+from tests.engine_utils import mixed_prompts, spec_args, write_dummy_config
 from tests.model_factory import write_gguf_model, write_hf_model
 
 CPU = dict(skip_tokenizer_init=True, dtype="float32", device="cpu")
@@ -74,6 +74,21 @@ def test_tp_size_must_divide_the_heads_before_any_rank_starts(models):
     assert time.perf_counter() - started < 5  # refused from the config, no process spawned
 
 
+@pytest.mark.parametrize(
+    "config", ["{not json", '{"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}']
+)
+def test_an_unreadable_model_is_refused_as_with_tp_size_1(tmp_path, config):
+    # the shape check before any rank starts reads the config: its failure is the same
+    # InvalidArgument naming model_path that loading the model raises with tp_size 1
+    (tmp_path / "config.json").write_text(config)
+    errors = []
+    for tp_size in (1, 2):
+        with pytest.raises(InvalidArgument) as e:
+            Engine(model_path=str(tmp_path), tp_size=tp_size, **CPU)
+        errors.append((e.value.field, str(e.value)))
+    assert errors[0][0] == "model_path" and errors[1] == errors[0]
+
+
 def test_tp_size_is_a_resolved_decision():
     cfg = EngineConfig(tp_size=2, device="cpu").resolve(cuda_available=False)
     assert any(f == "tp_size" and "gloo" in why for f, _, why in cfg.decisions)
@@ -93,7 +108,9 @@ def _prefill_logits(model, tokens: list[int], kv_heads: int) -> torch.Tensor:
         return model.compute_logits(out.hidden)
 
 
-def _sharded_logits(path: str, tokens: list[int], tp_size: int = 2) -> list[torch.Tensor]:
+def _sharded_logits(
+    path: str, tokens: list[int], tp_size: int = 2, load_format: str = "auto"
+) -> list[torch.Tensor]:
     """Each rank's logits of a prefill of `tokens`, the ranks run as threads."""
     timeout = datetime.timedelta(seconds=60)
     store = serve_rendezvous(tp_size, timeout)
@@ -103,7 +120,8 @@ def _sharded_logits(path: str, tokens: list[int], tp_size: int = 2) -> list[torc
         try:
             s = store if r == 0 else connect_rendezvous(store.port, tp_size, timeout)
             tp = TensorParallel.join(r, tp_size, torch.device("cpu"), timeout, s)
-            model = load_model(path, "auto", torch.float32, torch.device("cpu"), True, tp=tp).model
+            model = load_model(path, load_format, torch.float32, torch.device("cpu"), True, tp=tp)
+            model = model.model
             results[r] = _prefill_logits(model, tokens, local_kv_heads(model.config, tp_size))
         except BaseException as e:  # re-raised by the test's thread
             results[r] = e
@@ -142,6 +160,41 @@ def test_gguf_shards_equal_slices_of_the_dequantized_tensors(tmp_path, qtype, he
     whole = load_model(path, "auto", torch.float32, torch.device("cpu"), True).model
     want = _prefill_logits(whole, tokens, whole.config.num_kv_heads)
     torch.testing.assert_close(_sharded_logits(path, tokens)[0], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_gguf_qkv_biases_shard_by_value(tmp_path, qtype):
+    # Qwen2's q/k/v biases are 1-D: a rank's slice counts values, not a row's bytes
+    folder = write_hf_model(tmp_path / "hf", seed=3, arch="qwen2", vocab_size=257, num_kv_heads=2)
+    path, _ = write_gguf_model(tmp_path / "m.gguf", folder, qtype=qtype)
+    tokens = mixed_prompts(1, 257, seed=2, min_len=10, max_len=10)[0]
+    whole = load_model(path, "auto", torch.float32, torch.device("cpu"), True).model
+    want = _prefill_logits(whole, tokens, whole.config.num_kv_heads)
+    torch.testing.assert_close(_sharded_logits(path, tokens)[0], want, atol=1e-5, rtol=1e-5)
+
+
+DUMMY = {
+    "llama": dict(vocab_size=61),
+    "qwen2-tied": dict(
+        vocab_size=61,
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(DUMMY))
+def test_dummy_weights_are_slices_of_the_unsharded_models(tmp_path, name):
+    # random weights (load_format dummy, presets): a rank holds its slices of the weights
+    # tp_size 1 draws from the same seed, not a random shard of its own
+    path = write_dummy_config(str(tmp_path), **DUMMY[name])
+    tokens = mixed_prompts(1, 61, seed=2, min_len=10, max_len=10)[0]
+    whole = load_model(path, "dummy", torch.float32, torch.device("cpu"), True).model
+    want = _prefill_logits(whole, tokens, whole.config.num_kv_heads)
+    got = _sharded_logits(path, tokens, load_format="dummy")[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 # ---- the engine, ranks as processes ------------------------------------------------------------------

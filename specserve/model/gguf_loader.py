@@ -331,7 +331,9 @@ def iter_gguf_weights(
             continue  # read into the config (RopeScaling.freq_factors)
         name = _hf_name(t.name)
         part = shard.part(name) if shard is not None else None
-        array = gf.tensor_float32(t, part) if part is not None else None
+        # tensor_float32 slices 2-D tensors only (its rows are bytes): a 1-D one (a q/k/v
+        # bias) is read whole and cut below
+        array = gf.tensor_float32(t, part) if part is not None and len(t.shape) == 2 else None
         if array is None:
             tensor = torch.from_numpy(gf.tensor_float32(t))
             if part is not None:

@@ -68,24 +68,30 @@ def read_config(src: ModelSource) -> ModelConfig:
     return PRESETS[src.path]
 
 
-def random_init_(model: torch.nn.Module, seed: int) -> None:
-    """N(0, 0.02) weights, unit norms, zero biases; generated on the parameters' device (an
-    8B-shaped model initialises in seconds on a GPU). The same seed gives the same weights
-    on the same device type."""
+def random_weights(model: torch.nn.Module, seed: int, device=None):
+    """(name, float32 tensor) for each parameter of `model`, in order: N(0, 0.02) weights,
+    unit norms, zero biases, generated on `device` (default: the parameter's; an 8B-shaped
+    model initialises in seconds on a GPU). The same seed gives the same weights on the same
+    device type."""
     gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        dev = p.device if device is None else torch.device(device)
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(p.shape, device=dev)
+        elif p.dim() == 1:
+            yield name, torch.zeros(p.shape, device=dev)
+        else:
+            g = gens.setdefault(dev, torch.Generator(device=dev).manual_seed(seed))
+            t = torch.empty(p.shape, dtype=torch.float32, device=dev)
+            yield name, t.normal_(0.0, 0.02, generator=g)
+
+
+def random_init_(model: torch.nn.Module, seed: int) -> None:
+    """`random_weights` into the model's parameters."""
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif p.dim() == 1:
-                p.zero_()
-            else:
-                g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-                p.copy_(
-                    torch.empty(p.shape, dtype=torch.float32, device=p.device).normal_(
-                        0.0, 0.02, generator=g
-                    )
-                )
+        for name, t in random_weights(model, seed):
+            params[name].copy_(t)
 
 
 def build_model(
@@ -110,7 +116,10 @@ def build_model(
     # (RotaryEmbedding recomputes its float32 frequencies on the new device itself)
     model = model.to_empty(device=device).to(dtype)
     if load_format == "dummy" or src.kind == "preset":
-        random_init_(model, seed)
+        if shard is None:
+            random_init_(model, seed)
+        else:  # the unsharded model's weights, this rank's slices of them
+            model.load_weights(shard.random_weights(seed, device))
     elif src.kind == "gguf":
         model.load_weights(iter_gguf_weights(src.path, cfg, shard=shard))
     else:
@@ -146,7 +155,7 @@ def load_model(
         model = build_model(cfg, src, load_format, dtype, device, seed, tp)
     except InvalidArgument:
         raise
-    except _UNREADABLE as e:
+    except UNREADABLE as e:
         raise InvalidArgument(field, f"{model_path!r} cannot be loaded: {e}") from e
     tokenizer = None if skip_tokenizer_init else _load_tokenizer(src, tokenizer_path, field)
     return LoadedModel(model, cfg, tokenizer, src)
@@ -154,7 +163,7 @@ def load_model(
 
 # what reading a malformed or unsupported checkpoint raises (json, struct, safetensors, the
 # weight loader's checks)
-_UNREADABLE = (ValueError, KeyError, OSError, EOFError, SafetensorError)
+UNREADABLE = (ValueError, KeyError, OSError, EOFError, SafetensorError)
 
 
 def _load_tokenizer(src: ModelSource, tokenizer_path: str | None, field: str):
@@ -166,12 +175,12 @@ def _load_tokenizer(src: ModelSource, tokenizer_path: str | None, field: str):
         kind = "gguf" if tokenizer_path.lower().endswith(".gguf") else "hf"
         try:
             return load_tokenizer(tokenizer_path, kind)
-        except _UNREADABLE as e:
+        except UNREADABLE as e:
             raise InvalidArgument("tokenizer_path", f"{tokenizer_path!r}: {e}") from e
     if src.kind == "gguf":
         try:
             return load_tokenizer(src.path, "gguf")
-        except _UNREADABLE as e:
+        except UNREADABLE as e:
             if not gguf_has_tokenizer(src.path):  # (asked only then: it parses the header)
                 log.warning("%s holds no tokenizer: token ids only", src.path)
                 return None
@@ -179,7 +188,7 @@ def _load_tokenizer(src: ModelSource, tokenizer_path: str | None, field: str):
     if src.kind == "hf" and has_tokenizer_files(src.path):
         try:
             return load_tokenizer(src.path, "hf")
-        except _UNREADABLE as e:
+        except UNREADABLE as e:
             raise InvalidArgument(field, f"{src.path!r}: its tokenizer: {e}") from e
     if src.kind == "preset" and src.path in ("smollm2-135m", "smollm2-135m-instruct"):
         try:  # the real model's tokenizer, when its package is installed

@@ -37,6 +37,7 @@ from specserve.errors import InvalidArgument
 from specserve.model.config import ModelConfig
 from specserve.model.layers import MLP, Attention, RMSNorm
 from specserve.model.llama import LlamaForCausalLM
+from specserve.model.loader import random_weights
 from specserve.ops.attention import ForwardContext
 from specserve.ops.collectives import TensorParallel
 
@@ -200,6 +201,7 @@ class CheckpointShard:
     rotary) are replicated whole."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        self.cfg = cfg
         rank, size = tp.rank, tp.size
         hd = cfg.head_dim
         q = cfg.num_heads // size * hd
@@ -247,6 +249,27 @@ class CheckpointShard:
             return lazy[:]
         dim, start, stop = r
         return self.pad(name, lazy[start:stop] if dim == 0 else lazy[:, start:stop])
+
+    def random_weights(self, seed: int, device: torch.device):
+        """This rank's slices of the random weights an unsharded model of the same seed gets
+        (`random_init_`), Hugging Face-named: tp_size does not change a dummy model. Each
+        whole tensor is drawn in turn (the draws' order and shapes decide the values)."""
+        cfg = self.cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        with torch.device("meta"):
+            whole = LlamaForCausalLM(cfg)
+        for name, t in random_weights(whole, seed, device):
+            if ".qkv_proj." in name:
+                parts = zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv]))
+            elif ".gate_up_proj." in name:
+                parts = zip(("gate_proj", "up_proj"), t.chunk(2))
+            else:
+                yield name, self.read(name, t)
+                continue
+            fused = name.split(".")[-2]
+            for proj, part in parts:
+                hf_name = name.replace(f".{fused}.", f".{proj}.")
+                yield hf_name, self.read(hf_name, part)
 
 
 def _pad(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 from specserve.config import EngineConfig
 from specserve.errors import InvalidArgument
-from specserve.model.loader import locate, read_config
+from specserve.model.loader import UNREADABLE, locate, read_config
 from specserve.model.sharding import check_shardable
 from specserve.ops.collectives import TensorParallel, connect_rendezvous, serve_rendezvous
 from specserve.runtime.engine_core import EngineCore
@@ -57,7 +57,7 @@ JOIN_SECONDS = 10.0
 def start_engine_core(cfg: EngineConfig) -> EngineCore:
     if cfg.tp_size == 1:
         return EngineCore(cfg)
-    check_shardable(read_config(locate(cfg.model_path, cfg.load_format)), cfg.tp_size)
+    check_shardable(_model_config(cfg), cfg.tp_size)
     store = serve_rendezvous(cfg.tp_size, COLLECTIVE_TIMEOUT)
     peers = Peers.spawn(cfg, store)
     try:
@@ -76,6 +76,17 @@ def start_engine_core(cfg: EngineConfig) -> EngineCore:
     core.peers = peers
     core.worker = LeaderWorker(core.worker, peers)
     return core
+
+
+def _model_config(cfg: EngineConfig):
+    """The model's shape, read before any rank starts; a config that cannot be read is
+    refused as `load_model` refuses it with tp_size 1 (InvalidArgument naming model_path)."""
+    try:
+        return read_config(locate(cfg.model_path, cfg.load_format))
+    except InvalidArgument:
+        raise
+    except UNREADABLE as e:
+        raise InvalidArgument("model_path", f"{cfg.model_path!r} cannot be loaded: {e}") from e
 
 
 def _rank_device(cfg: EngineConfig, rank: int) -> torch.device:
