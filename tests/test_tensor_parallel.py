@@ -74,6 +74,18 @@ def test_tp_size_must_divide_the_heads_before_any_rank_starts(models):
     assert time.perf_counter() - started < 5  # refused from the config, no process spawned
 
 
+def test_a_context_past_the_models_positions_is_refused_before_any_rank_starts(models, monkeypatch):
+    from specserve.runtime import tensor_parallel
+
+    def spawn(*args):
+        raise AssertionError("a rank was started for a configuration refused from the model")
+
+    monkeypatch.setattr(tensor_parallel.Peers, "spawn", spawn)
+    with pytest.raises(InvalidArgument) as e:
+        Engine(model_path=models["llama"], tp_size=2, context_length=1 << 20, **CPU)
+    assert e.value.field == "context_length" and "max_position_embeddings" in str(e.value)
+
+
 @pytest.mark.parametrize(
     "config", ["{not json", '{"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}']
 )

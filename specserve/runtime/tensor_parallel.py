@@ -41,6 +41,7 @@ from specserve.errors import InvalidArgument
 from specserve.model.loader import UNREADABLE, locate, read_config
 from specserve.model.sharding import check_shardable
 from specserve.ops.collectives import TensorParallel, connect_rendezvous, serve_rendezvous
+from specserve.runtime.capacity import context_length
 from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.gc_heap import freeze_startup_heap
 from specserve.runtime.logprobs import TokenLogprobs
@@ -80,13 +81,17 @@ def start_engine_core(cfg: EngineConfig) -> EngineCore:
 
 def _model_config(cfg: EngineConfig):
     """The model's shape, read before any rank starts; a config that cannot be read is
-    refused as `load_model` refuses it with tp_size 1 (InvalidArgument naming model_path)."""
+    refused as `load_model` refuses it with tp_size 1 (InvalidArgument naming model_path),
+    and so is a context_length past the model's positions (as EngineCore would, seconds
+    later, once every rank had started)."""
     try:
-        return read_config(locate(cfg.model_path, cfg.load_format))
+        model = read_config(locate(cfg.model_path, cfg.load_format))
     except InvalidArgument:
         raise
     except UNREADABLE as e:
         raise InvalidArgument("model_path", f"{cfg.model_path!r} cannot be loaded: {e}") from e
+    context_length(cfg, model)
+    return model
 
 
 def _rank_device(cfg: EngineConfig, rank: int) -> torch.device:
