@@ -324,7 +324,7 @@ KEPT = "answers_kept.jsonl"  # the finished answers of earlier runs of the same 
 
 def _plan_of(cfg: GenConfig, prompt_ids, jobs: list[Job]) -> str:
     """What the answers of `jobs` depend on, as one digest."""
-    spec = [cfg.target, cfg.max_new_tokens, sorted(cfg.eos), prompt_ids, jobs]
+    spec = [cfg.target, cfg.load_format, cfg.max_new_tokens, sorted(cfg.eos), prompt_ids, jobs]
     return hashlib.sha256(json.dumps(spec).encode()).hexdigest()
 
 
