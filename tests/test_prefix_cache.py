@@ -463,3 +463,29 @@ def test_a_copied_boundary_page_is_not_held_through_a_chunked_prefill(eagle):
             core.step()
         assert req.finished, f"{rid} never finished"
     assert req.cached_tokens == 8  # "b" copied the boundary page [14..17] (next token 100)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_a_next_turn_sent_while_a_step_is_in_flight_finds_the_whole_history(eagle, spec):
+    """Overlap: a request finishing in a step is still in the step launched ahead and is
+    reaped a step later. Its next turn (prompt + output + more), sent as the output comes,
+    is admitted before then: it must find the output's pages cached too (they are final),
+    not only the prompt's. Another request keeps the pipeline from draining."""
+    kw = spec_args(eagle, 2, 2, 4) if spec else {}
+    core = EngineCore(EngineConfig.from_kwargs(**TINY, page_size=4, debug_check_invariants=True,
+                                               **kw).resolve())  # fmt: skip
+    assert core.overlap
+    sp = lambda n: SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)  # noqa: E731
+    core.add_request(Request("long", list(range(100, 120)), sp(60), seed=0))
+    first = Request("first", [7, 8, 9], sp(10), seed=0)  # less than a page: no prompt pages
+    core.add_request(first)
+    turn = None
+    for _ in range(200):
+        touched = core.step()
+        if turn is None and first in touched and first.finished:
+            turn = Request("turn", first.all_ids + [5], sp(4), seed=0)
+            core.add_request(turn)
+        if not core.has_work():
+            break
+    assert turn is not None and turn.finished
+    assert turn.cached_tokens >= len(first.all_ids) - 4

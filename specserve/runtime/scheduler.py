@@ -318,6 +318,11 @@ class Scheduler:
         """A decode step's results applied to `req` (after its new tokens, which may have
         finished it)."""
         req.kv_len += accept_len
+        if req.finished and req.inflight_steps and req.kv_trusted:
+            # reaped only once the step launched ahead is applied, after the next requests
+            # are admitted (a chat's next turn among them): cache its final pages now (the
+            # steps in flight write only past kv_len)
+            self._cache_prefix(req)
         self.trim(req)
 
     def trim(self, req: Request) -> None:
