@@ -489,3 +489,30 @@ def test_a_next_turn_sent_while_a_step_is_in_flight_finds_the_whole_history(eagl
             break
     assert turn is not None and turn.finished
     assert turn.cached_tokens >= len(first.all_ids) - 4
+
+
+def test_a_request_that_computed_a_prefix_another_reads_caches_its_later_pages():
+    """Two requests of one batch compute the same prefix; the cache keeps the first's copy,
+    which that one still reads. When the second finishes, its later pages (the rest of its
+    prompt, its answer) are cached under that copy: its next turn finds its whole history,
+    not only the shared prefix."""
+    core = EngineCore(EngineConfig.from_kwargs(**TINY, page_size=3, disable_overlap_schedule=True,
+                                               debug_check_invariants=True).resolve())  # fmt: skip
+    sp = lambda n: SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)  # noqa: E731
+    shared = list(range(200, 206))  # two pages
+    first = Request("first", shared + [10, 11, 12], sp(40), seed=0)  # still running at the end
+    second = Request("second", shared + [20, 21, 22], sp(6), seed=0)
+    core.add_request(first)
+    core.add_request(second)
+    turn = None
+    for _ in range(300):
+        core.step()
+        if turn is None and second.finished:
+            turn = Request("turn", second.all_ids + [5], sp(3), seed=0)
+            core.add_request(turn)
+        if not core.has_work():
+            break
+    assert turn is not None and turn.finished
+    # every full page the second computed (its last token's KV never is): 12, where the
+    # cache kept only the shared 6
+    assert turn.cached_tokens == (len(second.all_ids) - 1) // 3 * 3 == 12

@@ -154,6 +154,7 @@ class PrefixCache:
         pages: Sequence[int],
         num_tokens: int,
         start: _Node | None = None,
+        releasing: bool = False,
     ) -> _Node:
         """Keep the full pages among the first num_tokens of a request (`pages[i]` holds
         tokens[i*ps : (i+1)*ps]; with `next_token_in_key` tokens must go one further). Where
@@ -164,7 +165,10 @@ class PrefixCache:
         start: a node the request holds locked (its cached prefix, or what it inserted
         before): when it lies on the tokens' path, the walk resumes there, so a request's
         inserts look up its new pages only, not its whole history again (the prefix above
-        `start` only has its last use refreshed, a pointer walk)."""
+        `start` only has its last use refreshed, a pointer walk). releasing: the request is
+        done and will not read its pages again: where a live request reads the cached copy,
+        the walk goes on under that copy (the request's own is freed with its table), so its
+        later pages are cached too, not lost for its next turn."""
         tokens = tokens if isinstance(tokens, list) else list(tokens)
         ps, x = self.page_size, self._extra
         node = self.root
@@ -192,9 +196,11 @@ class PrefixCache:
                     child = self._split(child, k)
                 own = list(pages[i : i + len(child.pages)])
                 if child.pages != own:  # the request computed these positions itself
+                    # (a request releasing its pages walks on under the cached copy: the
+                    # same tokens' KV, and its own copy is freed with its table)
                     if child.lock == 0:  # no live request reads the cached copy
                         self._replace_pages(child, own)
-                    else:
+                    elif not releasing:
                         # another request reads the cached copy: keep that, and stop where
                         # the copies part, so the request locks only pages it reads; its own
                         # copies past there stay its own (cached when released, if free then)

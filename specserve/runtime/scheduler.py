@@ -104,7 +104,9 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Free a request's KV: its computed full pages stay in the cache, unlocked."""
         if self.cache is not None and req.kv_len > 0 and req.kv_trusted:
-            self._cache_prefix(req)
+            n = self._cacheable_tokens(req)
+            pages = self.table.pages(req.rid)
+            self.cache.insert(req.all_ids, pages, n, req.cache_node, releasing=True)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
             req.cache_node = None
