@@ -203,7 +203,7 @@ class PrefixCache:
                     elif not releasing:
                         # another request reads the cached copy: keep that, and stop where
                         # the copies part, so the request locks only pages it reads; its own
-                        # copies past there stay its own (cached when released, if free then)
+                        # copies past there stay its own (cached when it releases them)
                         same = _common_prefix(child.pages, own)
                         if same == 0:
                             break

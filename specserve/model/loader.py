@@ -155,15 +155,30 @@ def load_model(
         model = build_model(cfg, src, load_format, dtype, device, seed, tp)
     except InvalidArgument:
         raise
-    except UNREADABLE as e:
-        raise InvalidArgument(field, f"{model_path!r} cannot be loaded: {e}") from e
+    except _UNREADABLE as e:
+        raise _cannot_load(field, model_path, e) from e
     tokenizer = None if skip_tokenizer_init else _load_tokenizer(src, tokenizer_path, field)
     return LoadedModel(model, cfg, tokenizer, src)
 
 
+def read_model_config(model_path: str, load_format: str, field: str = "model_path"):
+    """The model's config alone (e.g. its shape, checked before tensor-parallel ranks start),
+    refused as `load_model` refuses a model it cannot read."""
+    try:
+        return read_config(locate(model_path, load_format, field))
+    except InvalidArgument:
+        raise
+    except _UNREADABLE as e:
+        raise _cannot_load(field, model_path, e) from e
+
+
+def _cannot_load(field: str, model_path: str, e: Exception) -> InvalidArgument:
+    return InvalidArgument(field, f"{model_path!r} cannot be loaded: {e}")
+
+
 # what reading a malformed or unsupported checkpoint raises (json, struct, safetensors, the
 # weight loader's checks)
-UNREADABLE = (ValueError, KeyError, OSError, EOFError, SafetensorError)
+_UNREADABLE = (ValueError, KeyError, OSError, EOFError, SafetensorError)
 
 
 def _load_tokenizer(src: ModelSource, tokenizer_path: str | None, field: str):
@@ -175,12 +190,12 @@ def _load_tokenizer(src: ModelSource, tokenizer_path: str | None, field: str):
         kind = "gguf" if tokenizer_path.lower().endswith(".gguf") else "hf"
         try:
             return load_tokenizer(tokenizer_path, kind)
-        except UNREADABLE as e:
+        except _UNREADABLE as e:
             raise InvalidArgument("tokenizer_path", f"{tokenizer_path!r}: {e}") from e
     if src.kind == "gguf":
         try:
             return load_tokenizer(src.path, "gguf")
-        except UNREADABLE as e:
+        except _UNREADABLE as e:
             if not gguf_has_tokenizer(src.path):  # (asked only then: it parses the header)
                 log.warning("%s holds no tokenizer: token ids only", src.path)
                 return None
@@ -188,7 +203,7 @@ def _load_tokenizer(src: ModelSource, tokenizer_path: str | None, field: str):
     if src.kind == "hf" and has_tokenizer_files(src.path):
         try:
             return load_tokenizer(src.path, "hf")
-        except UNREADABLE as e:
+        except _UNREADABLE as e:
             raise InvalidArgument(field, f"{src.path!r}: its tokenizer: {e}") from e
     if src.kind == "preset" and src.path in ("smollm2-135m", "smollm2-135m-instruct"):
         try:  # the real model's tokenizer, when its package is installed

@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 from specserve.config import EngineConfig
 from specserve.errors import InvalidArgument
-from specserve.model.loader import UNREADABLE, locate, read_config
+from specserve.model.loader import read_model_config
 from specserve.model.sharding import check_shardable
 from specserve.ops.collectives import TensorParallel, connect_rendezvous, serve_rendezvous
 from specserve.runtime.capacity import context_length
@@ -80,16 +80,10 @@ def start_engine_core(cfg: EngineConfig) -> EngineCore:
 
 
 def _model_config(cfg: EngineConfig):
-    """The model's shape, read before any rank starts; a config that cannot be read is
-    refused as `load_model` refuses it with tp_size 1 (InvalidArgument naming model_path),
-    and so is a context_length past the model's positions (as EngineCore would, seconds
-    later, once every rank had started)."""
-    try:
-        model = read_config(locate(cfg.model_path, cfg.load_format))
-    except InvalidArgument:
-        raise
-    except UNREADABLE as e:
-        raise InvalidArgument("model_path", f"{cfg.model_path!r} cannot be loaded: {e}") from e
+    """The model's shape, read before any rank starts; an unreadable model, or a
+    context_length past its positions, is refused as with tp_size 1 (EngineCore would refuse
+    the latter seconds later, once every rank had started)."""
+    model = read_model_config(cfg.model_path, cfg.load_format)
     context_length(cfg, model)
     return model
 
