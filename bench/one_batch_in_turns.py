@@ -7,7 +7,9 @@ Beside each run, the time a fixed pure-Python loop took just before it (`host_pr
 the host's raw speed at the time, to tell the machine's slow moments from the engine's; the
 CPUs the engine's loop thread was on as the run started and ended (`loop_cpus`, Linux); and
 the garbage collections during the run and the time they held the interpreter
-(`gc_collections` per generation, `gc_pause_ms`).
+(`gc_collections` per generation, `gc_pause_ms`); and the CPU time each thread of the
+process used during the run (`thread_cpu_ms`: the loop's, and the busiest other threads' by
+name, Linux), which tells whether anything beside the loop competes for the CPUs.
 
 Each engine's loop is a thread of its own, placed by the OS, and tends to stay on one CPU
 for whole runs; on a shared machine one CPU can run Python at half the speed of another (on
@@ -25,7 +27,7 @@ configuration), so a CPU's speed moving over minutes falls on every configuratio
                              --speculative-num-draft-tokens 16" \\
         --config adaptive="--speculative-adaptive" [--output-json OUT.json] \\
         [--input-len N: random prompts instead of the packaged chats] \\
-        [--cpus 4,5] [--probe-cpus] [--loop-cpu fastest|CPU] \\
+        [--cpus 4,5] [--probe-cpus] [--loop-cpu fastest|CPU] [--torch-threads N] \\
         [-- common engine flags, e.g. --model-path smollm2-135m --dtype bfloat16]
 
 Every engine keeps its KV cache to `--max-total-tokens` (default 100000 here: the engines
@@ -110,12 +112,47 @@ def loop_cpu(engine) -> int | None:
     return int(stat[stat.rindex(")") + 2 :].split()[36])  # (field 39: processor)
 
 
+def thread_cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Each thread of this process: its name and the CPU seconds it has used (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{task}/stat").read_text()
+            name = Path(f"/proc/self/task/{task}/comm").read_text().strip()
+        except OSError:
+            continue  # (the thread ended meanwhile)
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(task)] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+    return out
+
+
+def thread_cpu_during(before: dict, after: dict, loop_tid: int | None, top: int = 4) -> dict:
+    """CPU milliseconds used between two `thread_cpu_seconds` readings: the loop thread's, and
+    the busiest other threads' (name#tid)."""
+    used = {
+        tid: (name, seconds - before.get(tid, (name, 0.0))[1])
+        for tid, (name, seconds) in after.items()
+    }
+    others = sorted(
+        ((f"{name}#{tid}", s) for tid, (name, s) in used.items() if tid != loop_tid),
+        key=lambda item: -item[1],
+    )
+    return {
+        "loop": round(used.get(loop_tid, ("", 0.0))[1] * 1e3),
+        "others": round(sum(s for _, s in others) * 1e3),
+        **{name: round(s * 1e3) for name, s in others[:top] if s > 0},
+    }
+
+
 def timed_with_cpus(engine, prompts, sp) -> tuple[dict, list[int]]:
     """`timed_run`, with the CPUs its loop thread was on as it started and as it ended (read
     around the run, not during it: a sampling thread would take the GIL from the loop)."""
-    before = loop_cpu(engine)
+    before, threads_before = loop_cpu(engine), thread_cpu_seconds()
     run = timed_run(engine, prompts, sp)
-    after = loop_cpu(engine)
+    after, threads_after = loop_cpu(engine), thread_cpu_seconds()
+    loop_tid = getattr(getattr(engine, "_thread", None), "native_id", None)
+    run["thread_cpu_ms"] = thread_cpu_during(threads_before, threads_after, loop_tid)
     cpus = [c for c in (before, after) if c is not None]
     return run, [c for i, c in enumerate(cpus) if i == 0 or c != cpus[i - 1]]
 
@@ -171,6 +208,7 @@ def measure(
                     "host_probe_ms": round(probe, 2),
                     "loop_cpus": cpus,
                     "loop_pinned_to": pinned,
+                    "thread_cpu_ms": run["thread_cpu_ms"],
                     **run["pauses"],  # (the collector's pauses within the run)
                 }
             )
@@ -202,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         "--probe-cpus", action="store_true", help="print the probe's ms on each CPU first"
     )
     p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch's intra-op threads for the process (torch.set_num_threads), a diagnostic",
+    )
+    p.add_argument(
         "--loop-cpu",
         default=None,
         help="pin the engines' loop threads alone to this CPU, or to the fastest one by the "
@@ -223,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--loop-cpu {args.loop_cpu!r}: expected a CPU number or 'fastest'")
     if args.probe_cpus:
         print(json.dumps({"probe_ms_by_cpu": probe_each_cpu()}))
+    if args.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     unpinned = pin_process({int(c) for c in args.cpus.split(",")}) if args.cpus else None
     if "--max-total-tokens" not in common:
         common += ["--max-total-tokens", "100000"]
