@@ -9,7 +9,9 @@ CPUs the engine's loop thread was on as the run started and ended (`loop_cpus`, 
 the garbage collections during the run and the time they held the interpreter
 (`gc_collections` per generation, `gc_pause_ms`); and the CPU time each thread of the
 process used during the run (`thread_cpu_ms`: the loop's, and the busiest other threads' by
-name, Linux), which tells whether anything beside the loop competes for the CPUs.
+name, Linux), which tells whether anything beside the loop competes for the CPUs. Under
+adaptive speculation, also the steps each tier served during the run (`tier_steps`) and the
+drafts caught up and let go (`catch_ups`, `stopped_speculating`).
 
 Each engine's loop is a thread of its own, placed by the OS, and tends to stay on one CPU
 for whole runs; on a shared machine one CPU can run Python at half the speed of another (on
@@ -145,12 +147,36 @@ def thread_cpu_during(before: dict, after: dict, loop_tid: int | None, top: int 
     }
 
 
+def adaptive_counts(engine) -> dict | None:
+    """Adaptive speculation's running counts: steps per tier, draft catch-ups, drafts let go."""
+    seen = engine.stats().get("speculative_adaptive")
+    if not seen:
+        return None
+    return {
+        "tier_steps": dict(zip(seen["tiers"], seen["steps"])),
+        "catch_ups": seen.get("catch_ups", 0),
+        "stopped_speculating": seen.get("stopped_speculating", 0),
+    }
+
+
+def counts_during(before: dict | None, after: dict | None) -> dict:
+    if before is None or after is None:
+        return {}
+    steps = {tier: n - before["tier_steps"].get(tier, 0) for tier, n in after["tier_steps"].items()}
+    return {
+        "tier_steps": {tier: n for tier, n in steps.items() if n},
+        "catch_ups": after["catch_ups"] - before["catch_ups"],
+        "stopped_speculating": after["stopped_speculating"] - before["stopped_speculating"],
+    }
+
+
 def timed_with_cpus(engine, prompts, sp) -> tuple[dict, list[int]]:
     """`timed_run`, with the CPUs its loop thread was on as it started and as it ended (read
     around the run, not during it: a sampling thread would take the GIL from the loop)."""
-    before, threads_before = loop_cpu(engine), thread_cpu_seconds()
+    before, threads_before, counts = loop_cpu(engine), thread_cpu_seconds(), adaptive_counts(engine)
     run = timed_run(engine, prompts, sp)
     after, threads_after = loop_cpu(engine), thread_cpu_seconds()
+    run["adaptive"] = counts_during(counts, adaptive_counts(engine))
     loop_tid = getattr(getattr(engine, "_thread", None), "native_id", None)
     run["thread_cpu_ms"] = thread_cpu_during(threads_before, threads_after, loop_tid)
     cpus = [c for c in (before, after) if c is not None]
@@ -209,6 +235,7 @@ def measure(
                     "loop_cpus": cpus,
                     "loop_pinned_to": pinned,
                     "thread_cpu_ms": run["thread_cpu_ms"],
+                    **run["adaptive"],
                     **run["pauses"],  # (the collector's pauses within the run)
                 }
             )

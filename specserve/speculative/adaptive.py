@@ -73,7 +73,13 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   nothing better doubles the wait for the next one (up to `max_explore_gap` steps), so a
   steady state costs less and less, unless it raised the tier's estimate (`RISING`: learnt
   on other text, it may yet win); when the best tier changes, or a batch's worth of new
-  requests has arrived, the pace starts over.
+  requests has arrived, the pace starts over. Whatever the pace, explorations take at most
+  `EXPLORE_BUDGET` of the time: an exploring step's cost is its own time less what the best
+  tier would take to emit what it is expected to emit, and the next exploration waits until
+  the best tier's steps since make that cost the budget's share. (The 8B shape at batch 128
+  with every draft rejected: a step of the 5/4/16 tree took about three plain steps' time,
+  and exploring it at the starting pace after each batch's arrival cost 5% against plain
+  decoding on an H100.) Where the tiers cost about the same, the pace alone decides.
 - captures: under CUDA graphs a step replays the graph of its shape (batch bucket, context
   width, tier), or a larger shape's graph of its tier covering it; a shape nothing covers
   runs eagerly (slower steps) for a few steps, then is captured, which stalls the loop
@@ -94,6 +100,7 @@ plainly to its end and never pays for the draft again); see runtime/draft_lag.py
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter, deque
 from collections.abc import Callable
@@ -120,6 +127,8 @@ CAPTURE_MARGIN = 0.2
 # tree's acceptance, learnt on one request's text, was 2.4 against 3.0 on the batch's; one
 # exploration every 32 to 64 steps left the 6/8/64 tree serving, 8% slower.)
 RISING = 1.05
+# The most of the decode time explorations may cost (see the module's docstring).
+EXPLORE_BUDGET = 0.01
 # A tier's host time per step, and the host's time per token before two tiers tell its per-step
 # and per-token costs apart, is the median of this many of the latest steps. (SmolLM2 on an
 # H200 at batch 128, with a moving average instead: each spike made wider tiers, whose device
@@ -245,6 +254,7 @@ class AdaptiveSpeculation:
         # the pick count when each chain's acceptance was last learnt from a deeper tree's step
         self.inferred = [-explore_every] * len(tiers)
         self._explored: int | None = None  # the tier of an exploring step in flight
+        self._budget_until = 0  # no exploration before this pick (EXPLORE_BUDGET)
         self._explored_score = 0.0  # its score when it was picked
         self._best = 0  # the tier the last pick found best
         self._batch = 1  # the last pick's batch size
@@ -368,7 +378,7 @@ class AdaptiveSpeculation:
             self.next_explore = min(self.next_explore, self.picks + self.explore_gap)
             self._best = best
         served = self._served(batch_size, best, scores, ready)
-        if self.picks >= self.next_explore:
+        if self.picks >= self.next_explore and self.picks >= self._budget_until:
             self.next_explore = self.picks + self.explore_gap
             new_text, self._new_text = self._new_text, False  # (used here, or not at all)
             # the tier observed longest ago among those that could beat the best one if
@@ -390,10 +400,25 @@ class AdaptiveSpeculation:
             if not hopeful and new_text and served == 0:
                 hopeful = could
             if hopeful:
-                self._explored = min(hopeful, key=lambda t: (self.last_seen[t], upper[t]))
-                self._explored_score = scores[self._explored]
-                return self._explored
+                self._explored = explored = min(
+                    hopeful, key=lambda t: (self.last_seen[t], upper[t])
+                )
+                self._explored_score = scores[explored]
+                self._budget_until = self.picks + self._budget_gap(
+                    batch_size, explored, served, scores
+                )
+                return explored
         return served
+
+    def _budget_gap(self, batch_size: int, explored: int, served: int, scores) -> int:
+        """Steps of the served tier over which exploring `explored` once costs EXPLORE_BUDGET
+        of the time: what its step takes beyond the served tier's time for the same tokens."""
+        if scores[served] <= 0 or scores[explored] <= 0:
+            return 0
+        tokens = batch_size * self.accept[explored]
+        lost = tokens / scores[explored] - tokens / scores[served]
+        served_step = batch_size * self.accept[served] / scores[served]
+        return max(0, math.ceil(lost / (EXPLORE_BUDGET * served_step)))
 
     def _served(self, batch_size: int, best: int, scores: list[float], ready) -> int:
         """The tier a step runs when not exploring: the best one, or where no graph runs it at
