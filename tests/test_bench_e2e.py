@@ -9,6 +9,7 @@ import types
 import pytest
 
 from specserve.bench.e2e import parse_spec
+from specserve.errors import InvalidArgument
 from tests.engine_utils import TINY
 
 
@@ -26,7 +27,7 @@ def test_spec_values_map_to_engine_arguments():
     assert kw["speculative_token_map"] == "/maps/a+b.json"
     assert "speculative_token_map_growth" not in kw
     for bad in ("8,8", "8,x,48", ""):
-        with pytest.raises(SystemExit, match="--spec.*steps,topk,num_draft_tokens"):
+        with pytest.raises(InvalidArgument, match="--spec.*steps,topk,num_draft_tokens"):
             parse_spec(bad, "EAGLE", None)
 
 

@@ -808,9 +808,13 @@ def test_token_map_refuses_a_bad_flag_naming_it_before_generating(tmp_path, caps
         (["--num-prompts", "0"], "--num-prompts"),
         (["--gen-batch-size", "0"], "--gen-batch-size"),
         (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--sizes", "0"], "--sizes"),
     ):
         assert cli.main(["token-map", "--out", str(tmp_path / "m"), *flags]) == 2
         assert capsys.readouterr().err.startswith(f"error: {named}:")
+    one_file = ["token-map", "--out", str(tmp_path / "m.json"), "--sizes", "8", "16"]
+    assert cli.main(one_file) == 2  # (one file holds one map)
+    assert capsys.readouterr().err.startswith("error: --sizes:")
     assert cli.main(["token-map", "--out", str(tmp_path / "file")]) == 2
     assert capsys.readouterr().err.startswith("error: --out:")
     assert not (tmp_path / "m").exists()

@@ -22,6 +22,7 @@ from typing import Any
 
 from specserve.bench.args import positive_int
 from specserve.bench.one_batch import dump, free_device_memory
+from specserve.errors import InvalidArgument
 
 
 def add_e2e_parser(bsub) -> argparse.ArgumentParser:
@@ -93,7 +94,7 @@ def parse_spec(spec: str, algorithm: str, draft: str | None) -> tuple[str, dict]
     try:
         steps, topk, ndt = (int(x) for x in shape.split(","))
     except ValueError:
-        raise SystemExit(f"--spec {spec!r}: expected {SPEC_SYNTAX}, e.g. 8,8,48") from None
+        raise InvalidArgument("--spec", f"{spec!r}: expected {SPEC_SYNTAX}, e.g. 8,8,48") from None
     label = f"specserve-{algorithm.lower()} steps={steps} topk={topk} n={ndt}"
     kw: dict = dict(
         speculative_algorithm=algorithm,
@@ -241,13 +242,13 @@ def run_e2e(args) -> list[dict[str, Any]]:
     if args.draft is None:
         args.draft = bundled_draft_folder(args.model_path)
         if args.draft is None:
-            raise SystemExit(f"no bundled draft for {args.model_path}: pass --draft")
+            raise InvalidArgument("--draft", f"no bundled draft for {args.model_path}: pass one")
     if args.algorithm is None:
         from specserve.speculative.eagle_checkpoint import draft_algorithm
 
         args.algorithm = draft_algorithm(args.draft)
     if args.rounds < 1:
-        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+        raise InvalidArgument("--rounds", f"must be >= 1, got {args.rounds}")
     texts = load_prompts(args.prompts)[: args.num_prompts]
     rows, prompt_ids, reference = _engine_rows(args, texts)
     if not args.skip_hf:

@@ -106,6 +106,15 @@ def check_train_args(args) -> None:
 
 def check_token_map_args(args) -> None:
     _generation(args)
+    for size in args.sizes:
+        if size < 1:
+            raise InvalidArgument("--sizes", f"each size must be >= 1, got {size}")
+    if args.out.endswith(".json") and len(args.sizes) > 1:
+        raise InvalidArgument(
+            "--sizes",
+            f"--out {args.out} is one file, so --sizes takes one value (got {args.sizes}); "
+            "give a folder for several maps",
+        )
     if not args.out.endswith(".json"):
         _folder_flag("--out", args.out)
     elif os.path.isdir(args.out):

@@ -71,15 +71,7 @@ def run_token_map(args) -> int:
     from specserve.train.generate import parse_engine_args
 
     check_token_map_args(args)
-    for size in args.sizes:
-        if size < 1:
-            raise SystemExit(f"--sizes must be >= 1, got {size}")
     one_file = args.out.endswith(".json")
-    if one_file and len(args.sizes) > 1:
-        raise SystemExit(
-            f"--out {args.out} is one file, so --sizes takes one value (got {args.sizes}); "
-            "give a folder for several maps"
-        )
     t0 = time.perf_counter()
     data_args = DataArgs(
         target=args.target,
