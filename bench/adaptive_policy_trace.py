@@ -63,7 +63,7 @@ def record_picks(log: list[dict]) -> None:
             "batch": batch_size,
             "tier": tier,
             "explored": self._explored is not None and self._explored == tier != before,
-            "host_us_per_step_and_token": [v * 1e6 for v in self._host_cost_at(bucket)],
+            "host_us_per_step_and_token": [v * 1e6 for v in self.host.cost_at(bucket)],
             # (what the policy asked about: listing every tier would look each one up,
             # host time an untraced step does not spend)
             "ready": None if ready is None else _asked(ready),

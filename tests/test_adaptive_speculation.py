@@ -547,7 +547,7 @@ def test_a_tiers_old_host_time_does_not_tilt_the_line_through_fresh_ones():
     """The host's speed moves with the machine's load. A tier not run for HOST_POINT_AGE steps
     at a bucket no longer weighs in the host's cost (beside a fresh point, its old one tilted
     the line), and when it runs again it starts afresh."""
-    from specserve.speculative.adaptive import HOST_POINT_AGE
+    from specserve.speculative.host_cost import HOST_POINT_AGE
 
     tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(6, 8, 64)]
     p = AdaptiveSpeculation(tiers, measure=lambda b, t: 1e-3)

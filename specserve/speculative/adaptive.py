@@ -12,25 +12,10 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
     per-step costs least often and leaves the shortest tail)
 
 - host_seconds: the host's own time per step at the bucket (its stop checks, detokenizing,
-  streaming and the next launch), measured as steps are served (completing finished requests
-  is set aside: each costs it once whatever the tier; runtime/host_clock.py). Under overlap
-  the host works while the device runs the next step, so a step lasts as long as the longer
-  of the two. The host's part has a cost per step and a cost per emitted token, and which
-  dominates depends on the load: SmolLM2 on an H200 at batch 16 took 1.65 ms a step after
-  steps of the 4/4/16 tree and of the 6/8/64 tree alike, which emits more; at batch 128, 8.1
-  us per token after steps of a chain of 3 (2.3 ms a step) and 8.4 after steps of the 4/4/16
-  tree (3.2 ms), which emits a third more. (Weighed per step alone, a wide tree looked free
-  wherever the host was slower than the device, and a chain dear; weighed per token alone,
-  the 6/8/64 tree ran a third of the steps at batch 16, 2.21 ms each against 1.77 for the
-  4/4/16 tree.) So each tier's host time is the median of its latest `HOST_WINDOW` steps at
-  the bucket (host time spikes: a collection, a burst of requests finishing; a spike says
-  nothing of the next steps), and a line through the tiers' (tokens, seconds) medians gives
-  both costs (`HOST_MIN_STEPS` steps make a tier's median; tiers emitting within
-  `HOST_SPREAD` of one another cannot tell the two costs apart; a tier not run within the
-  bucket's last `HOST_POINT_AGE` steps no longer counts, as the host's speed moves with the
-  machine's load). Until two tiers tell it, the host's time is taken as per token, the
-  median of the bucket's latest steps whatever their tier, so a tier run rarely is not
-  judged on the few intervals it happened to run in.
+  streaming and the next launch), measured as steps are served; under overlap the host works
+  while the device runs the next step, so a step lasts as long as the longer of the two. It
+  has a cost per step and a cost per emitted token, told apart as speculative/host_cost.py
+  says.
 - step_seconds: the device time of a step of tier t at a batch bucket, measured on this
   device when the engine starts (`prime`: every tier's CUDA graph at every bucket replayed on
   padding rows, so every tier is timed alike, and serving does not stop to capture and time
@@ -101,12 +86,12 @@ plainly to its end and never pays for the draft again); see runtime/draft_lag.py
 from __future__ import annotations
 
 import math
-import statistics
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from specserve.config.speculative import small_tree
+from specserve.speculative.host_cost import HostCost
 from specserve.speculative.tree import PLAIN, TreeShape
 
 EMA = 0.2  # weight of the newest step time
@@ -129,25 +114,6 @@ CAPTURE_MARGIN = 0.2
 RISING = 1.05
 # The most of the decode time explorations may cost (see the module's docstring).
 EXPLORE_BUDGET = 0.01
-# A tier's host time per step, and the host's time per token before two tiers tell its per-step
-# and per-token costs apart, is the median of this many of the latest steps. (SmolLM2 on an
-# H200 at batch 128, with a moving average instead: each spike made wider tiers, whose device
-# time then hid under the host's, look free for a few steps; the 6/8/64 tree's 16-node budget
-# ran a fifth of the steps at 5.0 ms of wall time each, against 4.1 ms for the 4/4/16 tree,
-# which emits about as much.)
-HOST_WINDOW = 15
-# A tier's median host time joins the line through the tiers' only after this many steps: an
-# exploring step's one interval (a collection, a burst of arrivals in it) would tilt it.
-HOST_MIN_STEPS = 3
-# Tiers whose steps emit within this fraction of one another cannot tell a per-step cost from
-# a per-token one (their host times differ by less than the noise between steps).
-HOST_SPREAD = 0.15
-# A tier's host time not renewed within the bucket's last this many steps is no longer weighed,
-# and starts afresh when the tier runs again: the host's speed moves with the machine's load
-# (about a second of SmolLM2 steps at batch 128 on an H200), and an old point beside a fresh
-# one tilts the line (a host grown faster since made a rarely run wide tree look dear per
-# token, so dear it was no longer explored, and its point never renewed).
-HOST_POINT_AGE = 256
 
 
 def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
@@ -234,18 +200,7 @@ class AdaptiveSpeculation:
         # per bucket: what served steps take beyond their replay (attention over real
         # contexts, which padding rows do not have), carried over to tiers not yet served
         self.context_cost: dict[int, float] = {}
-        # the host's time per step by (tier, bucket) (a moving average, reported); per bucket,
-        # what steps are weighed by: (seconds per step, seconds per emitted token)
-        self.host: dict[tuple[int, int], float] = {}
-        self.host_cost: dict[int, tuple[float, float]] = {}
-        self._host_stale: set[int] = set()  # buckets whose host_cost awaits a refit
-        self._host_per_token: dict[int, deque[float]] = {}  # bucket -> its latest steps'
-        # bucket -> tier -> its latest steps' (tokens, host seconds); (tier, bucket) -> their
-        # medians (taken when the line is next fitted, once per pick, not per observation)
-        self._host_steps: dict[int, dict[int, deque[tuple[int, float]]]] = {}
-        self._host_medians: dict[tuple[int, int], tuple[float, float]] = {}
-        self._host_clock: dict[int, int] = {}
-        self._host_seen: dict[tuple[int, int], int] = {}  # (tier, bucket) -> its last step
+        self.host = HostCost()  # the host's time per step and per token, per bucket
         self._warmed: set[tuple[int, int]] = set()  # (tier, bucket) whose first step ran
         self._timed_buckets: set[int] = set()  # buckets where every tier has a time
         self.picks = 0
@@ -325,7 +280,7 @@ class AdaptiveSpeculation:
         other text than the served tier's, could say otherwise)."""
         bucket = batch_bucket(batch_size)
         seconds = self._seconds_at(bucket)
-        per_step, per_token = self._host_cost_at(bucket)
+        per_step, per_token = self.host.cost_at(bucket)
         scores = []
         for a, device in zip(accept or self.accept, seconds):
             tokens = batch_size * a
@@ -531,61 +486,7 @@ class AdaptiveSpeculation:
         """The host's own time around a step of `tier` over `batch_size` requests that emitted
         `tokens` tokens in all (applying its results and launching the next), measured while
         steps overlapped."""
-        if seconds <= 0 or tokens <= 0:
-            return
-        bucket = batch_bucket(batch_size)
-        old = self.host.get((tier, bucket))
-        self.host[(tier, bucket)] = seconds if old is None else old + EMA * (seconds - old)
-        per_token = self._host_per_token.setdefault(bucket, deque(maxlen=HOST_WINDOW))
-        per_token.append(seconds / tokens)
-        now = self._host_clock[bucket] = self._host_clock.get(bucket, 0) + 1
-        key = (tier, bucket)
-        steps = self._host_steps.setdefault(bucket, {}).setdefault(tier, deque(maxlen=HOST_WINDOW))
-        if now - self._host_seen.get(key, now) > HOST_POINT_AGE:
-            steps.clear()  # (stale: the tier starts afresh)
-        self._host_seen[key] = now
-        steps.append((tokens, seconds))
-        self._host_medians.pop(key, None)
-        self._host_stale.add(bucket)
-
-    def _host_cost_at(self, bucket: int) -> tuple[float, float]:
-        """host_cost[bucket], fitted again if steps were observed there since it last was
-        (once per pick, not once per observation: the medians cost more than the rest of
-        an observation)."""
-        if bucket in self._host_stale:
-            self._host_stale.discard(bucket)
-            self.host_cost[bucket] = self._fit_host(bucket)
-        return self.host_cost.get(bucket, (0.0, 0.0))
-
-    def _fit_host(self, bucket: int) -> tuple[float, float]:
-        """(seconds per step, seconds per emitted token) of the host at this bucket: the line
-        through the tiers' median (tokens, seconds) per step, each weighing its steps, where
-        they emit far enough apart to tell; else all per token."""
-        now = self._host_clock[bucket]
-        points = []  # (median tokens, median seconds, steps) of each tier timed lately
-        for tier, steps in self._host_steps[bucket].items():
-            key = (tier, bucket)
-            if len(steps) < HOST_MIN_STEPS or now - self._host_seen[key] > HOST_POINT_AGE:
-                continue
-            if key not in self._host_medians:
-                self._host_medians[key] = (
-                    statistics.median(n for n, _ in steps),
-                    statistics.median(s for _, s in steps),
-                )
-            points.append((*self._host_medians[key], len(steps)))
-        per_token = statistics.median(self._host_per_token[bucket])
-        if not points or max(p[0] for p in points) < (1 + HOST_SPREAD) * min(p[0] for p in points):
-            return 0.0, per_token
-        weight = sum(w for _, _, w in points)
-        mean_n = sum(n * w for n, _, w in points) / weight
-        mean_s = sum(s * w for _, s, w in points) / weight
-        spread = sum(w * (n - mean_n) ** 2 for n, _, w in points)
-        slope = sum(w * (n - mean_n) * (s - mean_s) for n, s, w in points) / spread
-        if slope <= 0:  # (noise around a cost per step alone)
-            return mean_s, 0.0
-        if mean_s - slope * mean_n <= 0:  # (noise around a cost per token alone)
-            return 0.0, mean_s / mean_n
-        return mean_s - slope * mean_n, slope
+        self.host.observe(tier, batch_bucket(batch_size), seconds, tokens)
 
     def describe(self) -> dict:
         """What the policy has seen: steps run per tier, acceptance per tier, and step time
@@ -601,10 +502,9 @@ class AdaptiveSpeculation:
                 for t, b in sorted(set(self.replayed) | set(self.observed))
             },
             "host_ms": {
-                f"{self.tiers[t]}@{b}": round(v * 1e3, 3) for (t, b), v in self.host.items()
+                f"{self.tiers[t]}@{b}": round(v * 1e3, 3) for (t, b), v in self.host.mean.items()
             },
             "host_us_per_step_and_token": {
-                b: [round(v * 1e6, 3) for v in self._host_cost_at(b)]
-                for b in sorted(self.host_cost.keys() | self._host_stale)
+                b: [round(v * 1e6, 3) for v in self.host.cost_at(b)] for b in self.host.buckets()
             },
         }
