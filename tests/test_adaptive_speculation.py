@@ -1179,3 +1179,52 @@ def test_explorations_cost_at_most_the_budget_where_a_tier_costs_several_plain_s
             spent["plain"] += seconds[0]
             spent["extra"] += seconds[t] - seconds[0]
     assert 0 < spent["extra"] / spent["plain"] <= 1.2 * EXPLORE_BUDGET, spent
+
+
+def test_the_tier_likeliest_to_win_is_explored_first_not_the_one_seen_longest_ago():
+    """SmolLM2 at batch 64 on an H100 (traced): a batch's first steps accept about a quarter
+    less than later ones, and the 4/4/16 tree, learnt on two of them, scored below a chain
+    that kept running (and so caught up with the later text). Explored by age, it waited
+    behind three wide ragged tiers scoring a fifth less, for 165 steps served 10% slower.
+    Now the highest scoring candidate is explored first."""
+    tiers = speculation_tiers(TreeShape(6, 8, 64))
+    assert tiers[3:5] == [TreeShape(3, 1, 4), TreeShape(4, 4, 16)], tiers
+    device_ms = [1.13, 1.22, 1.33, 1.42, 2.14, 3.51, 4.39, 5.30]  # at bucket 64, as traced
+    steady = [1.0, 1.6, 1.92, 2.15, 3.1, 2.95, 3.4, 3.83]  # accept lengths after a batch starts
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: device_ms[t] / 1e3, explore_every=32)
+
+    def step(t: int, accept: float) -> None:
+        # (a chain's accepted tokens lie on its greedy chain, which teaches the shorter ones)
+        reach = [max(0, round(accept) - 1)] * 64 if t in (1, 2, 3) else None
+        p.observe(t, 64, [accept] * 64, device_ms[t] / 1e3, reach)
+        # the host's time as traced: 1.5 ms a step and 1.5 us a token (so the tree's steps,
+        # which emit most, pay the per-step cost least often)
+        p.observe_host(t, 64, 1.5e-3 + 1.5e-6 * 64 * accept, round(64 * accept))
+
+    # what was served before (each step after a pick, which counts the steps): the wide
+    # tiers, then the tree on a batch's first steps, then the chain
+    for t, accept in [(5, 2.95), (6, 3.4), (7, 3.83)] * 3 + [(4, 0.72 * 3.1)] * 3 + [(3, 2.15)] * 3:
+        p.pick(64)
+        step(t, accept)
+    picks = []
+    for _ in range(240):
+        t = p.pick(64)
+        picks.append(t)
+        step(t, steady[t])
+    assert picks[:8] == [3] * 8  # (the chain serves while the tree looks worse)
+    assert picks[-150:].count(4) >= 140, picks
+
+
+def test_tiers_bound_by_the_host_tie_and_the_one_emitting_most_a_step_wins_whatever_rounding():
+    """Where the host sets the pace, every tier scores 1 / (host seconds per token), each
+    computed through its own token count; compared exactly, rounding broke the tie (traced on
+    an H100: SmolLM2 at batch 64 alternated between chains of 2 and 3, and a tree bound by
+    the host like them was never explored, its upper score a rounding below theirs)."""
+    tiers = [PLAIN, TreeShape(1, 1, 2), TreeShape(2, 1, 3), TreeShape(3, 1, 4)]
+    accept = [1.0, 1.63, 1.97, 2.15]  # (values whose token counts round differently)
+    for per_token_us in (12.37, 13.59, 16.65, 9.61):
+        p = AdaptiveSpeculation(tiers, measure=lambda b, t: 1e-4, explore_every=10**6)
+        for t in range(4):  # every tier timed and observed: all far below the host's time
+            p.observe(t, 64, [accept[t]] * 64 if t else [], 1e-4)
+        p.observe_host(3, 64, per_token_us * 1e-6 * 64 * accept[3], round(64 * accept[3]))
+        assert {p.pick(64) for _ in range(20)} == {3}, per_token_us

@@ -51,9 +51,10 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   (SmolLM2-135M on an H200 at batch 1: the 6/8/64 tree's ragged budgets cost 1.78 ms a step
   against 1.51 ms whole, and their estimates, learnt on earlier text, kept them running.)
 - exploration: a tier not picked is not observed, so every `explore_every` steps another
-  tier runs once (the one observed longest ago among those that would beat the best if they
-  accepted all they draft, but not a chain learnt within the last `explore_every` steps),
-  while some request can still speculate; speculation thus
+  tier runs once (among those that would beat the best if they accepted all they draft, but
+  not a chain learnt within the last `explore_every` steps, the one scoring highest now: the
+  likeliest to win; or one not run for `max_explore_gap` steps, whose estimate may be long
+  stale), while some request can still speculate; speculation thus
   resumes, or widens, when the draft starts being accepted again. An exploration that finds
   nothing better doubles the wait for the next one (up to `max_explore_gap` steps), so a
   steady state costs less and less, unless it raised the tier's estimate (`RISING`: learnt
@@ -112,6 +113,8 @@ CAPTURE_MARGIN = 0.2
 # tree's acceptance, learnt on one request's text, was 2.4 against 3.0 on the batch's; one
 # exploration every 32 to 64 steps left the 6/8/64 tree serving, 8% slower.)
 RISING = 1.05
+# Scores within this fraction of one another are even (`_even`).
+SCORE_TIE = 1e-9
 # The most of the decode time explorations may cost (see the module's docstring).
 EXPLORE_BUDGET = 0.01
 
@@ -143,6 +146,22 @@ def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
         if t not in tiers and t.tokens <= shape.tokens:
             tiers.append(t)
     return tiers
+
+
+def _even(a: float, b: float) -> bool:
+    """Scores equal but for rounding: host-bound tiers all score 1 / (host seconds per
+    token), computed through their own token counts. (Compared exactly, the rounding broke
+    the tie: SmolLM2 at batch 64 on an H100 alternated between chains of 2 and 3, and a tree
+    bound by the host like them was never explored, its upper score a rounding below.)"""
+    return abs(a - b) <= SCORE_TIE * max(abs(a), abs(b))
+
+
+def _ahead(score: float, accept: float, other_score: float, other_accept: float) -> bool:
+    """Whether (score, accept) beats (other_score, other_accept): the higher score, or among
+    even scores (the host sets the pace) the tier emitting more a step."""
+    if _even(score, other_score):
+        return accept > other_accept
+    return score > other_score
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -295,9 +314,9 @@ class AdaptiveSpeculation:
         emitting the most per step, then the one of least device time."""
         best, seconds, accept = None, None, self.accept
         for t in tiers:
-            if best is None or (scores[t], accept[t]) > (scores[best], accept[best]):
+            if best is None or _ahead(scores[t], accept[t], scores[best], accept[best]):
                 best = t
-            elif (scores[t], accept[t]) == (scores[best], accept[best]):
+            elif _even(scores[t], scores[best]) and accept[t] == accept[best]:
                 # (a tie, where the host sets the pace: only then the device times)
                 if seconds is None:
                     seconds = self._seconds_at(batch_bucket(batch_size))
@@ -336,11 +355,13 @@ class AdaptiveSpeculation:
         if self.picks >= self.next_explore and self.picks >= self._budget_until:
             self.next_explore = self.picks + self.explore_gap
             new_text, self._new_text = self._new_text, False  # (used here, or not at all)
-            # the tier observed longest ago among those that could beat the best one if
-            # they accepted all they draft (a wide tree at a large batch never can), among
-            # those replayable at this shape; new text may capture one only where none of
-            # them is (where one is, exploring it tries the new requests at no capture's
-            # cost) and the step would decode plainly (else the new requests speculate)
+            # among the tiers that could beat the best one if they accepted all they draft
+            # (a wide tree at a large batch never can) and are replayable at this shape, the
+            # one scoring highest now (the likeliest to win; unless one has not run for
+            # max_explore_gap steps: then the one observed longest ago). New text may
+            # capture one only where none of them is replayable (where one is, exploring it
+            # tries the new requests at no capture's cost) and the step would decode
+            # plainly (else the new requests speculate)
             upper = self._upper_scores(batch_size)
             # (a chain whose acceptance recent steps of a deeper tree told has nothing to show;
             # where the host sets the pace, a tier could win the tie by emitting more a step)
@@ -348,22 +369,34 @@ class AdaptiveSpeculation:
                 t
                 for t in range(1, len(self.tiers))
                 if t != best
-                and (upper[t], self._upper_accept[t]) > (scores[best], self.accept[best])
+                and _ahead(upper[t], self._upper_accept[t], scores[best], self.accept[best])
                 and self.picks - self.inferred[t] > self.explore_every
             ]
             hopeful = [t for t in could if ready is None or t in ready]
             if not hopeful and new_text and served == 0:
                 hopeful = could
             if hopeful:
-                self._explored = explored = min(
-                    hopeful, key=lambda t: (self.last_seen[t], upper[t])
-                )
+                self._explored = explored = min(hopeful, key=self._exploring_order(scores))
                 self._explored_score = scores[explored]
                 self._budget_until = self.picks + self._budget_gap(
                     batch_size, explored, served, scores
                 )
                 return explored
         return served
+
+    def _exploring_order(self, scores: list[float]):
+        """Sort key of the tiers to explore: first any not run for max_explore_gap picks
+        (their estimates may be long stale), the longest ago first; then the highest
+        scoring. (By age alone, SmolLM2 at batch 64 on an H100: the 4/4/16 tree, learnt on
+        a batch's first two steps at 2.2-2.5 tokens against 3.1 later, waited 165 steps
+        behind three wide ragged tiers scoring a third less, while a chain served 10% below
+        it.)"""
+
+        def key(t: int):
+            stale = self.picks - self.last_seen[t] > self.max_explore_gap
+            return (not stale, self.last_seen[t] if stale else 0, -scores[t], self.last_seen[t])
+
+        return key
 
     def _budget_gap(self, batch_size: int, explored: int, served: int, scores) -> int:
         """Steps of the served tier over which exploring `explored` once costs EXPLORE_BUDGET
