@@ -1185,7 +1185,7 @@ def test_the_tier_likeliest_to_win_is_explored_first_not_the_one_seen_longest_ag
     """SmolLM2 at batch 64 on an H100 (traced): a batch's first steps accept about a quarter
     less than later ones, and the 4/4/16 tree, learnt on two of them, scored below a chain
     that kept running (and so caught up with the later text). Explored by age, it waited
-    behind three wide ragged tiers scoring a fifth less, for 165 steps served 10% slower.
+    behind three wide ragged tiers scoring less than it, for 165 steps served 10% slower.
     Now the highest scoring candidate is explored first."""
     tiers = speculation_tiers(TreeShape(6, 8, 64))
     assert tiers[3:5] == [TreeShape(3, 1, 4), TreeShape(4, 4, 16)], tiers
