@@ -62,7 +62,8 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   requests has arrived, the pace starts over. Whatever the pace, explorations take at most
   `EXPLORE_BUDGET` of the time: an exploring step's cost is its own time less what the best
   tier would take to emit what it is expected to emit, and the next exploration waits until
-  the best tier's steps since make that cost the budget's share. (The 8B shape at batch 128
+  served steps (their expected time, at whatever batch size) make that cost the budget's
+  share. (The 8B shape at batch 128
   with every draft rejected: a step of the 5/4/16 tree took about three plain steps' time,
   and exploring it at the starting pace after each batch's arrival cost 5% against plain
   decoding on an H100.) Where the tiers cost about the same, the pace alone decides.
@@ -86,7 +87,6 @@ plainly to its end and never pays for the draft again); see runtime/draft_lag.py
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
@@ -228,7 +228,8 @@ class AdaptiveSpeculation:
         # the pick count when each chain's acceptance was last learnt from a deeper tree's step
         self.inferred = [-explore_every] * len(tiers)
         self._explored: int | None = None  # the tier of an exploring step in flight
-        self._budget_until = 0  # no exploration before this pick (EXPLORE_BUDGET)
+        # seconds of served steps still to run before the next exploration (EXPLORE_BUDGET)
+        self._budget_wait = 0.0
         self._explored_score = 0.0  # its score when it was picked
         self._best = 0  # the tier the last pick found best
         self._batch = 1  # the last pick's batch size
@@ -352,7 +353,9 @@ class AdaptiveSpeculation:
             self.next_explore = min(self.next_explore, self.picks + self.explore_gap)
             self._best = best
         served = self._served(batch_size, best, scores, ready)
-        if self.picks >= self.next_explore and self.picks >= self._budget_until:
+        if self._budget_wait > 0 and scores[served] > 0:  # (a served step's expected time)
+            self._budget_wait -= batch_size * self.accept[served] / scores[served]
+        if self.picks >= self.next_explore and self._budget_wait <= 0:
             self.next_explore = self.picks + self.explore_gap
             new_text, self._new_text = self._new_text, False  # (used here, or not at all)
             # among the tiers that could beat the best one if they accepted all they draft
@@ -378,9 +381,8 @@ class AdaptiveSpeculation:
             if hopeful:
                 self._explored = explored = min(hopeful, key=self._exploring_order(scores))
                 self._explored_score = scores[explored]
-                self._budget_until = self.picks + self._budget_gap(
-                    batch_size, explored, served, scores
-                )
+                self._budget_wait = self._exploring_cost(batch_size, explored, served, scores)
+                self._budget_wait /= EXPLORE_BUDGET
                 return explored
         return served
 
@@ -398,20 +400,19 @@ class AdaptiveSpeculation:
 
         return key
 
-    def _budget_gap(self, batch_size: int, explored: int, served: int, scores) -> int:
-        """Steps of the served tier over which exploring `explored` once costs EXPLORE_BUDGET
-        of the time: what its step takes beyond the served tier's time for the same tokens."""
+    def _exploring_cost(self, batch_size: int, explored: int, served: int, scores) -> float:
+        """Seconds a step of `explored` takes beyond the served tier's time for the tokens it
+        is expected to emit (served steps worth this / EXPLORE_BUDGET seconds then pass before
+        the next exploration, whatever the batch size meanwhile)."""
         if scores[served] <= 0:
-            return 0
+            return 0.0
         bucket = batch_bucket(batch_size)
         device = self.seconds(explored, bucket) or 0.0
         per_step, per_token = self.host.cost_at(bucket)
         tokens = batch_size * self.accept[explored]
         # (its step lasts as long as the longer of its device time and the host's for it; a
         # dominated ragged tier scores 0 but still takes that long)
-        lost = max(device, per_step + per_token * tokens) - tokens / scores[served]
-        served_step = batch_size * self.accept[served] / scores[served]
-        return max(0, math.ceil(lost / (EXPLORE_BUDGET * served_step)))
+        return max(0.0, max(device, per_step + per_token * tokens) - tokens / scores[served])
 
     def _served(self, batch_size: int, best: int, scores: list[float], ready) -> int:
         """The tier a step runs when not exploring: the best one, or where no graph runs it at
