@@ -1228,3 +1228,21 @@ def test_tiers_bound_by_the_host_tie_and_the_one_emitting_most_a_step_wins_whate
             p.observe(t, 64, [accept[t]] * 64 if t else [], 1e-4)
         p.observe_host(3, 64, per_token_us * 1e-6 * 64 * accept[3], round(64 * accept[3]))
         assert {p.pick(64) for _ in range(20)} == {3}, per_token_us
+
+
+def test_a_dear_exploration_at_a_large_batch_does_not_delay_cheap_ones_at_a_small_batch():
+    """The budget weighs the exploration due against the time served since the last one: a
+    wait set by a dear exploration at batch 128 does not carry over to batch 1, where a tree's
+    step costs little more than a plain one: it is explored at the exploring pace."""
+    tiers = [PLAIN, TreeShape(5, 4, 16)]
+    seconds = {1: [0.010, 0.012], 128: [1.0, 4.0]}
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[b][t], explore_every=8)
+    for _ in range(300):  # batch 128, every draft rejected
+        t = p.pick(128)
+        p.observe(t, 128, [1] * 128 if t else [], seconds[128][t])
+    picks = []
+    for _ in range(60):  # one request, whose drafts are accepted
+        t = p.pick(1)
+        picks.append(t)
+        p.observe(t, 1, [5] if t else [], seconds[1][t])
+    assert 1 in picks[: 2 * 8], picks

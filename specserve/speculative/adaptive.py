@@ -61,9 +61,8 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   on other text, it may yet win); when the best tier changes, or a batch's worth of new
   requests has arrived, the pace starts over. Whatever the pace, explorations take at most
   `EXPLORE_BUDGET` of the time: an exploring step's cost is its own time less what the best
-  tier would take to emit what it is expected to emit, and the next exploration waits until
-  served steps (their expected time, at whatever batch size) make that cost the budget's
-  share. (The 8B shape at batch 128
+  tier would take to emit what it is expected to emit, and an exploration runs only once the
+  steps served since the last one (their expected time) make its cost the budget's share. (The 8B shape at batch 128
   with every draft rejected: a step of the 5/4/16 tree took about three plain steps' time,
   and exploring it at the starting pace after each batch's arrival cost 5% against plain
   decoding on an H100.) Where the tiers cost about the same, the pace alone decides.
@@ -228,8 +227,10 @@ class AdaptiveSpeculation:
         # the pick count when each chain's acceptance was last learnt from a deeper tree's step
         self.inferred = [-explore_every] * len(tiers)
         self._explored: int | None = None  # the tier of an exploring step in flight
-        # seconds of served steps still to run before the next exploration (EXPLORE_BUDGET)
-        self._budget_wait = 0.0
+        # expected seconds of the steps served since the last exploration, and what the due
+        # exploration needs of them (EXPLORE_BUDGET)
+        self._served_since = 0.0
+        self._budget_needed = 0.0
         self._explored_score = 0.0  # its score when it was picked
         self._best = 0  # the tier the last pick found best
         self._batch = 1  # the last pick's batch size
@@ -353,11 +354,10 @@ class AdaptiveSpeculation:
             self.next_explore = min(self.next_explore, self.picks + self.explore_gap)
             self._best = best
         served = self._served(batch_size, best, scores, ready)
-        if self._budget_wait > 0 and scores[served] > 0:  # (a served step's expected time)
-            self._budget_wait -= batch_size * self.accept[served] / scores[served]
-        if self.picks >= self.next_explore and self._budget_wait <= 0:
-            self.next_explore = self.picks + self.explore_gap
-            new_text, self._new_text = self._new_text, False  # (used here, or not at all)
+        if scores[served] > 0:  # (a served step's expected time)
+            self._served_since += batch_size * self.accept[served] / scores[served]
+        if self.picks >= self.next_explore and self._served_since >= self._budget_needed:
+            new_text = self._new_text
             # among the tiers that could beat the best one if they accepted all they draft
             # (a wide tree at a large batch never can) and are replayable at this shape, the
             # one scoring highest now (the likeliest to win; unless one has not run for
@@ -378,11 +378,17 @@ class AdaptiveSpeculation:
             hopeful = [t for t in could if ready is None or t in ready]
             if not hopeful and new_text and served == 0:
                 hopeful = could
-            if hopeful:
-                self._explored = explored = min(hopeful, key=self._exploring_order(scores))
-                self._explored_score = scores[explored]
-                self._budget_wait = self._exploring_cost(batch_size, explored, served, scores)
-                self._budget_wait /= EXPLORE_BUDGET
+            explored = min(hopeful, key=self._exploring_order(scores)) if hopeful else None
+            if explored is not None:
+                cost = self._exploring_cost(batch_size, explored, served, scores)
+                if self._served_since < cost / EXPLORE_BUDGET:
+                    self._budget_needed = cost / EXPLORE_BUDGET  # (due once that is served)
+                    return served
+            self.next_explore = self.picks + self.explore_gap
+            self._new_text = False  # (used here, or not at all)
+            if explored is not None:
+                self._served_since = self._budget_needed = 0.0
+                self._explored, self._explored_score = explored, scores[explored]
                 return explored
         return served
 
@@ -402,8 +408,8 @@ class AdaptiveSpeculation:
 
     def _exploring_cost(self, batch_size: int, explored: int, served: int, scores) -> float:
         """Seconds a step of `explored` takes beyond the served tier's time for the tokens it
-        is expected to emit (served steps worth this / EXPLORE_BUDGET seconds then pass before
-        the next exploration, whatever the batch size meanwhile)."""
+        is expected to emit (it runs once served steps worth this / EXPLORE_BUDGET seconds
+        have run since the last exploration)."""
         if scores[served] <= 0:
             return 0.0
         bucket = batch_bucket(batch_size)
