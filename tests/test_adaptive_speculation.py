@@ -1246,3 +1246,23 @@ def test_a_dear_exploration_at_a_large_batch_does_not_delay_cheap_ones_at_a_smal
         picks.append(t)
         p.observe(t, 1, [5] if t else [], seconds[1][t])
     assert 1 in picks[: 2 * 8], picks
+
+
+def test_an_exploration_waiting_on_the_budget_at_a_large_batch_is_weighed_afresh_at_a_small_one():
+    """An exploration due at batch 128 that waits for the budget (its step costs several
+    plain ones) is weighed again when the batch shrinks: at batch 1 it costs little."""
+    tiers = [PLAIN, TreeShape(5, 4, 16)]
+    seconds = {1: [0.010, 0.012], 128: [1.0, 4.0]}
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[b][t], explore_every=8)
+    first = []
+    for _ in range(40):  # batch 128, every draft rejected: an exploration, then a long wait
+        t = p.pick(128)
+        first.append(t)
+        p.observe(t, 128, [1] * 128 if t else [], seconds[128][t])
+    assert first.count(1) <= 2, first  # (the optimistic start's try, at most one exploration)
+    picks = []
+    for _ in range(20):
+        t = p.pick(1)
+        picks.append(t)
+        p.observe(t, 1, [5] if t else [], seconds[1][t])
+    assert 1 in picks[:10], picks

@@ -230,7 +230,7 @@ class AdaptiveSpeculation:
         # expected seconds of the steps served since the last exploration, and what the due
         # exploration needs of them (EXPLORE_BUDGET)
         self._served_since = 0.0
-        self._budget_needed = 0.0
+        self._budget_needed = (0.0, 0)  # (seconds, at this batch bucket)
         self._explored_score = 0.0  # its score when it was picked
         self._best = 0  # the tier the last pick found best
         self._batch = 1  # the last pick's batch size
@@ -356,7 +356,10 @@ class AdaptiveSpeculation:
         served = self._served(batch_size, best, scores, ready)
         if scores[served] > 0:  # (a served step's expected time)
             self._served_since += batch_size * self.accept[served] / scores[served]
-        if self.picks >= self.next_explore and self._served_since >= self._budget_needed:
+        needed, at_bucket = self._budget_needed  # (at another bucket: weighed afresh)
+        if self.picks >= self.next_explore and (
+            self._served_since >= needed or at_bucket != batch_bucket(batch_size)
+        ):
             new_text = self._new_text
             # among the tiers that could beat the best one if they accepted all they draft
             # (a wide tree at a large batch never can) and are replayable at this shape, the
@@ -382,12 +385,13 @@ class AdaptiveSpeculation:
             if explored is not None:
                 cost = self._exploring_cost(batch_size, explored, served, scores)
                 if self._served_since < cost / EXPLORE_BUDGET:
-                    self._budget_needed = cost / EXPLORE_BUDGET  # (due once that is served)
+                    # (due once that is served)
+                    self._budget_needed = (cost / EXPLORE_BUDGET, batch_bucket(batch_size))
                     return served
             self.next_explore = self.picks + self.explore_gap
             self._new_text = False  # (used here, or not at all)
             if explored is not None:
-                self._served_since = self._budget_needed = 0.0
+                self._served_since, self._budget_needed = 0.0, (0.0, 0)
                 self._explored, self._explored_score = explored, scores[explored]
                 return explored
         return served
