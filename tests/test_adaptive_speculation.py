@@ -1266,3 +1266,22 @@ def test_an_exploration_waiting_on_the_budget_at_a_large_batch_is_weighed_afresh
         picks.append(t)
         p.observe(t, 1, [5] if t else [], seconds[1][t])
     assert 1 in picks[:10], picks
+
+
+def test_after_a_long_stretch_of_rejected_drafts_at_a_large_batch_one_requests_drafts_count():
+    """A step of 128 requests measures its mean precisely, but only for its own text: its
+    weight is capped at what a stream of single requests builds up, so when one request's
+    drafts are accepted at batch 1 the tree is back within a few explorations (its estimate
+    weighed 136 requests, and moved 3% per exploration, before)."""
+    tiers = [PLAIN, TreeShape(5, 4, 16)]
+    seconds = {1: [0.010, 0.012], 128: [1.0, 4.0]}
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[b][t], explore_every=8)
+    for _ in range(300):  # batch 128, every draft rejected
+        t = p.pick(128)
+        p.observe(t, 128, [1] * 128 if t else [], seconds[128][t])
+    picks = []
+    for _ in range(80):  # one request, whose drafts are accepted
+        t = p.pick(1)
+        picks.append(t)
+        p.observe(t, 1, [5] if t else [], seconds[1][t])
+    assert picks[-30:].count(1) >= 28, picks

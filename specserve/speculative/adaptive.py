@@ -28,7 +28,9 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   simulated acceptance, the forced one). It is a mean over the speculating requests
   observed; each weighs `ACCEPT_DECAY` less for every speculating request served since, at
   any tier (requests with speculation off neither report nor age the estimate).
-  - A step of 128 speculating requests, whose mean is precise, mostly replaces it.
+  - A step of 128 speculating requests, whose mean is precise, mostly replaces it; but an
+    estimate never weighs more than `ACCEPT_MAX_WEIGHT` requests (what single requests build
+    up), since that precise mean is of its own text only.
   - At batch 1 the estimate spans about 50 steps. One request's accept length varies from
     step to step by more than the tiers differ. An estimate moved 20% by each single step
     locked the worse tier in for long runs: in simulation, 0.69 of the best fixed tier's
@@ -97,6 +99,13 @@ from specserve.speculative.tree import PLAIN, TreeShape
 EMA = 0.2  # weight of the newest step time
 ACCEPT_DECAY = 0.02  # how much less an accept length weighs per request observed after it
 ACCEPT_MIN_WEIGHT = 8.0  # the least weight decay leaves a tier's observed acceptance
+# The most weight a tier's observed acceptance carries: what a stream of single requests
+# builds up under ACCEPT_DECAY. A large batch's step measures its mean precisely, but only for
+# its own text: after a long stretch of rejected drafts at batch 128 a tree's estimate weighed
+# 136 requests, and at batch 1 a request whose drafts were accepted moved it 3% per
+# exploration, too little to keep the exploring pace (RISING), so the draft was found only
+# after hundreds of steps.
+ACCEPT_MAX_WEIGHT = 1.0 / ACCEPT_DECAY
 ACCEPT_PRIOR_WEIGHT = 0.1  # the optimistic start counts as this many requests
 # A tier with no CUDA graph that can run the step's shape (its own or a covering one) is run
 # instead of one that has only if it scores this much better. Its steps run eagerly (slower)
@@ -530,6 +539,9 @@ class AdaptiveSpeculation:
         self.accept_sum[tier] = self.accept[tier] * kept + accepted
         self.accept_weight[tier] = kept + requests
         self.accept[tier] = self.accept_sum[tier] / self.accept_weight[tier]
+        if self.accept_weight[tier] > ACCEPT_MAX_WEIGHT:  # (the same mean, weighing less)
+            self.accept_weight[tier] = ACCEPT_MAX_WEIGHT
+            self.accept_sum[tier] = self.accept[tier] * ACCEPT_MAX_WEIGHT
 
     def observe_host(self, tier: int, batch_size: int, seconds: float, tokens: int) -> None:
         """The host's own time around a step of `tier` over `batch_size` requests that emitted
