@@ -1171,7 +1171,7 @@ def test_explorations_cost_at_most_the_budget_where_a_tier_costs_several_plain_s
     p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[t], explore_every=32)
     spent = {"plain": 0.0, "extra": 0.0}
     for step in range(20 * 256):
-        if step % 256 == 0:
+        if step % 64 == 0:
             p.arrived(128)  # a new batch: new text, the pace starts over
         t = p.pick(128)
         p.observe(t, 128, [1] * 128, seconds[t])
@@ -1285,3 +1285,59 @@ def test_after_a_long_stretch_of_rejected_drafts_at_a_large_batch_one_requests_d
         picks.append(t)
         p.observe(t, 1, [5] if t else [], seconds[1][t])
     assert picks[-30:].count(1) >= 28, picks
+
+
+def test_where_a_stand_in_tier_serves_the_others_are_explored_not_it():
+    """Where the best tier has no graph at the step's shape, a replayable one close to it
+    serves; exploring runs another tier, not the one serving (which would teach nothing)."""
+    tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(4, 4, 16), TreeShape(6, 8, 64)]
+    ms = [1.0, 1.2, 1.3, 1.5]
+    accept = [1, 3.0, 2.5, 4.0]
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: ms[t] / 1e3, explore_every=32)
+    for _ in range(50):  # every tier learnt
+        t = p.pick(8)
+        p.observe(t, 8, [accept[t]] * 8 if t else [], ms[t] / 1e3)
+    explored = []
+    for _ in range(3000):  # the 6/8/64 tree, the best, not replayable at this width
+        t = p.pick(8, ready={0, 1, 2})
+        if p._explored is not None:
+            explored.append(t)
+        p.observe(t, 8, [accept[t]] * 8 if t else [], ms[t] / 1e3)
+    assert explored and set(explored) == {2}, explored  # (the chain of 3 serves)
+
+
+def test_a_budget_wait_ends_while_a_dominated_ragged_tier_serves():
+    """A ragged tier slower than its whole tree scores 0, yet serves where that tree has no
+    graph at the step's shape: its steps still count as served time, so an exploration
+    waiting on the budget runs in time (it waited for ever)."""
+    tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(6, 8, 64), TreeShape(6, 8, 64, 16)]
+    ms = [1.0, 1.2, 1.5, 1.8]  # the ragged tier dominated by its whole tree
+    accept = [1, 1, 4, 4]  # the chain's drafts rejected
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: ms[t] / 1e3, explore_every=32)
+    ready, picks = None, []
+    for _ in range(6000):
+        t = p.pick(8, ready=ready)
+        picks.append(t)
+        p.observe(t, 8, [accept[t]] * 8 if t else [], ms[t] / 1e3)
+        if ready is None and len(picks) > 100 and p._budget_needed[0] > 0:
+            ready, start = {0, 1, 3}, len(picks)  # the whole tree not replayable now
+    assert ready is not None
+    assert picks[start:].count(1) >= 5, picks[start:].count(1)  # (explored, ever more rarely)
+
+
+def test_a_tier_not_run_for_the_longest_gap_is_explored_though_others_score_higher():
+    """Exploring runs the highest scoring candidate, but one not run for max_explore_gap picks
+    first: its estimate may be long stale, and it would never come up otherwise."""
+    tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(4, 4, 16), TreeShape(6, 8, 64)]
+    ms = [1.0, 1.2, 1.4, 2.0]
+    accept = [1, 3.0, 3.2, 3.4]  # the chain is best, the small tree close, the wide one far
+    p = AdaptiveSpeculation(
+        tiers, measure=lambda b, t: ms[t] / 1e3, explore_every=8, max_explore_gap=64
+    )
+    picks = []
+    for _ in range(600):
+        t = p.pick(8)
+        picks.append(t)
+        p.observe(t, 8, [accept[t]] * 8 if t else [], ms[t] / 1e3)
+    assert picks[100:].count(3) >= 2, picks  # (the wide tree, now and then)
+    assert picks[100:].count(2) >= 2, picks  # (and the small tree)

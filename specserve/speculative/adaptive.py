@@ -363,8 +363,7 @@ class AdaptiveSpeculation:
             self.next_explore = min(self.next_explore, self.picks + self.explore_gap)
             self._best = best
         served = self._served(batch_size, best, scores, ready)
-        if scores[served] > 0:  # (a served step's expected time)
-            self._served_since += batch_size * self.accept[served] / scores[served]
+        self._served_since += self._step_wall(served, batch_size)
         needed, at_bucket = self._budget_needed  # (at another bucket: weighed afresh)
         if self.picks >= self.next_explore and (
             self._served_since >= needed or at_bucket != batch_bucket(batch_size)
@@ -383,7 +382,7 @@ class AdaptiveSpeculation:
             could = [
                 t
                 for t in range(1, len(self.tiers))
-                if t != best
+                if t not in (best, served)  # (the served tier shows nothing new)
                 and _ahead(upper[t], self._upper_accept[t], scores[best], self.accept[best])
                 and self.picks - self.inferred[t] > self.explore_every
             ]
@@ -392,7 +391,7 @@ class AdaptiveSpeculation:
                 hopeful = could
             explored = min(hopeful, key=self._exploring_order(scores)) if hopeful else None
             if explored is not None:
-                cost = self._exploring_cost(batch_size, explored, served, scores)
+                cost = self._exploring_cost(batch_size, explored, served)
                 if self._served_since < cost / EXPLORE_BUDGET:
                     # (due once that is served)
                     self._budget_needed = (cost / EXPLORE_BUDGET, batch_bucket(batch_size))
@@ -419,19 +418,21 @@ class AdaptiveSpeculation:
 
         return key
 
-    def _exploring_cost(self, batch_size: int, explored: int, served: int, scores) -> float:
+    def _step_wall(self, tier: int, batch_size: int) -> float:
+        """A step's expected seconds: the longer of its device time and the host's for the
+        tokens it is expected to emit (also for a dominated ragged tier, which scores 0)."""
+        bucket = batch_bucket(batch_size)
+        per_step, per_token = self.host.cost_at(bucket)
+        host = per_step + per_token * batch_size * self.accept[tier]
+        return max(self.seconds(tier, bucket) or 0.0, host)
+
+    def _exploring_cost(self, batch_size: int, explored: int, served: int) -> float:
         """Seconds a step of `explored` takes beyond the served tier's time for the tokens it
         is expected to emit (it runs once served steps worth this / EXPLORE_BUDGET seconds
         have run since the last exploration)."""
-        if scores[served] <= 0:
-            return 0.0
-        bucket = batch_bucket(batch_size)
-        device = self.seconds(explored, bucket) or 0.0
-        per_step, per_token = self.host.cost_at(bucket)
+        served_per_token = self._step_wall(served, batch_size) / (batch_size * self.accept[served])
         tokens = batch_size * self.accept[explored]
-        # (its step lasts as long as the longer of its device time and the host's for it; a
-        # dominated ragged tier scores 0 but still takes that long)
-        return max(0.0, max(device, per_step + per_token * tokens) - tokens / scores[served])
+        return max(0.0, self._step_wall(explored, batch_size) - tokens * served_per_token)
 
     def _served(self, batch_size: int, best: int, scores: list[float], ready) -> int:
         """The tier a step runs when not exploring: the best one, or where no graph runs it at
