@@ -29,7 +29,7 @@ configuration), so a CPU's speed moving over minutes falls on every configuratio
                              --speculative-num-draft-tokens 16" \\
         --config adaptive="--speculative-adaptive" [--output-json OUT.json] \\
         [--input-len N: random prompts instead of the packaged chats] \\
-        [--cpus 4,5] [--probe-cpus] [--loop-cpu fastest|CPU] [--torch-threads N] \\
+        [--cpus 4,5] [--probe-cpus] [--loop-cpu fastest|CPU] \\
         [-- common engine flags, e.g. --model-path smollm2-135m --dtype bfloat16]
 
 Every engine keeps its KV cache to `--max-total-tokens` (default 100000 here: the engines
@@ -267,12 +267,6 @@ def main(argv: list[str] | None = None) -> int:
         "--probe-cpus", action="store_true", help="print the probe's ms on each CPU first"
     )
     p.add_argument(
-        "--torch-threads",
-        type=int,
-        default=None,
-        help="torch's intra-op threads for the process (torch.set_num_threads), a diagnostic",
-    )
-    p.add_argument(
         "--loop-cpu",
         default=None,
         help="pin the engines' loop threads alone to this CPU, or to the fastest one by the "
@@ -294,10 +288,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--loop-cpu {args.loop_cpu!r}: expected a CPU number or 'fastest'")
     if args.probe_cpus:
         print(json.dumps({"probe_ms_by_cpu": probe_each_cpu()}))
-    if args.torch_threads is not None:
-        import torch
-
-        torch.set_num_threads(args.torch_threads)
     unpinned = pin_process({int(c) for c in args.cpus.split(",")}) if args.cpus else None
     if "--max-total-tokens" not in common:
         common += ["--max-total-tokens", "100000"]

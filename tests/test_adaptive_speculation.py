@@ -1230,41 +1230,35 @@ def test_tiers_bound_by_the_host_tie_and_the_one_emitting_most_a_step_wins_whate
         assert {p.pick(64) for _ in range(20)} == {3}, per_token_us
 
 
+def rejected_at_128_then_accepted_at_1(steps_at_128: int, steps_at_1: int):
+    """The picks of a policy over plain and a 5/4/16 tree whose step costs four plain ones at
+    batch 128 (every draft rejected there) and 1.2 at batch 1 (one request, 5 tokens a step
+    accepted): (the picks at 128, the picks at 1)."""
+    tiers = [PLAIN, TreeShape(5, 4, 16)]
+    seconds = {1: [0.010, 0.012], 128: [1.0, 4.0]}
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[b][t], explore_every=8)
+    picks = {128: [], 1: []}
+    for batch, steps, accepted in ((128, steps_at_128, 1), (1, steps_at_1, 5)):
+        for _ in range(steps):
+            t = p.pick(batch)
+            picks[batch].append(t)
+            p.observe(t, batch, [accepted] * batch if t else [], seconds[batch][t])
+    return picks[128], picks[1]
+
+
 def test_a_dear_exploration_at_a_large_batch_does_not_delay_cheap_ones_at_a_small_batch():
     """The budget weighs the exploration due against the time served since the last one: a
     wait set by a dear exploration at batch 128 does not carry over to batch 1, where a tree's
     step costs little more than a plain one: it is explored at the exploring pace."""
-    tiers = [PLAIN, TreeShape(5, 4, 16)]
-    seconds = {1: [0.010, 0.012], 128: [1.0, 4.0]}
-    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[b][t], explore_every=8)
-    for _ in range(300):  # batch 128, every draft rejected
-        t = p.pick(128)
-        p.observe(t, 128, [1] * 128 if t else [], seconds[128][t])
-    picks = []
-    for _ in range(60):  # one request, whose drafts are accepted
-        t = p.pick(1)
-        picks.append(t)
-        p.observe(t, 1, [5] if t else [], seconds[1][t])
+    _, picks = rejected_at_128_then_accepted_at_1(300, 60)
     assert 1 in picks[: 2 * 8], picks
 
 
 def test_an_exploration_waiting_on_the_budget_at_a_large_batch_is_weighed_afresh_at_a_small_one():
     """An exploration due at batch 128 that waits for the budget (its step costs several
     plain ones) is weighed again when the batch shrinks: at batch 1 it costs little."""
-    tiers = [PLAIN, TreeShape(5, 4, 16)]
-    seconds = {1: [0.010, 0.012], 128: [1.0, 4.0]}
-    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[b][t], explore_every=8)
-    first = []
-    for _ in range(40):  # batch 128, every draft rejected: an exploration, then a long wait
-        t = p.pick(128)
-        first.append(t)
-        p.observe(t, 128, [1] * 128 if t else [], seconds[128][t])
+    first, picks = rejected_at_128_then_accepted_at_1(40, 20)
     assert first.count(1) <= 2, first  # (the optimistic start's try, at most one exploration)
-    picks = []
-    for _ in range(20):
-        t = p.pick(1)
-        picks.append(t)
-        p.observe(t, 1, [5] if t else [], seconds[1][t])
     assert 1 in picks[:10], picks
 
 
@@ -1273,17 +1267,7 @@ def test_after_a_long_stretch_of_rejected_drafts_at_a_large_batch_one_requests_d
     weight is capped at what a stream of single requests builds up, so when one request's
     drafts are accepted at batch 1 the tree is back within a few explorations (its estimate
     weighed 136 requests, and moved 3% per exploration, before)."""
-    tiers = [PLAIN, TreeShape(5, 4, 16)]
-    seconds = {1: [0.010, 0.012], 128: [1.0, 4.0]}
-    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[b][t], explore_every=8)
-    for _ in range(300):  # batch 128, every draft rejected
-        t = p.pick(128)
-        p.observe(t, 128, [1] * 128 if t else [], seconds[128][t])
-    picks = []
-    for _ in range(80):  # one request, whose drafts are accepted
-        t = p.pick(1)
-        picks.append(t)
-        p.observe(t, 1, [5] if t else [], seconds[1][t])
+    _, picks = rejected_at_128_then_accepted_at_1(300, 80)
     assert picks[-30:].count(1) >= 28, picks
 
 
