@@ -232,14 +232,24 @@ def timed_calls() -> list[tuple[type, tuple[str, ...]]]:
     from specserve.runtime.worker import PendingDecode, Worker
 
     return [
-        (EngineCore, ("_finish_decode", "_reap_finished", "_append_tokens", "_run_prefill")),
+        (
+            EngineCore,
+            (
+                "step",
+                "_launch_decode",
+                "_finish_decode",
+                "_reap_finished",
+                "_append_tokens",
+                "_run_prefill",
+            ),
+        ),
         (Scheduler, ("schedule_decode_ahead", "schedule_prefill_beside", "decode_done")),
         (Worker, ("ready_tiers", "launch_decode", "_sampling_for", "observe_tokens")),
         (RequestRows, ("flush",)),
         (PendingDecode, ("__init__", "result")),
-        (DecodeGraphs, ("run", "_copy_inputs", "_want_alike")),
-        (AdaptiveSpeculation, ("pick", "observe", "observe_host")),
-        (DraftLag, ("plan", "applied")),
+        (DecodeGraphs, ("run", "_copy_inputs", "_want_alike", "ready_tiers")),
+        (AdaptiveSpeculation, ("pick", "observe", "observe_host", "speculation_pays")),
+        (DraftLag, ("plan", "applied", "catches_up")),
     ]
 
 
