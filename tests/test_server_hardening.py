@@ -510,3 +510,71 @@ def test_schema_fuzz_no_5xx_no_hang(hard):
     assert len(seen) >= 150
     assert any(s == 200 for s in seen) and any(400 <= s < 500 for s in seen)
     assert hard.engine.failure is None
+
+
+# ---- slow grammar compiles do not hold up other clients --------------------------------------
+def test_slow_grammar_compiles_do_not_stall_other_clients_prompts(hard, monkeypatch):
+    """Structured-output grammars compile on a pool of their own: two requests whose schemas
+    take seconds to compile leave a plain chat request's tokenizing free (they shared the
+    tokenizing pool's two threads, and the chat waited for both compiles)."""
+    core = hard.engine.core
+    compile_text = core.compile_grammar_text
+
+    def slow_compile(field, text):
+        time.sleep(2.5)
+        return compile_text(field, text)
+
+    monkeypatch.setattr(core, "compile_grammar_text", slow_compile)
+    results = {}
+
+    def constrained(i: int) -> None:
+        schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"}}}
+        r = hard.http.post(
+            "/v1/completions",
+            json={"prompt": [5, 6, 7], "max_tokens": 3, "json_schema": schema},
+        )
+        results[i] = r.status_code
+
+    threads = [threading.Thread(target=constrained, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # (both compiles under way)
+    start = time.perf_counter()
+    r = hard.http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    )
+    waited = time.perf_counter() - start
+    for t in threads:
+        t.join()
+    assert r.status_code == 200, r.text
+    assert waited < 2.0, f"a plain chat waited {waited:.1f} s behind grammar compiles"
+    assert results == {0: 200, 1: 200}
+
+
+def test_a_grammar_compile_holds_its_place_in_the_queue(engine, monkeypatch):
+    """A request whose grammar is compiling counts against max_queued_requests: compiles
+    cannot pile up past the bound (the one over it gets a 503)."""
+    core = engine.core
+    compile_text = core.compile_grammar_text
+
+    def slow_compile(field, text):
+        time.sleep(2.0)
+        return compile_text(field, text)
+
+    monkeypatch.setattr(core, "compile_grammar_text", slow_compile)
+    app = create_app(engine, ServerConfig(max_queued_requests=1), owns_engine=False)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        statuses = []
+
+        def constrained(i: int) -> None:
+            schema = {"type": "object", "properties": {f"q{i}": {"type": "string"}}}
+            body = {"prompt": [5, 6], "max_tokens": 2, "json_schema": schema}
+            statuses.append(http.post("/v1/completions", json=body).status_code)
+
+        first = threading.Thread(target=constrained, args=(0,))
+        first.start()
+        time.sleep(0.5)  # (its compile under way)
+        constrained(1)
+        first.join()
+        assert sorted(statuses) == [200, 503]

@@ -42,6 +42,7 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
         # cancelled and aborted once graceful_shutdown_timeout passed).
         state.shutting_down = True
         state.pool.shutdown(wait=False, cancel_futures=True)
+        state.grammar_pool.shutdown(wait=False, cancel_futures=True)
         if owns_engine:
             await asyncio.to_thread(engine.shutdown)
 

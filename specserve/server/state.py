@@ -112,6 +112,13 @@ class ServerState:
         self.runs: weakref.WeakSet[Run] = weakref.WeakSet()
         self.metrics = ServerMetrics(engine, self._server_state)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specserve-tokenize")
+        # structured-output grammars compile on a pool of their own: a large JSON schema
+        # compiles for seconds, and on the tokenizing pool two such requests kept every other
+        # client's text prompt waiting (a one-token chat took 31 s behind two 3,000-property
+        # schemas on a 2-core machine)
+        self.grammar_pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="specserve-grammar"
+        )
         self.size = RequestSize(
             self.tokenizer, self.context_len, cfg.max_queued_requests, cfg.max_samples_per_request
         )
@@ -292,14 +299,28 @@ class ServerState:
     async def compile_grammars(
         self, params: list[dict[str, Any]], rename: dict[str, str], prefix: str = ""
     ) -> None:
-        """Compile the requests' structured-output grammars off the event loop (a large JSON
-        schema takes a while); `start` then finds them in the compiler's cache."""
+        """Compile the requests' structured-output grammars off the event loop, on the
+        grammar pool (a large JSON schema takes a while); `start` then finds them in the
+        compiler's cache. A compile holds its requests' places in the queue
+        (`max_queued_requests`) while it runs, so compiles cannot pile up past that bound."""
         try:
             specs = {grammar_spec(SamplingParams.from_any(sp)) for sp in params} - {None}
-            for field, text in specs:
-                await self.off_loop(self.engine.core.compile_grammar_text, field, text)
         except InvalidArgument as e:
             raise engine_error(e, rename, prefix) from None
+        if not specs:
+            return
+        held = sum(SamplingParams.from_any(sp).n or 1 for sp in params)
+        self.reserve(held)
+        try:
+            loop = asyncio.get_running_loop()
+            for field, text in specs:
+                await loop.run_in_executor(
+                    self.grammar_pool, self.engine.core.compile_grammar_text, field, text
+                )
+        except InvalidArgument as e:
+            raise engine_error(e, rename, prefix) from None
+        finally:
+            self.release(held)
 
     # ---- runs ---------------------------------------------------------------------------------
     def start(
