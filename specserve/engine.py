@@ -23,7 +23,7 @@ from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 from specserve.runtime.grammar import RequestGrammar, grammar_spec
 from specserve.runtime.logprobs import add_logprobs
 from specserve.runtime.output import is_sample_of, request_output, sample_rids
-from specserve.runtime.request import Request
+from specserve.runtime.request import ReqState, Request
 from specserve.runtime.tensor_parallel import start_engine_core
 from specserve.sampling_params import INT64_MAX, LOGPROB_FIELDS, SamplingParams, check_logprob_field
 
@@ -75,9 +75,13 @@ class Engine:
         used_pages = alloc.num_usable_pages - core.table.available_pages
         cache = core.scheduler.cache
         verify_ct = core.spec_totals["verify_ct"]
+        # a request between the chunks of its prompt is running, though it is still in the
+        # waiting queue (copied: the loop's thread may change the queue meanwhile)
+        waiting = list(core.scheduler.waiting)
+        prefilling = sum(1 for r in waiting if r.state is ReqState.PREFILLING)
         return {
-            "num_running_requests": len(core.scheduler.running),
-            "num_waiting_requests": len(core.scheduler.waiting),
+            "num_running_requests": len(core.scheduler.running) + prefilling,
+            "num_waiting_requests": len(waiting) - prefilling,
             "kv_total_tokens": core.max_total_tokens,
             "kv_used_tokens": used_pages * alloc.page_size,
             "kv_usage": used_pages / max(1, alloc.num_usable_pages),

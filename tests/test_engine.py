@@ -430,3 +430,29 @@ def test_one_call_naming_a_request_id_twice_is_refused_before_anything_runs():
                 sampling_params=[{**GREEDY, "n": 2}, GREEDY],
             )
         assert e.stats()["num_running_requests"] == 0
+
+
+def test_a_request_between_chunks_of_its_prompt_counts_as_running():
+    """stats() (the server's running / queued gauges): a prompt prefilled in chunks is
+    running from its first chunk on, not queued (it stays in the scheduler's waiting queue
+    until its last chunk)."""
+    chunk = 8
+    with Engine(**{**TINY, "chunked_prefill_size": chunk, "context_length": 2048}) as e:
+        done = threading.Event()
+        t = threading.Thread(
+            target=lambda: (
+                e.generate(input_ids=[5 + i % 90 for i in range(1200)], sampling_params=GREEDY),
+                done.set(),
+            )
+        )
+        t.start()
+        seen = []
+        while not done.is_set():
+            s = e.stats()
+            # (from the second chunk on: the first one's request is still marked waiting)
+            if 2 * chunk <= s["kv_used_tokens"] < 1200:
+                seen.append((s["num_running_requests"], s["num_waiting_requests"]))
+            time.sleep(0.0005)
+        t.join(30)
+    assert len(seen) >= 3, "the prefill ended before it could be observed"
+    assert set(seen) == {(1, 0)}
