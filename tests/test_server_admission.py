@@ -112,6 +112,14 @@ def test_a_batch_names_each_prompt_with_a_list_of_rids_and_never_drops_one(serve
     assert r.status_code == 400 and error_of(r)["param"] == "rid", r.text
 
 
+def test_a_rid_that_is_not_a_non_empty_string_gets_400_naming_rid(served):
+    for rid in (5, "", [], ["a", ""], [1, 2], {"a": 1}, True):
+        r = served.http.post("/generate", json={"input_ids": [5, 6], "rid": rid})
+        err = error_of(r)
+        assert r.status_code == 400 and err["param"] == "rid", (rid, r.text)
+        assert err["message"].startswith("rid: must be a non-empty string"), err
+
+
 def test_a_rid_still_running_gets_400_naming_it(served):
     sp = {"max_new_tokens": 120, "ignore_eos": True}
     first = {"input_ids": [5, 6], "rid": "busy", "stream": True, "sampling_params": sp}

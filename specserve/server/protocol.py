@@ -136,6 +136,15 @@ class GenerateRequest(StrictModel):
             return v
         raise field_error("text", "must be a string or a non-empty list of strings")
 
+    @field_validator("rid", mode="before")
+    @classmethod
+    def _rid(cls, v):
+        if v is None or (isinstance(v, str) and v):
+            return v
+        if isinstance(v, list) and v and all(isinstance(r, str) and r for r in v):
+            return v
+        raise field_error("rid", "must be a non-empty string or a non-empty list of them")
+
     @field_validator("input_ids", mode="before")
     @classmethod
     def _input_ids(cls, v):
