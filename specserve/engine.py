@@ -274,13 +274,31 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def tokenize_chat(self, messages: list[dict]) -> list[int]:
+    def tokenize_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
+    ) -> list[int]:
+        """The prompt ids of a chat through the model's template (see
+        `model.tokenizer.apply_chat_template` for the options, vLLM's names)."""
         from specserve.model.tokenizer import apply_chat_template
 
         if self.tokenizer is None:
             raise InvalidArgument("messages", f"a chat needs a tokenizer ({self._no_tokenizer()})")
+        if add_generation_prompt and continue_final_message:
+            raise InvalidArgument(
+                "continue_final_message",
+                "cannot be true with add_generation_prompt true (the final message is either "
+                "continued or followed by the assistant's turn); set add_generation_prompt "
+                "to false",
+            )
         try:
-            return apply_chat_template(self.tokenizer, messages)
+            return apply_chat_template(
+                self.tokenizer, messages, add_generation_prompt, continue_final_message,
+                template_kwargs,
+            )  # fmt: skip
         except ValueError as e:  # (no chat template, or the template refused the messages)
             raise InvalidArgument("messages", str(e)) from None
 

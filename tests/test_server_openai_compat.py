@@ -154,3 +154,69 @@ def test_every_stream_event_is_one_line_whatever_the_text(served):
     chunks = events(served, COMPLETIONS, body)  # (echo: the prompt's text comes back)
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text.startswith(prompt)
+
+
+# ---- vLLM's chat template options ---------------------------------------------------------------
+CONVERSATION = [
+    {"role": "user", "content": "Count from 1 to 10."},
+    {"role": "assistant", "content": "1, 2, 3, 4,"},
+]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"add_generation_prompt": False},
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {},
+    ],
+)
+def test_chat_template_options_decide_the_prompt_as_in_vllm(served, options):
+    """add_generation_prompt: false leaves the assistant's turn unopened; with
+    continue_final_message the model continues the final (assistant) message; template
+    variables reach the template. The completion is the engine's for exactly those ids."""
+    body = {"messages": CONVERSATION, "max_tokens": 6, "temperature": 0, **options}
+    r = served.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    tokenizer = served.engine.tokenizer
+    want_ids = tokenizer.apply_chat_template(
+        CONVERSATION,
+        add_generation_prompt=options.get("add_generation_prompt", True),
+        continue_final_message=options.get("continue_final_message", False),
+        tokenize=True,
+        **options.get("chat_template_kwargs", {}),
+    )
+    want_ids = list(want_ids["input_ids"] if hasattr(want_ids, "keys") else want_ids)
+    text = tokenizer.decode(want_ids)
+    if options.get("continue_final_message"):
+        assert text.endswith("1, 2, 3, 4,"), text  # (no end of turn after it)
+    elif options.get("add_generation_prompt", True):
+        assert text.endswith("<|im_start|>assistant\n"), text
+    else:
+        assert text.endswith("<|im_end|>\n"), text
+    got = r.json()
+    assert got["usage"]["prompt_tokens"] == len(want_ids)
+    want = served.engine.generate(
+        input_ids=want_ids, sampling_params={"max_new_tokens": 6, "temperature": 0}
+    )
+    assert got["choices"][0]["message"]["content"] == want["text"]
+
+
+@pytest.mark.parametrize(
+    "options, param",
+    [
+        ({"continue_final_message": True}, "continue_final_message"),  # (with the default
+        # add_generation_prompt true: one or the other)
+        ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+        ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+        ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"echo": True}, "echo"),
+    ],
+)
+def test_chat_template_options_out_of_range_get_400_naming_them(served, options, param):
+    body = {"messages": CONVERSATION, "max_tokens": 2, **options}
+    r = served.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert error_of(r)["param"] == param, r.text

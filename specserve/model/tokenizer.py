@@ -56,12 +56,28 @@ def has_tokenizer_files(folder: str) -> bool:
     return any(os.path.isfile(os.path.join(folder, n)) for n in names)
 
 
-def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+def apply_chat_template(
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """The token ids of `messages` through the model's chat template: ending with the
+    assistant's turn opened (add_generation_prompt), or with the final message left open for
+    the model to continue (continue_final_message); template_kwargs: extra variables the
+    template reads (e.g. `enable_thinking`)."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer (the engine was started with skip_tokenizer_init)")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model's tokenizer has no chat template")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    out = tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=True,
+        **(template_kwargs or {}),
+    )
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)

@@ -279,7 +279,7 @@ async def chat_completions(request: Request, state: ServerState):
     _check_common(state, req)
     req.check_logprobs()
     state.size.check_batch(1, _n(req), "messages", "n")
-    ids = await state.encode_chat(req.chat_messages())
+    ids = await state.encode_chat(req.chat_messages(), req.template_options())
     max_new = _max_new_tokens(state, req, [ids], "messages")
     params = [req.sampling_params(max_new[0])]
     await state.compile_grammars(params, _rename(req, "messages"))

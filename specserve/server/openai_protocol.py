@@ -272,6 +272,18 @@ class ChatMessage(StrictModel):
         raise field_error("content", "must be a string or a non-empty list of text content parts")
 
 
+# apply_chat_template's own arguments: what the request's other fields decide, not template
+# variables
+_TEMPLATE_ARGUMENTS = frozenset(
+    (
+        "conversation", "messages", "tools", "documents", "chat_template",
+        "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+        "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs",
+    )
+)  # fmt: skip
+
+
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
@@ -279,6 +291,55 @@ class ChatCompletionRequest(_CommonRequest):
     top_logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 20})
     functions: list[Any] | None = None  # (OpenAI's deprecated form of tools)
     function_call: Any = None
+    # vLLM's chat template options: the assistant's turn opened after the messages, or the
+    # final message continued; variables the template reads (e.g. enable_thinking)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # accepted only at their neutral value: a request's own template (vLLM too refuses one
+    # unless its server trusts requests' templates), and vLLM's chat echo
+    chat_template: Any = None
+    echo: Any = None
+
+    @field_validator("add_generation_prompt", "continue_final_message", mode="before")
+    @classmethod
+    def _template_flag(cls, v, info: ValidationInfo):
+        if v is None:
+            return cls.model_fields[info.field_name].default
+        if not isinstance(v, bool):
+            raise field_error(info.field_name, f"must be true or false, got {short(v)}")
+        return v
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs(cls, v):
+        if v is None:
+            return v
+        if not isinstance(v, dict):
+            raise field_error("chat_template_kwargs", "must be an object of template variables")
+        taken = sorted(k for k in v if k in _TEMPLATE_ARGUMENTS)
+        if taken:
+            raise field_error(
+                "chat_template_kwargs",
+                f"{', '.join(taken)}: not a template variable (set by the request's own fields)",
+            )
+        return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _no_request_template(cls, v):
+        if v is not None:
+            raise field_error(
+                "chat_template", "a request's own chat template is not accepted (only null)"
+            )
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_chat_echo(cls, v):
+        if v not in (None, False):
+            raise field_error("echo", "is not supported on chat completions (only false)")
+        return v
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod
@@ -312,6 +373,14 @@ class ChatCompletionRequest(_CommonRequest):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
+
+    def template_options(self) -> dict[str, Any]:
+        """`Engine.tokenize_chat`'s options."""
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "template_kwargs": self.chat_template_kwargs,
+        }
 
     def chat_messages(self) -> list[dict[str, str]]:
         out = []

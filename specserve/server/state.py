@@ -16,6 +16,7 @@ stall other clients or /health; what cannot fit is rejected before it gets there
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import uuid
@@ -213,15 +214,20 @@ class ServerState:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def encode_chat(
+        self, messages: list[dict[str, str]], options: dict[str, Any] | None = None
+    ) -> list[int]:
+        """options: `Engine.tokenize_chat`'s (the template's)."""
         if self.tokenizer is not None:
             if self.size.message_tokens is None:
                 await self.off_loop(self.size.measure_message_tokens, self.engine.tokenize_chat)
             self.size.check_chat(messages)
         try:
-            return await self.off_loop(self.engine.tokenize_chat, messages)
+            return await self.off_loop(
+                functools.partial(self.engine.tokenize_chat, messages, **(options or {}))
+            )
         except InvalidArgument as e:  # no tokenizer/template, or the template refused them
-            raise APIError(str(e), param="messages") from None
+            raise APIError(str(e), param=e.field) from None
         except Exception as e:  # (a template's own error type)
             raise APIError(f"messages: {e}", param="messages") from None
 
