@@ -38,6 +38,12 @@ def _refused(field: str, **kwargs) -> InvalidArgument:
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"attention_bias": True}, "attention_bias"),  # a Llama's bias covers o_proj too
+        ({"model_type": "qwen3", "head_dim": 16, "attention_bias": True}, "attention_bias"),
+        # (shapes the attention cannot run: they crashed the first request, and every one after)
+        ({"num_attention_heads": 4, "num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"num_attention_heads": 2, "num_key_value_heads": 4}, "num_key_value_heads"),
+        ({"head_dim": 7}, "head_dim"),
+        ({"hidden_size": 28, "num_attention_heads": 4}, "head_dim"),  # (28 // 4 = 7)
         (
             {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4},
             "sliding_window",
@@ -323,3 +329,40 @@ def test_bench_counts_below_one_are_refused_naming_the_flag(command, capsys):
     assert info.value.code == 2
     flag = next(c for c in command if c.startswith("--"))
     assert f"argument {flag}: must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_adaptive_speculation_without_a_draft_is_refused():
+    """Like every other speculative setting without speculative_algorithm (it was dropped
+    silently, and the engine decoded plainly)."""
+    cfg = EngineConfig(**TINY, speculative_adaptive=True)
+    with pytest.raises(InvalidArgument) as info:
+        cfg.resolve(cuda_available=False)
+    assert info.value.field == "speculative_adaptive"
+    assert "speculative_algorithm" in str(info.value)
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_a_draft_head_of_a_shape_attention_cannot_run_is_refused_naming_the_draft(
+    tmp_path, algorithm
+):
+    """A draft whose key/value heads do not divide its query heads failed the first request,
+    and with it every request after (the engine's step broke), plain ones included."""
+    target = write_dummy_config(str(tmp_path / "t"))
+    with open(os.path.join(target, "config.json")) as f:
+        from specserve.model.config import ModelConfig
+
+        cfg = ModelConfig.from_hf_dict(json.load(f))
+    draft = write_random_eagle_checkpoint(
+        str(tmp_path / "d"), cfg.with_changes(num_kv_heads=3), algorithm
+    )
+    error = _refused(
+        "speculative_draft_model_path",
+        model_path=target,
+        speculative_algorithm=algorithm,
+        speculative_draft_model_path=draft,
+        speculative_num_steps=2,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=3,
+        **CPU_DUMMY,
+    )
+    assert "num_key_value_heads" in str(error)

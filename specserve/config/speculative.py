@@ -140,8 +140,13 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
                 raise InvalidArgument(
                     f, "is set but speculative_algorithm is not (EAGLE, EAGLE3 or STANDALONE)"
                 )
-        if c.speculative_adaptive:
-            decide("speculative_adaptive", False, "no speculative decoding: nothing to adapt")
+        # (refused like the other speculative settings: a user asking for it expects drafts)
+        require(
+            not c.speculative_adaptive,
+            "speculative_adaptive",
+            "needs speculative decoding: set speculative_algorithm (EAGLE, EAGLE3 or "
+            "STANDALONE) with its draft, or serve a packaged model with its bundled draft",
+        )
         return c, decisions
     if isinstance(algo, str) and algo.upper() in ALGORITHMS and algo != algo.upper():
         decide("speculative_algorithm", algo.upper(), "algorithm names are upper case")

@@ -135,6 +135,19 @@ def _check_numbers(cfg: dict[str, Any], head_dim: Any, rope_theta: Any) -> None:
     for key, value in (("rope_theta", rope_theta), ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-5))):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{key} must be a positive number, got {value!r}")
+    heads = cfg["num_attention_heads"]
+    kv_heads = sizes.get("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ValueError(
+            f"num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads}): "
+            "each key/value head serves a whole group of query heads"
+        )
+    if head_dim % 2:
+        given = "head_dim" if cfg.get("head_dim") else "hidden_size // num_attention_heads"
+        raise ValueError(
+            f"head_dim must be even (the rotary embedding turns pairs of dimensions), got "
+            f"{head_dim} ({given})"
+        )
 
 
 def _check_supported(cfg: dict[str, Any], model_type: str) -> None:
@@ -148,9 +161,10 @@ def _check_supported(cfg: dict[str, Any], model_type: str) -> None:
         raise ValueError(f"hidden_act {act!r} is not supported (allowed: silu)")
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias is not supported (the MLP's projections have no bias)")
-    if model_type == "llama" and cfg.get("attention_bias"):
-        # a Llama with attention_bias biases o_proj too; only q/k/v biases are implemented
-        raise ValueError("attention_bias is not supported for model_type 'llama'")
+    if model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
+        # these biases o_proj too (Qwen2's attention_bias does not); only q/k/v biases are
+        # implemented
+        raise ValueError(f"attention_bias is not supported for model_type {model_type!r}")
     window = cfg.get("sliding_window")
     positions = cfg.get("max_position_embeddings", 4096)
     windowed = cfg.get("use_sliding_window") or model_type == "mistral"
