@@ -84,6 +84,9 @@ UNSUPPORTED = [  # (routes, field, value); structured output: tests/test_structu
     ((CHAT,), "functions", [{"name": "f", "parameters": {}}]),
     ((CHAT,), "function_call", {"name": "f"}),
     ((CHAT, COMPLETIONS), "min_tokens", 5),
+    ((CHAT, COMPLETIONS), "min_tokens", False),  # (strict types: not 0)
+    ((CHAT, COMPLETIONS), "min_new_tokens", 0.0),
+    ((CHAT, COMPLETIONS), "bad_words", ""),
     ((CHAT, COMPLETIONS), "min_new_tokens", 5),
     ((CHAT, COMPLETIONS), "use_beam_search", True),
     ((CHAT, COMPLETIONS), "bad_words", ["the"]),

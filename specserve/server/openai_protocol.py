@@ -64,10 +64,12 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
         "function calling is not supported (only null, 'none' or 'auto')",
     ),
     # sampling extensions of vLLM and SGLang that would change the output
-    "min_tokens": (lambda v: v == 0, "is not supported (only 0)"),
-    "min_new_tokens": (lambda v: v == 0, "is not supported (only 0)"),
+    # (these are untyped here: the strict types of the other fields are checked by hand, so
+    # that false or 0.0 is not taken for 0)
+    "min_tokens": (lambda v: is_int(v) and v == 0, "is not supported (only 0)"),
+    "min_new_tokens": (lambda v: is_int(v) and v == 0, "is not supported (only 0)"),
     "use_beam_search": (lambda v: v is False, "beam search is not supported (only false)"),
-    "bad_words": (lambda v: not v, "is not supported (only null or [])"),
+    "bad_words": (lambda v: v == [], "is not supported (only null or [])"),
     "allowed_token_ids": (lambda v: False, "is not supported (only null)"),
     "include_stop_str_in_output": (lambda v: v is False, "is not supported (only false)"),
     "truncate_prompt_tokens": (lambda v: False, "is not supported (only null)"),
