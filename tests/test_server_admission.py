@@ -239,8 +239,8 @@ def test_the_cheap_chat_check_never_rejects_messages_that_fit(served, engine):
 def test_a_bad_prompt_is_a_400_on_a_full_server_and_no_prompt_of_its_batch_runs(engine):
     app = create_app(engine, ServerConfig(max_queued_requests=8), owns_engine=False)
     bad_requests = [
-        ("/v1/completions", {"prompt": [[5, 6], [1, 999]], "n": 4, "max_tokens": 2}, "prompt"),
-        ("/generate", {"input_ids": [[5, 6], [7, 500]]}, "input_ids"),
+        ("/v1/completions", {"prompt": [[5, 6], [1, 999]], "n": 4, "max_tokens": 2}, "prompt[1]"),
+        ("/generate", {"input_ids": [[5, 6], [7, 500]]}, "input_ids[1]"),
         (
             "/generate",
             {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 5},

@@ -223,3 +223,21 @@ def test_chat_template_options_out_of_range_get_400_naming_them(served, options,
     r = served.http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert error_of(r)["param"] == param, r.text
+
+
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        (COMPLETIONS, {"prompt": ["the fox", "the lazy dog " * 100]}, "prompt[1]"),  # too long
+        (COMPLETIONS, {"prompt": [[5, 6], [7, 10**6]]}, "prompt[1]"),  # out of the vocabulary
+        (COMPLETIONS, {"prompt": [[5, 6], [7] * 300]}, "prompt[1]"),
+        (COMPLETIONS, {"prompt": [[7] * 300]}, "prompt"),  # (one prompt: no index)
+        ("/generate", {"input_ids": [[5, 6], [7, 10**6]]}, "input_ids[1]"),
+        ("/generate", {"text": ["the lazy dog " * 100, "the fox"]}, "text[0]"),
+    ],
+)
+def test_an_error_in_one_prompt_of_a_batch_names_that_prompt(served, route, body, param):
+    r = served.http.post(route, json={**body, "max_tokens": 2} if route == COMPLETIONS else body)
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == param and err["message"].startswith(param + ": "), err

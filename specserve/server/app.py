@@ -24,7 +24,7 @@ from specserve.server.guard import RequestGuard
 from specserve.server.metrics import CONTENT_TYPE
 from specserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.protocol import APIError, GenerateRequest
-from specserve.server.state import ServerConfig, ServerState
+from specserve.server.state import ServerConfig, ServerState, prompt_param
 
 log = logging.getLogger(__name__)
 
@@ -216,27 +216,32 @@ async def _generate(request: Request, state: ServerState):
         single = isinstance(req.text, str)
         texts = [req.text] if single else req.text
         state.size.check_batch(len(texts), n, "text", "sampling_params.n")
-        prompts = [await state.encode(t, "text") for t in texts]
-        prompt_param = "text"
+        prompts = [
+            await state.encode(t, prompt_param("text", i, len(texts))) for i, t in enumerate(texts)
+        ]
+        prompt_field = "text"
     else:
         single = isinstance(req.input_ids[0], int)
         prompts = [list(req.input_ids)] if single else [list(p) for p in req.input_ids]
-        prompt_param = "input_ids"
-        state.size.check_batch(len(prompts), n, prompt_param, "sampling_params.n")
+        prompt_field = "input_ids"
+        state.size.check_batch(len(prompts), n, prompt_field, "sampling_params.n")
     if req.stream and not single:
         raise APIError("stream: streaming takes one prompt at a time", param="stream")
     sp = req.sampling_params.engine_params() if req.sampling_params else {}
     # the prompt, and a max_new_tokens given, must fit the context and the KV cache, as on
     # the OpenAI routes (the default of 128 stops at the context instead, as in SGLang)
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
         state.check_context(
-            ids, sp.get("max_new_tokens"), prompt_param, "sampling_params.max_new_tokens"
+            ids,
+            sp.get("max_new_tokens"),
+            prompt_param(prompt_field, i, len(prompts)),
+            "sampling_params.max_new_tokens",
         )
     logprob_options = req.logprob_options()
     rids = _rids_per_prompt(req.rid, len(prompts), single)
     rename = {
-        "input_ids": prompt_param,
-        "prompt": prompt_param,
+        "input_ids": prompt_field,
+        "prompt": prompt_field,
         "sampling_params": "sampling_params",
     }
     rename.update({name: name for name in logprob_options})

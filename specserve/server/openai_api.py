@@ -15,7 +15,7 @@ from specserve.runtime.output import verify_tokens
 from specserve.server.logprobs import CompletionLogprobs, chat_content
 from specserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.protocol import APIError, parse
-from specserve.server.state import Run, ServerState, watch_disconnect
+from specserve.server.state import Run, ServerState, prompt_param, watch_disconnect
 from specserve.server.structured_output import structured_output
 
 # Bodies larger than this are parsed on the server's thread pool, not on the event loop.
@@ -68,9 +68,12 @@ def usage(metas: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
     return out
 
 
-def _max_new_tokens(state: ServerState, req, prompts: list[list[int]], prompt_param: str):
+def _max_new_tokens(state: ServerState, req, prompts: list[list[int]], param: str):
     requested, max_param = req.requested_max_tokens()
-    return [state.check_context(ids, requested, prompt_param, max_param) for ids in prompts]
+    return [
+        state.check_context(ids, requested, prompt_param(param, i, len(prompts)), max_param)
+        for i, ids in enumerate(prompts)
+    ]
 
 
 def _rename(req, prompt_param: str) -> dict[str, str]:
@@ -133,7 +136,12 @@ async def completions(request: Request, state: ServerState):
     _check_common(state, req)
     given = req.prompts()
     state.size.check_batch(len(given), _n(req), "prompt", "n")
-    prompts = [await state.encode(p, "prompt") if isinstance(p, str) else list(p) for p in given]
+    prompts = [
+        await state.encode(p, prompt_param("prompt", i, len(given)))
+        if isinstance(p, str)
+        else list(p)
+        for i, p in enumerate(given)
+    ]
     max_new = _max_new_tokens(state, req, prompts, "prompt")
     params = [req.sampling_params(m) for m in max_new]
     await state.compile_grammars(params, _rename(req, "prompt"))

@@ -93,6 +93,15 @@ def engine_error(e: InvalidArgument, rename: dict[str, str], prefix: str = "") -
     return APIError(f"{param}: {msg}", param=param)
 
 
+def prompt_param(param: str, i: int, count: int) -> str:
+    """The field of prompt i of `count`, as errors name it: `prompt[1]` in a batch (a batch is
+    refused whole, and the client learns which of its prompts is at fault)."""
+    return f"{param}[{i}]" if count > 1 else param
+
+
+# the engine's names of a prompt
+PROMPT_FIELDS = ("input_ids", "prompt")
+
 T = TypeVar("T")
 
 
@@ -349,9 +358,15 @@ class ServerState:
                 raise InvalidArgument("rid", f"request id {repeated!r} is given to two prompts")
             made = []
             for i, (ids, sp) in enumerate(zip(prompts, params)):
-                reqs = self.engine.make_samples(
-                    ids, sp, uuid.uuid4().hex, **(logprob_options or {})
-                )
+                try:
+                    reqs = self.engine.make_samples(
+                        ids, sp, uuid.uuid4().hex, **(logprob_options or {})
+                    )
+                except InvalidArgument as e:
+                    if e.field not in PROMPT_FIELDS or len(prompts) == 1:
+                        raise
+                    param = rename.get(e.field, e.field)
+                    raise engine_error(e, {e.field: prompt_param(param, i, len(prompts))}) from None
                 name = rids[i] if rids else None
                 if name:
                     with self._lock:
