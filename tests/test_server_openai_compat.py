@@ -125,6 +125,8 @@ def test_fields_of_features_the_server_lacks_get_400_naming_them(served):
 def test_head_health(served):
     r = served.http.head("/health")
     assert r.status_code == 200 and r.content == b""
+    got = served.http.get("/health")
+    assert r.headers["content-length"] == str(len(got.content)), (r.headers, got.content)
 
 
 # ---- usage ------------------------------------------------------------------------------------

@@ -166,7 +166,9 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
             status = "shutting down" if state.shutting_down else "failed"
             body = {"status": status, "reason": reason}
             return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
-        return {"status": "ok"}
+        # (the whole model, so that HEAD, which has no response model, says the length GET's
+        # body has)
+        return {"status": "ok", "reason": None}
 
     # (GET as SGLang also takes it; a route per method, so each has its own OpenAPI id)
     @app.get("/flush_cache", operation_id="flush_cache_get")
