@@ -578,3 +578,31 @@ def test_a_grammar_compile_holds_its_place_in_the_queue(engine, monkeypatch):
         constrained(1)
         first.join()
         assert sorted(statuses) == [200, 503]
+
+
+def test_a_generate_batch_compiling_its_grammar_holds_a_place_per_prompt(engine, monkeypatch):
+    core = engine.core
+    compile_text = core.compile_grammar_text
+
+    def slow_compile(field, text):
+        time.sleep(2.0)
+        return compile_text(field, text)
+
+    monkeypatch.setattr(core, "compile_grammar_text", slow_compile)
+    app = create_app(engine, ServerConfig(max_queued_requests=4), owns_engine=False)
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        statuses = {}
+        schema = {"type": "object", "properties": {"b": {"type": "integer"}}}
+        batch = {
+            "input_ids": [[5, 6], [7, 8], [9, 10], [11, 12]],
+            "sampling_params": {"max_new_tokens": 2, "json_schema": schema},
+        }
+        first = threading.Thread(
+            target=lambda: statuses.update(batch=http.post("/generate", json=batch).status_code)
+        )
+        first.start()
+        time.sleep(0.5)  # (its compile under way, holding 4 places)
+        one = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "regex": "[ab]+"}}
+        statuses["one"] = http.post("/generate", json=one).status_code
+        first.join()
+        assert statuses == {"batch": 200, "one": 503}

@@ -216,8 +216,13 @@ def test_chat_template_options_decide_the_prompt_as_in_vllm(served, options):
         ({"add_generation_prompt": "no"}, "add_generation_prompt"),
         ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"conversations": []}}, "chat_template_kwargs"),
+        # (a special token the template prints, or any variable, sized past the size checks)
+        ({"chat_template_kwargs": {"bos_token": "ab " * 1000}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"date_string": "ab " * 2000}}, "chat_template_kwargs"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
         ({"echo": True}, "echo"),
+        ({"echo": 0}, "echo"),  # (strict: 0 is not false)
     ],
 )
 def test_chat_template_options_out_of_range_get_400_naming_them(served, options, param):
@@ -243,3 +248,16 @@ def test_an_error_in_one_prompt_of_a_batch_names_that_prompt(served, route, body
     assert r.status_code == 400, r.text
     err = error_of(r)
     assert err["param"] == param and err["message"].startswith(param + ": "), err
+
+
+def test_chat_template_kwargs_reach_the_template(served, monkeypatch):
+    tokenizer = served.engine.tokenizer
+    template = "{% if flag %}the quick brown fox{% endif %}" + tokenizer.chat_template
+    monkeypatch.setattr(tokenizer, "chat_template", template)
+    usage = []
+    for kwargs in ({"flag": True}, {"flag": False}, None):
+        body = {"messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": kwargs}
+        r = served.http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        usage.append(r.json()["usage"]["prompt_tokens"])
+    assert usage[0] > usage[1] == usage[2], usage

@@ -366,3 +366,10 @@ def test_a_draft_head_of_a_shape_attention_cannot_run_is_refused_naming_the_draf
         **CPU_DUMMY,
     )
     assert "num_key_value_heads" in str(error)
+
+
+def test_a_gguf_of_a_shape_attention_cannot_run_is_refused(tmp_path):
+    folder = write_hf_model(str(tmp_path / "m"), num_heads=4, num_kv_heads=3)
+    path, _ = write_gguf_model(str(tmp_path / "m.gguf"), folder, qtype="F32")
+    error = _refused("model_path", model_path=path, dtype="float32", device="cpu")
+    assert "num_key_value_heads" in str(error)

@@ -136,17 +136,22 @@ def _check_numbers(cfg: dict[str, Any], head_dim: Any, rope_theta: Any) -> None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{key} must be a positive number, got {value!r}")
     heads = cfg["num_attention_heads"]
-    kv_heads = sizes.get("num_key_value_heads", heads)
+    given = "head_dim" if cfg.get("head_dim") else "hidden_size // num_attention_heads"
+    check_attention_shape(heads, sizes.get("num_key_value_heads", heads), head_dim, given)
+
+
+def check_attention_shape(heads: int, kv_heads: int, head_dim: int, head_dim_from: str) -> None:
+    """Refuse (ValueError) head counts and sizes the attention cannot run (they would fail
+    the first request, and with it the engine's step for every request after)."""
     if heads % kv_heads:
         raise ValueError(
             f"num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads}): "
             "each key/value head serves a whole group of query heads"
         )
     if head_dim % 2:
-        given = "head_dim" if cfg.get("head_dim") else "hidden_size // num_attention_heads"
         raise ValueError(
             f"head_dim must be even (the rotary embedding turns pairs of dimensions), got "
-            f"{head_dim} ({given})"
+            f"{head_dim} ({head_dim_from})"
         )
 
 

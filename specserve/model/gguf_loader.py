@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specserve.model.config import ModelConfig, RopeScaling
+from specserve.model.config import ModelConfig, RopeScaling, check_attention_shape
 
 _SUPPORTED_ARCHS = {"llama", "qwen2", "qwen3"}
 
@@ -275,13 +275,15 @@ def _gguf_config(path: str, gf: GGUFFile) -> ModelConfig:
     # (chat models' <|eot_id|>, <|im_end|>) and of message
     ends = ("eos", "eot", "eom")
     eos = tuple(dict.fromkeys(m[k] for e in ends if (k := f"tokenizer.ggml.{e}_token_id") in m))
+    kv_heads = m.get(f"{a}.attention.head_count_kv", heads)
+    check_attention_shape(heads, kv_heads, head_dim, "from the GGUF metadata")
     return ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=m[f"{a}.feed_forward_length"],
         num_layers=m[f"{a}.block_count"],
         num_heads=heads,
-        num_kv_heads=m.get(f"{a}.attention.head_count_kv", heads),
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(m.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(m.get(f"{a}.rope.freq_base", 10000.0)),

@@ -8,6 +8,7 @@ client never silently gets something other than what it asked for.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
@@ -278,12 +279,19 @@ class ChatMessage(StrictModel):
 # variables
 _TEMPLATE_ARGUMENTS = frozenset(
     (
-        "conversation", "messages", "tools", "documents", "chat_template",
+        "conversation", "conversations", "messages", "tools", "documents", "chat_template",
         "add_generation_prompt", "continue_final_message", "tokenize", "padding",
         "truncation", "max_length", "return_tensors", "return_dict",
-        "return_assistant_tokens_mask", "tokenizer_kwargs",
+        "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+        # the tokenizer's special tokens, which the template also reads
+        "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+        "mask_token", "additional_special_tokens",
     )
 )  # fmt: skip
+# The most characters a request's template variables may hold (as JSON): the request-size
+# checks count the messages' text before the template renders, and a variable the template
+# prints would get past them.
+MAX_TEMPLATE_KWARGS_CHARS = 4096
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -323,7 +331,14 @@ class ChatCompletionRequest(_CommonRequest):
         if taken:
             raise field_error(
                 "chat_template_kwargs",
-                f"{', '.join(taken)}: not a template variable (set by the request's own fields)",
+                f"{', '.join(taken)}: not a template variable (set by the request's own "
+                "fields or by the tokenizer)",
+            )
+        if len(json.dumps(v)) > MAX_TEMPLATE_KWARGS_CHARS:
+            raise field_error(
+                "chat_template_kwargs",
+                f"at most {MAX_TEMPLATE_KWARGS_CHARS} characters of JSON (template "
+                "variables, not text)",
             )
         return v
 
@@ -339,7 +354,7 @@ class ChatCompletionRequest(_CommonRequest):
     @field_validator("echo")
     @classmethod
     def _no_chat_echo(cls, v):
-        if v not in (None, False):
+        if v is not None and v is not False:  # (strict: 0 is not false)
             raise field_error("echo", "is not supported on chat completions (only false)")
         return v
 
