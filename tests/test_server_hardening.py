@@ -512,19 +512,24 @@ def test_schema_fuzz_no_5xx_no_hang(hard):
     assert hard.engine.failure is None
 
 
+def slow_grammar_compiles(engine, monkeypatch, seconds: float) -> None:
+    """Make every grammar compile of `engine` take `seconds` longer (as a large schema does)."""
+    core = engine.core
+    compile_text = core.compile_grammar_text
+
+    def slow_compile(field, text):
+        time.sleep(seconds)
+        return compile_text(field, text)
+
+    monkeypatch.setattr(core, "compile_grammar_text", slow_compile)
+
+
 # ---- slow grammar compiles do not hold up other clients --------------------------------------
 def test_slow_grammar_compiles_do_not_stall_other_clients_prompts(hard, monkeypatch):
     """Structured-output grammars compile on a pool of their own: two requests whose schemas
     take seconds to compile leave a plain chat request's tokenizing free (they shared the
     tokenizing pool's two threads, and the chat waited for both compiles)."""
-    core = hard.engine.core
-    compile_text = core.compile_grammar_text
-
-    def slow_compile(field, text):
-        time.sleep(2.5)
-        return compile_text(field, text)
-
-    monkeypatch.setattr(core, "compile_grammar_text", slow_compile)
+    slow_grammar_compiles(hard.engine, monkeypatch, 2.5)
     results = {}
 
     def constrained(i: int) -> None:
@@ -555,14 +560,7 @@ def test_slow_grammar_compiles_do_not_stall_other_clients_prompts(hard, monkeypa
 def test_a_grammar_compile_holds_its_place_in_the_queue(engine, monkeypatch):
     """A request whose grammar is compiling counts against max_queued_requests: compiles
     cannot pile up past the bound (the one over it gets a 503)."""
-    core = engine.core
-    compile_text = core.compile_grammar_text
-
-    def slow_compile(field, text):
-        time.sleep(2.0)
-        return compile_text(field, text)
-
-    monkeypatch.setattr(core, "compile_grammar_text", slow_compile)
+    slow_grammar_compiles(engine, monkeypatch, 2.0)
     app = create_app(engine, ServerConfig(max_queued_requests=1), owns_engine=False)
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
         statuses = []
@@ -581,14 +579,7 @@ def test_a_grammar_compile_holds_its_place_in_the_queue(engine, monkeypatch):
 
 
 def test_a_generate_batch_compiling_its_grammar_holds_a_place_per_prompt(engine, monkeypatch):
-    core = engine.core
-    compile_text = core.compile_grammar_text
-
-    def slow_compile(field, text):
-        time.sleep(2.0)
-        return compile_text(field, text)
-
-    monkeypatch.setattr(core, "compile_grammar_text", slow_compile)
+    slow_grammar_compiles(engine, monkeypatch, 2.0)
     app = create_app(engine, ServerConfig(max_queued_requests=4), owns_engine=False)
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
         statuses = {}

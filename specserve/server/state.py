@@ -319,12 +319,13 @@ class ServerState:
         compiler's cache. A compile holds its requests' places in the queue
         (`max_queued_requests`) while it runs, so compiles cannot pile up past that bound."""
         try:
-            specs = {grammar_spec(SamplingParams.from_any(sp)) for sp in params} - {None}
+            parsed = [SamplingParams.from_any(sp) for sp in params]
         except InvalidArgument as e:
             raise engine_error(e, rename, prefix) from None
+        specs = {grammar_spec(sp) for sp in parsed} - {None}
         if not specs:
             return
-        held = sum(SamplingParams.from_any(sp).n or 1 for sp in params)
+        held = sum(sp.n for sp in parsed)
         self.reserve(held)
         try:
             loop = asyncio.get_running_loop()
