@@ -13,6 +13,7 @@ import torch
 from specserve import Engine
 from specserve.runtime.cuda_graphs import DecodeGraphs
 from specserve.speculative.adaptive import (
+    DECIDE_EVERY,
     EXPLORE_BUDGET,
     AdaptiveSpeculation,
     batch_bucket,
@@ -218,6 +219,31 @@ def test_policy_measures_first_then_picks_what_pays_and_keeps_exploring():
         t = picks[-1]
         p.observe(t, 4, [7 if t == 2 else (4 if t == 1 else 1)] * 4, seconds[t])
     assert picks[-16:].count(2) >= 14, picks  # (one step in 8 explores another tier)
+
+
+def test_a_steady_choice_is_scored_once_every_few_steps_and_a_drop_in_acceptance_ends_it():
+    """Where the best tier stays best, the policy scores the tiers once every DECIDE_EVERY
+    steps (its own work was a tenth of a host-bound step's); when the served tier's drafts
+    stop being accepted it switches at the next step, not after the decision's hold."""
+    tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(4, 4, 16)]
+    seconds = [1.0, 1.2, 1.5]
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: seconds[t], explore_every=8)
+    scored = []
+    score = p._scores
+    p._scores = lambda *a, **k: scored.append(1) or score(*a, **k)
+    picks = []
+    for _ in range(400):
+        t = p.pick(64)
+        picks.append(t)
+        p.observe(t, 64, [(1, 2, 4)[t]] * 64, seconds[t])
+    assert picks[-40:].count(2) >= 39, picks[-40:]  # the tree serves (4 tokens in 1.5)
+    assert len(scored) <= 400 / DECIDE_EVERY + 30, len(scored)  # (+ explorations' own)
+    # the tree's drafts stop being accepted: the next step's pick scores afresh
+    t = p.pick(64)
+    assert t == 2
+    p.observe(2, 64, [1] * 64, seconds[2])
+    after = p.pick(64)
+    assert after != 2, p.accept
 
 
 def test_explorations_that_find_nothing_come_ever_more_rarely_until_the_best_changes():

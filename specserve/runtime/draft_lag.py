@@ -48,18 +48,24 @@ class DraftLag:
         return any(r.draft_lag >= self.capacity for r in live) and speculation_pays()
 
     def plan(
-        self, reqs: list[Request], tier: int, speculation_pays, live: list[Request] | None = None
+        self,
+        reqs: list[Request],
+        tier: int,
+        speculation_pays,
+        live: list[Request] | None = None,
+        catch_up: bool | None = None,
     ) -> LaggedStep:
         """Whether the step of `tier` over `reqs` first catches the draft up (and which
         requests stop speculating instead); speculation_pays(): whether keeping drafts
-        current is worth it at this load; live: those of `reqs` speculating, where the
-        caller knows them."""
+        current is worth it at this load; live: those of `reqs` speculating, and catch_up:
+        `catches_up(tier, live, ...)`, where the caller knows them."""
         # (every step of an adaptive engine plans: at a batch of 128 of a small model the
         # host's time is the step's, so the common case, all speculating, loops least)
         if live is None:
             live = [r for r in reqs if self.speculating(r)]
         everyone = len(live) == len(reqs)
-        catch_up = self.catches_up(tier, live, speculation_pays)
+        if catch_up is None:
+            catch_up = self.catches_up(tier, live, speculation_pays)
         if tier == 0 and not catch_up:
             full = [r for r in live if r.draft_lag >= self.capacity]
             for r in full:

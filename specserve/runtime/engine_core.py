@@ -424,6 +424,7 @@ class EngineCore:
     def _launch_decode(self, reqs: list[Request]):
         kv_upper = [r.kv_len + r.inflight_steps * self.worker.max_accept for r in reqs]
         tier, lagged, everyone = 0, None, False
+        catch_ups: tuple[bool, bool] | None = None  # (speculative, plain), as DraftLag decides
         if self.adaptive is not None:
             # (one pass over the batch: at 128 requests of a small model each pass is a few
             # percent of the host's time, which is the step's)
@@ -436,13 +437,15 @@ class EngineCore:
                 lag, pays = self.draft_lag, lambda: self.adaptive.speculation_pays(len(reqs))
                 speculative = lag is not None and lag.catches_up(1, live, pays)
                 plain = speculative and lag.catches_up(0, live, pays)  # (a full ring lags)
+                catch_ups = (speculative, plain)
                 ready = self.worker.ready_tiers(
                     reqs, kv_upper, len(self.adaptive.tiers), lambda t: speculative if t else plain
                 )
             tier = self.adaptive.pick(len(reqs), bool(live), ready=ready)
             if self.draft_lag is not None:
+                known = None if catch_ups is None else catch_ups[0 if tier else 1]
                 lagged = self.draft_lag.plan(
-                    reqs, tier, lambda: self.adaptive.speculation_pays(len(reqs)), live
+                    reqs, tier, lambda: self.adaptive.speculation_pays(len(reqs)), live, known
                 )
         host = self.host_clock.launch()
         # (on a CPU the step's own work runs inside the launch: no separate host time)
