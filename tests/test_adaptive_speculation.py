@@ -569,37 +569,6 @@ def test_a_wide_tier_whose_steps_emit_more_is_not_free_because_the_host_is_busy(
     assert picks[-100:].count(1) > 90, picks[-100:]
 
 
-def test_a_tier_served_a_whole_window_is_weighed_by_its_own_host_time_not_the_lines():
-    """The line through the tiers' host times is fitted through medians taken at different
-    times, and the host's speed moves between them. A tier served for a whole window has its
-    own: it is weighed by that. (SmolLM2 on an H100 at batch 128: the tiers' medians made a
-    line sloping down, taken as 2.2 ms a step for every tier; the chain of 3, 1.85 ms on the
-    host and 1.84 on the device, then lost to the 4/4/16 tree, 3.1 ms on the device.)"""
-    from specserve.speculative.host_cost import HOST_WINDOW
-
-    tiers = [PLAIN, TreeShape(1, 1, 2), TreeShape(2, 1, 3), TreeShape(3, 1, 4), TreeShape(4, 4, 16)]
-    device_ms = (1.4, 1.46, 1.76, 1.84, 3.1)
-    accept = (1, 1.6, 1.95, 2.2, 3.1)
-    host_ms = (1.5, 2.4, 2.6, 1.85, 2.3)  # each tier's own, measured at different times
-    p = AdaptiveSpeculation(tiers, measure=lambda b, t: device_ms[t] / 1e3)
-
-    def step(t: int) -> None:
-        tokens = 128 * accept[t]
-        p.observe(t, 128, [accept[t]] * 128 if t else [], device_ms[t] / 1e3)
-        p.observe_host(t, 128, host_ms[t] / 1e3, tokens)
-
-    for t in range(1, len(tiers)):  # (every speculative tier served a window's steps)
-        for _ in range(HOST_WINDOW):
-            step(t)
-    picks = []
-    for _ in range(100):
-        picks.append(p.pick(128))
-        step(picks[-1])
-    # the chain: 282 tokens in 1.85 ms; the tree 397 in 3.1 (as one cost per step of 2.29 ms,
-    # the chain's 282 took 2.29)
-    assert picks[-50:].count(3) >= 48, picks
-
-
 def test_a_tiers_old_host_time_does_not_tilt_the_line_through_fresh_ones():
     """The host's speed moves with the machine's load. A tier not run for HOST_POINT_AGE steps
     at a bucket no longer weighs in the host's cost (beside a fresh point, its old one tilted

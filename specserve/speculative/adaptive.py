@@ -325,11 +325,11 @@ class AdaptiveSpeculation:
         other text than the served tier's, could say otherwise)."""
         bucket = batch_bucket(batch_size)
         seconds = self._seconds_at(bucket)
-        host = self.host.seconds
+        per_step, per_token = self.host.cost_at(bucket)
         scores = []
-        for t, (a, device) in enumerate(zip(accept or self.accept, seconds)):
+        for a, device in zip(accept or self.accept, seconds):
             tokens = batch_size * a
-            scores.append(tokens / max(device, host(t, bucket, tokens)))
+            scores.append(tokens / max(device, per_step + per_token * tokens))
         for t, whole in self.whole_tree.items() if dominated else ():
             if seconds[t] >= seconds[whole]:
                 scores[t] = 0.0
@@ -462,7 +462,8 @@ class AdaptiveSpeculation:
         """A step's expected seconds: the longer of its device time and the host's for the
         tokens it is expected to emit (also for a dominated ragged tier, which scores 0)."""
         bucket = batch_bucket(batch_size)
-        host = self.host.seconds(tier, bucket, batch_size * self.accept[tier])
+        per_step, per_token = self.host.cost_at(bucket)
+        host = per_step + per_token * batch_size * self.accept[tier]
         return max(self.seconds(tier, bucket) or 0.0, host)
 
     def _exploring_cost(self, batch_size: int, explored: int, served: int) -> float:

@@ -21,12 +21,6 @@ bucket's last `HOST_POINT_AGE` steps no longer counts, as the host's speed moves
 machine's load). Until two tiers tell it, the host's time is taken as per token, the
 median of the bucket's latest steps whatever their tier, so a tier run rarely is not
 judged on the few intervals it happened to run in.
-A tier served for a whole window (`HOST_WINDOW` steps lately) is weighed by the line shifted
-to its own median: the line is fitted through medians taken at different times, and the
-host's speed moves between them. (SmolLM2 on an H100 at batch 128: chains of 1, 2 and 3 and
-the 4/4/16 tree took 1.66, 2.09, 1.85 and 2.10 ms a step, a line sloping down; taken as one
-cost per step of 2.2 ms, the chain of 3, 1.84 ms on the device and 1.85 on the host, looked
-bound by the host at 2.2 and lost to the tree, 3.1 ms, which served a third of the steps.)
 """
 
 from __future__ import annotations
@@ -68,9 +62,6 @@ class HostCost:
         # medians (taken when the line is next fitted, once per pick, not per observation)
         self._steps: dict[int, dict[int, deque[tuple[int, float]]]] = {}
         self._medians: dict[tuple[int, int], tuple[float, float]] = {}
-        # (tier, bucket) -> its own median's distance above the line (tiers served a whole
-        # window lately); refitted with the line
-        self._offset: dict[tuple[int, int], float] = {}
         self._clock: dict[int, int] = {}
         self._seen: dict[tuple[int, int], int] = {}  # (tier, bucket) -> its last step
 
@@ -96,12 +87,6 @@ class HostCost:
     def buckets(self) -> list[int]:
         return sorted(self.cost.keys() | self._stale)
 
-    def seconds(self, tier: int, bucket: int, tokens: float) -> float:
-        """The host's expected time for a step of `tier` at `bucket` emitting `tokens`: the
-        line, shifted to the tier's own median where it was served a whole window lately."""
-        per_step, per_token = self.cost_at(bucket)
-        return per_step + per_token * tokens + self._offset.get((tier, bucket), 0.0)
-
     def cost_at(self, bucket: int) -> tuple[float, float]:
         """(seconds per step, seconds per emitted token) at `bucket`, fitted again if steps
         were observed there since it last was (once per pick, not once per observation: the
@@ -112,22 +97,8 @@ class HostCost:
         return self.cost.get(bucket, (0.0, 0.0))
 
     def _fit(self, bucket: int) -> tuple[float, float]:
-        """The line (`_line`), and how far above it each tier served a whole window lately
-        took its own median."""
-        line = self._line(bucket)
-        for tier, steps in self._steps[bucket].items():
-            key = (tier, bucket)
-            self._offset.pop(key, None)
-            fresh = self._clock[bucket] - self._seen[key] <= HOST_POINT_AGE
-            if len(steps) == HOST_WINDOW and fresh and key in self._medians:
-                n, seconds = self._medians[key]
-                self._offset[key] = seconds - (line[0] + line[1] * n)
-        return line
-
-    def _line(self, bucket: int) -> tuple[float, float]:
-        """(seconds per step, seconds per token): the line through the tiers' median (tokens,
-        seconds) per step, each weighing its steps, where they emit far enough apart to tell;
-        else all per token."""
+        """The line through the tiers' median (tokens, seconds) per step, each weighing its
+        steps, where they emit far enough apart to tell; else all per token."""
         now = self._clock[bucket]
         points = []  # (median tokens, median seconds, steps) of each tier timed lately
         for tier, steps in self._steps[bucket].items():
