@@ -419,6 +419,12 @@ class Engine:
         """What a prompt's requests need beyond their parameters' own checks; returns the
         log-prob options with their defaults and the compiled grammar of structured output."""
         self.core.validate_prompt(ids, field)
+        vocab = self.core.model_config.vocab_size
+        never = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if never is not None:  # (it could never be sampled, so never stop the request)
+            raise InvalidArgument(
+                "stop_token_ids", f"token id {never} is outside the vocabulary [0, {vocab})"
+            )
         compiled = self.core.compile_grammar(params)
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop", "stop strings need a tokenizer; use stop_token_ids")

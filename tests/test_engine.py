@@ -105,6 +105,11 @@ def test_stop_token_ids_end_the_request_at_that_token():
         ({"input_ids": [1, 2], "sampling_params": {"bogus": 1}}, "bogus"),
         ({"input_ids": []}, "input_ids"),
         ({"input_ids": [1, 99999]}, "input_ids"),
+        # (a stop token the model can never sample would silently never stop it)
+        (
+            {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [3, 99999]}},
+            "stop_token_ids",
+        ),
         ({"input_ids": [1] * 5000}, "input_ids"),
         ({"prompt": "text needs a tokenizer"}, "prompt"),
     ],

@@ -354,6 +354,7 @@ INVALID = [
     ("/v1/completions", {"prompt": [1, 2], "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": [1, 2], "stop": "x"}, "stop"),  # no tokenizer
     ("/v1/completions", {"prompt": [1, 2], "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [1, 2], "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": [1, 2], "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": [1, 2], "stream_options": {"include_usage": True}}, None),
     ("/v1/completions", {"prompt": [1, 2], "logprobs": 6}, "logprobs"),
