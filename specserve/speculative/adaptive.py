@@ -196,9 +196,11 @@ class AdaptiveSpeculation:
         measure: Callable[[int, int], float | None] | None = None,
         explore_every: int = 32,
         max_explore_gap: int = 1024,
+        decide_every: int = DECIDE_EVERY,
     ):
         """measure(batch_size, tier): the device seconds of one such step, or None when it
-        cannot be measured apart from serving (then launched steps are timed instead)."""
+        cannot be measured apart from serving (then launched steps are timed instead).
+        decide_every: picks per scoring while a choice holds (`DECIDE_EVERY`)."""
         assert tiers[0] == PLAIN
         self.tiers = tiers
         # ragged tiers -> the tier verifying their whole drafted tree
@@ -225,6 +227,7 @@ class AdaptiveSpeculation:
         self.measure = measure
         self.explore_every = explore_every
         self.max_explore_gap = max_explore_gap
+        self.decide_every = max(1, decide_every)  # (1: score every step)
         self.explore_gap = explore_every
         self.next_explore = explore_every
         # the optimistic start: a tier accepts all it drafts until observed otherwise
@@ -441,8 +444,9 @@ class AdaptiveSpeculation:
         return served
 
     def _hold(self, tier: int, batch_size: int, wall: float) -> None:
-        """Let `tier`, just scored best, serve the next DECIDE_EVERY - 1 picks unscored."""
-        self._held = (tier, batch_bucket(batch_size), DECIDE_EVERY - 1, wall, self.accept[tier])
+        """Let `tier`, just scored best, serve the next `decide_every` - 1 picks unscored."""
+        left = self.decide_every - 1
+        self._held = (tier, batch_bucket(batch_size), left, wall, self.accept[tier])
 
     def _exploring_order(self, scores: list[float]):
         """Sort key of the tiers to explore: first any not run for max_explore_gap picks
