@@ -250,6 +250,10 @@ def test_a_bad_or_unservable_grammar_is_refused_naming_its_field(models):
             assert info.value.field == field, (sp, str(info.value))
         out = engine.generate(prompt="hi", sampling_params={"regex": "ok", "max_new_tokens": 4})
         assert out["text"] == "ok"
+        with pytest.raises(InvalidArgument) as info:
+            engine.generate(prompt="hi", sampling_params={"regex": "(unclosed"})
+        # (xgrammar's own log prefix, a time and its C++ source file, is not the client's)
+        assert "/project/" not in str(info.value) and ".cc:" not in str(info.value)
     with Engine(model_path=folder, device="cpu", skip_tokenizer_init=True) as engine:
         with pytest.raises(InvalidArgument) as info:
             engine.generate(input_ids=[5, 6], sampling_params={"regex": "a+"})
@@ -259,6 +263,67 @@ def test_a_bad_or_unservable_grammar_is_refused_naming_its_field(models):
         with pytest.raises(InvalidArgument) as info:
             engine.generate(prompt="hi", sampling_params={"regex": "a+"})
         assert info.value.field == "regex" and "simulated" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "schema, named",
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems at /"),
+        ({"allOf": [{"type": "integer"}, {"type": "string"}]}, "allOf at /"),
+        ({"type": "object", "properties": {"x": {"not": {"type": "integer"}}}}, "not at /properties/x"),
+        ({"type": "object", "required": ["a"]}, "required 'a'"),
+        ({"type": "array", "contains": {"type": "integer"}}, "contains at /"),
+        ({"$defs": {"d": {"type": "object", "propertyNames": {"pattern": "^x"}}}, "$ref": "#/$defs/d"},
+         "propertyNames at /$defs/d"),
+    ],
+)  # fmt: skip
+def test_a_schema_whose_constraints_the_grammar_would_not_enforce_is_refused(models, schema, named):
+    """xgrammar compiles these keywords into nothing: the outputs it allowed broke the schema
+    (uniqueItems gave [0, 0], allOf of an integer and a string gave null) while finishing as
+    'stop'. They are refused naming the keyword and where it is."""
+    folder, _ = models
+    engine = _structured_engine(folder)
+    with pytest.raises(InvalidArgument) as info:
+        engine.generate(prompt="hi", sampling_params={"json_schema": schema})
+    assert info.value.field == "json_schema" and named in str(info.value), str(info.value)
+
+
+def test_schemas_using_only_enforced_keywords_compile(models):
+    """A property named like a keyword, and enum / const data shaped like a schema, are not
+    keywords; the keywords the grammar enforces compile."""
+    folder, _ = models
+    engine = _structured_engine(folder)
+    schema = {
+        "type": "object",
+        "properties": {
+            "not": {"type": "integer", "minimum": 1, "multipleOf": 2},
+            "allOf": {"enum": [{"allOf": 1}, "x"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+            "kind": {"anyOf": [{"const": {"not": 1}}, {"type": "null"}]},
+        },
+        "required": ["not"],
+        "additionalProperties": False,
+    }
+    out = engine.generate(prompt="hi", sampling_params={"json_schema": schema, "max_new_tokens": 2})
+    assert out["meta_info"]["completion_tokens"] == 2
+
+
+_ENGINES: dict[str, Engine] = {}
+
+
+def _structured_engine(folder) -> Engine:
+    """One plain engine over the module's model for the schema checks (they only compile)."""
+    if folder not in _ENGINES:
+        _ENGINES[folder] = Engine(model_path=folder, device="cpu")
+    return _ENGINES[folder]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_engines():
+    yield
+    for engine in _ENGINES.values():
+        engine.shutdown()
+    _ENGINES.clear()
 
 
 # ---- the masks ----------------------------------------------------------------------------------

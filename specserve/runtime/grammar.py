@@ -13,12 +13,18 @@ never accepted.
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 
 import torch
 
 from specserve.errors import InvalidArgument
+from specserve.runtime.json_schema_support import SUPPORTED, unenforced
 from specserve.sampling_params import GRAMMAR_PARAMS
+
+# xgrammar's error text starts with its log prefix: "[18:30:28] /project/cpp/x.cc:94: "
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 # Compiled grammars kept for reuse (each holds token-mask tables): least recently used ones
 # go past this (vLLM's default), so clients sending ever new schemas cannot grow the host's
@@ -62,16 +68,31 @@ class GrammarCompiler:
         """The compiled grammar of `spec` given as sampling parameter `field`."""
         if self.unsupported is not None:
             raise InvalidArgument(field, f"structured output {self.unsupported}")
+        if field == "json_schema":
+            try:
+                schema = json.loads(spec)
+            except ValueError as e:
+                raise InvalidArgument(field, f"is not valid JSON: {e}") from None
+            unsupported = unenforced(schema)
+            if unsupported:
+                shown = "; ".join(unsupported[:8]) + ("; ..." if len(unsupported) > 8 else "")
+                raise InvalidArgument(
+                    field,
+                    f"uses what structured output cannot enforce ({shown}); supported: {SUPPORTED}",
+                )
         compiler = self._get(field)
         try:
             if field == "json_schema":
+                # (strict mode, as vLLM and SGLang compile schemas: no properties beyond
+                # those listed unless additionalProperties allows them)
                 compiled = compiler.compile_json_schema(spec)
             elif field == "regex":
                 compiled = compiler.compile_regex(spec)
             else:
                 compiled = compiler.compile_grammar(spec)
         except Exception as e:  # xgrammar reports a bad schema / pattern as a RuntimeError
-            raise InvalidArgument(field, f"cannot be compiled: {e}") from None
+            why = _LOG_PREFIX.sub("", str(e).strip())
+            raise InvalidArgument(field, f"cannot be compiled: {why}") from None
         first = new_bitmask(1, self.vocab_size)
         RequestGrammar(compiled, field).fill_next(first, 0)
         if not first.any():

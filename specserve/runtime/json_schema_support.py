@@ -1,0 +1,85 @@
+"""Which parts of a JSON schema structured output cannot enforce.
+
+xgrammar (0.2.9) compiles some JSON-schema keywords into nothing: a schema using them
+compiles, and the outputs it allows break the schema (`allOf` of an integer and a string
+allowed `null`; `uniqueItems` allowed `[0, 0]`; `required` naming a property that
+`properties` does not list allowed `{}`), or allow nothing a schema accepts (`contains`,
+`patternProperties`, `propertyNames`). An output that ends "stop" must satisfy its schema,
+so such schemas are refused up front, naming each keyword and where it is (as vLLM refuses
+the features its xgrammar backend does not support).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# keywords whose constraint the compiled grammar does not enforce
+IGNORED = (
+    "allOf",
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "contains",
+    "minContains",
+    "maxContains",
+    "patternProperties",
+    "propertyNames",
+)
+SUPPORTED = (
+    "type, properties, required (of the listed properties), additionalProperties, items, "
+    "prefixItems, minItems, maxItems, enum, const, anyOf, oneOf, $ref / $defs, minimum, "
+    "maximum, exclusiveMinimum, exclusiveMaximum, multipleOf, minLength, maxLength, pattern, "
+    "format, minProperties, maxProperties"
+)
+# keywords holding one subschema, a list of them, or a map of names to them (the rest hold
+# data, e.g. enum and const, or numbers)
+_ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedItems",
+        "unevaluatedProperties", "contentSchema", "not", "if", "then", "else", "contains",
+        "propertyNames")  # fmt: skip
+_MANY = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_NAMED = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
+
+
+def unenforced(schema: Any) -> list[str]:
+    """What of `schema` (parsed JSON) structured output cannot enforce, each as 'KEYWORD at
+    PATH' (PATH a JSON pointer; '' is the root). Empty: all of it is enforced."""
+    found: list[str] = []
+    _walk(schema, "", found)
+    return found
+
+
+def _walk(schema: Any, path: str, found: list[str]) -> None:
+    if not isinstance(schema, dict):
+        return  # (true / false, or not a schema: the compiler judges)
+    where = path or "/"
+    for key in IGNORED:
+        if key in schema:
+            found.append(f"{key} at {where}")
+    if schema.get("uniqueItems") is True:
+        found.append(f"uniqueItems at {where}")
+    required = schema.get("required")
+    properties = schema.get("properties")
+    if isinstance(required, list):
+        listed = properties if isinstance(properties, dict) else {}
+        for name in required:
+            if name not in listed:
+                found.append(f"required {name!r} (not in properties) at {where}")
+    for key in _ONE:
+        if key in schema and not isinstance(schema[key], list):
+            _walk(schema[key], f"{path}/{key}", found)
+    for key in _MANY:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                _walk(sub, f"{path}/{key}/{i}", found)
+    for key in _NAMED:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                _walk(sub, f"{path}/{key}/{_pointer(name)}", found)
+
+
+def _pointer(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
