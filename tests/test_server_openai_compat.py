@@ -51,8 +51,25 @@ def events(served, route: str, body: dict) -> list[dict]:
 
 # ---- null -------------------------------------------------------------------------------------
 NULLABLE = {  # route -> optional fields a client may send as null
-    CHAT: ["logprobs", "stream", "top_logprobs", "stream_options", "max_completion_tokens"],
-    COMPLETIONS: ["echo", "stream", "logprobs", "stream_options", "suffix", "best_of"],
+    CHAT: [
+        "logprobs",
+        "stream",
+        "top_logprobs",
+        "stream_options",
+        "max_completion_tokens",
+        "documents",
+        "add_special_tokens",
+        "best_of",
+    ],
+    COMPLETIONS: [
+        "echo",
+        "stream",
+        "logprobs",
+        "stream_options",
+        "suffix",
+        "best_of",
+        "add_special_tokens",
+    ],
 }
 SHARED_NULLABLE = [
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "n", "user",
@@ -94,6 +111,15 @@ UNSUPPORTED = [  # (routes, field, value); structured output: tests/test_structu
     ((CHAT, COMPLETIONS), "include_stop_str_in_output", True),
     ((CHAT, COMPLETIONS), "truncate_prompt_tokens", 4),
     ((CHAT, COMPLETIONS), "prompt_logprobs", 1),
+    # (accepted and ignored on chat before: each changes what vLLM or SGLang return)
+    ((CHAT,), "best_of", 3),
+    ((CHAT, COMPLETIONS), "best_of", True),
+    ((CHAT, COMPLETIONS), "no_stop_trim", True),
+    ((CHAT, COMPLETIONS), "stop_regex", ["a+"]),
+    ((CHAT, COMPLETIONS), "typical_p", 0.5),
+    ((CHAT,), "documents", [{"text": "a"}]),
+    ((CHAT,), "add_special_tokens", True),
+    ((COMPLETIONS,), "add_special_tokens", False),
 ]
 
 
@@ -116,6 +142,12 @@ def test_fields_of_features_the_server_lacks_get_400_naming_them(served):
         (COMPLETIONS, "use_beam_search", False),
         (CHAT, "bad_words", []),
         (COMPLETIONS, "include_stop_str_in_output", False),
+        (CHAT, "best_of", 1),
+        (CHAT, "typical_p", 1.0),
+        (COMPLETIONS, "no_stop_trim", False),
+        (CHAT, "documents", []),
+        (CHAT, "add_special_tokens", False),
+        (COMPLETIONS, "add_special_tokens", True),
     ]:
         base = {"messages": MESSAGES} if route == CHAT else {"prompt": [5, 6]}
         r = served.http.post(route, json={**base, "max_tokens": 2, field: value})

@@ -53,7 +53,7 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "repetition_penalty": (lambda v: v == 1.0, "is not supported (only 1.0)"),
     "logit_bias": (lambda v: not v, "is not supported"),
     "suffix": (lambda v: not v, "is not supported"),
-    "best_of": (lambda v: v == 1, "only best_of=1 is supported"),
+    "best_of": (lambda v: is_int(v) and v == 1, "only best_of=1 is supported"),
     "tools": (lambda v: not v, "tool calling is not supported (only null or [])"),
     "tool_choice": (
         lambda v: v in ("none", "auto"),
@@ -75,6 +75,10 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "include_stop_str_in_output": (lambda v: v is False, "is not supported (only false)"),
     "truncate_prompt_tokens": (lambda v: False, "is not supported (only null)"),
     "prompt_logprobs": (lambda v: False, "is not supported (only null)"),
+    "no_stop_trim": (lambda v: v is False, "is not supported (only false)"),
+    "stop_regex": (lambda v: v == [], "is not supported (only null or [])"),
+    "typical_p": (lambda v: v == 1 and not isinstance(v, bool), "is not supported (only 1.0)"),
+    "documents": (lambda v: v == [], "is not supported (only null or [])"),
 }
 
 
@@ -133,6 +137,10 @@ class _CommonRequest(StrictModel):
     ebnf: Any = None
     min_tokens: Any = None
     min_new_tokens: Any = None
+    best_of: Any = None
+    no_stop_trim: Any = None
+    stop_regex: Any = None
+    typical_p: Any = None
     use_beam_search: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
@@ -207,7 +215,16 @@ class CompletionRequest(_CommonRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    # vLLM's: a text prompt is encoded with the tokenizer's special tokens (BOS), only so
+    add_special_tokens: Any = None
+
+    @field_validator("add_special_tokens", mode="before")
+    @classmethod
+    def _special_tokens_added(cls, v):
+        if v is not None and v is not True:
+            raise field_error("add_special_tokens", f"is not supported (only true), got {short(v)}")
+        return v
+
     logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 5})
 
     @field_validator("logprobs", mode="before")
@@ -310,6 +327,18 @@ class ChatCompletionRequest(_CommonRequest):
     # unless its server trusts requests' templates), and vLLM's chat echo
     chat_template: Any = None
     echo: Any = None
+    documents: Any = None  # (vLLM's retrieval documents for the template)
+    # vLLM's: the template's text alone, no special tokens added around it, only so
+    add_special_tokens: Any = None
+
+    @field_validator("add_special_tokens", mode="before")
+    @classmethod
+    def _no_special_tokens_added(cls, v):
+        if v is not None and v is not False:
+            raise field_error(
+                "add_special_tokens", f"is not supported (only false), got {short(v)}"
+            )
+        return v
 
     @field_validator("add_generation_prompt", "continue_final_message", mode="before")
     @classmethod
