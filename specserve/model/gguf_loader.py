@@ -298,6 +298,45 @@ def _gguf_config(path: str, gf: GGUFFile) -> ModelConfig:
     )
 
 
+def _expected_shape(cfg: ModelConfig, hf_name: str) -> tuple[tuple[int, ...], str] | None:
+    """The shape the model needs of a layer's projection (whole, before any tensor-parallel
+    slicing) and where its rows come from; None for tensors `_copy` checks alone."""
+    q, kv, h, inter = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+    )
+    q_why = f"attention.head_count * head_dim = {cfg.num_heads} * {cfg.head_dim}"
+    kv_why = f"attention.head_count_kv * head_dim = {cfg.num_kv_heads} * {cfg.head_dim}"
+    shapes = {
+        "q_proj": ((q, h), q_why),
+        "k_proj": ((kv, h), kv_why),
+        "v_proj": ((kv, h), kv_why),
+        "o_proj": ((h, q), q_why),
+        "gate_proj": ((inter, h), "feed_forward_length"),
+        "up_proj": ((inter, h), "feed_forward_length"),
+        "down_proj": ((h, inter), "feed_forward_length"),
+    }
+    *_, module, kind = hf_name.split(".")
+    if module not in shapes:
+        return None
+    shape, why = shapes[module]
+    return (shape[:1] if kind == "bias" else shape), why
+
+
+def _check_shape(path: str, t: GGUFTensor, hf_name: str, cfg: ModelConfig) -> None:
+    """Refuse a projection of the wrong shape naming its GGUF tensor (before `_unpermute`,
+    which needs whole heads, and before q/k/v and gate/up are stacked, where wrong pieces
+    could add up to the right total)."""
+    expected = _expected_shape(cfg, hf_name)
+    if expected is not None and tuple(t.shape) != expected[0]:
+        raise ValueError(
+            f"{path}: tensor {t.name!r} has shape {list(t.shape)}, expected "
+            f"{list(expected[0])} ({expected[1]}, embedding_length = {cfg.hidden_size})"
+        )
+
+
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Invert llama.cpp's q/k row permutation (rows interleaved per head -> rotate-half)."""
     rows = w.shape[0]
@@ -332,6 +371,7 @@ def iter_gguf_weights(
         if t.name == "rope_freqs.weight":
             continue  # read into the config (RopeScaling.freq_factors)
         name = _hf_name(t.name)
+        _check_shape(path, t, name, cfg)
         part = shard.part(name) if shard is not None else None
         # tensor_float32 slices 2-D tensors only (its rows are bytes): a 1-D one (a q/k/v
         # bias) is read whole and cut below

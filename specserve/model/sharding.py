@@ -222,6 +222,13 @@ class CheckpointShard:
             "embed_tokens": vocab,
             "lm_head": vocab,
         }
+        # the whole tensor's length along the sliced dim: a slice of a wrong-sized tensor
+        # would otherwise fit this rank's shard
+        whole_q, whole_kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self._whole = {"q_proj": whole_q, "k_proj": whole_kv, "v_proj": whole_kv}
+        self._whole.update(o_proj=whole_q, embed_tokens=cfg.vocab_size, lm_head=cfg.vocab_size)
+        self._whole.update(gate_proj=cfg.intermediate_size, up_proj=cfg.intermediate_size)
+        self._whole.update(down_proj=cfg.intermediate_size)
 
     def _range(self, name: str) -> tuple[int, int, int, int] | None:
         parts = name.split(".")
@@ -248,6 +255,12 @@ class CheckpointShard:
         if r is None:
             return lazy[:]
         dim, start, stop = r
+        shape = tuple(lazy.get_shape() if hasattr(lazy, "get_shape") else lazy.shape)
+        whole = self._whole[name.split(".")[-2]]
+        if len(shape) <= dim or shape[dim] != whole:
+            raise ValueError(
+                f"{name}: checkpoint shape {shape}, but the model needs {whole} along dim {dim}"
+            )
         return self.pad(name, lazy[start:stop] if dim == 0 else lazy[:, start:stop])
 
     def random_weights(self, seed: int, device: torch.device):

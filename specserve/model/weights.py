@@ -24,7 +24,7 @@ def load_hf_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.
     """
     params = dict(module.named_parameters())
     written: set[str] = set()
-    parts: dict[str, dict[int, torch.Tensor]] = {}
+    parts: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}
     tied_copy = None
     for name, tensor in weights:
         if "rotary_emb" in name:
@@ -37,7 +37,7 @@ def load_hf_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.
         if fused is not None:
             i, (target, shard) = fused
             target_name = ".".join(pieces[:i] + [target] + pieces[i + 1 :])
-            parts.setdefault(target_name, {})[shard] = tensor
+            parts.setdefault(target_name, {})[shard] = (name, tensor)
             continue
         if name not in params:
             raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
@@ -46,7 +46,7 @@ def load_hf_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.
     for target_name, shards in parts.items():
         if target_name not in params:
             raise KeyError(f"checkpoint tensors for {target_name!r} have no place in the model")
-        _copy_stacked(params[target_name], [shards[i] for i in sorted(shards)], target_name)
+        _copy_stacked(params[target_name], shards, _piece_shapes(module, target_name))
         written.add(target_name)
     missing = sorted(set(params) - written)
     if missing:
@@ -70,18 +70,42 @@ def _check_tied_copy(embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         )
 
 
-def _copy_stacked(param: torch.Tensor, shards: list[torch.Tensor], name: str) -> None:
-    """Copy shards stacked along dim 0 into `param` (what torch.cat then _copy would do,
-    without materializing the concatenation)."""
-    shape = (sum(s.shape[0] for s in shards), *shards[0].shape[1:])
-    if tuple(param.shape) != shape or any(s.shape[1:] != shards[0].shape[1:] for s in shards):
-        got = [tuple(s.shape) for s in shards]
-        raise ValueError(
-            f"{name}: checkpoint shards {got} do not stack to model shape {tuple(param.shape)}"
-        )
+def _piece_shapes(module: nn.Module, target_name: str) -> list[tuple[str, int, str]]:
+    """(Hugging Face name, rows, why) of each piece of a fused parameter, from the module
+    that owns it (under tensor parallelism, this rank's share)."""
+    head, _, suffix = target_name.rpartition(".")  # e.g. model.layers.0.self_attn.qkv_proj
+    owner_name, _, fused = head.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if fused == "qkv_proj":
+        heads, kv_heads, hd = owner.num_heads, owner.num_kv_heads, owner.head_dim
+        kv = kv_heads * hd, f"num_key_value_heads * head_dim = {kv_heads} * {hd}"
+        rows = [(heads * hd, f"num_attention_heads * head_dim = {heads} * {hd}"), kv, kv]
+    else:
+        rows = [(owner.intermediate, f"intermediate_size = {owner.intermediate}")] * 2
+    pieces = sorted((p for p, (t, _) in _FUSED.items() if t == fused), key=lambda p: _FUSED[p])
+    prefix = f"{owner_name}." if owner_name else ""
+    return [(f"{prefix}{p}.{suffix}", n, why) for p, (n, why) in zip(pieces, rows)]
+
+
+def _copy_stacked(
+    param: torch.Tensor, shards: dict[int, tuple[str, torch.Tensor]], pieces: list
+) -> None:
+    """Copy the pieces (q, k, v or gate, up) stacked along dim 0 into `param`. Each piece is
+    checked against its own shape: pieces of wrong sizes can add up to the fused size."""
+    for i, (hf_name, rows, why) in enumerate(pieces):
+        if i not in shards:
+            raise KeyError(f"checkpoint lacks {hf_name!r}")
+        name, tensor = shards[i]
+        expected = (rows, *param.shape[1:])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {expected} "
+                f"(rows: {why})"
+            )
     offset = 0
     with torch.no_grad():
-        for s in shards:
+        for i in range(len(pieces)):
+            s = shards[i][1]
             param[offset : offset + s.shape[0]].copy_(s.to(param.dtype))
             offset += s.shape[0]
 

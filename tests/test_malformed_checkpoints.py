@@ -1,0 +1,106 @@
+"""Checkpoints, configs and metadata that are malformed are refused with an error naming the
+file, tensor or key and what is allowed: never loaded into a silently wrong model, never a
+Python traceback from deep inside the loader."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specserve import Engine, InvalidArgument
+from specserve.model.config import ModelConfig
+from specserve.model.sharding import CheckpointShard
+from tests.model_factory import write_gguf_model, write_hf_model
+
+LOAD = dict(skip_tokenizer_init=True, device="cpu", dtype="float32")
+Q = "model.layers.0.self_attn.q_proj.weight"
+K = "model.layers.0.self_attn.k_proj.weight"
+V = "model.layers.0.self_attn.v_proj.weight"
+GATE = "model.layers.1.mlp.gate_proj.weight"
+UP = "model.layers.1.mlp.up_proj.weight"
+
+
+def _refused(field: str = "model_path", **kwargs) -> str:
+    with pytest.raises(InvalidArgument) as info:
+        Engine(**{**LOAD, **kwargs})
+    assert info.value.field == field, str(info.value)
+    return str(info.value)
+
+
+def _loads(**kwargs) -> list[int]:
+    with Engine(**{**LOAD, **kwargs}) as engine:
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
+    return out["output_ids"]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """A tiny Llama (hidden 64, 4 heads of 16, 2 KV heads, intermediate 128)."""
+    return write_hf_model(tmp_path_factory.mktemp("hf") / "m")
+
+
+@pytest.fixture(scope="module")
+def state(hf_model):
+    return load_file(os.path.join(hf_model, "model.safetensors"))
+
+
+def _with_state(tmp_path, hf_model, state, **tensors) -> str:
+    folder = str(tmp_path / "edited")
+    shutil.copytree(hf_model, folder)
+    save_file({**state, **tensors}, os.path.join(folder, "model.safetensors"))
+    return folder
+
+
+# ---- fused q/k/v and gate/up: each piece its own shape ----------------------------------------
+@pytest.mark.parametrize(
+    "shapes, named, expected",
+    [
+        # 80 + 16 + 32 rows add up to the fused 128: each piece must still be its own size
+        ({Q: (80, 64), K: (16, 64)}, Q, "(64, 64)"),
+        ({GATE: (156, 64), UP: (100, 64)}, GATE, "(128, 64)"),
+        ({V: (32, 60)}, V, "(32, 64)"),
+    ],
+)
+def test_a_fused_piece_of_the_wrong_shape_is_refused_naming_it(
+    tmp_path, hf_model, state, shapes, named, expected
+):
+    bad = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    error = _refused(model_path=_with_state(tmp_path, hf_model, state, **bad))
+    assert named in error and expected in error
+
+
+def test_a_checkpoint_lacking_one_fused_piece_is_refused_naming_it(tmp_path, hf_model, state):
+    folder = _with_state(tmp_path, hf_model, {k: v for k, v in state.items() if k != V})
+    assert V in _refused(model_path=folder)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_gguf_projection_of_the_wrong_rows_is_refused_naming_the_gguf_tensor(
+    tmp_path, hf_model, state, arch
+):
+    """(llama's q/k rows are unpermuted per head: 34 rows are not whole heads, and the
+    reshape crashed)"""
+    bad = {**state, Q: state[Q][:34]} if arch == "llama" else {**state, Q: torch.zeros(80, 64)}
+    if arch == "qwen2":
+        bad[K] = torch.zeros(16, 64)
+    config = json.load(open(os.path.join(hf_model, "config.json")))
+    path, _ = write_gguf_model(
+        tmp_path / "m.gguf", bad, config=config, arch=arch, permute=False, with_tokenizer=False
+    )
+    error = _refused(model_path=str(path))
+    assert "blk.0.attn_" in error and "expected [" in error
+
+
+def test_a_tensor_parallel_rank_refuses_a_tensor_whose_slice_would_fit(state):
+    """Rank 0 of 2 reads q rows [0, 32): a 48-row q_proj would give it 32 rows that fit."""
+    cfg = ModelConfig(256, 64, 128, 2, 4, 2, 16)
+    shard = CheckpointShard(cfg, types.SimpleNamespace(rank=0, size=2))
+    assert shard.read(Q, state[Q]).shape == (32, 64)
+    with pytest.raises(ValueError, match="q_proj.weight.*needs 64 along dim 0"):
+        shard.read(Q, state[Q][:48])
