@@ -471,10 +471,13 @@ def test_a_bad_structured_output_request_gets_400_naming_the_field(served):
         ),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"guided_regex": "(unclosed"}, "guided_regex"),
-        (
+        (  # (an error inside a nested value names where it is)
             {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
-            "response_format",
+            "response_format.json_schema.schema",
         ),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"json": {"allOf": [{}]}}}, "structured_outputs.json"),
+        ({"structured_outputs": {"choice": [5]}}, "structured_outputs.choice"),
         ({"guided_choice": []}, "guided_choice"),
         ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"),
         ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),

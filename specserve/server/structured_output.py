@@ -41,9 +41,8 @@ def structured_output(req) -> tuple[dict[str, Any], dict[str, str]]:
             f"{given[1]}: structured output takes one constraint; {given[0]} is given too",
             param=given[1],
         )
-    source = given[0]
-    engine_field, spec = _engine_param(source, getattr(req, source))
-    return {engine_field: spec}, {engine_field: source}
+    engine_field, spec, where = _engine_param(given[0], getattr(req, given[0]))
+    return {engine_field: spec}, {engine_field: where}
 
 
 def _given(name: str, value: Any) -> bool:
@@ -54,21 +53,23 @@ def _given(name: str, value: Any) -> bool:
     return True
 
 
-def _engine_param(source: str, value: Any) -> tuple[str, Any]:
+def _engine_param(source: str, value: Any) -> tuple[str, Any, str]:
+    """(the engine's parameter, its value, the request's field it came from, nested where
+    it is: `structured_outputs.regex`)."""
     if source == "response_format":
         return _response_format(value)
     if source == "structured_outputs":
         return _structured_outputs(value)
     if source in ("guided_json", "json_schema"):
-        return "json_schema", value
+        return "json_schema", value, source
     if source in ("guided_regex", "regex"):
-        return "regex", value
+        return "regex", value, source
     if source == "guided_choice":
-        return "ebnf", _choice_grammar(source, value)
-    return "ebnf", value  # guided_grammar, ebnf
+        return "ebnf", _choice_grammar(source, value), source
+    return "ebnf", value, source  # guided_grammar, ebnf
 
 
-def _response_format(value: Any) -> tuple[str, Any]:
+def _response_format(value: Any) -> tuple[str, Any, str]:
     kinds = "'text', 'json_object' or 'json_schema'"
     if not isinstance(value, dict):
         raise APIError(
@@ -76,7 +77,7 @@ def _response_format(value: Any) -> tuple[str, Any]:
         )
     kind = value.get("type")
     if kind == "json_object":
-        return "json_schema", ANY_JSON_OBJECT
+        return "json_schema", ANY_JSON_OBJECT, "response_format"
     if kind != "json_schema":
         raise APIError(
             f"response_format.type: must be {kinds}, got {short(kind)}",
@@ -89,10 +90,10 @@ def _response_format(value: Any) -> tuple[str, Any]:
             "response_format.json_schema: must be an object with a 'schema' (the JSON schema)",
             param="response_format.json_schema",
         )
-    return "json_schema", schema
+    return "json_schema", schema, "response_format.json_schema.schema"
 
 
-def _structured_outputs(value: Any) -> tuple[str, Any]:
+def _structured_outputs(value: Any) -> tuple[str, Any, str]:
     keys = ("json", "regex", "choice", "grammar", "json_object")
     if not isinstance(value, dict):
         raise APIError(
@@ -120,15 +121,16 @@ def _structured_outputs(value: Any) -> tuple[str, Any]:
             param="structured_outputs",
         )
     key = given[0]
+    where = f"structured_outputs.{key}"
     if key == "json":
-        return "json_schema", value["json"]
+        return "json_schema", value["json"], where
     if key == "json_object":
-        return "json_schema", ANY_JSON_OBJECT
+        return "json_schema", ANY_JSON_OBJECT, where
     if key == "regex":
-        return "regex", value["regex"]
+        return "regex", value["regex"], where
     if key == "choice":
-        return "ebnf", _choice_grammar("structured_outputs.choice", value["choice"])
-    return "ebnf", value["grammar"]
+        return "ebnf", _choice_grammar(where, value["choice"]), where
+    return "ebnf", value["grammar"], where
 
 
 def _choice_grammar(field: str, choices: Any) -> str:
