@@ -104,3 +104,38 @@ def test_a_tensor_parallel_rank_refuses_a_tensor_whose_slice_would_fit(state):
     assert shard.read(Q, state[Q]).shape == (32, 64)
     with pytest.raises(ValueError, match="q_proj.weight.*needs 64 along dim 0"):
         shard.read(Q, state[Q][:48])
+
+
+# ---- which files hold the weights ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    return write_hf_model(tmp_path_factory.mktemp("sharded") / "m", sharded=True)
+
+
+def test_only_the_files_the_index_names_are_read(tmp_path, sharded):
+    """Mistral's folders ship consolidated.safetensors (other names, same weights) beside the
+    indexed shards; a stale model.safetensors left beside them must not override them."""
+    expected = _loads(model_path=sharded)
+    folder = str(tmp_path / "m")
+    shutil.copytree(sharded, folder)
+    save_file(
+        {"layers.0.attention.wq.weight": torch.zeros(64, 64)}, f"{folder}/consolidated.safetensors"
+    )
+    save_file({"model.norm.weight": torch.zeros(64)}, f"{folder}/model.safetensors")
+    assert _loads(model_path=folder) == expected
+
+
+def test_an_index_naming_a_missing_file_is_refused_naming_it(tmp_path, sharded):
+    folder = str(tmp_path / "m")
+    shutil.copytree(sharded, folder)
+    os.remove(f"{folder}/model-00002-of-00004.safetensors")
+    error = _refused(model_path=folder)
+    assert "model.safetensors.index.json" in error and "model-00002-of-00004" in error
+
+
+def test_a_tensor_in_two_files_is_refused_naming_both(tmp_path, hf_model, state):
+    folder = _with_state(tmp_path, hf_model, state)
+    save_file({"model.norm.weight": torch.zeros(64)}, f"{folder}/extra.safetensors")
+    error = _refused(model_path=folder)
+    assert "model.norm.weight" in error
+    assert "extra.safetensors" in error and "model.safetensors" in error

@@ -54,15 +54,45 @@ def load_hf_config(folder: str) -> ModelConfig:
     return ModelConfig.from_hf_dict(cfg)
 
 
-def iter_safetensors(folder: str, shard=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of every *.safetensors file in the folder (shards included); with a
-    `CheckpointShard` (tensor parallelism) only this rank's part of each is read."""
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"{folder} has no *.safetensors files")
+INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(folder: str) -> list[str]:
+    """The folder's weight files: those the index's weight_map names when there is one (as
+    transformers and vLLM read it: Mistral's folders hold consolidated.safetensors, the same
+    weights under other names, beside the indexed shards), else every *.safetensors."""
+    index = os.path.join(folder, INDEX)
+    if not os.path.isfile(index):
+        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"{folder} has no *.safetensors files")
+        return files
+    with open(index) as f:
+        weight_map = json.load(f)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: weight_map must be an object of tensor name -> file name")
+    files = [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
     for path in files:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{index} names {os.path.basename(path)}, which is missing")
+    return files
+
+
+def iter_safetensors(folder: str, shard=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's weight files (`safetensors_files`); with a
+    `CheckpointShard` (tensor parallelism) only this rank's part of each is read. A tensor
+    in two files is refused: which copy would win is an accident of file names."""
+    seen: dict[str, str] = {}
+    for path in safetensors_files(folder):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
+                if name in seen:
+                    raise ValueError(
+                        f"tensor {name!r} is in both {os.path.basename(seen[name])} and "
+                        f"{os.path.basename(path)} (of {folder}): remove the stale file"
+                    )
+                seen[name] = path
                 if shard is None:
                     yield name, f.get_tensor(name)
                 else:
