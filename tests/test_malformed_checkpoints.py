@@ -139,3 +139,61 @@ def test_a_tensor_in_two_files_is_refused_naming_both(tmp_path, hf_model, state)
     error = _refused(model_path=folder)
     assert "model.norm.weight" in error
     assert "extra.safetensors" in error and "model.safetensors" in error
+
+
+# ---- config.json and generation_config.json -----------------------------------------------
+DUMMY = dict(load_format="dummy")
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+LLAMA3["original_max_position_embeddings"] = 64
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads"),  # (head_dim divides by it)
+        ({"hidden_size": "32"}, "hidden_size"),
+        ({"model_type": "mistral", "sliding_window": "8"}, "sliding_window"),
+        (
+            {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 0},
+            "sliding_window",
+        ),
+        ({"rope_scaling": {**LLAMA3, "factor": "8"}}, "rope_scaling.factor"),
+        ({"rope_scaling": {**LLAMA3, "factor": 0}}, "rope_scaling.factor"),
+        ({"rope_parameters": {**LLAMA3, "low_freq_factor": -1.0}}, "low_freq_factor"),
+        ({"rope_scaling": {**LLAMA3, "high_freq_factor": 1.0}}, "high_freq_factor"),
+        ({"rope_scaling": "linear"}, "rope_scaling must be an object"),
+        ({"max_position_embeddings": None}, "max_position_embeddings"),
+        ({"tie_word_embeddings": None}, "tie_word_embeddings"),
+        ({"eos_token_id": "2"}, "eos_token_id"),
+        ({"bos_token_id": -1}, "bos_token_id"),
+        ({"architectures": "LlamaForCausalLM"}, "architectures"),
+    ],
+)
+def test_a_config_value_of_the_wrong_type_or_range_is_refused_naming_the_key(
+    tmp_path, overrides, named
+):
+    from tests.engine_utils import write_dummy_config
+
+    folder = write_dummy_config(str(tmp_path / "m"), **overrides)
+    assert named in _refused(model_path=folder, **DUMMY)
+
+
+def test_a_null_num_key_value_heads_means_one_per_query_head(tmp_path):
+    """As transformers reads it (it crashed the attention's construction)."""
+    from tests.engine_utils import write_dummy_config
+
+    folder = write_dummy_config(str(tmp_path / "m"), num_key_value_heads=None)
+    with Engine(model_path=folder, **DUMMY, **LOAD) as engine:
+        assert engine.core.model_config.num_kv_heads == 4
+        out = engine.generate(input_ids=[3, 4], sampling_params={"max_new_tokens": 2})
+    assert len(out["output_ids"]) == 2
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+@pytest.mark.parametrize("text", ["[1, 2]", "{not json"])
+def test_a_config_file_that_is_not_a_json_object_is_refused_naming_it(tmp_path, name, text):
+    from tests.engine_utils import write_dummy_config
+
+    folder = write_dummy_config(str(tmp_path / "m"))
+    (tmp_path / "m" / name).write_text(text)
+    assert name in _refused(model_path=folder, **DUMMY)

@@ -51,45 +51,35 @@ class ModelConfig:
         """Build from a Hugging Face config.json dictionary (Llama, Qwen2, Qwen3, SmolLM2).
         A setting that would change the maths and that this decoder does not implement is
         refused (ValueError), never ignored."""
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ValueError(f"architectures must be a list of names, got {archs!r}")
         model_type = cfg.get("model_type", "llama")
         _check_supported(cfg, model_type)
         missing = [k for k in _REQUIRED_HF_KEYS if k not in cfg]
         if missing:
             raise ValueError(f"config.json lacks {', '.join(missing)}")
+        for key in _REQUIRED_HF_KEYS:  # before head_dim divides by one of them
+            check_positive_int(key, cfg[key])
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        scaling = None
-        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        rope_theta = cfg.get("rope_theta", 10000.0)
-        if isinstance(rs, dict):
-            rope_theta = rs.get("rope_theta", rope_theta)
-            kind = rs.get("rope_type") or rs.get("type")
-            if kind == "llama3":
-                absent = [k for k in _LLAMA3_ROPE_KEYS if k not in rs]
-                if absent:
-                    raise ValueError(f"llama3 rope scaling lacks {', '.join(absent)}")
-                scaling = RopeScaling(
-                    factor=rs["factor"],
-                    low_freq_factor=rs["low_freq_factor"],
-                    high_freq_factor=rs["high_freq_factor"],
-                    original_max_position_embeddings=rs["original_max_position_embeddings"],
-                )
-            elif kind not in (None, "default"):
-                raise ValueError(f"rope scaling type {kind!r} is not supported (llama3 or none)")
-            if rs.get("freq_factors") is not None:  # written by hf_style_config for GGUF targets
-                base = scaling or RopeScaling()
-                scaling = replace(base, freq_factors=tuple(float(x) for x in rs["freq_factors"]))
+        kv_heads = cfg.get("num_key_value_heads")
+        kv_heads = num_heads if kv_heads is None else kv_heads  # null: absent (transformers)
+        scaling, rope_theta = _rope(cfg)
         _check_numbers(cfg, head_dim, rope_theta)
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        _check_window(cfg, model_type)
+        for key in ("tie_word_embeddings", "attention_bias"):
+            if key in cfg and not isinstance(cfg[key], bool):
+                raise ValueError(f"{key} must be true or false, got {cfg[key]!r}")
+        eos_ids = token_ids(cfg, "eos_token_id")
+        bos_ids = token_ids(cfg, "bos_token_id", allow_list=False)
         return ModelConfig(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=rope_theta,
@@ -98,9 +88,9 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
             qk_norm=model_type == "qwen3",
-            bos_token_id=cfg.get("bos_token_id"),
+            bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=eos_ids,
-            architecture=arch,
+            architecture=archs[0],
         )
 
 
@@ -123,21 +113,88 @@ _LLAMA3_ROPE_KEYS = (
 )
 
 
+def check_positive_int(key: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+
+
+def check_positive_number(key: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{key} must be a positive number, got {value!r}")
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[RopeScaling | None, Any]:
+    """(scaling, rope_theta) of config.json's rope_scaling / rope_parameters."""
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rs = cfg.get(key)
+    rope_theta = cfg.get("rope_theta", 10000.0)
+    if rs is None:
+        return None, rope_theta
+    if not isinstance(rs, dict):
+        raise ValueError(f"{key} must be an object (or null), got {rs!r}")
+    rope_theta = rs.get("rope_theta", rope_theta)
+    kind = rs.get("rope_type") or rs.get("type")
+    scaling = None
+    if kind == "llama3":
+        absent = [k for k in _LLAMA3_ROPE_KEYS if k not in rs]
+        if absent:
+            raise ValueError(f"llama3 rope scaling lacks {', '.join(absent)}")
+        for k in _LLAMA3_ROPE_KEYS:
+            check_positive_number(f"{key}.{k}", rs[k])
+        if rs["high_freq_factor"] <= rs["low_freq_factor"]:  # (the blend divides by their gap)
+            raise ValueError(
+                f"{key}.high_freq_factor ({rs['high_freq_factor']}) must exceed "
+                f"low_freq_factor ({rs['low_freq_factor']})"
+            )
+        scaling = RopeScaling(**{k: rs[k] for k in _LLAMA3_ROPE_KEYS})
+    elif kind not in (None, "default"):
+        raise ValueError(f"rope scaling type {kind!r} is not supported (llama3 or none)")
+    if rs.get("freq_factors") is not None:  # written by hf_style_config for GGUF targets
+        base = scaling or RopeScaling()
+        scaling = replace(base, freq_factors=tuple(float(x) for x in rs["freq_factors"]))
+    return scaling, rope_theta
+
+
+def token_ids(cfg: dict[str, Any], key: str, allow_list: bool = True) -> tuple[int, ...]:
+    """config.json's id field (one id, a list of them, or null) as a tuple, refused unless
+    every one is a token id."""
+    value = cfg.get(key)
+    ids = [] if value is None else value if isinstance(value, list) and allow_list else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        allowed = "a token id, a list of them, or null" if allow_list else "a token id or null"
+        raise ValueError(f"{key} must be {allowed}, got {value!r}")
+    return tuple(ids)
+
+
 def _check_numbers(cfg: dict[str, Any], head_dim: Any, rope_theta: Any) -> None:
     sizes = {k: cfg[k] for k in _REQUIRED_HF_KEYS}
     sizes["head_dim"] = head_dim
-    for key in ("num_key_value_heads", "max_position_embeddings"):
-        if cfg.get(key) is not None:
-            sizes[key] = cfg[key]
+    if cfg.get("num_key_value_heads") is not None:
+        sizes["num_key_value_heads"] = cfg["num_key_value_heads"]
+    if "max_position_embeddings" in cfg:
+        sizes["max_position_embeddings"] = cfg["max_position_embeddings"]
     for key, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        check_positive_int(key, value)
     for key, value in (("rope_theta", rope_theta), ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-5))):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{key} must be a positive number, got {value!r}")
+        check_positive_number(key, value)
     heads = cfg["num_attention_heads"]
     given = "head_dim" if cfg.get("head_dim") else "hidden_size // num_attention_heads"
     check_attention_shape(heads, sizes.get("num_key_value_heads", heads), head_dim, given)
+
+
+def _check_window(cfg: dict[str, Any], model_type: str) -> None:
+    window = cfg.get("sliding_window")
+    if window is None:
+        return
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
+    positions = cfg.get("max_position_embeddings", 4096)
+    windowed = cfg.get("use_sliding_window") or model_type == "mistral"
+    if windowed and window < positions:
+        raise ValueError(
+            f"sliding-window attention (sliding_window {window} < max_position_embeddings "
+            f"{positions}) is not supported"
+        )
 
 
 def check_attention_shape(heads: int, kv_heads: int, head_dim: int, head_dim_from: str) -> None:
@@ -170,14 +227,6 @@ def _check_supported(cfg: dict[str, Any], model_type: str) -> None:
         # these biases o_proj too (Qwen2's attention_bias does not); only q/k/v biases are
         # implemented
         raise ValueError(f"attention_bias is not supported for model_type {model_type!r}")
-    window = cfg.get("sliding_window")
-    positions = cfg.get("max_position_embeddings", 4096)
-    windowed = cfg.get("use_sliding_window") or model_type == "mistral"
-    if windowed and window is not None and window < positions:
-        raise ValueError(
-            f"sliding-window attention (sliding_window {window} < max_position_embeddings "
-            f"{positions}) is not supported"
-        )
 
 
 # Shapes for `load_format="dummy"`: benchmarks without weight files.

@@ -10,15 +10,26 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
-from specserve.model.config import ModelConfig
+from specserve.model.config import ModelConfig, token_ids
 
 
 def read_hf_config(folder: str) -> dict:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{folder} has no config.json")
+    return read_json_object(path)
+
+
+def read_json_object(path: str) -> dict:
+    """A JSON file that must hold an object (a config), refused naming the file otherwise."""
     with open(path) as f:
-        return json.load(f)
+        try:
+            value = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _id_list(value) -> list:
@@ -33,8 +44,7 @@ def _generation_eos_ids(folder: str) -> list[int]:
     path = os.path.join(folder, "generation_config.json")
     if not os.path.isfile(path):
         return []
-    with open(path) as f:
-        eos = json.load(f).get("eos_token_id")
+    eos = read_json_object(path).get("eos_token_id")
     ids = _id_list(eos)
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(
@@ -49,7 +59,7 @@ def load_hf_config(folder: str) -> ModelConfig:
     cfg = read_hf_config(folder)
     extra = _generation_eos_ids(folder)
     if extra:
-        own = _id_list(cfg.get("eos_token_id"))
+        own = list(token_ids(cfg, "eos_token_id"))
         cfg = {**cfg, "eos_token_id": list(dict.fromkeys(own + extra))}
     return ModelConfig.from_hf_dict(cfg)
 
@@ -67,9 +77,7 @@ def safetensors_files(folder: str) -> list[str]:
         if not files:
             raise FileNotFoundError(f"{folder} has no *.safetensors files")
         return files
-    with open(index) as f:
-        weight_map = json.load(f)
-    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    weight_map = read_json_object(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{index}: weight_map must be an object of tensor name -> file name")
     files = [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
