@@ -197,3 +197,72 @@ def test_a_config_file_that_is_not_a_json_object_is_refused_naming_it(tmp_path, 
     folder = write_dummy_config(str(tmp_path / "m"))
     (tmp_path / "m" / name).write_text(text)
     assert name in _refused(model_path=folder, **DUMMY)
+
+
+# ---- GGUF metadata and tensor types -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory, hf_model):
+    path, _ = write_gguf_model(tmp_path_factory.mktemp("gguf") / "m.gguf", hf_model)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("llama.attention.head_count_kv", 0),
+        ("llama.attention.head_count", "4"),
+        ("llama.block_count", 1.5),
+        ("llama.rope.freq_base", 0.0),
+        ("llama.attention.layer_norm_rms_epsilon", "1e-5"),
+        ("tokenizer.ggml.eos_token_id", 9999),  # (transformers' tokenizer indexed past the list)
+    ],
+)
+def test_a_gguf_metadata_value_of_the_wrong_type_or_range_is_refused_naming_the_key(
+    gguf_path, key, value
+):
+    from specserve.model.gguf_loader import load_gguf_config, read_gguf
+
+    gf = read_gguf(gguf_path)
+    gf.metadata[key] = value
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        load_gguf_config(gguf_path, gf)
+
+
+def test_a_gguf_without_any_vocabulary_size_is_refused(gguf_path):
+    from specserve.model.gguf_loader import load_gguf_config, read_gguf
+
+    gf = read_gguf(gguf_path)
+    del gf.metadata["llama.vocab_size"], gf.metadata["tokenizer.ggml.tokens"]
+    gf.tensors = [t for t in gf.tensors if t.name != "token_embd.weight"]
+    with pytest.raises(ValueError, match="vocabulary size is unknown"):
+        load_gguf_config(gguf_path, gf)
+
+
+@pytest.mark.parametrize("alignment", [0, 7])
+def test_a_gguf_alignment_that_is_not_a_power_of_two_is_refused(tmp_path, alignment):
+    import gguf
+
+    path = str(tmp_path / "a.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_uint32("general.alignment", alignment)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    assert "general.alignment" in _refused(model_path=path)
+
+
+@pytest.mark.parametrize("ggml_type", ["I32", "F64", "Q8_1", "Q8_K"])
+def test_a_gguf_tensor_type_gguf_cannot_dequantize_is_refused_naming_tensor_and_type(
+    tmp_path, gguf_path, ggml_type
+):
+    """(they passed the table's check and failed while loading, in the gguf package)"""
+    import gguf
+
+    first = gguf.GGUFReader(gguf_path).tensors[0]
+    # a tensor table entry: name length, name, n_dims, dims, type, data offset
+    at = first.field.offset + sum(part.nbytes for part in first.field.parts[:-2])
+    data = bytearray(open(gguf_path, "rb").read())
+    data[at : at + 4] = int(gguf.GGMLQuantizationType[ggml_type]).to_bytes(4, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    error = _refused(model_path=str(bad))
+    assert first.name in error and ggml_type in error and "supported: " in error
+    assert "Q8_0" in error.split("supported: ")[1]

@@ -21,7 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from specserve.model.config import ModelConfig, RopeScaling, check_attention_shape
+from specserve.model.config import (
+    ModelConfig,
+    RopeScaling,
+    check_attention_shape,
+    check_positive_int,
+    check_positive_number,
+)
 
 _SUPPORTED_ARCHS = {"llama", "qwen2", "qwen3"}
 
@@ -202,15 +208,20 @@ def _parse_gguf(path: str, buf: mmap.mmap, keep_string_arrays: Container[str]) -
         ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
         pos += 4 + 8 * n_dims + 12
         entries.append((name, tuple(int(d) for d in reversed(dims)), ggml_type, offset))
-    align = int(metadata.get("general.alignment", 32))
+    align = metadata.get("general.alignment", 32)
+    if not isinstance(align, int) or isinstance(align, bool) or align < 1 or align & (align - 1):
+        raise ValueError(f"{path}: general.alignment must be a power of two, got {align!r}")
     data_start = -(-pos // align) * align
     tensors = []
-    known_types = {int(t) for t in gguf.GGMLQuantizationType}
+    readable = _readable_types()
     for name, shape, ggml_type, offset in entries:
-        if ggml_type not in known_types or gguf.GGMLQuantizationType(ggml_type) not in (
-            gguf.GGML_QUANT_SIZES
-        ):
-            raise ValueError(f"{path}: tensor {name!r} has an unknown GGML type {ggml_type}")
+        if ggml_type not in readable:
+            known = {int(t): t.name for t in gguf.GGMLQuantizationType}
+            kind = known.get(ggml_type, f"{ggml_type} (unknown)")
+            raise ValueError(
+                f"{path}: tensor {name!r} has GGML type {kind}, which cannot be dequantized "
+                f"(supported: {', '.join(sorted(readable.values()))})"
+            )
         block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
         n = int(np.prod(shape, dtype=np.int64))
         nbytes = n // block * type_size
@@ -219,6 +230,20 @@ def _parse_gguf(path: str, buf: mmap.mmap, keep_string_arrays: Container[str]) -
             raise ValueError(f"{path}: tensor {name!r} runs past the end of the file")
         tensors.append(GGUFTensor(name, shape, ggml_type, start, nbytes))
     return GGUFFile(path, metadata, tensors, buf)
+
+
+def _readable_types() -> dict[int, str]:
+    """GGML types `gguf.quants.dequantize` implements (id -> name): F32, F16 and those of its
+    type table; others (integer types, F64, Q8_1, Q8_K, ...) raise NotImplementedError there,
+    so a file holding them is refused while its table is read."""
+    import gguf
+    from gguf import quants
+
+    types = getattr(quants, "_type_traits", None)  # (private: its dequantize dispatches on it)
+    if types is None:
+        types = [gguf.GGMLQuantizationType[n] for n in _BLOCK_TYPES]
+    types = [*types, gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16]
+    return {int(t): t.name for t in types if t in gguf.GGML_QUANT_SIZES}
 
 
 def load_gguf_config(path: str, gf: GGUFFile | None = None) -> ModelConfig:
@@ -237,16 +262,34 @@ def _gguf_config(path: str, gf: GGUFFile) -> ModelConfig:
             f"{path}: GGUF architecture {arch!r} is not supported (supported: {sorted(_SUPPORTED_ARCHS)})"
         )
     a = arch
-    heads = m[f"{a}.attention.head_count"]
-    hidden = m[f"{a}.embedding_length"]
-    head_dim = (
-        m.get(f"{a}.attention.key_length") or m.get(f"{a}.rope.dimension_count") or hidden // heads
+
+    def size(key: str, default: Any = None) -> Any:
+        """A positive integer of the metadata (KeyError when absent and no default)."""
+        value = m[key] if default is None else m.get(key, default)
+        check_positive_int(key, value)
+        return value
+
+    def number(key: str, default: float) -> float:
+        check_positive_number(key, m.get(key, default))
+        return float(m.get(key, default))
+
+    heads = size(f"{a}.attention.head_count")
+    hidden = size(f"{a}.embedding_length")
+    head_dim_key = next(
+        (k for k in (f"{a}.attention.key_length", f"{a}.rope.dimension_count") if m.get(k)), None
     )
+    head_dim = size(head_dim_key) if head_dim_key else hidden // heads
     tensors = {t.name: t for t in gf.tensors}
     tokens = m.get("tokenizer.ggml.tokens")
     vocab = m.get(f"{a}.vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None and "token_embd.weight" in tensors:
         vocab = tensors["token_embd.weight"].shape[0]
+    if vocab is None:
+        raise ValueError(
+            f"{path}: the vocabulary size is unknown (no {a}.vocab_size, "
+            "tokenizer.ggml.tokens or token_embd.weight)"
+        )
+    check_positive_int(f"{a}.vocab_size", vocab)
     scaling = None
     if "rope_freqs.weight" in tensors:
         # llama.cpp stores llama3 scaling as per-frequency divisors of the inverse frequencies
@@ -255,16 +298,16 @@ def _gguf_config(path: str, gf: GGUFFile) -> ModelConfig:
         factors = gf.tensor_float32(tensors["rope_freqs.weight"]).reshape(-1)
         scaling = RopeScaling(
             factor=float(factors.max()),
-            original_max_position_embeddings=int(
-                m.get(f"{a}.rope.scaling.original_context_length", 8192)
+            original_max_position_embeddings=size(
+                f"{a}.rope.scaling.original_context_length", 8192
             ),
             freq_factors=tuple(float(x) for x in factors),
         )
     elif m.get(f"{a}.rope.scaling.type") == "llama3":
         scaling = RopeScaling(
-            factor=float(m.get(f"{a}.rope.scaling.factor", 8.0)),
-            original_max_position_embeddings=int(
-                m.get(f"{a}.rope.scaling.original_context_length", 8192)
+            factor=number(f"{a}.rope.scaling.factor", 8.0),
+            original_max_position_embeddings=size(
+                f"{a}.rope.scaling.original_context_length", 8192
             ),
         )
     elif m.get(f"{a}.rope.scaling.type") not in (None, "none"):
@@ -275,20 +318,25 @@ def _gguf_config(path: str, gf: GGUFFile) -> ModelConfig:
     # (chat models' <|eot_id|>, <|im_end|>) and of message
     ends = ("eos", "eot", "eom")
     eos = tuple(dict.fromkeys(m[k] for e in ends if (k := f"tokenizer.ggml.{e}_token_id") in m))
-    kv_heads = m.get(f"{a}.attention.head_count_kv", heads)
+    for e in ("bos", *ends):  # (transformers' tokenizer indexes the token list with them)
+        key = f"tokenizer.ggml.{e}_token_id"
+        token = m.get(key, 0)
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+            raise ValueError(f"{key} must be a token id in [0, {vocab}), got {token!r}")
+    kv_heads = size(f"{a}.attention.head_count_kv", heads)
     check_attention_shape(heads, kv_heads, head_dim, "from the GGUF metadata")
     return ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=m[f"{a}.feed_forward_length"],
-        num_layers=m[f"{a}.block_count"],
+        intermediate_size=size(f"{a}.feed_forward_length"),
+        num_layers=size(f"{a}.block_count"),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(m.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(m.get(f"{a}.rope.freq_base", 10000.0)),
+        rms_norm_eps=number(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=number(f"{a}.rope.freq_base", 10000.0),
         rope_scaling=scaling,
-        max_position_embeddings=m.get(f"{a}.context_length", 4096),
+        max_position_embeddings=size(f"{a}.context_length", 4096),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
