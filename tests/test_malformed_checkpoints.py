@@ -266,3 +266,81 @@ def test_a_gguf_tensor_type_gguf_cannot_dequantize_is_refused_naming_tensor_and_
     error = _refused(model_path=str(bad))
     assert first.name in error and ggml_type in error and "supported: " in error
     assert "Q8_0" in error.split("supported: ")[1]
+
+
+# ---- EAGLE / EAGLE3 draft checkpoints -------------------------------------------------------
+def _truncate(folder: str) -> None:
+    path = f"{folder}/model.safetensors"
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+def _corrupt_bin(folder: str) -> None:
+    os.remove(f"{folder}/model.safetensors")
+    open(f"{folder}/pytorch_model.bin", "wb").write(b"not a checkpoint")
+
+
+def _config(**changes):
+    def edit(folder: str) -> None:
+        path = f"{folder}/config.json"
+        cfg = {**json.load(open(path)), **changes}
+        json.dump(cfg, open(path, "w"))
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "algorithm, corrupt, named",
+    [
+        ("EAGLE", _truncate, "model.safetensors"),
+        ("EAGLE", _corrupt_bin, "pytorch_model.bin"),
+        ("EAGLE3", _config(draft_vocab_size=-5), "draft_vocab_size"),
+        ("EAGLE3", _config(draft_vocab_size="64"), "draft_vocab_size"),
+        ("EAGLE3", _config(eagle_config=[1]), "eagle_config"),
+        (
+            "EAGLE3",
+            _config(eagle_config={"eagle_aux_hidden_state_layer_ids": ["0", "1", "0"]}),
+            "eagle_aux_hidden_state_layer_ids",
+        ),
+        ("EAGLE", _config(num_attention_heads="4"), "num_attention_heads"),
+    ],
+)
+def test_a_malformed_draft_checkpoint_is_refused_naming_the_draft_and_the_fault(
+    tmp_path, algorithm, corrupt, named
+):
+    from specserve.model.config import PRESETS
+    from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+    from tests.engine_utils import TINY
+
+    folder = write_random_eagle_checkpoint(
+        str(tmp_path / "d"), PRESETS["tiny"], algorithm, draft_vocab_size=64
+    )
+    corrupt(folder)
+    error = _refused(
+        "speculative_draft_model_path",
+        **TINY,
+        speculative_algorithm=algorithm,
+        speculative_draft_model_path=folder,
+    )
+    assert named in error
+
+
+def test_a_draft_with_null_num_key_value_heads_has_one_per_query_head(tmp_path):
+    """(it crashed building the head's attention)"""
+    from specserve.model.config import PRESETS
+    from specserve.speculative.eagle_checkpoint import (
+        load_eagle_head,
+        write_random_eagle_checkpoint,
+    )
+
+    tiny = PRESETS["tiny"]
+    mha = tiny.with_changes(num_kv_heads=tiny.num_heads)
+    folder = write_random_eagle_checkpoint(str(tmp_path / "d"), mha, "EAGLE")
+    _config(num_key_value_heads=None)(folder)
+    target = types.SimpleNamespace(
+        config=mha,
+        model=types.SimpleNamespace(embed_tokens=torch.nn.Embedding(mha.vocab_size, 64)),
+        lm_head_weight=torch.zeros(mha.vocab_size, 64),
+    )
+    head, _ = load_eagle_head(folder, "EAGLE", target)
+    assert head.config.num_kv_heads == tiny.num_heads

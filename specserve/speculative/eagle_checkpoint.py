@@ -19,11 +19,14 @@ from __future__ import annotations
 import glob
 import json
 import os
+import pickle
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from specserve.model.config import ModelConfig
+from specserve.model.config import ModelConfig, check_positive_int
+from specserve.model.hf_loader import read_json_object
 from specserve.model.weights import load_hf_named_weights
 from specserve.speculative.draft_heads import Eagle3Head, EagleHead
 
@@ -35,13 +38,24 @@ def read_state_dict(folder: str) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     if files:
         for f in files:
-            state.update(load_file(f))
+            try:
+                state.update(load_file(f))
+            except SafetensorError as e:
+                raise ValueError(f"{f} is not a readable safetensors file ({e})") from e
         return state
     bins = sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin")))
     if not bins:
         raise FileNotFoundError(f"{folder} has neither *.safetensors nor pytorch_model*.bin")
     for f in bins:
-        state.update(torch.load(f, map_location="cpu", weights_only=True))
+        try:
+            loaded = torch.load(f, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+            # (RuntimeError: torch's zip reader on a truncated or foreign file)
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"{f} is not a readable PyTorch checkpoint ({first})") from e
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{f} must hold a state dict, got {type(loaded).__name__}")
+        state.update(loaded)
     return state
 
 
@@ -53,8 +67,7 @@ def read_draft_config(folder: str) -> tuple[dict, ModelConfig]:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"draft checkpoint {folder} has no config.json")
-    with open(path) as f:
-        raw = json.load(f)
+    raw = read_json_object(path)
     return raw, ModelConfig.from_hf_dict(raw)
 
 
@@ -99,7 +112,14 @@ def eagle3_capture_layers(raw: dict, target_layers: int) -> list[int]:
     """Target layers whose input residual stream EAGLE3 reads, ascending (the order of the
     feature's three H-wide parts; a layer may repeat on a small target). The config's ids, or
     SGLang's default [2, L/2, L-3]."""
-    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    eagle_config = raw.get("eagle_config") or {}
+    if not isinstance(eagle_config, dict):
+        raise ValueError(f"eagle_config must be an object (or null), got {eagle_config!r}")
+    ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    if ids and (not isinstance(ids, list) or not all(_is_int(i) for i in ids)):
+        raise ValueError(
+            f"eagle_config.eagle_aux_hidden_state_layer_ids must be a list of layer ids, got {ids!r}"
+        )
     if ids:
         layers = [i + 1 for i in ids]  # published ids name the layer whose *output* is taken
         if len(layers) != 3 or not all(0 <= i < target_layers for i in layers):
@@ -131,7 +151,12 @@ def load_eagle_head(folder: str, algorithm: str, target) -> tuple[torch.nn.Modul
     else:
         if "fc.weight" not in state or state["fc.weight"].shape[1] != 3 * cfg.hidden_size:
             raise ValueError(f"{folder} is not an EAGLE3 checkpoint (fc.weight must be [H, 3H])")
-        draft_vocab = raw.get("draft_vocab_size") or state["lm_head.weight"].shape[0]
+        if "lm_head.weight" not in state:
+            raise ValueError(f"{folder}: the EAGLE3 checkpoint lacks lm_head.weight")
+        draft_vocab = raw.get("draft_vocab_size")
+        if draft_vocab is None:
+            draft_vocab = state["lm_head.weight"].shape[0]
+        check_positive_int("draft_vocab_size", draft_vocab)
         head = Eagle3Head(cfg, draft_vocab, target.model.embed_tokens)
         d2t = state.pop("d2t", None)
         if d2t is None:
@@ -145,6 +170,10 @@ def load_eagle_head(folder: str, algorithm: str, target) -> tuple[torch.nn.Modul
         _check_draft_vocab(d2t, draft_vocab, target.config.vocab_size)
         head.d2t.copy_(d2t.to(torch.int64))
     return head, raw
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_draft_vocab(d2t: torch.Tensor, draft_vocab: int, target_vocab: int) -> None:

@@ -44,7 +44,7 @@ def build_drafter(
             head, raw = load_eagle_head(path, algo, target.model)
             if algo == "EAGLE3":
                 capture = tuple(eagle3_capture_layers(raw, target.config.num_layers))
-        except (FileNotFoundError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError) as e:  # (OSError: FileNotFoundError and kin)
             raise InvalidArgument("speculative_draft_model_path", str(e)) from e
     vocab = target.config.vocab_size if algo != "EAGLE3" else head.lm_head.out_features
     if cfg.speculative_token_map is not None:  # EAGLE only (resolve_speculative)
