@@ -344,3 +344,35 @@ def test_a_draft_with_null_num_key_value_heads_has_one_per_query_head(tmp_path):
     )
     head, _ = load_eagle_head(folder, "EAGLE", target)
     assert head.config.num_kv_heads == tiny.num_heads
+
+
+# ---- tokenizers ---------------------------------------------------------------------------
+def test_a_tokenizer_config_that_is_not_an_object_is_refused_naming_it(tmp_path, hf_model):
+    from tests.model_factory import write_tokenizer
+
+    folder = str(tmp_path / "m")
+    shutil.copytree(hf_model, folder)
+    write_tokenizer(folder, 256)
+    open(f"{folder}/tokenizer_config.json", "w").write("[]")
+    error = _refused(model_path=folder, skip_tokenizer_init=False)
+    assert "tokenizer_config.json must hold a JSON object" in error
+
+
+def test_a_gguf_tokenizer_transformers_cannot_build_is_refused_naming_the_argument(tmp_path):
+    """Merges of the wrong form raised a TypeError from the tokenizers binding."""
+    import gguf
+
+    from tests.engine_utils import TINY
+
+    path = str(tmp_path / "tok.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["<unk>", "<s>", "</s>", "a", "b"])
+    w.add_token_types([gguf.TokenType.NORMAL] * 5)
+    w.add_token_merges(["a"])
+    w.add_bos_token_id(1), w.add_eos_token_id(2)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    error = _refused(
+        "tokenizer_path", **{**TINY, "skip_tokenizer_init": False}, tokenizer_path=path
+    )
+    assert "tokenizer.ggml" in error

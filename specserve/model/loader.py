@@ -15,7 +15,7 @@ from specserve.model.gguf_loader import gguf_has_tokenizer, iter_gguf_weights, l
 from specserve.model.hf_loader import iter_safetensors, load_hf_config
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.registry import packaged_model_names, resolve_packaged
-from specserve.model.tokenizer import has_tokenizer_files, load_tokenizer
+from specserve.model.tokenizer import has_tokenizer_files, load_tokenizer, tokenizer_files
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,33 @@ def _cannot_load(field: str, model_path: str, e: Exception) -> InvalidArgument:
 _UNREADABLE = (ValueError, KeyError, OSError, EOFError, SafetensorError)
 
 
+def _tokenizer_faults() -> tuple[type[BaseException], ...]:
+    """What transformers and tokenizers raise on malformed tokenizer files, beyond
+    _UNREADABLE: TypeError (merges of the wrong form, from the Rust binding), AttributeError
+    (a tokenizer_config.json that is not an object), IndexError (a special id past the GGUF
+    token list), huggingface_hub's StrictDataclassError (config.json fields of the wrong
+    type). Caught around the tokenizer's construction only; the original stays chained."""
+    faults = (*_UNREADABLE, TypeError, AttributeError, IndexError)
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # (older huggingface_hub)
+        return faults
+    return (*faults, StrictDataclassError)
+
+
+def _tokenizer_error(field: str, path: str, kind: str, e: BaseException) -> InvalidArgument:
+    if kind == "gguf":
+        files = "tokenizer.ggml.* metadata"
+    else:
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        files = f"tokenizer files ({', '.join(tokenizer_files(folder)) or 'none found'})"
+    return InvalidArgument(
+        field, f"{path!r}: its {files} cannot be read as a tokenizer ({type(e).__name__}: {e})"
+    )
+
+
 def _load_tokenizer(src: ModelSource, tokenizer_path: str | None, field: str):
+    faults = _tokenizer_faults()
     if tokenizer_path:
         if not os.path.exists(tokenizer_path):
             raise InvalidArgument(
@@ -190,21 +216,21 @@ def _load_tokenizer(src: ModelSource, tokenizer_path: str | None, field: str):
         kind = "gguf" if tokenizer_path.lower().endswith(".gguf") else "hf"
         try:
             return load_tokenizer(tokenizer_path, kind)
-        except _UNREADABLE as e:
-            raise InvalidArgument("tokenizer_path", f"{tokenizer_path!r}: {e}") from e
+        except faults as e:
+            raise _tokenizer_error("tokenizer_path", tokenizer_path, kind, e) from e
     if src.kind == "gguf":
         try:
             return load_tokenizer(src.path, "gguf")
-        except _UNREADABLE as e:
+        except faults as e:
             if not gguf_has_tokenizer(src.path):  # (asked only then: it parses the header)
                 log.warning("%s holds no tokenizer: token ids only", src.path)
                 return None
-            raise InvalidArgument(field, f"{src.path!r}: its tokenizer: {e}") from e
+            raise _tokenizer_error(field, src.path, "gguf", e) from e
     if src.kind == "hf" and has_tokenizer_files(src.path):
         try:
             return load_tokenizer(src.path, "hf")
-        except _UNREADABLE as e:
-            raise InvalidArgument(field, f"{src.path!r}: its tokenizer: {e}") from e
+        except faults as e:
+            raise _tokenizer_error(field, src.path, "hf", e) from e
     if src.kind == "preset" and src.path in ("smollm2-135m", "smollm2-135m-instruct"):
         try:  # the real model's tokenizer, when its package is installed
             packaged = resolve_packaged(src.path)

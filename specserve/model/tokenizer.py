@@ -6,6 +6,7 @@ import logging
 import os
 
 from specserve.model.gguf_loader import gguf_architecture, gguf_chat_template
+from specserve.model.hf_loader import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,9 @@ def load_tokenizer(source: str, kind: str):
         if not getattr(tok, "chat_template", None):
             tok.chat_template = gguf_chat_template(source)
         return tok
+    config = os.path.join(source, "tokenizer_config.json")
+    if os.path.isfile(config):
+        read_json_object(config)  # (transformers calls .get on it: an AttributeError otherwise)
     return AutoTokenizer.from_pretrained(source)
 
 
@@ -51,9 +55,13 @@ def _gguf_tokenizer_direct(source: str, folder: str, name: str):
         return None
 
 
-def has_tokenizer_files(folder: str) -> bool:
+def tokenizer_files(folder: str) -> list[str]:
     names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-    return any(os.path.isfile(os.path.join(folder, n)) for n in names)
+    return [n for n in names if os.path.isfile(os.path.join(folder, n))]
+
+
+def has_tokenizer_files(folder: str) -> bool:
+    return bool(tokenizer_files(folder))
 
 
 def apply_chat_template(
