@@ -23,11 +23,8 @@ from pathlib import Path
 # Runnable as a plain script from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specserve.speculative.adaptive import (  # noqa: E402
-    DECIDE_EVERY,
-    AdaptiveSpeculation,
-    speculation_tiers,
-)
+from specserve.speculative.adaptive import AdaptiveSpeculation, speculation_tiers  # noqa: E402
+from specserve.speculative.decision_hold import DECIDE_EVERY  # noqa: E402
 from specserve.speculative.tree import TreeShape  # noqa: E402
 
 # Device ms of a step of each tier at batch 128 (SmolLM2, H100, the policy trace's medians),

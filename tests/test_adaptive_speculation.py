@@ -13,12 +13,12 @@ import torch
 from specserve import Engine
 from specserve.runtime.cuda_graphs import DecodeGraphs
 from specserve.speculative.adaptive import (
-    DECIDE_EVERY,
     EXPLORE_BUDGET,
     AdaptiveSpeculation,
     batch_bucket,
     speculation_tiers,
 )
+from specserve.speculative.decision_hold import DECIDE_EVERY
 from specserve.speculative.tree import PLAIN, TreeShape
 from tests.engine_utils import (
     TINY,

@@ -93,6 +93,7 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from specserve.config.speculative import small_tree
+from specserve.speculative.decision_hold import DECIDE_EVERY, DecisionHold
 from specserve.speculative.host_cost import HostCost
 from specserve.speculative.tree import PLAIN, TreeShape
 
@@ -125,18 +126,6 @@ RISING = 1.05
 SCORE_TIE = 1e-9
 # The most of the decode time explorations may cost (see the module's docstring).
 EXPLORE_BUDGET = 0.01
-# A tier picked by scoring every tier serves this many steps at its batch bucket before the
-# tiers are scored again (sooner where an exploration is due, new text arrived, the bucket
-# changed or its graph cannot run the step's shape). Where the host sets a step's pace, the
-# policy's own work is the step's: SmolLM2 at batch 128 on an H100 served the 4/4/16 tree
-# 8% slower than the tree configured alone, each step spending 0.35 ms of its 4.4 ms of host
-# time choosing (pick 0.12 ms with its graph lookups). Estimates still learn from every step,
-# and a step that moves the served tier's estimate by HOLD_DRIFT or more ends the hold: the
-# draft stopped (or started) being accepted. (Less is a step's noise: there the 4/4/16 tree's
-# mean accept length over 128 requests moved by over 5% from one step to the next in 40% of
-# its steps, by over 10% in 16%.)
-DECIDE_EVERY = 4
-HOLD_DRIFT = 0.15
 
 
 def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
@@ -200,7 +189,7 @@ class AdaptiveSpeculation:
     ):
         """measure(batch_size, tier): the device seconds of one such step, or None when it
         cannot be measured apart from serving (then launched steps are timed instead).
-        decide_every: picks per scoring while a choice holds (`DECIDE_EVERY`)."""
+        decide_every: picks per scoring while a choice holds (speculative/decision_hold.py)."""
         assert tiers[0] == PLAIN
         self.tiers = tiers
         # ragged tiers -> the tier verifying their whole drafted tree
@@ -227,7 +216,7 @@ class AdaptiveSpeculation:
         self.measure = measure
         self.explore_every = explore_every
         self.max_explore_gap = max_explore_gap
-        self.decide_every = max(1, decide_every)  # (1: score every step)
+        self.hold = DecisionHold(decide_every)  # (a scored choice serves a few picks)
         self.explore_gap = explore_every
         self.next_explore = explore_every
         # the optimistic start: a tier accepts all it drafts until observed otherwise
@@ -260,9 +249,6 @@ class AdaptiveSpeculation:
         self._batch = 1  # the last pick's batch size
         self._arrived = 0  # requests that started decoding since the pace last started over
         self._new_text = False  # a batch's worth arrived since the last exploration
-        # the last scored pick, while it holds: (tier, bucket, picks left, a step's seconds,
-        # the tier's acceptance when scored)
-        self._held: tuple[int, int, int, float, float] | None = None
 
     def seconds(self, tier: int, bucket: int) -> float | None:
         """The expected device time of a step of `tier` at `bucket`."""
@@ -370,24 +356,10 @@ class AdaptiveSpeculation:
             return 0
         self.picks += 1
         self._batch = batch_size
-        held = self._held
+        held = self.hold.next(batch_bucket(batch_size), self.accept, ready, self._exploring)
         if held is not None:
-            tier, bucket, left, wall, accept = held
-            needed, at_bucket = self._budget_needed
-            exploring = self.picks >= self.next_explore and (
-                self._served_since + wall >= needed or at_bucket != bucket
-            )  # (as below)
-            if (
-                left > 0
-                and not exploring
-                and bucket == batch_bucket(batch_size)
-                and abs(self.accept[tier] - accept) < HOLD_DRIFT * accept
-                and (ready is None or tier in ready)
-            ):
-                self._held = (tier, bucket, left - 1, wall, accept)
-                self._served_since += wall
-                return tier
-            self._held = None
+            self._served_since += held[1]
+            return held[0]
         untimed = self._fill(batch_bucket(batch_size))
         if untimed is not None:
             return untimed
@@ -432,7 +404,7 @@ class AdaptiveSpeculation:
                 if self._served_since < cost / EXPLORE_BUDGET:
                     # (due once that is served)
                     self._budget_needed = (cost / EXPLORE_BUDGET, batch_bucket(batch_size))
-                    self._hold(served, batch_size, wall)
+                    self.hold.hold(served, batch_bucket(batch_size), wall, self.accept[served])
                     return served
             self.next_explore = self.picks + self.explore_gap
             self._new_text = False  # (used here, or not at all)
@@ -440,13 +412,14 @@ class AdaptiveSpeculation:
                 self._served_since, self._budget_needed = 0.0, (0.0, 0)
                 self._explored, self._explored_score = explored, scores[explored]
                 return explored
-        self._hold(served, batch_size, wall)
+        self.hold.hold(served, batch_bucket(batch_size), wall, self.accept[served])
         return served
 
-    def _hold(self, tier: int, batch_size: int, wall: float) -> None:
-        """Let `tier`, just scored best, serve the next `decide_every` - 1 picks unscored."""
-        left = self.decide_every - 1
-        self._held = (tier, batch_bucket(batch_size), left, wall, self.accept[tier])
+    def _exploring(self, wall: float) -> bool:
+        """Whether a pick serving a step of `wall` seconds would explore (as `pick` decides)."""
+        needed, at_bucket = self._budget_needed
+        due = self._served_since + wall >= needed or at_bucket != batch_bucket(self._batch)
+        return self.picks >= self.next_explore and due
 
     def _exploring_order(self, scores: list[float]):
         """Sort key of the tiers to explore: first any not run for max_explore_gap picks
@@ -504,7 +477,8 @@ class AdaptiveSpeculation:
         0.27 s, as long as the rest of its decode."""
         self._arrived += count
         if self._arrived >= self._batch:
-            self._arrived, self._new_text, self._held = 0, True, None
+            self._arrived, self._new_text = 0, True
+            self.hold.drop()
             self.explore_gap = self.explore_every
             self.next_explore = min(self.next_explore, self.picks + self.explore_gap)
 
