@@ -147,7 +147,13 @@ def _max_new_tokens(v: Any) -> int:
 
 
 def _seed(v: Any) -> int | None:
-    return None if v is None else _integer("seed", v, 0, "an integer in [0, 2**63) or null")
+    # (negative seeds too, as vLLM and OpenAI's API take them: -1 is a common "some seed";
+    # the engine draws with the seed modulo 2**63)
+    return (
+        None
+        if v is None
+        else _integer("seed", v, -(2**63), "an integer in [-2**63, 2**63) or null")
+    )
 
 
 def _stop(v: Any) -> list[str]:

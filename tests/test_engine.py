@@ -75,6 +75,18 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant():
     assert other_seed != alone[0]
 
 
+def test_a_negative_seed_is_a_seed_like_any_other():
+    """Clients send seed -1 (vLLM and OpenAI's API take negative seeds): it samples
+    reproducibly, and differently from another seed."""
+    sp = {"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": True}
+    engine = _shared_engine()
+    runs = [
+        engine.generate(input_ids=[5, 6, 7], sampling_params={**sp, "seed": s})["output_ids"]
+        for s in (-1, -1, 1)
+    ]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
 def test_streaming_concatenates_to_the_full_output():
     with Engine(**TINY) as e:
         full = e.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)

@@ -349,7 +349,7 @@ INVALID = [
     ("/v1/completions", {"prompt": [1, 2], "top_k": -2}, "top_k"),
     ("/v1/completions", {"prompt": [1, 2], "min_p": 2}, "min_p"),
     ("/v1/completions", {"prompt": [1, 2], "n": 0}, "n"),
-    ("/v1/completions", {"prompt": [1, 2], "seed": -1}, "seed"),
+    ("/v1/completions", {"prompt": [1, 2], "seed": -(2**63) - 1}, "seed"),
     ("/v1/completions", {"prompt": [1, 2], "stop": 5}, "stop"),
     ("/v1/completions", {"prompt": [1, 2], "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": [1, 2], "stop": "x"}, "stop"),  # no tokenizer

@@ -66,6 +66,8 @@ NESTED = {"a": [{"b": [[{"c": None}]]}]}
 BOOL = ["no", "false", 1, 0, None, 1.5, [], NESTED]
 OPENAI_BOOL = [v for v in BOOL if v is not None]  # null is the default on the OpenAI routes
 COUNT = [True, "10", 2.5, -5, 2**70, [], NESTED, "1e309", "NaN"]  # strings in RAW are raw JSON
+# (negative seeds are taken, as vLLM takes them: only outside int64)
+SEED_REFUSED = [v for v in COUNT if v != -5] + [-(2**63) - 1]
 NUMBER = ["hot", True, 1e6, -1, [], NESTED, "1e309", "-1e309", "NaN", "Infinity"]
 RAW = {"1e309", "-1e309", "NaN", "Infinity"}
 STOP = [5, [1], [""], ["a"] * 17, "x" * 1025, ["s"] * 10_000, NESTED, True]
@@ -77,7 +79,7 @@ OPENAI_FIELDS = {
     "top_k": [*COUNT, -2],
     "min_p": [*NUMBER, 1.5],
     "stop": STOP,
-    "seed": [*COUNT, -1],
+    "seed": [*SEED_REFUSED],
     "n": [0, 65, "1", True, 2.5],
     "stream": OPENAI_BOOL,
     "stream_options": [True, "x", {"include_usage": "yes"}],
@@ -119,7 +121,7 @@ _NATIVE = {
     "stop": STOP,
     "stop_token_ids": IDS,
     "ignore_eos": BOOL,
-    "seed": [*COUNT, -1],
+    "seed": [*SEED_REFUSED],
     "skip_special_tokens": BOOL,
     "n": [0, 65, True, None, 1.5],
 }

@@ -107,7 +107,7 @@ class _CommonRequest(StrictModel):
     top_k: int | None = Field(None, json_schema_extra={"minimum": -1})
     min_p: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 1})
     stop: str | list[str] | None = Field(None, json_schema_extra={"maxItems": 16})
-    seed: int | None = Field(None, json_schema_extra={"minimum": 0})
+    seed: int | None = Field(None, json_schema_extra={"minimum": -(2**63)})
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

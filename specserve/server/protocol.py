@@ -94,7 +94,7 @@ class NativeSamplingParams(StrictModel):
     stop: str | list[str] | None = Field(None, **_schema(maxItems=16))
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    seed: int | None = Field(None, **_schema(minimum=0))
+    seed: int | None = Field(None, **_schema(minimum=-(2**63)))
     skip_special_tokens: bool = True
     n: int = Field(1, **_schema(minimum=1, maximum=64))
     speculative: bool = True
