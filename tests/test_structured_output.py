@@ -269,7 +269,7 @@ def test_a_bad_or_unservable_grammar_is_refused_naming_its_field(models):
     "schema, named",
     [
         ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems at /"),
-        ({"allOf": [{"type": "integer"}, {"type": "string"}]}, "allOf at /"),
+        ({"allOf": [{"type": "integer"}, {"type": "string"}]}, "allOf (of more than one schema) at /"),
         ({"type": "object", "properties": {"x": {"not": {"type": "integer"}}}}, "not at /properties/x"),
         ({"type": "object", "required": ["a"]}, "required 'a'"),
         ({"type": "array", "contains": {"type": "integer"}}, "contains at /"),
@@ -300,7 +300,10 @@ def test_schemas_using_only_enforced_keywords_compile(models):
             "allOf": {"enum": [{"allOf": 1}, "x"]},
             "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
             "kind": {"anyOf": [{"const": {"not": 1}}, {"type": "null"}]},
+            # (pydantic wraps a described reference in an allOf of one)
+            "inner": {"allOf": [{"$ref": "#/$defs/Inner"}], "description": "nested"},
         },
+        "$defs": {"Inner": {"type": "object", "properties": {"a": {"type": "integer"}}}},
         "required": ["not"],
         "additionalProperties": False,
     }

@@ -2,9 +2,9 @@
 
 xgrammar (0.2.9) compiles some JSON-schema keywords into nothing: a schema using them
 compiles, and the outputs it allows break the schema (`allOf` of an integer and a string
-allowed `null`; `uniqueItems` allowed `[0, 0]`; `required` naming a property that
-`properties` does not list allowed `{}`), or allow nothing a schema accepts (`contains`,
-`patternProperties`, `propertyNames`). An output that ends "stop" must satisfy its schema,
+allowed `null`, of an integer and a minimum of 3 allowed 1; `uniqueItems` allowed `[0, 0]`;
+`required` naming a property that `properties` does not list allowed `{}`), or allow
+nothing a schema accepts (`contains`, `patternProperties`, `propertyNames`). An output that ends "stop" must satisfy its schema,
 so such schemas are refused up front, naming each keyword and where it is (as vLLM refuses
 the features its xgrammar backend does not support).
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-# keywords whose constraint the compiled grammar does not enforce
+# keywords whose constraint the compiled grammar does not enforce (`allOf` of one subschema
+# it does: pydantic wraps a described reference so, {"allOf": [{"$ref": ...}]})
 IGNORED = (
-    "allOf",
     "not",
     "if",
     "then",
@@ -31,9 +31,9 @@ IGNORED = (
 )
 SUPPORTED = (
     "type, properties, required (of the listed properties), additionalProperties, items, "
-    "prefixItems, minItems, maxItems, enum, const, anyOf, oneOf, $ref / $defs, minimum, "
-    "maximum, exclusiveMinimum, exclusiveMaximum, multipleOf, minLength, maxLength, pattern, "
-    "format, minProperties, maxProperties"
+    "prefixItems, minItems, maxItems, enum, const, anyOf, oneOf, allOf of one schema, "
+    "$ref / $defs, minimum, maximum, exclusiveMinimum, exclusiveMaximum, multipleOf, "
+    "minLength, maxLength, pattern, format, minProperties, maxProperties"
 )
 # keywords holding one subschema, a list of them, or a map of names to them (the rest hold
 # data, e.g. enum and const, or numbers)
@@ -59,6 +59,9 @@ def _walk(schema: Any, path: str, found: list[str]) -> None:
     for key in IGNORED:
         if key in schema:
             found.append(f"{key} at {where}")
+    all_of = schema.get("allOf")
+    if all_of is not None and not (isinstance(all_of, list) and len(all_of) == 1):
+        found.append(f"allOf (of more than one schema) at {where}")
     if schema.get("uniqueItems") is True:
         found.append(f"uniqueItems at {where}")
     required = schema.get("required")
