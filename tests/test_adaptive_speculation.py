@@ -246,6 +246,34 @@ def test_a_steady_choice_is_scored_once_every_few_steps_and_a_drop_in_acceptance
     assert after != 2, p.accept
 
 
+def test_a_hold_neither_keeps_a_stand_in_nor_a_tier_whose_step_time_moved():
+    """A ragged tier standing in for its whole tree (no graph yet) is not held: once the
+    whole tree is replayable it runs. And a step time that moved (a ragged tier's served
+    steps far slower than its replay, so dominated by its whole tree) ends a hold."""
+    tiers = speculation_tiers(TreeShape(6, 8, 64))
+    whole = tiers.index(TreeShape(6, 8, 64))
+    ragged = [t for t, shape in enumerate(tiers) if shape.ragged]
+    ms = {t: 3.0 for t in range(len(tiers))}
+    ms.update({0: 1.0, whole: 1.5, **{t: 1.5 for t in ragged}})
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: ms[t] / 1e3, explore_every=10**6)
+    for t in range(1, len(tiers)):
+        p.observe(t, 1, [4] * 16, ms[t] / 1e3)
+    stand_in = p.pick(1, ready=frozenset({0, ragged[-1]}))
+    assert stand_in == ragged[-1]
+    p.observe(stand_in, 1, [4], ms[stand_in] / 1e3)
+    assert p.pick(1, ready=frozenset({0, ragged[-1], whole})) == whole
+
+    ms = {t: 1.5 for t in range(len(tiers))}
+    ms.update({0: 0.8, **{t: 1.0 for t in ragged}})
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: ms[t] / 1e3, explore_every=10**6)
+    for t in range(len(tiers)):
+        p.observe(t, 1, [4] * 16, ms[t] / 1e3)
+    first = p.pick(1)
+    assert first in ragged
+    p.observe(first, 1, [4], 11e-3)  # (its estimate: 3 ms, twice its whole tree's)
+    assert p.pick(1) != first  # (dominated now; before, held for 3 more steps)
+
+
 def test_explorations_that_find_nothing_come_ever_more_rarely_until_the_best_changes():
     """A steady speculative best (a chain of 2 at accept length 3, where deeper tiers emit no
     more) is explored around at a doubling interval, not every 32 steps; when the best tier

@@ -275,6 +275,12 @@ def test_a_bad_or_unservable_grammar_is_refused_naming_its_field(models):
         ({"type": "array", "contains": {"type": "integer"}}, "contains at /"),
         ({"$defs": {"d": {"type": "object", "propertyNames": {"pattern": "^x"}}}, "$ref": "#/$defs/d"},
          "propertyNames at /$defs/d"),
+        # (constraints xgrammar drops: beside a whole-schema keyword, or without a type)
+        ({"anyOf": [{"type": "integer"}], "minimum": 5}, "minimum beside anyOf at /"),
+        ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 1},
+         "maxLength beside $ref at /"),
+        ({"type": "integer", "anyOf": [{"minimum": 5}]}, "minimum without a type at /anyOf/0"),
+        ({"$dynamicRef": "#x"}, "$dynamicRef at /"),
     ],
 )  # fmt: skip
 def test_a_schema_whose_constraints_the_grammar_would_not_enforce_is_refused(models, schema, named):
@@ -309,6 +315,44 @@ def test_schemas_using_only_enforced_keywords_compile(models):
     }
     out = engine.generate(prompt="hi", sampling_params={"json_schema": schema, "max_new_tokens": 2})
     assert out["meta_info"]["completion_tokens"] == 2
+    out = engine.generate(
+        prompt="hi", sampling_params={"json_schema": _pydantic_schema(), "max_new_tokens": 2}
+    )
+    assert out["meta_info"]["completion_tokens"] == 2
+
+
+def _pydantic_schema() -> dict:
+    """A schema as pydantic writes it: nested and optional models, a discriminated union,
+    an enum, constrained fields, a recursive list."""
+    import enum
+    from typing import Annotated, Literal, Optional, Union
+
+    from pydantic import BaseModel, Field
+
+    class Color(str, enum.Enum):
+        red = "red"
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int = Field(ge=0, le=9)
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        bark: str = Field(min_length=1)
+
+    class Inner(BaseModel):
+        a: int
+
+    class Outer(BaseModel):
+        name: str = Field(description="the name", pattern="^[a-z]+$")
+        color: Color = Color.red
+        inner: Inner = Field(description="nested")
+        maybe: Optional[Inner] = None
+        pet: Annotated[Union[Cat, Dog], Field(discriminator="kind")]
+        score: Optional[float] = Field(default=None, ge=0)
+        children: list[Outer] = []
+
+    return Outer.model_json_schema()
 
 
 _ENGINES: dict[str, Engine] = {}

@@ -4,7 +4,9 @@ xgrammar (0.2.9) compiles some JSON-schema keywords into nothing: a schema using
 compiles, and the outputs it allows break the schema (`allOf` of an integer and a string
 allowed `null`, of an integer and a minimum of 3 allowed 1; `uniqueItems` allowed `[0, 0]`;
 `required` naming a property that `properties` does not list allowed `{}`), or allow
-nothing a schema accepts (`contains`, `patternProperties`, `propertyNames`). An output that ends "stop" must satisfy its schema,
+nothing a schema accepts (`contains`, `patternProperties`, `propertyNames`); and it drops a
+constraint beside a `$ref`, `anyOf`, `enum` and the like, or on a schema without a `type`.
+(`oneOf` is enforced as `anyOf`: a value matching two branches is taken.) An output that ends "stop" must satisfy its schema,
 so such schemas are refused up front, naming each keyword and where it is (as vLLM refuses
 the features its xgrammar backend does not support).
 """
@@ -28,12 +30,27 @@ IGNORED = (
     "maxContains",
     "patternProperties",
     "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "$dynamicRef",
 )
+# constraints on a value of one type: xgrammar drops them where the schema gives no `type`
+# ({"minimum": 3} allowed 1)
+TYPED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+         "minLength", "maxLength", "pattern", "format", "minItems", "maxItems",
+         "minProperties", "maxProperties")  # fmt: skip
+# schemas xgrammar takes whole: a constraint beside one of these is dropped ($ref with
+# maxLength 1 allowed "xyz"; an enum of 1 and 2 with minimum 2 allowed 1; an object's
+# properties beside an anyOf allowed neither branch)
+WHOLE = ("$ref", "allOf", "anyOf", "oneOf", "enum", "const")
+BESIDE_WHOLE = (*TYPED, "properties", "required", "additionalProperties", "items",
+                "prefixItems")  # fmt: skip
 SUPPORTED = (
     "type, properties, required (of the listed properties), additionalProperties, items, "
     "prefixItems, minItems, maxItems, enum, const, anyOf, oneOf, allOf of one schema, "
     "$ref / $defs, minimum, maximum, exclusiveMinimum, exclusiveMaximum, multipleOf, "
-    "minLength, maxLength, pattern, format, minProperties, maxProperties"
+    "minLength, maxLength, pattern, format, minProperties, maxProperties (where the schema "
+    "gives a type, and not beside $ref, allOf, anyOf, oneOf, enum or const)"
 )
 # keywords holding one subschema, a list of them, or a map of names to them (the rest hold
 # data, e.g. enum and const, or numbers)
@@ -59,6 +76,15 @@ def _walk(schema: Any, path: str, found: list[str]) -> None:
     for key in IGNORED:
         if key in schema:
             found.append(f"{key} at {where}")
+    whole = [k for k in WHOLE if k in schema]
+    if whole:
+        for key in BESIDE_WHOLE:
+            if key in schema:
+                found.append(f"{key} beside {whole[0]} at {where}")
+    elif "type" not in schema:
+        for key in TYPED:
+            if key in schema:
+                found.append(f"{key} without a type at {where}")
     all_of = schema.get("allOf")
     if all_of is not None and not (isinstance(all_of, list) and len(all_of) == 1):
         found.append(f"allOf (of more than one schema) at {where}")

@@ -93,7 +93,7 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from specserve.config.speculative import small_tree
-from specserve.speculative.decision_hold import DECIDE_EVERY, DecisionHold
+from specserve.speculative.decision_hold import DECIDE_EVERY, HOLD_DRIFT, DecisionHold
 from specserve.speculative.host_cost import HostCost
 from specserve.speculative.tree import PLAIN, TreeShape
 
@@ -404,7 +404,7 @@ class AdaptiveSpeculation:
                 if self._served_since < cost / EXPLORE_BUDGET:
                     # (due once that is served)
                     self._budget_needed = (cost / EXPLORE_BUDGET, batch_bucket(batch_size))
-                    self.hold.hold(served, batch_bucket(batch_size), wall, self.accept[served])
+                    self._hold(served, best, batch_size, wall)
                     return served
             self.next_explore = self.picks + self.explore_gap
             self._new_text = False  # (used here, or not at all)
@@ -412,8 +412,14 @@ class AdaptiveSpeculation:
                 self._served_since, self._budget_needed = 0.0, (0.0, 0)
                 self._explored, self._explored_score = explored, scores[explored]
                 return explored
-        self.hold.hold(served, batch_bucket(batch_size), wall, self.accept[served])
+        self._hold(served, best, batch_size, wall)
         return served
+
+    def _hold(self, served: int, best: int, batch_size: int, wall: float) -> None:
+        """Let the tier just scored best serve the next picks unscored; not a stand-in for
+        it (`_served`: once the best one is replayable it runs)."""
+        if served == best:
+            self.hold.hold(served, batch_bucket(batch_size), wall, self.accept[served])
 
     def _exploring(self, wall: float) -> bool:
         """Whether a pick serving a step of `wall` seconds would explore (as `pick` decides)."""
@@ -537,8 +543,11 @@ class AdaptiveSpeculation:
             return
         if seconds is None or seconds <= 0:
             return
+        before = self.seconds(tier, bucket)
         old = self.observed.get(key)
         self.observed[key] = seconds if old is None else old + EMA * (seconds - old)
+        if before and abs(self.observed[key] - before) >= HOLD_DRIFT * before:
+            self.hold.drop()  # (a step time that moved may change the choice, e.g. dominance)
         if key in self.replayed:
             extra = self.observed[key] - self.replayed[key]
             prev = self.context_cost.get(bucket)

@@ -8,7 +8,9 @@ lookups). So a choice holds for `DECIDE_EVERY` picks at its batch bucket, while 
 still learns from every step. A step moving the held tier's acceptance by `HOLD_DRIFT` or
 more ends the hold: the draft stopped (or started) being accepted. (Less is one step's
 noise: the 4/4/16 tree's mean accept length over 128 requests moved by over 5% from one
-step to the next in 40% of its steps there, by over 10% in 16%.)
+step to the next in 40% of its steps there, by over 10% in 16%.) So does a tier's step time
+at the bucket moving as much (the policy drops the hold), and a tier standing in for a best
+one that has no graph yet is never held.
 """
 
 from __future__ import annotations
