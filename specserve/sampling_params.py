@@ -89,7 +89,8 @@ class SamplingParams:
 
 
 # ---- the checks ---------------------------------------------------------------------------------
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An integer, and not a bool (JSON's true is no count)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -102,7 +103,7 @@ def _number(name: str, v: Any) -> float:
 
 
 def _integer(name: str, v: Any, low: int, allowed: str) -> int:
-    if not _is_int(v):
+    if not is_int(v):
         raise InvalidArgument(name, f"must be an integer, got {_short(v)}")
     if not low <= v <= INT64_MAX:
         raise InvalidArgument(name, f"must be {allowed}, got {v}")
@@ -180,7 +181,7 @@ def _stop(v: Any) -> list[str]:
 def _stop_token_ids(v: Any) -> list[int]:
     if v is None:
         return []
-    if not isinstance(v, list) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in v):
+    if not isinstance(v, list) or not all(is_int(t) and 0 <= t <= INT64_MAX for t in v):
         raise InvalidArgument("stop_token_ids", "must be a list of non-negative integer token ids")
     if len(v) > MAX_STOP_TOKEN_IDS:
         raise InvalidArgument(
@@ -266,7 +267,7 @@ def _top_logprobs_num(v: Any) -> int:
 
 def _logprob_start_len(v: Any) -> int:
     allowed = "-1 (no prompt positions) or a prompt position >= 0"
-    if not _is_int(v):
+    if not is_int(v):
         raise InvalidArgument(
             "logprob_start_len", f"must be an integer, {allowed}; got {_short(v)}"
         )

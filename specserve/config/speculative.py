@@ -10,6 +10,7 @@ from typing import Any
 from specserve.config.environment import simulate_acc_aliases
 from specserve.errors import InvalidArgument, require
 from specserve.model.registry import bundled_draft, bundled_draft_folder, draft_serving_settings
+from specserve.sampling_params import is_int
 
 ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
 MAX_TOPK = 16  # siblings per node
@@ -106,7 +107,7 @@ def resolve_bundled_draft(c, on_gpu: bool) -> tuple[Any, list[tuple[str, Any, st
     # (a size the user gave is theirs, checked by resolve_speculative)
     steps, topk = c.speculative_num_steps, c.speculative_eagle_topk
     ndt = c.speculative_num_draft_tokens
-    if user_draft_tokens is None and all(_is_int(v) and v >= 1 for v in (steps, topk, ndt)):
+    if user_draft_tokens is None and all(is_int(v) and v >= 1 for v in (steps, topk, ndt)):
         max_tree = 1 + topk + (steps - 1) * topk * topk
         if ndt > max_tree:
             c = replace(c, speculative_num_draft_tokens=max_tree)
@@ -118,10 +119,6 @@ def resolve_bundled_draft(c, on_gpu: bool) -> tuple[Any, list[tuple[str, Any, st
                 )
             )
     return c, decisions
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
@@ -255,7 +252,7 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         )
         lag = c.speculative_adaptive_lag_tokens
         require(
-            lag is None or (_is_int(lag) and 0 <= lag <= MAX_DRAFT_LAG_TOKENS),
+            lag is None or (is_int(lag) and 0 <= lag <= MAX_DRAFT_LAG_TOKENS),
             "speculative_adaptive_lag_tokens",
             f"must be an integer in [0, {MAX_DRAFT_LAG_TOKENS}] (0: the draft runs every "
             f"step), got {lag!r}",

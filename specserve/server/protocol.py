@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from specserve.errors import InvalidArgument
-from specserve.sampling_params import MAX_TEMPERATURE, check_field, check_logprob_field
+from specserve.sampling_params import MAX_TEMPERATURE, check_field, check_logprob_field, is_int
 
 
 class APIError(Exception):
@@ -51,10 +51,6 @@ class APIError(Exception):
 
 def field_error(field: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_value", message, {"field": field})
-
-
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def core_check(name: str, value: Any, max_temperature: float, core_name: str | None = None):

@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from specserve.model.config import ModelConfig, check_positive_int
 from specserve.model.hf_loader import read_json_object
 from specserve.model.weights import load_hf_named_weights
+from specserve.sampling_params import is_int
 from specserve.speculative.draft_heads import Eagle3Head, EagleHead
 
 _IGNORED = ("embed_tokens.weight", "t2d", "layers.0.input_layernorm.weight")
@@ -116,7 +117,7 @@ def eagle3_capture_layers(raw: dict, target_layers: int) -> list[int]:
     if not isinstance(eagle_config, dict):
         raise ValueError(f"eagle_config must be an object (or null), got {eagle_config!r}")
     ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
-    if ids and (not isinstance(ids, list) or not all(_is_int(i) for i in ids)):
+    if ids and (not isinstance(ids, list) or not all(is_int(i) for i in ids)):
         raise ValueError(
             f"eagle_config.eagle_aux_hidden_state_layer_ids must be a list of layer ids, got {ids!r}"
         )
@@ -170,10 +171,6 @@ def load_eagle_head(folder: str, algorithm: str, target) -> tuple[torch.nn.Modul
         _check_draft_vocab(d2t, draft_vocab, target.config.vocab_size)
         head.d2t.copy_(d2t.to(torch.int64))
     return head, raw
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_draft_vocab(d2t: torch.Tensor, draft_vocab: int, target_vocab: int) -> None:
