@@ -109,5 +109,5 @@ def test_adaptive_speculation_learns_chains_through_the_acceptance_kernel(monkey
     chains = [t for t, s in enumerate(policy.tiers) if s.topk == 1 and 1 < s.tokens and t != tree]
     assert chains and all(policy.counts[c] == 0 for c in chains)
     for c in chains:  # learnt from many requests' steps (the optimistic prior weighs 0.1)
-        assert policy.accept_weight[c] > 5, policy.accept_weight
+        assert policy.acceptance.weight[c] > 5, policy.acceptance.weight
         assert policy.accept[c] == pytest.approx(policy.tiers[c].max_depth + 1, rel=0.01)

@@ -24,30 +24,9 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   take beyond their replay is added to the replay of tiers not served yet. Without CUDA
   graphs a (tier, bucket) not yet timed is tried first (its first step, which compiles, is
   not counted; a replayed graph was compiled when timed, so its first served step counts).
-- accept_length: tokens emitted per speculating request per step, observed per tier (under
-  simulated acceptance, the forced one). It is a mean over the speculating requests
-  observed; each weighs `ACCEPT_DECAY` less for every speculating request served since, at
-  any tier (requests with speculation off neither report nor age the estimate).
-  - A step of 128 speculating requests, whose mean is precise, mostly replaces it; but an
-    estimate never weighs more than `ACCEPT_MAX_WEIGHT` requests (what single requests build
-    up), since that precise mean is of its own text only.
-  - At batch 1 the estimate spans about 50 steps. One request's accept length varies from
-    step to step by more than the tiers differ. An estimate moved 20% by each single step
-    locked the worse tier in for long runs: in simulation, 0.69 of the best fixed tier's
-    tokens/s on bursty text, against 0.95 now
-    (`test_one_requests_noisy_accept_lengths_do_not_lock_the_policy_out_of_the_best_tier`).
-  - A tier explored rarely is judged on what it does now: its old requests have decayed,
-    down to `ACCEPT_MIN_WEIGHT` requests' worth, so that at batch 1 one exploring step (one
-    request's accept length, which varies more than the tiers differ) does not alone decide
-    the tier: in simulation that took the policy from 0.93 to 0.99 of the best fixed tier.
-  - It starts optimistic (all drafted tokens accepted, weighing `ACCEPT_PRIOR_WEIGHT`
-    requests), so speculation is tried before it is judged.
-  - A chain is also learnt from the steps of every tier at least as deep that is not ragged:
-    a step reports how many of each request's accepted tokens lie on the draft's greedy
-    chain, which every tree keeps (`tree.greedy_chain_reach`), and a chain of depth d would
-    have accepted 1 + min(d, that) there. Such chains need no exploring (on an H200 at
-    batch 1, SmolLM2's chain of 3 explored from its 6/8/64 tree emits about half the tree's
-    tokens in 0.8 of its time).
+- accept_length: tokens emitted per speculating request per step, an estimate per tier that
+  weighs recent requests most, starts optimistic, and learns the chains from deeper trees'
+  steps too (speculative/acceptance.py).
 - a ragged tier whose step takes at least the device time of verifying its whole tree at the
   bucket never runs: it verifies a subset of that tree's nodes, so it cannot emit more.
   (SmolLM2-135M on an H200 at batch 1: the 6/8/64 tree's ragged budgets cost 1.78 ms a step
@@ -88,26 +67,16 @@ plainly to its end and never pays for the draft again); see runtime/draft_lag.py
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from specserve.config.speculative import small_tree
+from specserve.speculative.acceptance import AcceptanceEstimates
 from specserve.speculative.decision_hold import DECIDE_EVERY, HOLD_DRIFT, DecisionHold
 from specserve.speculative.host_cost import HostCost
 from specserve.speculative.tree import PLAIN, TreeShape
 
 EMA = 0.2  # weight of the newest step time
-ACCEPT_DECAY = 0.02  # how much less an accept length weighs per request observed after it
-ACCEPT_MIN_WEIGHT = 8.0  # the least weight decay leaves a tier's observed acceptance
-# The most weight a tier's observed acceptance carries: what a stream of single requests
-# builds up under ACCEPT_DECAY. A large batch's step measures its mean precisely, but only for
-# its own text: after a long stretch of rejected drafts at batch 128 a tree's estimate weighed
-# 136 requests, and at batch 1 a request whose drafts were accepted moved it 3% per
-# exploration, too little to keep the exploring pace (RISING), so the draft was found only
-# after hundreds of steps.
-ACCEPT_MAX_WEIGHT = 1.0 / ACCEPT_DECAY
-ACCEPT_PRIOR_WEIGHT = 0.1  # the optimistic start counts as this many requests
 # A tier with no CUDA graph that can run the step's shape (its own or a covering one) is run
 # instead of one that has only if it scores this much better. Its steps run eagerly (slower)
 # until it is captured, and a capture stalls every request for 10-50 steps' time (on an H200:
@@ -198,20 +167,20 @@ class AdaptiveSpeculation:
             for t, shape in enumerate(tiers)
             if shape.ragged and shape.drafted in tiers
         }
-        # per tier: the chains (other than itself) whose acceptance its steps report, those
-        # no deeper than its tree (deeper ones could have gone on where its tree ended)
+        # per tier: the chains (other than itself; as (tier, depth)) whose acceptance its
+        # steps report, those no deeper than its tree (deeper ones could have gone on where
+        # its tree ended)
         self._chains_within = [
             [
-                c
+                (c, chain.max_depth)
                 for c, chain in enumerate(tiers)
                 if c != t and chain.topk == 1 and chain.tokens > 1 and not chain.ragged
                 and chain.max_depth <= shape.max_depth
             ]
             for t, shape in enumerate(tiers)
         ]  # fmt: skip
-        self._depths = [t.max_depth for t in tiers]
         # what each tier emits per request were all its drafted tokens accepted
-        self._upper_accept = [float(d + 1) for d in self._depths]
+        self._upper_accept = [float(t.max_depth + 1) for t in tiers]
         self._ragged = [t.ragged for t in tiers]
         self.measure = measure
         self.explore_every = explore_every
@@ -220,12 +189,8 @@ class AdaptiveSpeculation:
         self.explore_gap = explore_every
         self.next_explore = explore_every
         # the optimistic start: a tier accepts all it drafts until observed otherwise
-        self.accept = list(self._upper_accept)
-        # decayed sums behind accept: accept[t] = accept_sum[t] / accept_weight[t]
-        self.accept_sum = [a * ACCEPT_PRIOR_WEIGHT for a in self.accept]
-        self.accept_weight = [ACCEPT_PRIOR_WEIGHT] * len(tiers)
-        self.requests_seen = 0  # speculating requests over every step observed (the clock)
-        self.accept_clock = [0] * len(tiers)  # requests_seen at each tier's last observation
+        self.acceptance = AcceptanceEstimates(self._upper_accept)
+        self.accept = self.acceptance.mean  # (per tier; the estimates update it in place)
         self.replayed: dict[tuple[int, int], float] = {}  # (tier, bucket): a replay's time
         self.observed: dict[tuple[int, int], float] = {}  # (tier, bucket): steps served
         # per bucket: what served steps take beyond their replay (attention over real
@@ -511,16 +476,15 @@ class AdaptiveSpeculation:
         tree would have accepted."""
         self.counts[tier] += 1
         self.last_seen[tier] = self.picks
-        self.requests_seen += len(accept_lens)  # (requests that do not speculate say nothing)
+        acceptance = self.acceptance
+        acceptance.served(len(accept_lens))  # (requests that do not speculate say nothing)
         if tier > 0 and accept_lens:
-            self._learn(tier, sum(accept_lens), len(accept_lens))
-            if chain_reach and not self._ragged[tier] and self._chains_within[tier]:
+            acceptance.learn(tier, sum(accept_lens), len(accept_lens))
+            chains = self._chains_within[tier]
+            if chain_reach and not self._ragged[tier] and chains:
                 # (a ragged step may have pruned the chain's nodes: its reach is no measure)
-                reaches = Counter(chain_reach)  # (few distinct values in a large batch)
-                for c in self._chains_within[tier]:
-                    depth = self._depths[c]
-                    emitted = sum(k * (1 + min(depth, r)) for r, k in reaches.items())
-                    self._learn(c, emitted, len(chain_reach))
+                acceptance.learn_chains(chains, chain_reach)
+                for c, _ in chains:
                     self.inferred[c] = self.picks
         bucket = batch_bucket(batch_size)
         if tier == self._explored:
@@ -552,24 +516,6 @@ class AdaptiveSpeculation:
             extra = self.observed[key] - self.replayed[key]
             prev = self.context_cost.get(bucket)
             self.context_cost[bucket] = extra if prev is None else prev + EMA * (extra - prev)
-
-    def _learn(self, tier: int, accepted: float, requests: int) -> None:
-        """Fold a step of `tier` into its estimate: its speculating `requests` emitted
-        `accepted` tokens in all."""
-        # older requests weigh less by every request served since, at any tier: a tier
-        # explored rarely is judged on what it does now, not on a regime long gone
-        decay = (1.0 - ACCEPT_DECAY) ** (self.requests_seen - self.accept_clock[tier])
-        self.accept_clock[tier] = self.requests_seen
-        # (but what a tier was seen to do keeps ACCEPT_MIN_WEIGHT requests' weight, so one
-        # request's single step cannot alone decide a tier explored rarely)
-        weight = self.accept_weight[tier]
-        kept = max(weight * decay, min(weight, ACCEPT_MIN_WEIGHT))
-        self.accept_sum[tier] = self.accept[tier] * kept + accepted
-        self.accept_weight[tier] = kept + requests
-        self.accept[tier] = self.accept_sum[tier] / self.accept_weight[tier]
-        if self.accept_weight[tier] > ACCEPT_MAX_WEIGHT:  # (the same mean, weighing less)
-            self.accept_weight[tier] = ACCEPT_MAX_WEIGHT
-            self.accept_sum[tier] = self.accept[tier] * ACCEPT_MAX_WEIGHT
 
     def observe_host(self, tier: int, batch_size: int, seconds: float, tokens: int) -> None:
         """The host's own time around a step of `tier` over `batch_size` requests that emitted
