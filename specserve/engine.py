@@ -34,6 +34,13 @@ def _is_token(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
+def _check_rid(rid: Any) -> None:
+    """A request id is a string (checked in the caller's thread: the loop files requests by
+    id, and an unhashable one raised there, ending the loop)."""
+    if rid is not None and not isinstance(rid, str):
+        raise InvalidArgument("rid", f"must be a string, got {type(rid).__name__}")
+
+
 class Engine:
     """Arguments follow SGLang's names; see `EngineConfig` (and `specserve generate --help`)."""
 
@@ -215,6 +222,7 @@ class Engine:
     ) -> list[Request]:
         """The prompt's n sample requests, validated (InvalidArgument), not yet submitted: a
         server builds every prompt's before it admits any."""
+        _check_rid(rid)
         (opts,) = self._normalize_logprob_options(1, **logprob_options)
         params = SamplingParams.from_any(sampling_params)
         return self._make_requests(prompt_ids, params, rid, "input_ids", opts)
@@ -255,6 +263,7 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Abort the running request submitted as `rid` (with n > 1, all its samples)."""
+        _check_rid(rid)
         self._inbox.put(("abort", rid))
         self._wake.set()
 

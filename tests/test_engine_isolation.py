@@ -189,3 +189,28 @@ def test_text_decoded_once_at_the_end_equals_the_streamed_text(tmp_path):
                 assert cut["text"] == whole["text"][: whole["text"].find(stop)]
                 cut_by_stop += 1
     assert cut_by_stop >= 2
+
+
+@pytest.mark.parametrize("rid", [["a"], {"a": 1}, 5, b"a"])
+def test_a_request_id_that_is_not_a_string_is_refused_and_the_loop_lives(engine, rid):
+    """A low-level submission or an abort naming a request by something other than a string
+    is refused in the caller's thread (an unhashable id once raised on the engine's loop,
+    which died and left every request after it waiting forever)."""
+    ps = prompts(2)
+    refs = [greedy(engine, p) for p in ps]
+    threads, results = run_in_background(engine, ps)
+    for submit in (engine.submit, engine.submit_samples):
+        with pytest.raises(InvalidArgument) as exc:
+            submit([5, 6, 7], {"max_new_tokens": 2}, lambda *a: None, rid=rid)
+        assert exc.value.field == "rid"
+    with pytest.raises(InvalidArgument) as exc:
+        engine.make_samples([5, 6, 7], {"max_new_tokens": 2}, rid)
+    assert exc.value.field == "rid"
+    with pytest.raises(InvalidArgument) as exc:
+        engine.abort(rid)
+    assert exc.value.field == "rid"
+    for t in threads:
+        t.join(timeout=60)
+    assert [results[i] for i in range(len(ps))] == refs
+    assert greedy(engine, ps[0]) == refs[0]
+    assert engine._thread.is_alive() and engine.failure is None
