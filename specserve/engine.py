@@ -18,6 +18,7 @@ from typing import Any
 
 from specserve.config import EngineConfig
 from specserve.errors import InvalidArgument
+from specserve.model.tokenizer import check_text
 from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 from specserve.runtime.grammar import RequestGrammar, grammar_spec
@@ -292,10 +293,14 @@ class Engine:
     ) -> list[int]:
         """The prompt ids of a chat through the model's template (see
         `model.tokenizer.apply_chat_template` for the options, vLLM's names)."""
-        from specserve.model.tokenizer import apply_chat_template
+        from specserve.model.tokenizer import apply_chat_template, check_chat_arguments
 
         if self.tokenizer is None:
             raise InvalidArgument("messages", f"a chat needs a tokenizer ({self._no_tokenizer()})")
+        check_chat_arguments(
+            self.tokenizer, messages, add_generation_prompt, continue_final_message,
+            template_kwargs,
+        )  # fmt: skip
         if add_generation_prompt and continue_final_message:
             raise InvalidArgument(
                 "continue_final_message",
@@ -345,6 +350,7 @@ class Engine:
         raise InvalidArgument("input_ids", "must be a list of ints or a list of lists of ints")
 
     def _encode(self, text: str) -> list[int]:
+        check_text("prompt", text)
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     @staticmethod

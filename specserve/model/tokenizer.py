@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 
+from specserve.errors import InvalidArgument
 from specserve.model.gguf_loader import gguf_architecture, gguf_chat_template
 from specserve.model.hf_loader import read_json_object
 
@@ -89,3 +91,50 @@ def apply_chat_template(
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)
+
+
+def check_text(field: str, text: str) -> None:
+    """Text a tokenizer can encode: a Python string may hold lone surrogates, which are no
+    Unicode text (tokenizers raises a TypeError on them)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(
+            field, f"is not valid Unicode text: lone surrogate {text[e.start]!r} at index {e.start}"
+        ) from None
+
+
+def check_chat_arguments(
+    tokenizer, messages, add_generation_prompt, continue_final_message, template_kwargs
+) -> None:
+    """`apply_chat_template`'s arguments, refused naming the one at fault where the template
+    would raise a TypeError on it or take it silently (a flag that is not a bool renders as
+    its truth value, content that is not a string as its repr)."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument("messages", "must be a non-empty list of {'role', 'content'} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidArgument("messages", f"must hold {{'role', 'content'}} dicts, got {m!r}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise InvalidArgument(
+                    f"messages[{i}].{key}", f"must be a string, got {type(m.get(key)).__name__}"
+                )
+        check_text(f"messages[{i}].content", m["content"])
+    for name, flag in (
+        ("add_generation_prompt", add_generation_prompt),
+        ("continue_final_message", continue_final_message),
+    ):
+        if not isinstance(flag, bool):
+            raise InvalidArgument(name, f"must be true or false, got {flag!r}")
+    if template_kwargs is None:
+        return
+    if not isinstance(template_kwargs, dict):
+        raise InvalidArgument("template_kwargs", "must be a dict of template variables or None")
+    own = inspect.signature(tokenizer.apply_chat_template).parameters
+    taken = sorted(k for k in template_kwargs if k in own and own[k].kind != own[k].VAR_KEYWORD)
+    if taken:
+        raise InvalidArgument(
+            "template_kwargs",
+            f"{', '.join(taken)}: apply_chat_template's own argument, not a template variable",
+        )
