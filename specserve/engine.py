@@ -23,7 +23,7 @@ from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 from specserve.runtime.grammar import RequestGrammar, grammar_spec
 from specserve.runtime.logprobs import add_logprobs
-from specserve.runtime.output import is_sample_of, request_output, sample_rids
+from specserve.runtime.output import request_output, sample_rids
 from specserve.runtime.request import ReqState, Request
 from specserve.runtime.tensor_parallel import start_engine_core
 from specserve.sampling_params import INT64_MAX, LOGPROB_FIELDS, SamplingParams, check_logprob_field
@@ -412,13 +412,15 @@ class Engine:
                 else self._seed_rng.getrandbits(31)
                 for i in range(params.n)
             ]
-        names = sample_rids(rid or uuid.uuid4().hex, params.n)
+        rid = rid or uuid.uuid4().hex
+        names = sample_rids(rid, params.n)
         reqs = [
             Request(
                 rid=names[i],
                 prompt_ids=list(ids),
                 params=params,
                 seed=seed,
+                sample_of=rid if params.n > 1 else None,
                 grammar=None if compiled is None else RequestGrammar(compiled, grammar_field),
                 **opts,
             )
@@ -563,9 +565,10 @@ class Engine:
                 item.put(self.core.flush_cache())
             elif self.core.abort(item) is None and isinstance(item, str):
                 # (reaped and reported by the next step) a prompt's n samples are known by
-                # the rid they were submitted with: rid-0 .. rid-(n-1)
-                for name in [n for n in self.core.by_name if is_sample_of(n, item)]:
-                    self.core.abort(name)
+                # the rid they were submitted with (not by their names' prefix: a request
+                # submitted as 'x-1' is no sample of 'x')
+                for req in [r for r in self.core.by_name.values() if r.sample_of == item]:
+                    self.core.abort(req)
 
     def _fail_all(self, message: str) -> list[Request]:
         # A step in flight is abandoned: its results are never applied.

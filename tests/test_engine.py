@@ -243,6 +243,19 @@ def test_a_rid_still_running_is_refused_and_abort_reaches_only_the_running_reque
     assert len(again["output_ids"]) == 2
 
 
+def test_abort_of_an_unknown_rid_leaves_a_request_named_like_a_sample_of_it_running():
+    """Abort by the rid of a prompt sampled n times reaches its samples (rid-0, rid-1, ...)
+    and nothing else: a request submitted on its own as 'job-1' is no sample of 'job'."""
+    engine = _shared_engine()
+    sp = {"max_new_tokens": 200, "ignore_eos": True}
+    stream = engine.generate(input_ids=[4, 5, 6], sampling_params=sp, stream=True, rid="job-1")
+    first = next(stream)
+    engine.abort("job")
+    outs = [first, *stream]
+    assert outs[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert sum(len(o["output_ids"]) for o in outs) == 200
+
+
 def test_abort_frees_the_request_and_its_kv():
     engine = _shared_engine()
     results = {}

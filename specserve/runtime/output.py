@@ -93,8 +93,3 @@ def _logprob_meta(req: Request, first: int, with_input: bool, tokenizer) -> dict
 def sample_rids(rid: str, n: int) -> list[str]:
     """The request ids of a prompt's n samples: `rid` itself for one, else rid-0 .. rid-(n-1)."""
     return [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
-
-
-def is_sample_of(name: str, rid: str) -> bool:
-    """Whether `name` is one of `sample_rids(rid, n)` for an n > 1."""
-    return name.startswith(rid + "-") and name[len(rid) + 1 :].isdigit()

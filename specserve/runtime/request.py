@@ -58,6 +58,7 @@ class Request:
     # Sample i > 0 of a prompt with n > 1 names sample 0 here: its prefill may wait for
     # sample 0's, to reuse the prompt's pages.
     prefill_after: Request | None = None
+    sample_of: str | None = None  # the rid a prompt's n > 1 samples were submitted under
     state: ReqState = ReqState.WAITING
     output_ids: list[int] = field(default_factory=list)
     # Tokens of all_ids whose target KV is cached. While RUNNING: len(all_ids) - 1 (the last
