@@ -214,3 +214,16 @@ def test_a_request_id_that_is_not_a_string_is_refused_and_the_loop_lives(engine,
     assert [results[i] for i in range(len(ps))] == refs
     assert greedy(engine, ps[0]) == refs[0]
     assert engine._thread.is_alive() and engine.failure is None
+
+
+@pytest.mark.parametrize("ids", [[5, True], [5, 6.0], "abc", {5: 6}, (i for i in [5, 6])])
+def test_a_low_level_prompt_that_is_not_token_ids_is_refused_naming_input_ids(engine, ids):
+    """submit / make_samples take the prompt's ids as they are: the same rule as generate's
+    input_ids (a bool is no token id; a string, dict or generator is no list of them)."""
+    with pytest.raises(InvalidArgument) as exc:
+        engine.make_samples(ids, {"max_new_tokens": 2})
+    assert exc.value.field == "input_ids"
+    with pytest.raises(InvalidArgument) as exc:
+        engine.submit(ids, {"max_new_tokens": 2}, lambda out: None)
+    assert exc.value.field == "input_ids"
+    assert engine._thread.is_alive() and engine.failure is None

@@ -28,6 +28,7 @@ from specserve.runtime.request import ReqState, Request
 from specserve.runtime.scheduler import Scheduler, SchedulerLimits
 from specserve.runtime.stop import StopChecker
 from specserve.runtime.worker import Worker
+from specserve.sampling_params import is_int
 from specserve.speculative.adaptive import AdaptiveSpeculation, batch_bucket, speculation_tiers
 from specserve.speculative.factory import build_drafter
 from specserve.speculative.simulate import build_simulator
@@ -214,10 +215,12 @@ class EngineCore:
 
     # ---- requests -----------------------------------------------------------------------
     def validate_prompt(self, ids: list[int], field: str) -> None:
+        if not isinstance(ids, (list, tuple)):
+            raise InvalidArgument(field, f"must be a list of token ids, got {type(ids).__name__}")
         if not ids:
             raise InvalidArgument(field, "is empty")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
+        bad = next((t for t in ids if not is_int(t) or t < 0 or t >= vocab), None)
         if bad is not None:
             raise InvalidArgument(field, f"token id {bad!r} is outside the vocabulary [0, {vocab})")
         if len(ids) >= self.context_len:
