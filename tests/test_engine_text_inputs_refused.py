@@ -55,3 +55,16 @@ def test_a_prompt_that_is_not_unicode_text_is_refused_naming_prompt(engine, prom
     assert exc.value.field == "prompt"
     out = engine.generate("ok", {"max_new_tokens": 2, "ignore_eos": True})
     assert len(out["output_ids"]) == 2
+
+
+def test_messages_the_chat_template_itself_refuses_are_refused_naming_messages(engine, monkeypatch):
+    """A template's own raise_exception (e.g. roles that must alternate) is an error in the
+    messages, not a jinja2 exception."""
+    strict = (
+        "{% for m in messages %}{% if m['role'] != 'user' %}"
+        "{{ raise_exception('only user messages') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    monkeypatch.setattr(engine.tokenizer, "chat_template", strict)
+    with pytest.raises(InvalidArgument, match="only user messages") as exc:
+        engine.tokenize_chat([{"role": "system", "content": "hi"}])
+    assert exc.value.field == "messages"

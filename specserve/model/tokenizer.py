@@ -81,13 +81,18 @@ def apply_chat_template(
         raise ValueError("chat needs a tokenizer (the engine was started with skip_tokenizer_init)")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model's tokenizer has no chat template")
-    out = tokenizer.apply_chat_template(
-        messages,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        tokenize=True,
-        **(template_kwargs or {}),
-    )
+    from jinja2 import TemplateError
+
+    try:
+        out = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=True,
+            **(template_kwargs or {}),
+        )
+    except TemplateError as e:  # (the template's own raise_exception: roles out of order, ...)
+        raise ValueError(f"the chat template refused them: {e}") from None
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)
