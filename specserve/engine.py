@@ -24,6 +24,7 @@ from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 from specserve.runtime.grammar import RequestGrammar, grammar_spec
 from specserve.runtime.logprobs import add_logprobs
 from specserve.runtime.output import request_output, sample_rids
+from specserve.runtime.penalties import check_penalties
 from specserve.runtime.request import ReqState, Request
 from specserve.runtime.tensor_parallel import start_engine_core
 from specserve.sampling_params import INT64_MAX, LOGPROB_FIELDS, SamplingParams, check_logprob_field
@@ -442,6 +443,7 @@ class Engine:
             raise InvalidArgument(
                 "stop_token_ids", f"token id {never} is outside the vocabulary [0, {vocab})"
             )
+        check_penalties(params, vocab, self.config.tp_size)
         compiled = self.core.compile_grammar(params)
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop", "stop strings need a tokenizer; use stop_token_ids")

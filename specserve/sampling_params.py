@@ -25,7 +25,18 @@ MAX_STOP_TOKEN_IDS = 1024  # each generated token is looked up in this list
 INT64_MAX = 2**63 - 1  # integers the engine packs into int64 tensors must fit
 MAX_N = 64  # samples per prompt
 MAX_TOP_LOGPROBS = 20  # alternatives per position (vLLM's default cap)
+MAX_PENALTY = 2.0  # frequency / presence penalties in [-2, 2] (OpenAI's range)
+MAX_REPETITION_PENALTY = 2.0  # (0, 2], SGLang's range (1: none)
+MAX_LOGIT_BIAS = 100.0  # a bias in [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries of one request's logit_bias
 GRAMMAR_PARAMS = ("json_schema", "regex", "ebnf")  # structured output (SGLang's names)
+# the values of the penalty and bias parameters that leave draws as they are
+PENALTY_NEUTRALS = {
+    "frequency_penalty": (0.0,),
+    "presence_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "logit_bias": (None, {}),
+}
 
 
 @dataclass
@@ -42,6 +53,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1  # samples of the prompt (the engine runs n requests; sample i uses seed + i)
     speculative: bool = True  # False: decoded plainly, also inside a speculative batch
+    # penalties on the output so far (ops/penalties.py; 0, 0 and 1: none) and a bias per
+    # token id (added to its logit)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     # structured output (at most one): the output follows a JSON schema (an object or its
     # text), a regular expression, or an EBNF grammar (runtime/grammar.py)
     json_schema: str | None = None
@@ -73,6 +90,11 @@ class SamplingParams:
     @property
     def needs_filter(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a logit bias changes this request's draws."""
+        return any(getattr(self, name) not in neutral for name, neutral in PENALTY_NEUTRALS.items())
 
     def validate(self, max_temperature: float = MAX_TEMPERATURE) -> None:
         """Check every field (and normalize: a tiny temperature becomes 0, i.e. greedy)."""
@@ -197,6 +219,55 @@ def _n(v: Any) -> int:
     return n
 
 
+def _penalty(name: str, v: Any) -> float:
+    x = _number(name, v)
+    if not -MAX_PENALTY <= x <= MAX_PENALTY:
+        raise InvalidArgument(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {x:g}")
+    return x
+
+
+def _repetition_penalty(v: Any) -> float:
+    x = _number("repetition_penalty", v)
+    if not 0.0 < x <= MAX_REPETITION_PENALTY:
+        raise InvalidArgument(
+            "repetition_penalty",
+            f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1: no penalty), got {x:g}",
+        )
+    return x
+
+
+def _logit_bias(v: Any) -> dict[int, float] | None:
+    """Token id -> bias; ids may come as strings of digits (JSON object keys, as OpenAI's
+    API sends them)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise InvalidArgument(
+            "logit_bias", f"must be an object of token id -> bias, got {_short(v)}"
+        )
+    if len(v) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidArgument(
+            "logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} token ids are allowed, got {len(v)}"
+        )
+    out = {}
+    for key, bias in v.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not is_int(token) or not 0 <= token <= INT64_MAX:
+            raise InvalidArgument(
+                "logit_bias", f"keys must be non-negative integer token ids, got {_short(key)}"
+            )
+        ok = isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
+        if not ok or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidArgument(
+                "logit_bias",
+                f"the bias of token {token} must be a number in [-{MAX_LOGIT_BIAS:g}, "
+                f"{MAX_LOGIT_BIAS:g}], got {_short(bias)}",
+            )
+        x = float(bias)
+        out[token] = x
+    return out or None
+
+
 def _json_schema(v: Any) -> str | None:
     if v is None:
         return None
@@ -233,6 +304,10 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "skip_special_tokens": lambda v: _boolean("skip_special_tokens", v),
     "n": _n,
     "speculative": lambda v: _boolean("speculative", v),
+    "frequency_penalty": lambda v: _penalty("frequency_penalty", v),
+    "presence_penalty": lambda v: _penalty("presence_penalty", v),
+    "repetition_penalty": _repetition_penalty,
+    "logit_bias": _logit_bias,
 }
 FIELDS = tuple(f.name for f in fields(SamplingParams))
 

@@ -88,7 +88,19 @@ OPENAI_FIELDS = {
     "skip_special_tokens": OPENAI_BOOL,
     "return_token_ids": OPENAI_BOOL,
     "logprobs": [6, "x", -1],
-    "presence_penalty": [0.5, "x", "NaN"],
+    "presence_penalty": [2.5, -3, "x", "NaN", True],
+    "frequency_penalty": [2.5, "0.5", False],
+    "repetition_penalty": [0, -1, 2.5, "x"],
+    "logit_bias": [
+        [1],
+        "x",
+        {"x": 1},
+        {"-1": 1},
+        {"1": 101},
+        {"1": "a"},
+        {"1": True},
+        {"10000000": 1},
+    ],
     "model": [5, "gpt-17", NESTED],
 }
 BAD: list[tuple[str, str, object]] = []  # (route, field, value)

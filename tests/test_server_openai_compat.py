@@ -293,3 +293,38 @@ def test_chat_template_kwargs_reach_the_template(served, monkeypatch):
         assert r.status_code == 200, r.text
         usage.append(r.json()["usage"]["prompt_tokens"])
     assert usage[0] > usage[1] == usage[2], usage
+
+
+# ---- penalties and logit bias -------------------------------------------------------------------
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS])
+def test_logit_bias_and_penalties_reach_the_engine(served, route):
+    base = {"messages": MESSAGES} if route == CHAT else {"prompt": "the quick brown fox"}
+    base.update(max_tokens=8, temperature=0, ignore_eos=True, return_token_ids=True)
+
+    def ids(body):
+        r = served.http.post(route, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    assert ids({**base, "logit_bias": {"42": 100}}) == [42] * 8
+    free = ids(base)
+    assert ids({**base, "frequency_penalty": 2.0, "presence_penalty": 2.0}) != free
+    assert not set(ids({**base, "logit_bias": {str(t): -100 for t in free}})) & set(free)
+
+
+def test_generate_takes_logit_bias_and_penalties(served):
+    def ids(**extra):
+        body = {"input_ids": [5, 6, 7], "sampling_params": {**GREEDY_NATIVE, **extra}}
+        r = served.http.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    assert ids(logit_bias={"42": 100}) == [42] * 8
+    assert ids(repetition_penalty=1.9, frequency_penalty=1.0) != ids()
+    r = served.http.post(
+        "/generate", json={"input_ids": [5], "sampling_params": {"repetition_penalty": 0}}
+    )
+    assert r.status_code == 400 and "repetition_penalty" in r.text
+
+
+GREEDY_NATIVE = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}

@@ -317,6 +317,17 @@ def test_tp2_decodes_exactly_what_tp1_decodes(models, eagle, case):
 
 
 @pytest.mark.slow
+def test_penalties_are_refused_with_tp_size_2_naming_the_field(models):
+    # (the other ranks know a request's output as of its prefill: their draws would differ)
+    with Engine(model_path=models["llama"], tp_size=2, **CPU) as e:
+        for field, value in (("logit_bias", {"3": 1.0}), ("repetition_penalty", 1.2)):
+            with pytest.raises(InvalidArgument) as err:
+                e.generate(input_ids=[5, 6], sampling_params=dict(GREEDY, **{field: value}))
+            assert err.value.field == field
+        assert len(e.generate(input_ids=[5, 6], sampling_params=GREEDY)["output_ids"]) == 20
+
+
+@pytest.mark.slow
 def test_a_killed_rank_fails_requests_with_its_reason(models):
     with Engine(model_path=models["llama"], tp_size=2, **CPU) as e:
         prompt = [5, 6, 7, 8]

@@ -185,9 +185,10 @@ class EngineCore:
             if self.tokenizer is None
             else GrammarCompiler(self.tokenizer, mc.vocab_size, unsupported)
         )
-        # live requests with structured output: steps are not launched ahead while there
-        # are any, since a step's masks need the grammar state after the step before it
-        self.constrained: set[str] = set()
+        # live requests with structured output, penalties or a logit bias: steps are not
+        # launched ahead while there are any, since a step's masks need the grammar state
+        # after the step before it, and its penalties that step's tokens
+        self.paced: set[str] = set()
         self.requests: dict[str, Request] = {}
         self.by_name: dict[str, Request] = {}  # the latest request of each caller's id
         self._rekeyed = itertools.count(1)
@@ -259,8 +260,8 @@ class EngineCore:
             req.rid = f"{req.name}#{next(self._rekeyed)}"
         self.requests[req.rid] = req
         self.by_name[req.name] = req
-        if req.grammar is not None:
-            self.constrained.add(req.rid)
+        if req.grammar is not None or req.params.adjusts_logits:
+            self.paced.add(req.rid)
         if req.params.max_new_tokens == 0 and not req.wants_prompt_logprobs:
             req.finish("length", length=0)  # (with prompt log-probs: prefill, then finish)
             return
@@ -316,7 +317,7 @@ class EngineCore:
             self.host_clock.interrupt()  # the loop may have idled: not a step's host time
         if self.pending is not None:
             ahead = None
-            if self.overlap and not self.constrained:
+            if self.overlap and not self.paced:
                 reqs = self.scheduler.schedule_decode_ahead(self.worker.max_accept)
                 if reqs:
                     ahead = self._launch_decode(reqs)
@@ -557,7 +558,7 @@ class EngineCore:
         for r in done:
             self.scheduler.remove(r)
             del self.requests[r.rid]
-            self.constrained.discard(r.rid)
+            self.paced.discard(r.rid)
             if self.by_name.get(r.name) is r:
                 del self.by_name[r.name]
         # after the tables: should freeing a request's worker state fail, no request is left

@@ -26,6 +26,7 @@ from specserve.ops.sampling import SamplingMode, SamplingTensors, sample
 from specserve.ops.token_bitmask import apply_token_bitmask
 from specserve.runtime.grammar import batch_grammar, next_token_bitmask
 from specserve.runtime.logprobs import TokenLogprobs, host_rows
+from specserve.runtime.penalties import batch_penalties
 from specserve.runtime.request import PrefillChunk, Request
 from specserve.speculative.step import DecodeStep, StepLogprobs
 
@@ -111,8 +112,8 @@ class PendingDecode:
         self.tier = tier
         self.lagged = None  # what the step did to lagging drafts (runtime/draft_lag.py)
         self.everyone_speculates = False  # every request in it speculated at launch
-        # it masked drafts to grammars: run eagerly, waiting on the host mid-step, so its
-        # times are no tier's (set by the worker)
+        # its draws were masked to grammars (waiting on the host mid-step) or penalized: run
+        # eagerly, so its times are no tier's (set by the worker)
         self.constrained = False
         self._timer = timer
         self.seconds: float | None = None
@@ -307,9 +308,12 @@ class Worker:
             logits = self.target.model.compute_logits(out.hidden[last_rows], self.kernels)
             reqs = [chunks[i].req for i in done]
             sample_pos = to_device(torch.tensor([chunks[i].end for i in done]), dev)
-            drawn_from = logits
-            if any(r.grammar is not None for r in reqs):  # (log-probs: the model's own)
-                drawn_from = logits.clone()
+            drawn_from = logits  # (log-probs: the model's own, as vLLM reports them)
+            penalties = batch_penalties(reqs, logits.shape[-1], dev)
+            if penalties is not None:
+                drawn_from = penalties.draws(logits)
+            if any(r.grammar is not None for r in reqs):
+                drawn_from = drawn_from.clone() if drawn_from is logits else drawn_from
                 apply_token_bitmask(drawn_from, next_token_bitmask(reqs, logits.shape[-1], dev))
             sampled = sample(drawn_from, request_sampling(reqs, dev), sample_pos, self.kernels)
             first_logprobs = self._first_token_logprobs(reqs, logits, sampled)
@@ -483,9 +487,16 @@ class Worker:
         timer = StepTimer(self.device) if timed else None  # around the step alone
         out = None
         # structured output: the step waits for its drafts to mask the target's draws on the
-        # host, so it runs eagerly
-        grammar = batch_grammar(reqs, self.vocab_size)
-        if self.graphs is not None and grammar is None:
+        # host; penalties are built from the host's view of the output: both run eagerly
+        draws = {
+            name: value
+            for name, value in (
+                ("grammar", batch_grammar(reqs, self.vocab_size)),
+                ("penalties", batch_penalties(reqs, self.vocab_size, self.device)),
+            )
+            if value is not None
+        }
+        if self.graphs is not None and not draws:
             out = self.graphs.run(rows, sampling, width, tier, catch_up)
             if self.graphs.captured_last or self.graphs.covered_last or self.graphs.eager_last:
                 # a capture's time, a larger shape's, or launches a graph will not have, are
@@ -496,16 +507,13 @@ class Worker:
             st = SamplingTensors.gather(
                 self.rows.sampling_floats, self.rows.sampling_ints, rows_dev, sampling
             )
-            if grammar is None:
-                out = self.step.run(rows_dev, st, width, kv_upper, tier, catch_up)
-            else:
-                out = self.step.run(rows_dev, st, width, kv_upper, tier, catch_up, grammar=grammar)
-        if grammar is not None:
+            out = self.step.run(rows_dev, st, width, kv_upper, tier, catch_up, **draws)
+        if draws:
             timer = None
         elif timer is not None:
             timer.stop()
         pending = PendingDecode(reqs, *out, tier=tier, timer=timer)
-        pending.constrained = grammar is not None
+        pending.constrained = bool(draws)
         return pending
 
 

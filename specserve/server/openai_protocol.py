@@ -39,6 +39,10 @@ _OPENAI_SAMPLING = (
     "skip_special_tokens",
     "n",
     "speculative",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
 )
 # Booleans outside those: null is the default too, as OpenAI's and vLLM's servers take it.
 _NULL_IS_DEFAULT = ("stream", "return_token_ids", "echo", "logprobs")
@@ -48,10 +52,6 @@ COMPLETION_MAX_LOGPROBS = 5
 
 # Features this server does not implement: accepted only at their neutral value (null always).
 _NEUTRAL: dict[str, tuple[Any, str]] = {
-    "presence_penalty": (lambda v: v == 0, "is not supported (only 0)"),
-    "frequency_penalty": (lambda v: v == 0, "is not supported (only 0)"),
-    "repetition_penalty": (lambda v: v == 1.0, "is not supported (only 1.0)"),
-    "logit_bias": (lambda v: not v, "is not supported"),
     "suffix": (lambda v: not v, "is not supported"),
     "best_of": (lambda v: is_int(v) and v == 1, "only best_of=1 is supported"),
     "tools": (lambda v: not v, "tool calling is not supported (only null or [])"),
@@ -118,11 +118,12 @@ class _CommonRequest(StrictModel):
     skip_special_tokens: bool = True
     speculative: bool = True  # False: this request is decoded without draft tokens
     return_token_ids: bool = False
+    # penalties on the output so far and a bias per token id (string keys, as OpenAI's)
+    presence_penalty: float = Field(0.0, json_schema_extra={"minimum": -2, "maximum": 2})
+    frequency_penalty: float = Field(0.0, json_schema_extra={"minimum": -2, "maximum": 2})
+    repetition_penalty: float = Field(1.0, json_schema_extra={"exclusiveMinimum": 0, "maximum": 2})
+    logit_bias: dict[int, float] | None = None
     # OpenAI fields accepted only at their neutral value.
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     # structured output (server/structured_output.py)
@@ -198,6 +199,10 @@ class _CommonRequest(StrictModel):
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "speculative": self.speculative,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": self.logit_bias,
         }
         if self.seed is not None:
             sp["seed"] = self.seed

@@ -94,6 +94,10 @@ class NativeSamplingParams(StrictModel):
     skip_special_tokens: bool = True
     n: int = Field(1, **_schema(minimum=1, maximum=64))
     speculative: bool = True
+    frequency_penalty: float = Field(0.0, **_schema(minimum=-2, maximum=2))
+    presence_penalty: float = Field(0.0, **_schema(minimum=-2, maximum=2))
+    repetition_penalty: float = Field(1.0, **_schema(exclusiveMinimum=0, maximum=2))
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
     # structured output: a JSON schema (an object or its text), a regex, an EBNF grammar
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None

@@ -180,18 +180,22 @@ class DecodeStep:
         tier: int = 0,
         catch_up: bool = False,
         grammar=None,
+        penalties=None,
     ) -> StepOutputs:
         """One step of the requests in `rows` (PAD_ROW: padding, touching only scratch);
         `width` bounds every kv_len + tier_slot_width(tier, catch_up). catch_up: first run
         the draft over the positions plain steps skipped. grammar: the batch's structured
         output (runtime/grammar.py `BatchGrammar`), which masks each node's draw to what its
-        request's grammar allows after the node's path; the host waits for the drafts."""
+        request's grammar allows after the node's path; the host waits for the drafts.
+        penalties: the batch's logit biases and penalties (runtime/penalties.py
+        `BatchPenalties`), each node's after its path."""
         batch = self._read(rows, sampling, width, kv_upper, self.tier_window(tier))
         if catch_up:
             batch.root_g = self.drafter.catch_up(batch, rows)
         shape = self.tiers[tier]
         trees = self.drafter.draft(batch, shape)
-        extra = {} if grammar is None else {"grammar": grammar}  # (wrappers keep the old call)
+        # (wrappers keep the old call)
+        extra = {k: v for k, v in (("grammar", grammar), ("penalties", penalties)) if v is not None}
         acc, target_out, logprobs, path_rows, reach = self.verify(
             batch, trees, shape.verified, **extra
         )
@@ -231,7 +235,12 @@ class DecodeStep:
         )
 
     def verify(
-        self, batch: DecodeBatch, trees: DraftTrees, verified: int = 0, grammar=None
+        self,
+        batch: DecodeBatch,
+        trees: DraftTrees,
+        verified: int = 0,
+        grammar=None,
+        penalties=None,
     ) -> tuple[Acceptance, object, StepLogprobs | None, torch.Tensor, torch.Tensor | None]:
         """One target forward over every tree of the batch (node i at position kv_len +
         depth[i], its KV written at kv_len + i, seeing its ancestors); the target draws a token
@@ -259,10 +268,12 @@ class DecodeStep:
         out = self.target.forward(tokens, positions, meta, self.drafter.capture_layers, packed)
         st = batch.sampling
         logits = self.target.model.compute_logits(out.hidden, kernels, upcast=not st.all_greedy)
-        drawn_from = logits
-        if grammar is not None:  # (log-probs stay the model's own, as vLLM reports them)
+        drawn_from = logits  # (log-probs stay the model's own, as vLLM reports them)
+        if penalties is not None:
+            drawn_from = penalties.tree_draws(logits, trees, None if plan is None else plan.packed)
+        if grammar is not None:
             bitmask = grammar.tree_bitmask(trees.tokens, trees.parents)
-            drawn_from = logits.clone()
+            drawn_from = drawn_from.clone() if drawn_from is logits else drawn_from
             apply_token_bitmask(drawn_from, bitmask if plan is None else bitmask[plan.packed])
         if n > 1 and not st.all_greedy:  # greedy rows need no per-node sampling parameters
             st = st.expand(n) if plan is None else st.expand(n).take(plan.packed)

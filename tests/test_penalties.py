@@ -1,0 +1,262 @@
+"""Logit bias and repetition / frequency / presence penalties: what they do to a draw (against
+transformers and a token-by-token reference), and that speculative decoding with them draws
+exactly what plain decoding with them draws, whatever the tree, tier, page size or schedule."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.errors import InvalidArgument
+from specserve.ops.penalties import Penalties, penalize_reference, penalize_rows
+from specserve.runtime.cuda_graphs import DecodeGraphs
+from tests.engine_utils import TINY, mixed_prompts, spec_args
+from tests.model_factory import hf_logits, load_hf_model, random_prompt, write_hf_model
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+
+
+def random_penalties(b: int, v: int, g: torch.Generator, neutral_rows=()) -> Penalties:
+    counts = torch.randint(0, 3, (b, v), generator=g).float() * (
+        torch.rand(b, v, generator=g) < 0.1
+    )
+    bias = torch.randn(b, v, generator=g) * (torch.rand(b, v, generator=g) < 0.05)
+    pen = Penalties(
+        counts=counts,
+        in_prompt=torch.rand(b, v, generator=g) < 0.1,
+        bias=bias,
+        frequency=torch.rand(b, generator=g) * 4 - 2,
+        presence=torch.rand(b, generator=g) * 4 - 2,
+        repetition=torch.rand(b, generator=g) * 1.9 + 0.1,
+    )
+    for i in neutral_rows:
+        pen.bias[i], pen.frequency[i], pen.presence[i], pen.repetition[i] = 0, 0, 0, 1
+    return pen
+
+
+def as_lists(pen: Penalties, i: int):
+    """Request i of `pen` as the reference takes it: prompt, output, bias."""
+    prompt = pen.in_prompt[i].nonzero().flatten().tolist()
+    output = [t for t, c in enumerate(pen.counts[i].long().tolist()) for _ in range(c)]
+    bias = {t: pen.bias[i, t].item() for t in pen.bias[i].nonzero().flatten().tolist()}
+    return prompt, output, bias
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_each_row_is_penalized_as_the_reference_penalizes_its_draw(seed):
+    g = torch.Generator().manual_seed(seed)
+    b, v, rows, depth = 3, 50, 20, 5
+    pen = random_penalties(b, v, g)
+    request = torch.randint(0, b, (rows,), generator=g)
+    # tree paths: some rows none, some with repeated tokens and tokens of the output
+    path = torch.randint(0, 12, (rows, depth), generator=g)
+    path[torch.rand(rows, depth, generator=g) < 0.4] = -1
+    path[0] = -1
+    logits = torch.randn(rows, v, generator=g) * 3
+    out = penalize_rows(logits, pen, request, path)
+    for r in range(rows):
+        prompt, output, bias = as_lists(pen, int(request[r]))
+        output += [t for t in path[r].tolist() if t >= 0]
+        i = int(request[r])
+        want = penalize_reference(
+            logits[r], prompt, output, bias,
+            pen.frequency[i].item(), pen.presence[i].item(), pen.repetition[i].item(),
+        )  # fmt: skip
+        torch.testing.assert_close(out[r], want, rtol=1e-5, atol=1e-5)
+
+
+def test_neutral_rows_are_left_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    pen = random_penalties(2, 40, g, neutral_rows=[1])
+    logits = torch.randn(4, 40, generator=g)
+    path = torch.tensor([[3, 3, -1], [-1, -1, -1], [5, 7, 9], [1, -1, 2]])
+    out = penalize_rows(logits, pen, torch.tensor([0, 1, 1, 0]), path)
+    assert torch.equal(out[1:3], logits[1:3])
+    assert not torch.equal(out[0], logits[0])
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    return write_hf_model(tmp_path_factory.mktemp("hf"), vocab_size=96, seed=3)
+
+
+def reference_greedy(model, prompt, n, bias=None, frequency=0.0, presence=0.0, repetition=1.0):
+    """Greedy decoding with transformers' logits, penalized token by token."""
+    out: list[int] = []
+    for _ in range(n):
+        logits = hf_logits(model, prompt + out)[-1]
+        x = penalize_reference(logits, prompt, out, bias or {}, frequency, presence, repetition)
+        out.append(int(x.argmax()))
+    return out
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"frequency_penalty": 1.5},
+        {"presence_penalty": 2.0},
+        {"repetition_penalty": 1.8},
+        {"repetition_penalty": 0.4, "presence_penalty": -0.5},
+        {"logit_bias": {"7": 4.0, "11": -3.0}, "frequency_penalty": 0.7},
+    ],
+)
+def test_greedy_output_is_the_penalized_references(hf_folder, params):
+    model = load_hf_model(hf_folder)
+    prompts = [random_prompt(n, 96, seed=n) for n in (3, 9)]
+    kw = dict(model_path=hf_folder, dtype="float32", device="cpu", skip_tokenizer_init=True)
+    with Engine(**kw) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=dict(GREEDY, **params))
+        unpenalized = e.generate(input_ids=prompts, sampling_params=GREEDY)
+    bias = {int(t): b for t, b in params.get("logit_bias", {}).items()}
+    for prompt, out in zip(prompts, outs):
+        want = reference_greedy(
+            model, prompt, GREEDY["max_new_tokens"], bias,
+            params.get("frequency_penalty", 0.0), params.get("presence_penalty", 0.0),
+            params.get("repetition_penalty", 1.0),
+        )  # fmt: skip
+        assert out["output_ids"] == want
+    # (and they do change something: the same prompts decode otherwise without them)
+    assert [o["output_ids"] for o in outs] != [o["output_ids"] for o in unpenalized]
+
+
+def test_repetition_penalty_is_transformers_own(hf_folder):
+    model = load_hf_model(hf_folder)
+    prompt = random_prompt(6, 96, seed=1)
+    gen = model.generation_config
+    gen.eos_token_id = None
+    with torch.no_grad():
+        hf = model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=12, repetition_penalty=1.5,
+            pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )[0, len(prompt):].tolist()  # fmt: skip
+    kw = dict(model_path=hf_folder, dtype="float32", device="cpu", skip_tokenizer_init=True)
+    with Engine(**kw) as e:
+        ours = e.generate(
+            input_ids=prompt,
+            sampling_params=dict(GREEDY, max_new_tokens=12, repetition_penalty=1.5),
+        )
+    assert ours["output_ids"] == hf
+
+
+def mixed_params(n: int, seed: int, sampled: bool = False) -> list[dict]:
+    """Every other request penalized or biased, the rest not; sampled: seeded draws."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = dict(GREEDY, max_new_tokens=20)
+        if sampled:
+            p.update(temperature=0.9, top_p=0.95, seed=seed * 10 + i)
+        if i % 2 == 0:
+            p.update(
+                frequency_penalty=rng.uniform(-1, 2),
+                presence_penalty=rng.uniform(-1, 2),
+                repetition_penalty=rng.uniform(0.5, 2),
+                logit_bias={str(rng.randrange(3, 500)): rng.uniform(-5, 5) for _ in range(3)},
+            )
+        out.append(p)
+    return out
+
+
+def decode(prompts, params, padded=False, random_tiers=None, **kw):
+    with Engine(**TINY, debug_check_invariants=True, **kw) as e:
+        if padded:  # the CUDA-graph shape (padded batch, static inputs), eagerly on CPU
+            e.core.worker.graphs = DecodeGraphs(e.core.worker, 4, max_width=4096, capture=False)
+        if random_tiers is not None:  # every tier, ragged ones too, in a random order
+            rng = random.Random(random_tiers)
+            count = len(e.core.adaptive.tiers)
+            e.core.adaptive.pick = lambda b, can=True, ready=None: rng.randrange(count)
+        outs = e.generate(input_ids=prompts, sampling_params=params)
+        return [o["output_ids"] for o in outs], e.stats()
+
+
+SPECULATIVE = {
+    "chain": spec_args("tiny", 1, 3, 4),
+    "tree": spec_args("tiny", 3, 4, 10),
+    "wide tree": spec_args("tiny", 4, 3, 12),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECULATIVE))
+@pytest.mark.parametrize(
+    "page_size,overlap,padded", [(1, True, False), (4, False, True), (3, True, True)]
+)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_speculative_output_with_penalties_equals_plain(name, page_size, overlap, padded, sampled):
+    prompts = mixed_prompts(6, 512, seed=page_size, min_len=2, max_len=16)
+    params = mixed_params(6, page_size, sampled)
+    kw = dict(page_size=page_size, disable_overlap_schedule=not overlap)
+    plain, _ = decode(prompts, params, **kw)
+    spec, stats = decode(prompts, params, padded=padded, **kw, **SPECULATIVE[name])
+    assert spec == plain
+    if not sampled:  # (the target is its own draft: its greedy drafts were accepted)
+        assert stats["spec_accept_length"] > 1.5
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_adaptive_tier_with_penalties_equals_plain(seed):
+    """Ragged tiers verify a subset of each tree's nodes (packed rows)."""
+    prompts = mixed_prompts(5, 512, seed=seed, min_len=2, max_len=16)
+    params = mixed_params(5, seed)
+    plain, _ = decode(prompts, params)
+    spec, _ = decode(
+        prompts, params, random_tiers=seed, **spec_args("tiny", 3, 4, 10, speculative_adaptive=True)
+    )
+    assert spec == plain
+
+
+def test_requests_without_penalties_decode_as_in_a_batch_without_any():
+    prompts = mixed_prompts(6, 512, seed=4, min_len=2, max_len=16)
+    params = mixed_params(6, 4)
+    spec = spec_args("tiny", 3, 4, 10)
+    mixed, _ = decode(prompts, params, **spec)
+    alone, _ = decode(prompts[1::2], params[1::2], **spec)
+    assert mixed[1::2] == alone
+
+
+def test_retracted_requests_keep_their_penalties():
+    prompts = mixed_prompts(16, 512, seed=11, min_len=3, max_len=12)
+    params = [dict(p, max_new_tokens=24) for p in mixed_params(16, 11)]
+    plain, _ = decode(prompts, params)
+    spec, stats = decode(
+        prompts, params, page_size=4, max_total_tokens=200, **spec_args("tiny", 3, 4, 10)
+    )
+    assert stats["num_retractions"] > 0
+    assert spec == plain
+
+
+def test_logit_bias_forces_and_bans_tokens():
+    prompt = mixed_prompts(1, 512, seed=2)[0]
+    with Engine(**TINY, **spec_args("tiny", 3, 4, 10)) as e:
+        forced = e.generate(input_ids=prompt, sampling_params=dict(GREEDY, logit_bias={"42": 100}))
+        free = e.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+        banned = e.generate(
+            input_ids=prompt, sampling_params=dict(GREEDY, logit_bias={str(t): -100 for t in free})
+        )
+    assert forced["output_ids"] == [42] * GREEDY["max_new_tokens"]
+    assert not set(banned["output_ids"]) & set(free)
+
+
+@pytest.mark.parametrize(
+    "params,field",
+    [
+        ({"logit_bias": {"512": 1.0}}, "logit_bias"),  # past the tiny model's vocabulary
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"3": 101}}, "logit_bias"),
+        ({"logit_bias": {"3": "1"}}, "logit_bias"),
+        ({"logit_bias": [3]}, "logit_bias"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": "1"}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ],
+)
+def test_bad_penalties_are_refused_naming_the_field(params, field):
+    with Engine(**TINY) as e:
+        with pytest.raises(InvalidArgument) as err:
+            e.generate(input_ids=[5, 6, 7], sampling_params=dict(GREEDY, **params))
+        assert err.value.field == field
+        # (and the engine serves the next request as before)
+        assert len(e.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["output_ids"]) == 16
