@@ -30,12 +30,14 @@ MAX_REPETITION_PENALTY = 2.0  # (0, 2], SGLang's range (1: none)
 MAX_LOGIT_BIAS = 100.0  # a bias in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS_TOKENS = 1024  # entries of one request's logit_bias
 GRAMMAR_PARAMS = ("json_schema", "regex", "ebnf")  # structured output (SGLang's names)
-# the values of the penalty and bias parameters that leave draws as they are
-PENALTY_NEUTRALS = {
+# the parameters that change the target's draws beside sampling (runtime/penalties.py), and
+# the values that leave them as they are
+ADJUSTMENT_NEUTRALS = {
     "frequency_penalty": (0.0,),
     "presence_penalty": (0.0,),
     "repetition_penalty": (1.0,),
     "logit_bias": (None, {}),
+    "min_new_tokens": (0,),
 }
 
 
@@ -46,6 +48,7 @@ class SamplingParams:
     top_k: int = -1  # -1 or 0: no limit
     min_p: float = 0.0
     max_new_tokens: int = 128
+    min_new_tokens: int = 0  # no stop token (EOS, stop_token_ids) or stop string before this
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -81,6 +84,7 @@ class SamplingParams:
         kwargs = {name: check_field(name, v, max_temperature) for name, v in value.items()}
         params = SamplingParams(**kwargs)
         params._check_one_grammar()
+        params._check_lengths()
         return params
 
     @property
@@ -93,14 +97,25 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty or a logit bias changes this request's draws."""
-        return any(getattr(self, name) not in neutral for name, neutral in PENALTY_NEUTRALS.items())
+        """Whether a penalty, a logit bias or a minimum length changes this request's
+        draws."""
+        return any(
+            getattr(self, name) not in neutral for name, neutral in ADJUSTMENT_NEUTRALS.items()
+        )
 
     def validate(self, max_temperature: float = MAX_TEMPERATURE) -> None:
         """Check every field (and normalize: a tiny temperature becomes 0, i.e. greedy)."""
         for f in fields(self):
             setattr(self, f.name, check_field(f.name, getattr(self, f.name), max_temperature))
         self._check_one_grammar()
+        self._check_lengths()
+
+    def _check_lengths(self) -> None:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise InvalidArgument(
+                "min_new_tokens",
+                f"must be at most max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}",
+            )
 
     def _check_one_grammar(self) -> None:
         given = [n for n in GRAMMAR_PARAMS if getattr(self, n) is not None]
@@ -297,6 +312,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "top_k": _top_k,
     "min_p": _min_p,
     "max_new_tokens": _max_new_tokens,
+    "min_new_tokens": lambda v: _integer("min_new_tokens", v, 0, "an integer in [0, 2**63)"),
     "stop": _stop,
     "stop_token_ids": _stop_token_ids,
     "ignore_eos": lambda v: _boolean("ignore_eos", v),

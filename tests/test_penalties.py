@@ -142,11 +142,13 @@ def test_repetition_penalty_is_transformers_own(hf_folder):
 
 
 def mixed_params(n: int, seed: int, sampled: bool = False) -> list[dict]:
-    """Every other request penalized or biased, the rest not; sampled: seeded draws."""
+    """Every other request penalized, biased and held to a minimum length, the rest not;
+    every one stops at a few common tokens; sampled: seeded draws."""
     rng = random.Random(seed)
+    stops = [rng.randrange(3, 500) for _ in range(40)]  # (a tenth of the tiny vocabulary)
     out = []
     for i in range(n):
-        p = dict(GREEDY, max_new_tokens=20)
+        p = dict(GREEDY, max_new_tokens=20, stop_token_ids=stops)
         if sampled:
             p.update(temperature=0.9, top_p=0.95, seed=seed * 10 + i)
         if i % 2 == 0:
@@ -155,6 +157,7 @@ def mixed_params(n: int, seed: int, sampled: bool = False) -> list[dict]:
                 presence_penalty=rng.uniform(-1, 2),
                 repetition_penalty=rng.uniform(0.5, 2),
                 logit_bias={str(rng.randrange(3, 500)): rng.uniform(-5, 5) for _ in range(3)},
+                min_new_tokens=rng.randrange(0, 16),
             )
         out.append(p)
     return out
@@ -260,3 +263,38 @@ def test_bad_penalties_are_refused_naming_the_field(params, field):
         assert err.value.field == field
         # (and the engine serves the next request as before)
         assert len(e.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["output_ids"]) == 16
+
+
+def test_min_new_tokens_holds_back_stop_tokens_and_stop_strings(hf_folder):
+    from tests.model_factory import write_tokenizer
+
+    write_tokenizer(hf_folder, 96)
+    prompts = [random_prompt(n, 96, seed=n) for n in (3, 7, 11)]
+    with Engine(model_path=hf_folder, dtype="float32", device="cpu") as e:
+        for prompt in prompts:
+            out = e.generate(input_ids=prompt, sampling_params=GREEDY)
+            ids, text = out["output_ids"], out["text"]
+            k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+            stop = {**GREEDY, "stop_token_ids": [ids[k]]}
+            assert len(e.generate(input_ids=prompt, sampling_params=stop)["output_ids"]) == k + 1
+            held = e.generate(input_ids=prompt, sampling_params={**stop, "min_new_tokens": k + 4})
+            assert ids[k] not in held["output_ids"][: k + 4]
+            assert len(held["output_ids"]) > k + 4
+            # a stop string ending within the first tokens does not stop the request either
+            assert text
+            word = text[: max(1, len(text) // 8)]
+            sp = {**GREEDY, "stop": [word]}
+            assert e.generate(input_ids=prompt, sampling_params=sp)["text"] == ""
+            later = e.generate(input_ids=prompt, sampling_params={**sp, "min_new_tokens": 12})
+            assert len(later["output_ids"]) > 12 and later["text"].startswith(word)
+
+
+def test_min_new_tokens_must_fit_max_new_tokens():
+    with Engine(**TINY) as e:
+        with pytest.raises(InvalidArgument) as err:
+            e.generate(input_ids=[5, 6], sampling_params=dict(GREEDY, min_new_tokens=17))
+        assert err.value.field == "min_new_tokens"
+        for bad in (-1, True, 2.0, "3"):
+            with pytest.raises(InvalidArgument) as err:
+                e.generate(input_ids=[5, 6], sampling_params=dict(GREEDY, min_new_tokens=bad))
+            assert err.value.field == "min_new_tokens"

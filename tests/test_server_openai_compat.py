@@ -100,11 +100,7 @@ UNSUPPORTED = [  # (routes, field, value); structured output: tests/test_structu
     ((COMPLETIONS,), "tool_choice", "required"),
     ((CHAT,), "functions", [{"name": "f", "parameters": {}}]),
     ((CHAT,), "function_call", {"name": "f"}),
-    ((CHAT, COMPLETIONS), "min_tokens", 5),
-    ((CHAT, COMPLETIONS), "min_tokens", False),  # (strict types: not 0)
-    ((CHAT, COMPLETIONS), "min_new_tokens", 0.0),
     ((CHAT, COMPLETIONS), "bad_words", ""),
-    ((CHAT, COMPLETIONS), "min_new_tokens", 5),
     ((CHAT, COMPLETIONS), "use_beam_search", True),
     ((CHAT, COMPLETIONS), "bad_words", ["the"]),
     ((CHAT, COMPLETIONS), "allowed_token_ids", [5, 6]),
@@ -328,3 +324,37 @@ def test_generate_takes_logit_bias_and_penalties(served):
 
 
 GREEDY_NATIVE = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS])
+def test_min_tokens_holds_back_the_stop_tokens(served, route):
+    base = {"messages": MESSAGES} if route == CHAT else {"prompt": "the quick brown fox"}
+    base.update(max_tokens=12, temperature=0, return_token_ids=True)
+
+    def ids(**extra):
+        r = served.http.post(route, json={**base, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    free = ids(ignore_eos=True)
+    k = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+    assert len(ids(stop_token_ids=[free[k]])) == k + 1
+    for name in ("min_tokens", "min_new_tokens"):  # (vLLM's name, SGLang's)
+        held = ids(stop_token_ids=[free[k]], ignore_eos=True, **{name: k + 3})
+        assert free[k] not in held[: k + 3] and len(held) > k + 3
+
+
+@pytest.mark.parametrize(
+    "extra,field",
+    [
+        ({"min_tokens": 13}, "min_tokens"),  # past max_tokens
+        ({"min_new_tokens": 13}, "min_new_tokens"),
+        ({"min_tokens": False}, "min_tokens"),  # (strict types: not 0)
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_new_tokens": 2.0}, "min_new_tokens"),
+        ({"min_tokens": 2, "min_new_tokens": 3}, "min_new_tokens"),
+    ],
+)
+def test_bad_min_tokens_get_400_naming_the_field(served, extra, field):
+    r = served.http.post(COMPLETIONS, json={"prompt": [5, 6], "max_tokens": 12, **extra})
+    assert r.status_code == 400 and error_of(r)["param"] == field, r.text

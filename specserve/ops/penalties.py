@@ -1,5 +1,5 @@
-"""Logit bias and repetition / frequency / presence penalties on the target's logits, as
-vLLM and OpenAI define them, for every node of a draft tree.
+"""Logit bias, repetition / frequency / presence penalties and a minimum length on the
+target's logits, as vLLM and OpenAI define them, for every node of a draft tree.
 
 A node's draw is the token after the node's path, so it is penalized by the request's output
 so far plus the tokens on that path: a verified tree then draws exactly what plain decoding
@@ -8,7 +8,8 @@ draws after the same tokens, and speculation stays lossless. Per request, in vLL
 2. repetition_penalty r, on every token of the prompt or the output:
    logit / r where it is positive, logit * r where not;
 3. frequency_penalty f and presence_penalty p, on the output's tokens:
-   logit[t] -= f * count[t] + p * (count[t] > 0).
+   logit[t] -= f * count[t] + p * (count[t] > 0);
+4. min_new_tokens m: no stop token (EOS, stop_token_ids) while the output holds fewer than m.
 Neutral values (no bias, r = 1, f = p = 0) leave a row's logits bit for bit as they were.
 """
 
@@ -76,6 +77,21 @@ def penalize_rows(
     )
     # where a row has no path, its slots point at token 0 with no count added: the same value
     return out.scatter_(1, tokens, value)
+
+
+def block_early_stops(
+    logits: torch.Tensor,
+    stops: torch.Tensor,
+    remaining: torch.Tensor,
+    request: torch.Tensor,
+    depth: torch.Tensor,
+) -> torch.Tensor:
+    """min_new_tokens: -inf at the stop tokens (`stops` [B, V] bool) of each row drawing
+    before its request's minimum length, i.e. whose `depth` ([R]: tokens between the output so
+    far and the draw) is below `remaining[request]` ([B]: min_new_tokens less the output's
+    length). In place."""
+    early = depth < remaining[request]
+    return logits.masked_fill_(stops[request] & early[:, None], float("-inf"))
 
 
 def penalize_reference(

@@ -174,6 +174,7 @@ class EngineCore:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
+        self.worker.eos_token_ids = eos  # (min_new_tokens holds them back)
         self.stop_checker = StopChecker(self.tokenizer, eos, self.context_len)
         unsupported = None
         if tp is not None and tp.size > 1:

@@ -1,6 +1,6 @@
-"""The logit biases and repetition / frequency / presence penalties of a batch's requests
-(sampling parameters `logit_bias`, `repetition_penalty`, `frequency_penalty`,
-`presence_penalty`), put on the device for one step or one prefill's draws
+"""The logit biases, repetition / frequency / presence penalties and minimum lengths of a
+batch's requests (sampling parameters `logit_bias`, `repetition_penalty`,
+`frequency_penalty`, `presence_penalty`, `min_new_tokens`), put on the device for one step or one prefill's draws
 (ops/penalties.py applies them).
 
 They are built from the host's view of each request's output. So, as for structured output,
@@ -16,14 +16,16 @@ import torch
 
 from specserve.device import to_device
 from specserve.errors import InvalidArgument
-from specserve.ops.penalties import Penalties, penalize_rows
-from specserve.sampling_params import PENALTY_NEUTRALS, SamplingParams
+from specserve.ops.penalties import Penalties, block_early_stops, penalize_rows
+from specserve.sampling_params import ADJUSTMENT_NEUTRALS, SamplingParams
 
 
 class BatchPenalties:
-    def __init__(self, reqs, vocab_size: int, device: torch.device):
+    def __init__(self, reqs, vocab_size: int, eos: set[int], device: torch.device):
+        """eos: the model's end-of-sequence ids (stop tokens unless a request ignores them)."""
         b, v = len(reqs), vocab_size
-        outputs, prompts, bias_at, bias = [], [], [], []
+        outputs, prompts, bias_at, bias, stops = [], [], [], [], []
+        remaining = [0] * b  # per request: tokens still to come before a stop may
         frequency, presence, repetition = [0.0] * b, [0.0] * b, [1.0] * b
         for i, r in enumerate(reqs):
             p = r.params
@@ -39,6 +41,10 @@ class BatchPenalties:
             for t, value in (p.logit_bias or {}).items():
                 bias_at.append(base + t)
                 bias.append(value)
+            remaining[i] = max(0, p.min_new_tokens - len(r.output_ids))
+            if remaining[i]:
+                ids_ = set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
+                stops += [base + t for t in ids_ if t < v]
 
         def ids(values: list[int]) -> torch.Tensor:
             return to_device(torch.tensor(values, dtype=torch.int64), device)
@@ -60,12 +66,20 @@ class BatchPenalties:
             per_request(repetition),
         )
         self.device = device
+        self.stops = None  # min_new_tokens: [B, V] bool, the stop tokens not yet allowed
+        if stops:
+            self.stops = torch.zeros(b * v, dtype=torch.bool, device=device)
+            self.stops[ids(stops)] = True
+            self.stops = self.stops.view(b, v)
+            self.remaining = ids(remaining)
 
     def draws(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V]: one draw per request, right after its output so far (a prefill's,
         or a plain step's)."""
         request = torch.arange(logits.shape[0], device=logits.device)
-        return penalize_rows(logits, self.penalties, request)
+        return self._block_early_stops(
+            penalize_rows(logits, self.penalties, request), request, torch.zeros_like(request)
+        )
 
     def tree_draws(self, logits: torch.Tensor, trees, packed: torch.Tensor | None) -> torch.Tensor:
         """logits [B * N, V] of every node of the batch's trees, or of the nodes `packed`
@@ -77,17 +91,26 @@ class BatchPenalties:
         if n > 1:
             on_path = trees.ancestors() & (trees.depths > 0)[:, None, :]
             path = torch.where(on_path, trees.tokens[:, None, :], -1).reshape(b * n, n)
+        depth = trees.depths.reshape(-1)
         if packed is not None:
-            request = request[packed]
+            request, depth = request[packed], depth[packed]
             path = None if path is None else path[packed]
-        return penalize_rows(logits, self.penalties, request, path)
+        out = penalize_rows(logits, self.penalties, request, path)
+        return self._block_early_stops(out, request, depth)
+
+    def _block_early_stops(self, logits, request, depth) -> torch.Tensor:
+        if self.stops is None:
+            return logits
+        return block_early_stops(logits, self.stops, self.remaining, request, depth)
 
 
-def batch_penalties(reqs, vocab_size: int, device: torch.device) -> BatchPenalties | None:
+def batch_penalties(
+    reqs, vocab_size: int, eos: set[int], device: torch.device
+) -> BatchPenalties | None:
     """The penalties of a batch, or None when none of its requests has any."""
     if not any(r.params.adjusts_logits for r in reqs):
         return None
-    return BatchPenalties(reqs, vocab_size, device)
+    return BatchPenalties(reqs, vocab_size, eos, device)
 
 
 def check_penalties(params: SamplingParams, vocab_size: int, tp_size: int) -> None:
@@ -97,7 +120,7 @@ def check_penalties(params: SamplingParams, vocab_size: int, tp_size: int) -> No
     if params.adjusts_logits and tp_size > 1:
         field = next(
             name
-            for name, neutral in PENALTY_NEUTRALS.items()
+            for name, neutral in ADJUSTMENT_NEUTRALS.items()
             if getattr(params, name) not in neutral
         )
         raise InvalidArgument(field, "is not supported with tp_size > 1")

@@ -40,17 +40,18 @@ class StopChecker:
         detok = req.detok if req.detokenizes_live else None  # (else decoded at the end)
         for kept, tok in enumerate(tokens, start=1):
             req.output_ids.append(tok)
-            if (
-                tok in p.stop_token_ids
-                or (not p.ignore_eos and tok in self.eos)
-                or (last_stops and kept == len(tokens))
+            # (min_new_tokens: the first ones neither are stop tokens, held back where drawn,
+            # nor end in a stop string)
+            early = len(req.output_ids) <= p.min_new_tokens
+            if (last_stops and kept == len(tokens)) or (
+                not early and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos))
             ):
                 self._finish(req, detok, "stop", matched=tok)
                 return kept
             len_before = len(req.text)
             if detok is not None:
                 req.text += detok.append(tok)
-            if p.stop and self._match_stop_string(req, len_before):
+            if p.stop and not early and self._match_stop_string(req, len_before):
                 return kept
             if len(req.output_ids) >= p.max_new_tokens:
                 self._finish(req, detok, "length", length=len(req.output_ids))

@@ -215,6 +215,7 @@ class Worker:
         self.kernels = kernels
         self.step = DecodeStep(target, drafter, rows, kernels, simulator, tiers)
         self.vocab_size = target.model.config.vocab_size
+        self.eos_token_ids: set[int] = set()  # (the engine's, once it knows its tokenizer)
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
         self.prefill_graphs = None  # PrefillGraphs, when CUDA graphs are on
         self._sampling_cache: tuple[tuple, SamplingMode] | None = None
@@ -309,7 +310,7 @@ class Worker:
             reqs = [chunks[i].req for i in done]
             sample_pos = to_device(torch.tensor([chunks[i].end for i in done]), dev)
             drawn_from = logits  # (log-probs: the model's own, as vLLM reports them)
-            penalties = batch_penalties(reqs, logits.shape[-1], dev)
+            penalties = batch_penalties(reqs, logits.shape[-1], self.eos_token_ids, dev)
             if penalties is not None:
                 drawn_from = penalties.draws(logits)
             if any(r.grammar is not None for r in reqs):
@@ -492,7 +493,10 @@ class Worker:
             name: value
             for name, value in (
                 ("grammar", batch_grammar(reqs, self.vocab_size)),
-                ("penalties", batch_penalties(reqs, self.vocab_size, self.device)),
+                (
+                    "penalties",
+                    batch_penalties(reqs, self.vocab_size, self.eos_token_ids, self.device),
+                ),
             )
             if value is not None
         }

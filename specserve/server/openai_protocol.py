@@ -67,8 +67,6 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     # sampling extensions of vLLM and SGLang that would change the output
     # (these are untyped here: the strict types of the other fields are checked by hand, so
     # that false or 0.0 is not taken for 0)
-    "min_tokens": (lambda v: is_int(v) and v == 0, "is not supported (only 0)"),
-    "min_new_tokens": (lambda v: is_int(v) and v == 0, "is not supported (only 0)"),
     "use_beam_search": (lambda v: v is False, "beam search is not supported (only false)"),
     "bad_words": (lambda v: v == [], "is not supported (only null or [])"),
     "allowed_token_ids": (lambda v: False, "is not supported (only null)"),
@@ -136,8 +134,9 @@ class _CommonRequest(StrictModel):
     json_schema: Any = None
     regex: Any = None
     ebnf: Any = None
-    min_tokens: Any = None
-    min_new_tokens: Any = None
+    # no stop token or stop string before this many tokens (vLLM's name; SGLang's)
+    min_tokens: int | None = None
+    min_new_tokens: int | None = None
     best_of: Any = None
     no_stop_trim: Any = None
     stop_regex: Any = None
@@ -155,6 +154,11 @@ class _CommonRequest(StrictModel):
         if v is None:
             return cls.model_fields[info.field_name].default
         return core_check(info.field_name, v, OPENAI_MAX_TEMPERATURE)
+
+    @field_validator("min_tokens", "min_new_tokens", mode="before")
+    @classmethod
+    def _min_tokens_check(cls, v, info: ValidationInfo):
+        return None if v is None else core_check(info.field_name, v, 0, "min_new_tokens")
 
     @field_validator(*_NULL_IS_DEFAULT, mode="before", check_fields=False)
     @classmethod
@@ -204,6 +208,23 @@ class _CommonRequest(StrictModel):
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": self.logit_bias,
         }
+        least = self.min_tokens if self.min_tokens is not None else self.min_new_tokens
+        if None not in (self.min_tokens, self.min_new_tokens) and (
+            self.min_tokens != self.min_new_tokens
+        ):
+            raise APIError(
+                "min_new_tokens: differs from min_tokens (two names of one field)",
+                param="min_new_tokens",
+            )
+        if least:
+            if least > max_new_tokens:
+                field = "min_tokens" if self.min_tokens is not None else "min_new_tokens"
+                raise APIError(
+                    f"{field}: must be at most the completion's maximum length "
+                    f"({max_new_tokens}), got {least}",
+                    param=field,
+                )
+            sp["min_new_tokens"] = least
         if self.seed is not None:
             sp["seed"] = self.seed
         if self.n is not None:

@@ -87,6 +87,7 @@ class NativeSamplingParams(StrictModel):
     top_k: int = Field(-1, **_schema(minimum=-1))
     min_p: float = Field(0.0, **_schema(minimum=0, maximum=1))
     max_new_tokens: int = Field(128, **_schema(minimum=0))
+    min_new_tokens: int = Field(0, **_schema(minimum=0))
     stop: str | list[str] | None = Field(None, **_schema(maxItems=16))
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
