@@ -317,10 +317,13 @@ def test_generate_takes_logit_bias_and_penalties(served):
 
     assert ids(logit_bias={"42": 100}) == [42] * 8
     assert ids(repetition_penalty=1.9, frequency_penalty=1.0) != ids()
-    r = served.http.post(
-        "/generate", json={"input_ids": [5], "sampling_params": {"repetition_penalty": 0}}
-    )
-    assert r.status_code == 400 and "repetition_penalty" in r.text
+    for bad, field in (
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_new_tokens": 9, "max_new_tokens": 8}, "min_new_tokens"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ):
+        r = served.http.post("/generate", json={"input_ids": [5], "sampling_params": bad})
+        assert r.status_code == 400 and field in r.text, r.text
 
 
 GREEDY_NATIVE = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
