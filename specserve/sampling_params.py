@@ -131,12 +131,26 @@ def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _finite(v: Any) -> float | None:
+    """A number as a finite float; None for anything else (an integer past a float's range
+    too: math.isfinite raises on it)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        x = float(v)
+    except OverflowError:
+        return None
+    return x if math.isfinite(x) else None
+
+
 def _number(name: str, v: Any) -> float:
     if not (isinstance(v, (int, float)) and not isinstance(v, bool)):
         raise InvalidArgument(name, f"must be a number, got {_short(v)}")
-    if not math.isfinite(v):
-        raise InvalidArgument(name, f"must be a finite number, got {v}")
-    return float(v)
+    x = _finite(v)
+    if x is None:
+        shown = v if isinstance(v, float) else "an integer past a float's range"
+        raise InvalidArgument(name, f"must be a finite number, got {shown}")
+    return x
 
 
 def _integer(name: str, v: Any, low: int, allowed: str) -> int:
@@ -266,19 +280,22 @@ def _logit_bias(v: Any) -> dict[int, float] | None:
         )
     out = {}
     for key, bias in v.items():
-        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        # (digits past int64's length stay a string, refused below: int() refuses thousands)
+        digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 20
+        token = int(key) if digits else key
         if not is_int(token) or not 0 <= token <= INT64_MAX:
             raise InvalidArgument(
                 "logit_bias", f"keys must be non-negative integer token ids, got {_short(key)}"
             )
-        ok = isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
-        if not ok or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+        x = _finite(bias)
+        if x is None or not -MAX_LOGIT_BIAS <= x <= MAX_LOGIT_BIAS:
+            huge = x is None and is_int(bias)
+            shown = "an integer past a float's range" if huge else _short(bias)
             raise InvalidArgument(
                 "logit_bias",
                 f"the bias of token {token} must be a number in [-{MAX_LOGIT_BIAS:g}, "
-                f"{MAX_LOGIT_BIAS:g}], got {_short(bias)}",
+                f"{MAX_LOGIT_BIAS:g}], got {shown}",
             )
-        x = float(bias)
         out[token] = x
     return out or None
 

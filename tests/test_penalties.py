@@ -254,6 +254,10 @@ def test_logit_bias_forces_and_bans_tokens():
         ({"presence_penalty": "1"}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        # (too large for a float, too long for int())
+        ({"frequency_penalty": 10**400}, "frequency_penalty"),
+        ({"logit_bias": {"3": 10**400}}, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 1.0}}, "logit_bias"),
     ],
 )
 def test_bad_penalties_are_refused_naming_the_field(params, field):

@@ -68,7 +68,7 @@ OPENAI_BOOL = [v for v in BOOL if v is not None]  # null is the default on the O
 COUNT = [True, "10", 2.5, -5, 2**70, [], NESTED, "1e309", "NaN"]  # strings in RAW are raw JSON
 # (negative seeds are taken, as vLLM takes them: only outside int64)
 SEED_REFUSED = [v for v in COUNT if v != -5] + [-(2**63) - 1]
-NUMBER = ["hot", True, 1e6, -1, [], NESTED, "1e309", "-1e309", "NaN", "Infinity"]
+NUMBER = ["hot", True, 1e6, -1, [], NESTED, "1e309", "-1e309", "NaN", "Infinity", 10**400]
 RAW = {"1e309", "-1e309", "NaN", "Infinity"}
 STOP = [5, [1], [""], ["a"] * 17, "x" * 1025, ["s"] * 10_000, NESTED, True]
 IDS = [[-1], "1", [True], [1.5], NESTED, 7]
@@ -89,8 +89,8 @@ OPENAI_FIELDS = {
     "return_token_ids": OPENAI_BOOL,
     "logprobs": [6, "x", -1],
     "presence_penalty": [2.5, -3, "x", "NaN", True],
-    "frequency_penalty": [2.5, "0.5", False],
-    "repetition_penalty": [0, -1, 2.5, "x"],
+    "frequency_penalty": [2.5, "0.5", False, 10**400],
+    "repetition_penalty": [0, -1, 2.5, "x", 10**400],
     "logit_bias": [
         [1],
         "x",
@@ -100,6 +100,8 @@ OPENAI_FIELDS = {
         {"1": "a"},
         {"1": True},
         {"10000000": 1},
+        {"1": 10**400},
+        {"9" * 5000: 1},
     ],
     "model": [5, "gpt-17", NESTED],
 }
@@ -136,6 +138,9 @@ _NATIVE = {
     "seed": [*SEED_REFUSED],
     "skip_special_tokens": BOOL,
     "n": [0, 65, True, None, 1.5],
+    "frequency_penalty": [2.5, "0.5", 10**400],
+    "repetition_penalty": [0, 10**400],
+    "logit_bias": [{"x": 1}, {"1": 10**400}, {"9" * 5000: 1}, {"1": True}],
 }
 BAD += [("/generate", f"sampling_params.{f}", v) for f, vs in _NATIVE.items() for v in vs]
 
