@@ -5,6 +5,8 @@ speculation (several tokens a step), streamed or not, decoded live or at the end
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from specserve import Engine
@@ -90,6 +92,24 @@ def test_a_stream_holds_back_only_what_could_begin_a_stop_string():
     assert request_output(req, incremental=True)["text"] == "words apart"
     assert stop_string_start("an Obs", ["Observation: x", "bs!"]) == 3
     assert stop_string_start("nothing", ["Observation"]) == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_long_stop_strings_are_held_back_as_the_text_grows_as_when_looked_for_anew(seed):
+    from specserve.runtime.output import LONG_STOP, StopStringTails
+
+    rng = random.Random(seed)
+    for _ in range(300):
+        alphabet = rng.choice(["ab", "abc", "a\n"])
+
+        def word(n, alphabet=alphabet):
+            return "".join(rng.choice(alphabet) for _ in range(n))
+
+        stops = [word(rng.randrange(1, 3 * LONG_STOP)) for _ in range(rng.randrange(1, 5))]
+        tails, text = StopStringTails(stops), ""
+        for _ in range(8):
+            text += word(rng.randrange(0, 2 * LONG_STOP))
+            assert tails.hold(text) == stop_string_start(text, stops), (stops, text)
 
 
 @pytest.mark.parametrize("reason", ["length", "stop token"])

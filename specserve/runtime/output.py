@@ -23,7 +23,11 @@ def request_output(req: Request, incremental: bool = False, tokenizer=None) -> d
     if incremental:
         # While a stop string could still complete across the next tokens, hold back the end
         # of the text that could begin one: text once sent cannot be taken back.
-        hold = 0 if req.finished else stop_string_start(req.text, req.params.stop)
+        hold = 0
+        if req.params.stop and not req.finished:
+            if req.stop_tails is None:
+                req.stop_tails = StopStringTails(req.params.stop)
+            hold = req.stop_tails.hold(req.text)
         limit = max(req.stream_sent_chars, len(req.text) - hold)
         text = req.text[req.stream_sent_chars : limit]
         ids = req.output_ids[req.stream_sent_tokens :]
@@ -51,6 +55,57 @@ def request_output(req: Request, incremental: bool = False, tokenizer=None) -> d
     if req.return_logprob:
         meta.update(_logprob_meta(req, first_ids, with_input, tokenizer))
     return {"text": text, "output_ids": ids, "meta_info": meta, "finished": req.finished}
+
+
+# Stops longer than this are followed character by character as the text grows (below);
+# shorter ones are looked for anew at each step, which costs at most this squared.
+LONG_STOP = 32
+
+
+class StopStringTails:
+    """How much of a growing text's end could begin one of its stop strings (held back from
+    a stream until the next tokens tell). Short stops: `stop_string_start` on the text's
+    end. Long ones: each keeps the length of the longest end of the text that begins it
+    (Knuth-Morris-Pratt), advanced over the text appended since the last call, so a step
+    costs what it added. (Looked for anew, 16 stops of 1,023 characters took 12 ms a step on
+    text of 'a's against stops of 'ab...': one request slowing every step of the loop.)"""
+
+    def __init__(self, stops: list[str]):
+        self.short = [s for s in stops if len(s) <= LONG_STOP]
+        self.long = [s for s in stops if len(s) > LONG_STOP]
+        self.borders = [_borders(s) for s in self.long]
+        self.matched = [0] * len(self.long)
+        self.seen = 0  # characters of the text followed so far
+
+    def hold(self, text: str) -> int:
+        """`text`: the text of the last call with more appended."""
+        if len(text) < self.seen:  # (not grown from the last one: follow it afresh)
+            self.matched, self.seen = [0] * len(self.long), 0
+        new, self.seen = text[self.seen :], len(text)
+        for j, s in enumerate(self.long):
+            m, borders, n = self.matched[j], self.borders[j], len(s)
+            for ch in new:
+                while m and s[m] != ch:
+                    m = borders[m - 1]
+                if s[m] == ch:
+                    m += 1
+                if m == n:  # (a whole stop: the request ends; its end may begin another)
+                    m = borders[m - 1]
+            self.matched[j] = m
+        return max(stop_string_start(text, self.short), *self.matched, 0)
+
+
+def _borders(s: str) -> list[int]:
+    """borders[i]: the length of the longest proper prefix of s[: i + 1] that also ends it."""
+    out = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = out[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        out[i] = k
+    return out
 
 
 def stop_string_start(text: str, stops: list[str]) -> int:

@@ -96,6 +96,7 @@ class Request:
     stream_sent_chars: int = 0
     stream_sent_input_logprobs: bool = False
     detok: Any = None
+    stop_tails: Any = None  # what a stream holds back for stop strings (runtime/output.py)
 
     def __post_init__(self) -> None:
         if not self.name:
