@@ -23,7 +23,7 @@ from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 from specserve.runtime.grammar import RequestGrammar, grammar_spec
 from specserve.runtime.logprobs import add_logprobs
-from specserve.runtime.output import request_output, sample_rids
+from specserve.runtime.output import output_or_failure, sample_rids
 from specserve.runtime.penalties import check_penalties
 from specserve.runtime.request import ReqState, Request
 from specserve.runtime.tensor_parallel import start_engine_core
@@ -238,7 +238,9 @@ class Engine:
 
     def _incremental_callback(self, on_output, index: int):
         tokenizer = self.tokenizer
-        return lambda r: on_output(index, request_output(r, incremental=True, tokenizer=tokenizer))
+        return lambda r: on_output(
+            index, output_or_failure(r, incremental=True, tokenizer=tokenizer)
+        )
 
     def _enqueue_requests(self, reqs: list[Request]) -> None:
         """Queue requests for the loop, or raise if the engine is shut down."""
@@ -462,11 +464,11 @@ class Engine:
         q: queue.Queue = queue.Queue()
         tok = self.tokenizer
         if incremental:
-            req.on_output = lambda r: q.put(request_output(r, incremental=True, tokenizer=tok))
+            req.on_output = lambda r: q.put(output_or_failure(r, incremental=True, tokenizer=tok))
         else:
             req.text_at_finish = True
             req.on_output = lambda r: (
-                q.put(request_output(r, tokenizer=tok)) if r.finished else None
+                q.put(output_or_failure(r, tokenizer=tok)) if r.finished else None
             )
         self._enqueue_requests([req])
         return q
@@ -539,13 +541,15 @@ class Engine:
 
     @staticmethod
     def _deliver(req: Request) -> None:
-        if req.on_output is None:
+        if req.on_output is None or req.final_output_sent:
             return
         try:
             req.on_output(req)
         except Exception as e:  # fails this request alone; the next step reaps and reports it
             log.exception("output callback of %s failed", req.rid)
             req.finish("abort", message=f"output callback failed: {type(e).__name__}: {e}")
+        else:  # (one that ended while its output was built was told so: not again at reaping)
+            req.final_output_sent = req.finished
 
     def _drain_inbox(self) -> None:
         while True:

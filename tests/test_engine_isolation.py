@@ -125,6 +125,50 @@ def test_a_raising_output_callback_fails_only_its_request(engine):
     assert engine.failure is None
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_output_that_cannot_be_built_ends_its_request_with_the_reason(
+    engine, monkeypatch, stream
+):
+    """Building a request's last output raising (e.g. its tokenizer failing on the ids at
+    the end) must not leave its caller waiting forever; the others finish as before."""
+    from specserve.runtime import output
+
+    ps = prompts(3)
+    refs = [greedy(engine, p) for p in ps]
+    real = output.request_output
+
+    def request_output(req, *args, **kwargs):
+        if req.rid == "bad" and req.finished:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return real(req, *args, **kwargs)
+
+    monkeypatch.setattr(output, "request_output", request_output)
+    threads, results = run_in_background(engine, ps)
+    got: list[dict] = []
+    sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+    def bad():
+        got.extend(
+            engine.generate(input_ids=[9, 8, 7], sampling_params=sp, rid="bad", stream=True)
+            if stream
+            else [engine.generate(input_ids=[9, 8, 7], sampling_params=sp, rid="bad")]
+        )
+
+    waiter = threading.Thread(target=bad, daemon=True)
+    waiter.start()
+    waiter.join(timeout=60)
+    assert not waiter.is_alive(), "the caller was left waiting"
+    last = got[-1]
+    assert last["finished"]
+    reason = last["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "UnicodeDecodeError" in reason["message"]
+    for t in threads:
+        t.join(timeout=60)
+    assert [results[i] for i in range(len(ps))] == refs
+    assert engine.failure is None
+    assert engine.stats()["kv_used_tokens"] == 0 and not engine.core.requests
+
+
 def test_a_failing_device_step_fails_everything_and_says_why():
     with Engine(**TINY) as e:
         assert greedy(e, [3, 4, 5], 4)

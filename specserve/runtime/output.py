@@ -3,11 +3,35 @@ before, for streams), and the request ids of a prompt's n samples."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from specserve.runtime.logprobs import TokenLogprobs, sglang_logprobs
 from specserve.runtime.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def output_or_failure(req: Request, incremental: bool = False, tokenizer=None) -> dict[str, Any]:
+    """`request_output`; where building it raises (e.g. a tokenizer failing to decode the
+    output's ids), the request ends with that reason and this last output says so: its caller
+    is never left waiting for one that never comes."""
+    try:
+        return request_output(req, incremental, tokenizer)
+    except Exception as e:
+        log.exception("the output of %s could not be built", req.rid)
+        message = f"building its output failed: {type(e).__name__}: {e}"
+        req.finish("abort", message=message)  # (if it had not ended already)
+        return {
+            "text": "",
+            "output_ids": [],
+            "meta_info": {
+                **_base_meta(req),
+                "finish_reason": {"type": "abort", "message": message},
+            },
+            "finished": True,
+        }
 
 
 def verify_tokens(histogram: list[int]) -> int:
@@ -36,15 +60,7 @@ def request_output(req: Request, incremental: bool = False, tokenizer=None) -> d
         text, ids = req.text, list(req.output_ids)
         if not req.detokenizes_live and req.finished and req.detok is not None:
             text = req.text = req.detok.text_of(req.text_ids)
-    meta: dict[str, Any] = {
-        "id": req.name,
-        "prompt_tokens": len(req.prompt_ids),
-        "completion_tokens": len(req.output_ids),
-        "finish_reason": req.finish_reason,
-        "e2e_latency": (req.finish_time or time.perf_counter()) - req.arrival,
-        "num_retractions": req.num_retractions,
-        "cached_tokens": req.cached_tokens or 0,
-    }
+    meta = _base_meta(req)
     if req.first_token_time is not None:
         meta["ttft"] = req.first_token_time - req.arrival
     if req.spec_verify_ct:
@@ -106,6 +122,18 @@ def _borders(s: str) -> list[int]:
             k += 1
         out[i] = k
     return out
+
+
+def _base_meta(req: Request) -> dict[str, Any]:
+    return {
+        "id": req.name,
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": len(req.output_ids),
+        "finish_reason": req.finish_reason,
+        "e2e_latency": (req.finish_time or time.perf_counter()) - req.arrival,
+        "num_retractions": req.num_retractions,
+        "cached_tokens": req.cached_tokens or 0,
+    }
 
 
 def stop_string_start(text: str, stops: list[str]) -> int:

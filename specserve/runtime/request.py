@@ -97,6 +97,7 @@ class Request:
     stream_sent_input_logprobs: bool = False
     detok: Any = None
     stop_tails: Any = None  # what a stream holds back for stop strings (runtime/output.py)
+    final_output_sent: bool = False  # its caller has its last output (Engine._deliver)
 
     def __post_init__(self) -> None:
         if not self.name:
