@@ -98,6 +98,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--min-new-tokens", type=int, default=0, help="no stop before this many")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="(0, 2]; 1: none")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2]")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2]")
 
 
 def sampling_dict(args: argparse.Namespace) -> dict[str, Any]:
@@ -110,6 +114,10 @@ def sampling_dict(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "stop": args.stop or [],
         "ignore_eos": args.ignore_eos,
+        "min_new_tokens": args.min_new_tokens,
+        "repetition_penalty": args.repetition_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "presence_penalty": args.presence_penalty,
     }
 
 
