@@ -5,12 +5,16 @@ exactly what plain decoding with them draws, whatever the tree, tier, page size 
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from specserve import Engine
 from specserve.errors import InvalidArgument
+from specserve.ops import penalties
 from specserve.ops.penalties import Penalties, penalize_reference, penalize_rows
 from specserve.runtime.cuda_graphs import DecodeGraphs
 from tests.engine_utils import TINY, mixed_prompts, spec_args
@@ -76,6 +80,57 @@ def test_neutral_rows_are_left_bit_for_bit():
     out = penalize_rows(logits, pen, torch.tensor([0, 1, 1, 0]), path)
     assert torch.equal(out[1:3], logits[1:3])
     assert not torch.equal(out[0], logits[0])
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes of tensors created under it that were alive at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.held: set[int] = set()
+
+    def _free(self, key: int, size: int) -> None:
+        self.held.discard(key)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # (an output sharing an input's storage, a view or an in-place result, is no new one)
+        given = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+                if key not in self.held and key not in given and size:
+                    self.held.add(key)
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._free, key, size)
+        return out
+
+
+def test_a_large_batch_of_nodes_is_penalized_in_blocks_of_rows(monkeypatch):
+    """Beyond its output, penalizing a [rows, V] batch holds a block of rows' temporaries,
+    not several [rows, V] tensors (a large tree batch at a large vocabulary would not fit),
+    and draws the same values."""
+    g = torch.Generator().manual_seed(0)
+    b, n, v = 8, 16, 4096
+    pen = random_penalties(b, v, g)
+    request = torch.arange(b).repeat_interleave(n)
+    path = torch.randint(0, 40, (b * n, 5), generator=g)
+    path[torch.rand(b * n, 5, generator=g) < 0.3] = -1
+    logits = torch.randn(b * n, v, generator=g)
+    monkeypatch.setattr(penalties, "PENALTY_BLOCK", b * n * v)  # one block: all rows at once
+    whole = penalize_rows(logits, pen, request, path)
+    monkeypatch.setattr(penalties, "PENALTY_BLOCK", 16 * v)
+    with LiveBytes() as mem:
+        out = penalize_rows(logits, pen, request, path)
+    assert torch.equal(out, whole)
+    assert mem.peak < 2 * logits.numel() * 4, mem.peak / (logits.numel() * 4)
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,11 @@ def _penalized(x, counts, in_prompt, bias, frequency, presence, repetition):
     return x - frequency * counts - presence * (counts > 0).to(x.dtype)
 
 
+# elements of the rows penalized at once: the formula's temporaries are several times a
+# block's size, which a whole batch of tree nodes at a large vocabulary would not fit
+PENALTY_BLOCK = 1 << 23
+
+
 def penalize_rows(
     logits: torch.Tensor,
     pen: Penalties,
@@ -51,7 +56,18 @@ def penalize_rows(
     path_tokens [R, D] (-1: none): the tokens between the request's output so far and the
     row's draw (a tree node's path below its root), which count as output too. Returns new
     float32 logits."""
-    x = logits.float()
+    rows = max(1, PENALTY_BLOCK // max(1, logits.shape[1]))
+    if logits.shape[0] <= rows:
+        return _penalize_block(logits.float(), pen, request, path_tokens)
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for at in range(0, logits.shape[0], rows):
+        part = slice(at, at + rows)
+        path = None if path_tokens is None else path_tokens[part]
+        out[part] = _penalize_block(logits[part].float(), pen, request[part], path)
+    return out
+
+
+def _penalize_block(x, pen, request, path_tokens) -> torch.Tensor:
     f, p, r = (t[request][:, None] for t in (pen.frequency, pen.presence, pen.repetition))
     counts = pen.counts[request]
     in_prompt = pen.in_prompt[request]
