@@ -111,6 +111,13 @@ class SamplingParams:
         self._check_lengths()
 
     def _check_lengths(self) -> None:
+        grammar = next((n for n in GRAMMAR_PARAMS if getattr(self, n) is not None), None)
+        if self.min_new_tokens and grammar is not None:
+            # (a grammar complete before it would leave no token to draw: EOS held back, and
+            # nothing else allowed)
+            raise InvalidArgument(
+                "min_new_tokens", f"cannot be combined with structured output ({grammar}): only 0"
+            )
         if self.min_new_tokens > self.max_new_tokens:
             raise InvalidArgument(
                 "min_new_tokens",

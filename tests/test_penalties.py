@@ -348,6 +348,17 @@ def test_min_new_tokens_holds_back_stop_tokens_and_stop_strings(hf_folder):
             assert len(later["output_ids"]) > 12 and later["text"].startswith(word)
 
 
+def test_min_new_tokens_is_refused_beside_structured_output():
+    # (a grammar complete before the minimum length could only continue with a stop token)
+    with Engine(**TINY) as e:
+        for grammar in ({"regex": "(yes|no)"}, {"json_schema": {"type": "integer"}}):
+            with pytest.raises(InvalidArgument) as err:
+                e.generate(
+                    input_ids=[5, 6], sampling_params={**GREEDY, **grammar, "min_new_tokens": 4}
+                )
+            assert err.value.field == "min_new_tokens"
+
+
 def test_min_new_tokens_must_fit_max_new_tokens():
     with Engine(**TINY) as e:
         with pytest.raises(InvalidArgument) as err:
