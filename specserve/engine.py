@@ -18,7 +18,6 @@ from typing import Any
 
 from specserve.config import EngineConfig
 from specserve.errors import InvalidArgument
-from specserve.model.tokenizer import check_text
 from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 from specserve.runtime.grammar import RequestGrammar, grammar_spec
@@ -26,21 +25,17 @@ from specserve.runtime.logprobs import add_logprobs
 from specserve.runtime.output import output_or_failure, sample_rids
 from specserve.runtime.penalties import check_penalties
 from specserve.runtime.request import ReqState, Request
+from specserve.runtime.request_inputs import (
+    check_rid,
+    normalize_logprob_options,
+    normalize_params,
+    normalize_prompts,
+    normalize_rids,
+)
 from specserve.runtime.tensor_parallel import start_engine_core
-from specserve.sampling_params import INT64_MAX, LOGPROB_FIELDS, SamplingParams, check_logprob_field
+from specserve.sampling_params import INT64_MAX, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def _is_token(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
-
-
-def _check_rid(rid: Any) -> None:
-    """A request id is a string (checked in the caller's thread: the loop files requests by
-    id, and an unhashable one raised there, ending the loop)."""
-    if rid is not None and not isinstance(rid, str):
-        raise InvalidArgument("rid", f"must be a string, got {type(rid).__name__}")
 
 
 class Engine:
@@ -145,10 +140,10 @@ class Engine:
         likeliest alternatives per position (output_top_logprobs, input_top_logprobs)."""
         if not isinstance(stream, bool):
             raise InvalidArgument("stream", f"must be true or false, got {stream!r}")
-        single, prompts = self._normalize_inputs(prompt, input_ids)
-        params = self._normalize_params(sampling_params, len(prompts))
-        rids = self._normalize_rids(rid, len(prompts))
-        options = self._normalize_logprob_options(
+        single, prompts = normalize_prompts(prompt, input_ids, self.tokenizer, self._no_tokenizer)
+        params = normalize_params(sampling_params, len(prompts))
+        rids = normalize_rids(rid, len(prompts))
+        options = normalize_logprob_options(
             len(prompts),
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
@@ -224,8 +219,8 @@ class Engine:
     ) -> list[Request]:
         """The prompt's n sample requests, validated (InvalidArgument), not yet submitted: a
         server builds every prompt's before it admits any."""
-        _check_rid(rid)
-        (opts,) = self._normalize_logprob_options(1, **logprob_options)
+        check_rid(rid)
+        (opts,) = normalize_logprob_options(1, **logprob_options)
         params = SamplingParams.from_any(sampling_params)
         return self._make_requests(prompt_ids, params, rid, "input_ids", opts)
 
@@ -267,7 +262,7 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Abort the running request submitted as `rid` (with n > 1, all its samples)."""
-        _check_rid(rid)
+        check_rid(rid)
         self._inbox.put(("abort", rid))
         self._wake.set()
 
@@ -326,73 +321,6 @@ class Engine:
         return "the model has no tokenizer"
 
     # ---- inputs -----------------------------------------------------------------------------
-    def _normalize_inputs(self, prompt, input_ids) -> tuple[bool, list[tuple[list[int], str]]]:
-        if (prompt is None) == (input_ids is None):
-            raise InvalidArgument("prompt", "give exactly one of prompt or input_ids")
-        if prompt is not None:
-            if self.tokenizer is None:
-                why = self._no_tokenizer()
-                raise InvalidArgument("prompt", f"text needs a tokenizer ({why}); pass input_ids")
-            if isinstance(prompt, str):
-                return True, [(self._encode(prompt), "prompt")]
-            if (
-                not isinstance(prompt, list)
-                or not prompt
-                or not all(isinstance(p, str) for p in prompt)
-            ):
-                raise InvalidArgument("prompt", "must be a string or a non-empty list of strings")
-            return False, [(self._encode(p), "prompt") for p in prompt]
-        if not isinstance(input_ids, list) or not input_ids:
-            raise InvalidArgument(
-                "input_ids", "must be a non-empty list of token ids or of lists of token ids"
-            )
-        if all(_is_token(t) for t in input_ids):
-            return True, [(list(input_ids), "input_ids")]
-        if all(isinstance(x, list) and all(_is_token(t) for t in x) for x in input_ids):
-            return False, [(list(x), "input_ids") for x in input_ids]
-        raise InvalidArgument("input_ids", "must be a list of ints or a list of lists of ints")
-
-    def _encode(self, text: str) -> list[int]:
-        check_text("prompt", text)
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
-
-    @staticmethod
-    def _normalize_params(sp, n: int) -> list[SamplingParams]:
-        if isinstance(sp, list):
-            if len(sp) != n:
-                raise InvalidArgument("sampling_params", f"has {len(sp)} entries for {n} prompts")
-            return [SamplingParams.from_any(x) for x in sp]
-        one = SamplingParams.from_any(sp)
-        return [one] * n
-
-    @staticmethod
-    def _normalize_rids(rid, n: int) -> list[str | None]:
-        if rid is None:
-            return [None] * n
-        if isinstance(rid, str):
-            if n != 1:
-                raise InvalidArgument("rid", "give one id per prompt")
-            return [rid]
-        if not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
-            raise InvalidArgument("rid", "must be a string or a list of strings")
-        if len(rid) != n:
-            raise InvalidArgument("rid", f"has {len(rid)} ids for {n} prompts")
-        return list(rid)
-
-    @staticmethod
-    def _normalize_logprob_options(n: int, **options: Any) -> list[dict[str, Any]]:
-        """Per prompt, the log-prob options checked (each given once, or once per prompt)."""
-        per_prompt: list[dict[str, Any]] = [{} for _ in range(n)]
-        for name, value in options.items():
-            if name not in LOGPROB_FIELDS:
-                raise InvalidArgument(name, f"unknown option; allowed: {', '.join(LOGPROB_FIELDS)}")
-            values = value if isinstance(value, list) else [value] * n
-            if len(values) != n:
-                raise InvalidArgument(name, f"has {len(values)} entries for {n} prompts")
-            for opts, v in zip(per_prompt, values):
-                opts[name] = check_logprob_field(name, v)
-        return per_prompt
-
     def _make_requests(
         self,
         ids: list[int],
