@@ -113,6 +113,10 @@ class EngineCore:
             self.rows.add_lag_ring(
                 cfg.speculative_adaptive_lag_tokens, draft.feature_dim(mc.hidden_size), self.dtype
             )
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
         self.worker = Worker(
             self.runner,
             self.table,
@@ -121,6 +125,7 @@ class EngineCore:
             cfg.kernels,
             build_simulator(cfg, self.tokenizer, mc.vocab_size, self.device),
             tiers,
+            self.eos_token_ids,
         )
         if not cfg.disable_cuda_graph:
             from specserve.runtime.cuda_graphs import DecodeGraphs
@@ -170,12 +175,7 @@ class EngineCore:
                 largest,
                 time.perf_counter() - start,
             )
-        eos = set(mc.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = eos
-        self.worker.eos_token_ids = eos  # (min_new_tokens holds them back)
-        self.stop_checker = StopChecker(self.tokenizer, eos, self.context_len)
+        self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.context_len)
         unsupported = None
         if tp is not None and tp.size > 1:
             unsupported = "is not supported with tp_size > 1"

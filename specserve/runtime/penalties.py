@@ -12,6 +12,8 @@ in the same batch draw the same tokens as they would elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 import torch
 
 from specserve.device import to_device
@@ -21,7 +23,7 @@ from specserve.sampling_params import ADJUSTMENT_NEUTRALS, SamplingParams
 
 
 class BatchPenalties:
-    def __init__(self, reqs, vocab_size: int, eos: set[int], device: torch.device):
+    def __init__(self, reqs, vocab_size: int, eos: AbstractSet[int], device: torch.device):
         """eos: the model's end-of-sequence ids (stop tokens unless a request ignores them)."""
         b, v = len(reqs), vocab_size
         outputs, prompts, bias_at, bias, stops = [], [], [], [], []
@@ -105,7 +107,7 @@ class BatchPenalties:
 
 
 def batch_penalties(
-    reqs, vocab_size: int, eos: set[int], device: torch.device
+    reqs, vocab_size: int, eos: AbstractSet[int], device: torch.device
 ) -> BatchPenalties | None:
     """The penalties of a batch, or None when none of its requests has any."""
     if not any(r.params.adjusts_logits for r in reqs):

@@ -204,9 +204,11 @@ class Worker:
         kernels: Kernels,
         simulator=None,
         tiers=None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ):
         """drafter: a TreeDrafter, or the RootOnlyDrafter of plain decoding; tiers: the tree
-        shapes a step may draft (load-adaptive speculation), else the drafter's own."""
+        shapes a step may draft (load-adaptive speculation), else the drafter's own;
+        eos_token_ids: the model's (min_new_tokens holds them back)."""
         self.target = target
         self.table = table
         self.rows = rows  # per-request device state: page table, kv_len, root, draft feature
@@ -215,7 +217,7 @@ class Worker:
         self.kernels = kernels
         self.step = DecodeStep(target, drafter, rows, kernels, simulator, tiers)
         self.vocab_size = target.model.config.vocab_size
-        self.eos_token_ids: set[int] = set()  # (the engine's, once it knows its tokenizer)
+        self.eos_token_ids = eos_token_ids
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
         self.prefill_graphs = None  # PrefillGraphs, when CUDA graphs are on
         self._sampling_cache: tuple[tuple, SamplingMode] | None = None
