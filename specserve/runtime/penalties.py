@@ -22,58 +22,76 @@ from specserve.ops.penalties import Penalties, block_early_stops, penalize_rows
 from specserve.sampling_params import ADJUSTMENT_NEUTRALS, SamplingParams
 
 
+class RequestPenalties:
+    """One request's part, on the device: built once (its prompt's tokens, its bias, its stop
+    tokens), and its output's counts brought up to date with the tokens added since the last
+    step (a long prompt or output is not walked again every step)."""
+
+    def __init__(self, req, vocab_size: int, eos: AbstractSet[int], device: torch.device):
+        p, v = req.params, vocab_size
+        self.counts = None  # [V] float32: the output's tokens counted, the first `counted`
+        self.counted = 0
+        if p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0:
+            self.counts = torch.zeros(v, dtype=torch.float32, device=device)
+        self.in_prompt = None  # [V] bool: the prompt's tokens (the repetition penalty's)
+        if p.repetition_penalty != 1.0:
+            self.in_prompt = _mask(v, set(req.prompt_ids), device)
+        self.bias = None  # [V] float32
+        if p.logit_bias:
+            self.bias = torch.zeros(v, dtype=torch.float32, device=device)
+            at = _ids(list(p.logit_bias), device)
+            self.bias[at] = _floats(list(p.logit_bias.values()), device)
+        self.stops = None  # [V] bool: what min_new_tokens holds back
+        if p.min_new_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
+            self.stops = _mask(v, {t for t in stops if t < v}, device)
+
+    def counts_now(self, output_ids: list[int]) -> torch.Tensor | None:
+        if self.counts is not None and len(output_ids) > self.counted:
+            new = _ids(output_ids[self.counted :], self.counts.device)
+            self.counts.index_add_(0, new, torch.ones_like(new, dtype=torch.float32))
+            self.counted = len(output_ids)
+        return self.counts
+
+
 class BatchPenalties:
     def __init__(self, reqs, vocab_size: int, eos: AbstractSet[int], device: torch.device):
         """eos: the model's end-of-sequence ids (stop tokens unless a request ignores them)."""
         b, v = len(reqs), vocab_size
-        outputs, prompts, bias_at, bias, stops = [], [], [], [], []
         remaining = [0] * b  # per request: tokens still to come before a stop may
         frequency, presence, repetition = [0.0] * b, [0.0] * b, [1.0] * b
+        parts: list[RequestPenalties | None] = []
         for i, r in enumerate(reqs):
             p = r.params
             if not p.adjusts_logits:
+                parts.append(None)
                 continue
-            base = i * v
+            if r.penalties is None:
+                r.penalties = RequestPenalties(r, v, eos, device)
+            parts.append(r.penalties)
             frequency[i], presence[i] = p.frequency_penalty, p.presence_penalty
             repetition[i] = p.repetition_penalty
-            if p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0:
-                outputs += [base + t for t in r.output_ids]
-            if p.repetition_penalty != 1.0:
-                prompts += [base + t for t in r.prompt_ids]
-            for t, value in (p.logit_bias or {}).items():
-                bias_at.append(base + t)
-                bias.append(value)
             remaining[i] = max(0, p.min_new_tokens - len(r.output_ids))
-            if remaining[i]:
-                ids_ = set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
-                stops += [base + t for t in ids_ if t < v]
+        zeros = torch.zeros(v, dtype=torch.float32, device=device)
+        nothing = torch.zeros(v, dtype=torch.bool, device=device)
 
-        def ids(values: list[int]) -> torch.Tensor:
-            return to_device(torch.tensor(values, dtype=torch.int64), device)
+        def rows(values, empty) -> torch.Tensor:
+            return torch.stack([empty if x is None else x for x in values])
 
-        def per_request(values: list[float]) -> torch.Tensor:
-            return to_device(torch.tensor(values, dtype=torch.float32), device)
-
-        counts = torch.bincount(ids(outputs), minlength=b * v).float().view(b, v)
-        in_prompt = torch.zeros(b * v, dtype=torch.bool, device=device)
-        in_prompt[ids(prompts)] = True
-        dense_bias = torch.zeros(b * v, dtype=torch.float32, device=device)
-        dense_bias[ids(bias_at)] = per_request(bias)
         self.penalties = Penalties(
-            counts,
-            in_prompt.view(b, v),
-            dense_bias.view(b, v),
-            per_request(frequency),
-            per_request(presence),
-            per_request(repetition),
+            rows([q and q.counts_now(r.output_ids) for q, r in zip(parts, reqs)], zeros),
+            rows([q and q.in_prompt for q in parts], nothing),
+            rows([q and q.bias for q in parts], zeros),
+            _floats(frequency, device),
+            _floats(presence, device),
+            _floats(repetition, device),
         )
         self.device = device
         self.stops = None  # min_new_tokens: [B, V] bool, the stop tokens not yet allowed
-        if stops:
-            self.stops = torch.zeros(b * v, dtype=torch.bool, device=device)
-            self.stops[ids(stops)] = True
-            self.stops = self.stops.view(b, v)
-            self.remaining = ids(remaining)
+        held = [q.stops if q and remaining[i] else None for i, q in enumerate(parts)]
+        if any(x is not None for x in held):
+            self.stops = rows(held, nothing)
+            self.remaining = _ids(remaining, device)
 
     def draws(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V]: one draw per request, right after its output so far (a prefill's,
@@ -131,3 +149,17 @@ def check_penalties(params: SamplingParams, vocab_size: int, tp_size: int) -> No
         raise InvalidArgument(
             "logit_bias", f"token id {outside} is outside the vocabulary [0, {vocab_size})"
         )
+
+
+def _ids(values: list[int], device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=torch.int64), device)
+
+
+def _floats(values: list[float], device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=torch.float32), device)
+
+
+def _mask(vocab_size: int, tokens: AbstractSet[int], device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    mask[_ids(sorted(tokens), device)] = True
+    return mask

@@ -98,6 +98,7 @@ class Request:
     detok: Any = None
     stop_tails: Any = None  # what a stream holds back for stop strings (runtime/output.py)
     final_output_sent: bool = False  # its caller has its last output (Engine._deliver)
+    penalties: Any = None  # its penalties' device state, once used (runtime/penalties.py)
 
     def __post_init__(self) -> None:
         if not self.name:
