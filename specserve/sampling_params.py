@@ -54,6 +54,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    # the text keeps the stop string, or the stopping token's text (vLLM's
+    # include_stop_str_in_output)
+    no_stop_trim: bool = False
     n: int = 1  # samples of the prompt (the engine runs n requests; sample i uses seed + i)
     speculative: bool = True  # False: decoded plainly, also inside a speculative batch
     # penalties on the output so far (ops/penalties.py; 0, 0 and 1: none) and a bias per
@@ -342,6 +345,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "ignore_eos": lambda v: _boolean("ignore_eos", v),
     "seed": _seed,
     "skip_special_tokens": lambda v: _boolean("skip_special_tokens", v),
+    "no_stop_trim": lambda v: _boolean("no_stop_trim", v),
     "n": _n,
     "speculative": lambda v: _boolean("speculative", v),
     "frequency_penalty": lambda v: _penalty("frequency_penalty", v),

@@ -104,13 +104,11 @@ UNSUPPORTED = [  # (routes, field, value); structured output: tests/test_structu
     ((CHAT, COMPLETIONS), "use_beam_search", True),
     ((CHAT, COMPLETIONS), "bad_words", ["the"]),
     ((CHAT, COMPLETIONS), "allowed_token_ids", [5, 6]),
-    ((CHAT, COMPLETIONS), "include_stop_str_in_output", True),
     ((CHAT, COMPLETIONS), "truncate_prompt_tokens", 4),
     ((CHAT, COMPLETIONS), "prompt_logprobs", 1),
     # (accepted and ignored on chat before: each changes what vLLM or SGLang return)
     ((CHAT,), "best_of", 3),
     ((CHAT, COMPLETIONS), "best_of", True),
-    ((CHAT, COMPLETIONS), "no_stop_trim", True),
     ((CHAT, COMPLETIONS), "stop_regex", ["a+"]),
     ((CHAT, COMPLETIONS), "typical_p", 0.5),
     ((CHAT,), "documents", [{"text": "a"}]),
@@ -361,3 +359,27 @@ def test_min_tokens_holds_back_the_stop_tokens(served, route):
 def test_bad_min_tokens_get_400_naming_the_field(served, extra, field):
     r = served.http.post(COMPLETIONS, json={"prompt": [5, 6], "max_tokens": 12, **extra})
     assert r.status_code == 400 and error_of(r)["param"] == field, r.text
+
+
+@pytest.mark.parametrize("name", ["include_stop_str_in_output", "no_stop_trim"])
+def test_the_stop_string_stays_in_the_text_when_asked(served, name):
+    base = {"prompt": "the quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    text = served.http.post(COMPLETIONS, json=base).json()["choices"][0]["text"]
+    word = text[4:7]
+    cut = text.find(word)
+    for stream in (False, True):
+        body = {**base, "stop": [word], name: True, "stream": stream}
+        if stream:
+            got = "".join(
+                e["choices"][0]["text"] for e in events(served, COMPLETIONS, body) if e["choices"]
+            )
+        else:
+            got = served.http.post(COMPLETIONS, json=body).json()["choices"][0]["text"]
+        assert got == text[: cut + len(word)], (stream, got, text, word)
+    for bad in (
+        {name: "yes"},
+        {name: 1},
+        {"include_stop_str_in_output": True, "no_stop_trim": False},
+    ):
+        r = served.http.post(COMPLETIONS, json={**base, **bad})
+        assert r.status_code == 400, r.text

@@ -56,6 +56,30 @@ def test_a_stop_tokens_text_is_not_part_of_the_text(model, speculative):
             assert texts == [before["text"]] * 2
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_no_stop_trim_keeps_the_stop_string_and_the_stopping_tokens_text(model, speculative):
+    extra = _standalone(model, 2, 3, 6) if speculative else {}
+    with Engine(model_path=model, dtype="float32", device="cpu", **extra) as e:
+        free = e.generate(prompt=PROMPT, sampling_params=GREEDY)
+        full, text = free["output_ids"], free["text"]
+        k = next(
+            i
+            for i in range(3, len(full))
+            if full[i] not in full[:i] and e.tokenizer.decode(full[i])
+        )
+        upto = e.generate(prompt=PROMPT, sampling_params={**GREEDY, "max_new_tokens": k + 1})
+        for stop in ([], ["\x00never"]):  # (decoded at the end; decoded live)
+            params = {**GREEDY, "stop_token_ids": [full[k]], "stop": stop, "no_stop_trim": True}
+            texts, out = _texts(e, params)
+            assert out["output_ids"] == full[: k + 1]
+            assert texts == [upto["text"]] * 2  # (the stopping token's text too)
+        word = text[len(text) // 3 : len(text) // 3 + 3]
+        cut = text.find(word)
+        texts, out = _texts(e, {**GREEDY, "stop": [word], "no_stop_trim": True})
+        assert texts == [text[: cut + len(word)]] * 2
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": word}
+
+
 def test_the_stop_string_first_in_the_text_ends_it(model):
     """Two stop strings completing at the same character: the text is cut at the one that
     begins first, though the other is listed first."""

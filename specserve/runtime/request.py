@@ -126,7 +126,8 @@ class Request:
     def text_ids(self) -> list[int]:
         """The output ids whose text is the request's: all but a token that stopped it."""
         reason = self.finish_reason or {}
-        if reason.get("type") == "stop" and isinstance(reason.get("matched"), int):
+        trimmed = not self.params.no_stop_trim
+        if trimmed and reason.get("type") == "stop" and isinstance(reason.get("matched"), int):
             return self.output_ids[:-1]
         return self.output_ids
 

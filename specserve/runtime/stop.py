@@ -3,7 +3,8 @@
 Speculative steps emit several tokens at once; a stop condition met inside that run ends
 the request at that token, and nothing after it is kept. The text of a token that stops the
 request (EOS, `stop_token_ids`, the token completing a grammar) is not part of its text, and
-a stop string is cut off, as in SGLang and vLLM: the text ends where the answer ends.
+a stop string is cut off, as in SGLang and vLLM: the text ends where the answer ends (with
+`no_stop_trim` both stay: the text ends with the stop string or the stopping token's text).
 """
 
 from __future__ import annotations
@@ -43,14 +44,15 @@ class StopChecker:
             # (min_new_tokens: the first ones neither are stop tokens, held back where drawn,
             # nor end in a stop string)
             early = len(req.output_ids) <= p.min_new_tokens
-            if (last_stops and kept == len(tokens)) or (
+            stops = (last_stops and kept == len(tokens)) or (
                 not early and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos))
-            ):
+            )
+            len_before = len(req.text)
+            if detok is not None and (p.no_stop_trim or not stops):
+                req.text += detok.append(tok)
+            if stops:
                 self._finish(req, detok, "stop", matched=tok)
                 return kept
-            len_before = len(req.text)
-            if detok is not None:
-                req.text += detok.append(tok)
             if p.stop and not early and self._match_stop_string(req, len_before):
                 return kept
             if len(req.output_ids) >= p.max_new_tokens:
@@ -92,6 +94,6 @@ class StopChecker:
                 first, matched = idx, s
         if matched is None:
             return False
-        req.text = req.text[:first]
+        req.text = req.text[: first + (len(matched) if req.params.no_stop_trim else 0)]
         req.finish("stop", matched=matched)
         return True

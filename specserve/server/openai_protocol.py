@@ -70,10 +70,8 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "use_beam_search": (lambda v: v is False, "beam search is not supported (only false)"),
     "bad_words": (lambda v: v == [], "is not supported (only null or [])"),
     "allowed_token_ids": (lambda v: False, "is not supported (only null)"),
-    "include_stop_str_in_output": (lambda v: v is False, "is not supported (only false)"),
     "truncate_prompt_tokens": (lambda v: False, "is not supported (only null)"),
     "prompt_logprobs": (lambda v: False, "is not supported (only null)"),
-    "no_stop_trim": (lambda v: v is False, "is not supported (only false)"),
     "stop_regex": (lambda v: v == [], "is not supported (only null or [])"),
     "typical_p": (lambda v: v == 1 and not isinstance(v, bool), "is not supported (only 1.0)"),
     "documents": (lambda v: v == [], "is not supported (only null or [])"),
@@ -137,14 +135,15 @@ class _CommonRequest(StrictModel):
     # no stop token or stop string before this many tokens (vLLM's name; SGLang's)
     min_tokens: int | None = None
     min_new_tokens: int | None = None
+    # the text keeps the stop string or stopping token (vLLM's name; SGLang's)
+    include_stop_str_in_output: bool | None = None
+    no_stop_trim: bool | None = None
     best_of: Any = None
-    no_stop_trim: Any = None
     stop_regex: Any = None
     typical_p: Any = None
     use_beam_search: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
-    include_stop_str_in_output: Any = None
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
 
@@ -208,6 +207,13 @@ class _CommonRequest(StrictModel):
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": self.logit_bias,
         }
+        keep = [v for v in (self.include_stop_str_in_output, self.no_stop_trim) if v is not None]
+        if len(set(keep)) > 1:
+            raise APIError(
+                "no_stop_trim: differs from include_stop_str_in_output (two names of one field)",
+                param="no_stop_trim",
+            )
+        sp["no_stop_trim"] = bool(keep and keep[0])
         least = self.min_tokens if self.min_tokens is not None else self.min_new_tokens
         if None not in (self.min_tokens, self.min_new_tokens) and (
             self.min_tokens != self.min_new_tokens

@@ -93,6 +93,7 @@ class NativeSamplingParams(StrictModel):
     ignore_eos: bool = False
     seed: int | None = Field(None, **_schema(minimum=-(2**63)))
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False
     n: int = Field(1, **_schema(minimum=1, maximum=64))
     speculative: bool = True
     frequency_penalty: float = Field(0.0, **_schema(minimum=-2, maximum=2))
