@@ -156,3 +156,20 @@ def test_a_stop_string_in_text_held_back_to_the_end_still_stops_it(reason):
     assert checker.append_tokens(req, tokens) == len(tokens)
     assert req.finish_reason == {"type": "stop", "matched": "\ufffd\ufffd"}
     assert req.text == "h"
+
+
+@pytest.mark.parametrize("stops", [["ab"], ["ab", "zzzz"]])
+def test_a_stop_string_ending_among_the_first_tokens_never_stops_the_request(stops):
+    """min_new_tokens: a stop string that ended among the first tokens was found by the next
+    token's check when a longer stop string widened its search, cutting text a stream had
+    already sent."""
+    from specserve.runtime.stop import StopChecker
+    from tests.model_factory import build_tokenizer
+
+    tok = build_tokenizer(300)
+    tokens = [tok.convert_tokens_to_ids(c) for c in "xabcd"]
+    params = SamplingParams(max_new_tokens=10, min_new_tokens=3, stop=stops)
+    req = Request(rid="r", prompt_ids=[1], params=params, seed=0)
+    checker = StopChecker(tok, eos_token_ids={2}, context_len=64)
+    assert checker.append_tokens(req, tokens) == len(tokens)
+    assert not req.finished and req.text == "xabcd"

@@ -84,12 +84,11 @@ class StopChecker:
     def _match_stop_string(req: Request, len_before: int) -> bool:
         """Whether a stop string now appears in the text: the text is cut before the first
         one (by position, then by the order given), and the request finishes."""
-        longest = max(len(s) for s in req.params.stop)
-        # A stop string not present before this token must end inside the new text.
-        tail_start = max(0, len_before - longest + 1)
         first, matched = -1, None
         for s in req.params.stop:
-            idx = req.text.find(s, tail_start)
+            # each must end inside the new text (one that ended before it was already looked
+            # for, or ended among the first min_new_tokens tokens, where it does not count)
+            idx = req.text.find(s, max(0, len_before - len(s) + 1))
             if idx >= 0 and (first < 0 or idx < first):
                 first, matched = idx, s
         if matched is None:
