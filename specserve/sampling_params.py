@@ -38,6 +38,7 @@ ADJUSTMENT_NEUTRALS = {
     "repetition_penalty": (1.0,),
     "logit_bias": (None, {}),
     "min_new_tokens": (0,),
+    "allowed_token_ids": (None,),
 }
 
 
@@ -65,6 +66,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # the only tokens drawn (vLLM's)
     # structured output (at most one): the output follows a JSON schema (an object or its
     # text), a regular expression, or an EBNF grammar (runtime/grammar.py)
     json_schema: str | None = None
@@ -310,6 +312,16 @@ def _logit_bias(v: Any) -> dict[int, float] | None:
     return out or None
 
 
+def _allowed_token_ids(v: Any) -> list[int] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or not all(is_int(t) and 0 <= t <= INT64_MAX for t in v):
+        raise InvalidArgument(
+            "allowed_token_ids", "must be a non-empty list of non-negative integer token ids"
+        )
+    return list(v)
+
+
 def _json_schema(v: Any) -> str | None:
     if v is None:
         return None
@@ -352,6 +364,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "presence_penalty": lambda v: _penalty("presence_penalty", v),
     "repetition_penalty": _repetition_penalty,
     "logit_bias": _logit_bias,
+    "allowed_token_ids": _allowed_token_ids,
 }
 FIELDS = tuple(f.name for f in fields(SamplingParams))
 

@@ -285,6 +285,26 @@ def test_retracted_requests_keep_their_penalties():
     assert spec == plain
 
 
+@pytest.mark.parametrize("spec", [{}, spec_args("tiny", 3, 4, 10)])
+def test_allowed_token_ids_are_the_only_tokens_drawn(spec):
+    prompts = mixed_prompts(4, 512, seed=6)
+    with Engine(**TINY, **spec) as e:
+        free = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+        allowed = sorted({t for out in free for t in out[1::2]} | {3, 4})
+        held = e.generate(
+            input_ids=prompts, sampling_params=dict(GREEDY, allowed_token_ids=allowed)
+        )
+        sampled = e.generate(
+            input_ids=prompts,
+            sampling_params=dict(GREEDY, temperature=1.0, seed=3, allowed_token_ids=[3, 4, 5]),
+        )
+    for out in held:
+        assert set(out["output_ids"]) <= set(allowed)
+    assert [o["output_ids"] for o in held] != free
+    for out in sampled:
+        assert set(out["output_ids"]) <= {3, 4, 5}
+
+
 def test_logit_bias_forces_and_bans_tokens():
     prompt = mixed_prompts(1, 512, seed=2)[0]
     with Engine(**TINY, **spec_args("tiny", 3, 4, 10)) as e:
@@ -309,6 +329,10 @@ def test_logit_bias_forces_and_bans_tokens():
         ({"presence_penalty": "1"}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3, 512]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3, True]}, "allowed_token_ids"),
+        ({"allowed_token_ids": 3}, "allowed_token_ids"),
         # (too large for a float, too long for int())
         ({"frequency_penalty": 10**400}, "frequency_penalty"),
         ({"logit_bias": {"3": 10**400}}, "logit_bias"),

@@ -1,7 +1,7 @@
-"""The logit biases, repetition / frequency / presence penalties and minimum lengths of a
-batch's requests (sampling parameters `logit_bias`, `repetition_penalty`,
-`frequency_penalty`, `presence_penalty`, `min_new_tokens`), put on the device for one step or one prefill's draws
-(ops/penalties.py applies them).
+"""The logit biases, repetition / frequency / presence penalties, minimum lengths and allowed
+tokens of a batch's requests (sampling parameters `logit_bias`, `repetition_penalty`,
+`frequency_penalty`, `presence_penalty`, `min_new_tokens`, `allowed_token_ids`), put on the
+device for one step or one prefill's draws (ops/penalties.py applies them).
 
 They are built from the host's view of each request's output. So, as for structured output,
 while such a request is live the engine launches no step ahead of the results of the one
@@ -41,6 +41,9 @@ class RequestPenalties:
             self.bias = torch.zeros(v, dtype=torch.float32, device=device)
             at = _ids(list(p.logit_bias), device)
             self.bias[at] = _floats(list(p.logit_bias.values()), device)
+        self.banned = None  # [V] bool: tokens outside allowed_token_ids
+        if p.allowed_token_ids:
+            self.banned = ~_mask(v, {t for t in p.allowed_token_ids if t < v}, device)
         self.stops = None  # [V] bool: what min_new_tokens holds back
         if p.min_new_tokens:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
@@ -88,6 +91,9 @@ class BatchPenalties:
         )
         self.device = device
         self.stops = None  # min_new_tokens: [B, V] bool, the stop tokens not yet allowed
+        self.banned = None  # allowed_token_ids: [B, V] bool, the tokens never drawn
+        if any(q and q.banned is not None for q in parts):
+            self.banned = rows([q and q.banned for q in parts], nothing)
         held = [q.stops if q and remaining[i] else None for i, q in enumerate(parts)]
         if any(x is not None for x in held):
             self.stops = rows(held, nothing)
@@ -119,6 +125,9 @@ class BatchPenalties:
         return self._block_early_stops(out, request, depth)
 
     def _block_early_stops(self, logits, request, depth) -> torch.Tensor:
+        """And what allowed_token_ids leaves out (-inf, as vLLM masks it)."""
+        if self.banned is not None:
+            logits.masked_fill_(self.banned[request], float("-inf"))
         if self.stops is None:
             return logits
         return block_early_stops(logits, self.stops, self.remaining, request, depth)
@@ -144,11 +153,15 @@ def check_penalties(params: SamplingParams, vocab_size: int, tp_size: int) -> No
             if getattr(params, name) not in neutral
         )
         raise InvalidArgument(field, "is not supported with tp_size > 1")
-    outside = next((t for t in params.logit_bias or () if t >= vocab_size), None)
-    if outside is not None:
-        raise InvalidArgument(
-            "logit_bias", f"token id {outside} is outside the vocabulary [0, {vocab_size})"
-        )
+    for field, ids in (
+        ("logit_bias", params.logit_bias or ()),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+    ):
+        outside = next((t for t in ids if t >= vocab_size), None)
+        if outside is not None:
+            raise InvalidArgument(
+                field, f"token id {outside} is outside the vocabulary [0, {vocab_size})"
+            )
 
 
 def _ids(values: list[int], device: torch.device) -> torch.Tensor:

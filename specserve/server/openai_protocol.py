@@ -43,6 +43,7 @@ _OPENAI_SAMPLING = (
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
+    "allowed_token_ids",
 )
 # Booleans outside those: null is the default too, as OpenAI's and vLLM's servers take it.
 _NULL_IS_DEFAULT = ("stream", "return_token_ids", "echo", "logprobs")
@@ -69,7 +70,6 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     # that false or 0.0 is not taken for 0)
     "use_beam_search": (lambda v: v is False, "beam search is not supported (only false)"),
     "bad_words": (lambda v: v == [], "is not supported (only null or [])"),
-    "allowed_token_ids": (lambda v: False, "is not supported (only null)"),
     "truncate_prompt_tokens": (lambda v: False, "is not supported (only null)"),
     "prompt_logprobs": (lambda v: False, "is not supported (only null)"),
     "stop_regex": (lambda v: v == [], "is not supported (only null or [])"),
@@ -119,6 +119,7 @@ class _CommonRequest(StrictModel):
     frequency_penalty: float = Field(0.0, json_schema_extra={"minimum": -2, "maximum": 2})
     repetition_penalty: float = Field(1.0, json_schema_extra={"exclusiveMinimum": 0, "maximum": 2})
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # the only tokens drawn (vLLM's)
     # OpenAI fields accepted only at their neutral value.
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -143,7 +144,6 @@ class _CommonRequest(StrictModel):
     typical_p: Any = None
     use_beam_search: Any = None
     bad_words: Any = None
-    allowed_token_ids: Any = None
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
 
@@ -206,6 +206,7 @@ class _CommonRequest(StrictModel):
             "presence_penalty": self.presence_penalty,
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": self.logit_bias,
+            "allowed_token_ids": self.allowed_token_ids,
         }
         keep = [v for v in (self.include_stop_str_in_output, self.no_stop_trim) if v is not None]
         if len(set(keep)) > 1:

@@ -100,6 +100,7 @@ class NativeSamplingParams(StrictModel):
     presence_penalty: float = Field(0.0, **_schema(minimum=-2, maximum=2))
     repetition_penalty: float = Field(1.0, **_schema(exclusiveMinimum=0, maximum=2))
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None
     # structured output: a JSON schema (an object or its text), a regex, an EBNF grammar
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
