@@ -6,8 +6,8 @@ device for one step or one prefill's draws (ops/penalties.py applies them).
 They are built from the host's view of each request's output. So, as for structured output,
 while such a request is live the engine launches no step ahead of the results of the one
 before (runtime/engine_core.py), and a batch holding one runs eagerly, not from a CUDA graph
-(runtime/worker.py): a first version that is exact everywhere; the requests without them
-in the same batch draw the same tokens as they would elsewhere.
+(runtime/worker.py): exact everywhere, at those steps' speed. The requests without them in
+the same batch draw the same tokens as they would elsewhere.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class BatchPenalties:
         """logits [B, V]: one draw per request, right after its output so far (a prefill's,
         or a plain step's)."""
         request = torch.arange(logits.shape[0], device=logits.device)
-        return self._block_early_stops(
+        return self._masked(
             penalize_rows(logits, self.penalties, request), request, torch.zeros_like(request)
         )
 
@@ -122,10 +122,11 @@ class BatchPenalties:
             request, depth = request[packed], depth[packed]
             path = None if path is None else path[packed]
         out = penalize_rows(logits, self.penalties, request, path)
-        return self._block_early_stops(out, request, depth)
+        return self._masked(out, request, depth)
 
-    def _block_early_stops(self, logits, request, depth) -> torch.Tensor:
-        """And what allowed_token_ids leaves out (-inf, as vLLM masks it)."""
+    def _masked(self, logits, request, depth) -> torch.Tensor:
+        """-inf (in place) at what allowed_token_ids leaves out, and at the stop tokens
+        min_new_tokens holds back at a row's depth."""
         if self.banned is not None:
             logits.masked_fill_(self.banned[request], float("-inf"))
         if self.stops is None:
