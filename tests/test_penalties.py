@@ -265,6 +265,53 @@ def test_every_adaptive_tier_with_penalties_equals_plain(seed):
     assert spec == plain
 
 
+@pytest.mark.parametrize("shape", [(1, 3, 4), (3, 4, 10)])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"frequency_penalty": 1.5},
+        {"repetition_penalty": 1.8},
+        {"logit_bias": {str(t): 4.0 for t in range(3, 60)}},
+        {"allowed_token_ids": list(range(100, 140))},
+        {"min_new_tokens": 30, "stop_token_ids": list(range(3, 40)), "presence_penalty": -0.5},
+    ],
+)
+def test_the_draft_proposes_from_penalized_logits_too(shape, extra):
+    """The target as its own draft: penalized as the target's draws are (each node after
+    its own path), every greedy draft is accepted; unpenalized, a bias alone took the
+    accept length from 4 to 1.07."""
+    prompts = mixed_prompts(6, 512, seed=3, min_len=3, max_len=20)
+    params = dict(GREEDY, max_new_tokens=40, **extra)
+    with Engine(**TINY, **spec_args("tiny", *shape)) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=params)
+    full = shape[1] + 1  # (a chain's depth + 1; the tree's 4 steps + 1)
+    assert all(o["meta_info"]["spec_accept_length"] == full for o in outs), [
+        o["meta_info"]["spec_accept_length"] for o in outs
+    ]
+
+
+def test_a_reduced_draft_vocabulary_with_penalties_decodes_as_plain(tmp_path):
+    """The draft's columns are some target ids: its penalties are read through them, and
+    path tokens outside them count for nothing in the draft."""
+    from specserve.model.config import PRESETS
+    from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+    from specserve.speculative.token_map import save_token_map
+
+    vocab = PRESETS["tiny"].vocab_size
+    draft = write_random_eagle_checkpoint(str(tmp_path / "d"), PRESETS["tiny"], "EAGLE", seed=3)
+    hot = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:60].tolist()
+    save_token_map(str(tmp_path / "map.json"), hot)
+    prompts = mixed_prompts(5, vocab, seed=2, min_len=2, max_len=16)
+    params = [dict(p, allowed_token_ids=hot[:30] + [3]) if i == 1 else p
+              for i, p in enumerate(mixed_params(5, 2))]  # fmt: skip
+    plain, _ = decode(prompts, params)
+    spec, _ = decode(
+        prompts, params, **spec_args(draft, 4, 3, 10),
+        speculative_token_map=str(tmp_path / "map.json"),
+    )  # fmt: skip
+    assert spec == plain
+
+
 def test_requests_without_penalties_decode_as_in_a_batch_without_any():
     prompts = mixed_prompts(6, 512, seed=4, min_len=2, max_len=16)
     params = mixed_params(6, 4)

@@ -90,6 +90,7 @@ class BatchPenalties:
             _floats(repetition, device),
         )
         self.device = device
+        self._draft = None  # (the draft's columns, the penalties seen through them)
         self.stops = None  # min_new_tokens: [B, V] bool, the stop tokens not yet allowed
         self.banned = None  # allowed_token_ids: [B, V] bool, the tokens never drawn
         if any(q and q.banned is not None for q in parts):
@@ -124,14 +125,58 @@ class BatchPenalties:
         out = penalize_rows(logits, self.penalties, request, path)
         return self._masked(out, request, depth)
 
-    def _masked(self, logits, request, depth) -> torch.Tensor:
+    def draft_draws(
+        self,
+        logits: torch.Tensor,
+        request: torch.Tensor,
+        depth: int,
+        columns: torch.Tensor | None,
+        path: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The draft's logits [R, draft vocab] at nodes of `depth` (their children's
+        proposals), of requests `request` ([R]), penalized as the target's draws will be;
+        columns: each column's target token id (None: the same); path [R, D]: each node's
+        path below the root (target ids, -1: none)."""
+        if self._draft is None or self._draft[0] is not columns:
+            view, column_of = self.penalties, None
+            if columns is not None:
+                view = Penalties(
+                    view.counts[:, columns],
+                    view.in_prompt[:, columns],
+                    view.bias[:, columns],
+                    view.frequency,
+                    view.presence,
+                    view.repetition,
+                )
+                # target id -> its column (-1: outside the draft's vocabulary)
+                column_of = torch.full(
+                    (self.penalties.counts.shape[1] + 1,), -1, device=columns.device
+                )
+                column_of[columns] = torch.arange(len(columns), device=columns.device)
+            self._draft = (columns, view, column_of)
+        _, view, column_of = self._draft
+        if path is not None and column_of is not None:
+            path = column_of[path]  # (-1 stays -1: the map's last entry)
+        out = penalize_rows(logits, view, request, path)
+        depth_of = torch.full_like(request, depth)
+        return self._masked(out, request, depth_of, columns, keep_some=True)
+
+    def _masked(self, logits, request, depth, columns=None, keep_some=False) -> torch.Tensor:
         """-inf (in place) at what allowed_token_ids leaves out, and at the stop tokens
-        min_new_tokens holds back at a row's depth."""
+        min_new_tokens holds back at a row's depth. columns: as in `draft_draws`; keep_some:
+        a row all of whose columns allowed_token_ids leaves out (a reduced draft vocabulary
+        may hold none of them) is left as it was."""
         if self.banned is not None:
-            logits.masked_fill_(self.banned[request], float("-inf"))
+            banned = self.banned[request]
+            if columns is not None:
+                banned = banned[:, columns]
+            if keep_some:
+                banned &= ~banned.all(1, keepdim=True)
+            logits.masked_fill_(banned, float("-inf"))
         if self.stops is None:
             return logits
-        return block_early_stops(logits, self.stops, self.remaining, request, depth)
+        stops = self.stops if columns is None else self.stops[:, columns]
+        return block_early_stops(logits, stops, self.remaining, request, depth)
 
 
 def batch_penalties(

@@ -33,6 +33,7 @@ from specserve.device import to_device
 from specserve.kv.pool import KVCache
 from specserve.ops.attention import ForwardContext
 from specserve.ops.attention_metadata import Segment, build_device_metadata, build_metadata
+from specserve.ops.sampling import topk_logprobs
 from specserve.ops.triton_draft_frontier import expand_frontier
 from specserve.ops.triton_tree_select import select_tree
 from specserve.speculative.draft_heads import DraftHead
@@ -187,8 +188,11 @@ class TreeDrafter:
 
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(self, batch, shape: TreeShape | None = None) -> DraftTrees:
-        """The trees of `shape` (default: the configured one; a one-token shape: the root)."""
+    def draft(self, batch, shape: TreeShape | None = None, penalties=None) -> DraftTrees:
+        """The trees of `shape` (default: the configured one; a one-token shape: the root).
+        penalties: the batch's (runtime/penalties.py `BatchPenalties`): the draft proposes
+        from penalized logits too, as the target will draw from them (what it proposes does
+        not change what is emitted, only how much of it is accepted)."""
         shape = (shape or self.shape).drafted
         if shape.tokens == 1:
             return DraftTrees.root_only(batch.roots)
@@ -210,7 +214,10 @@ class TreeDrafter:
         if num_steps > 1:
             fronts = Frontier.empty_pair(bsz, k, g_root.shape[-1], scratch, self.dtype, dev)
         use_kernel = self.kernels.draft_tree
-        logp, tok = self.head.topk(g_root, k, self.kernels)
+        topk = self._topk
+        if penalties is not None:
+            topk = self._penalized_topk(bsz, penalties, (num_steps - 1) * k, dev)
+        logp, tok = topk(g_root, k, 0, None)
         # depth 1: the root is a frontier of one node; its children come out in rank order
         front = fronts[0]
         expand_frontier(logp, tok, g_root, None, 0, cands, front, use_kernel)
@@ -240,11 +247,39 @@ class TreeDrafter:
                 all_pos[depth - 1].reshape(-1),
                 meta,
             )
-            c_logp, c_tok = self.head.topk(g, k, self.kernels)
+            c_logp, c_tok = topk(g, k, depth, front)
             nxt = fronts[depth % 2] if depth + 1 < num_steps else None  # last: none needed
             expand_frontier(c_logp, c_tok, g, front, depth, cands, nxt, use_kernel)
             front = nxt
         return self._select_tree(batch.roots, cands, shape)
+
+    def _topk(self, g: torch.Tensor, k: int, depth: int, front: Frontier | None):
+        """The head's k likeliest children of the nodes at `depth` (their features `g`; the
+        frontier holding them, None for the root)."""
+        return self.head.topk(g, k, self.kernels)
+
+    def _penalized_topk(self, bsz: int, penalties, scratch: int, device):
+        """`_topk` over logits penalized as each node's request asks (its output so far and
+        the node's path below the root, its bias, its allowed tokens, the stop tokens its
+        minimum length holds back at the children's depth): the draft proposes what the
+        target will draw more often."""
+        head = self.head
+        # the tokens of each scratch column (a depth's frontier node), for the nodes' paths
+        path_of = torch.full((bsz, max(1, scratch)), -1, dtype=torch.int64, device=device)
+
+        def topk(g: torch.Tensor, k: int, depth: int, front: Frontier | None):
+            logits = head.logits(g, self.kernels)
+            request = torch.arange(bsz, device=g.device).repeat_interleave(g.shape[0] // bsz)
+            path = None
+            if front is not None:
+                width = front.tokens.shape[1]
+                path_of[:, (depth - 1) * width : depth * width] = front.tokens
+                path = torch.where(front.anc, path_of[:, None, :], -1).reshape(g.shape[0], -1)
+            columns = head.vocab_ids()
+            logits = penalties.draft_draws(logits, request, depth, columns, path)
+            return topk_logprobs(logits, k, columns, self.kernels)
+
+        return topk
 
     def _constants(self, shape: TreeShape) -> _DraftConstants:
         """Index tensors that depend only on the tree shape, made once per shape."""

@@ -30,7 +30,7 @@ class RootOnlyDrafter:
     def attach(self, table, num_slots: int, backend, rows) -> None:
         """No draft KV, no root state."""
 
-    def draft(self, batch, shape=None) -> DraftTrees:
+    def draft(self, batch, shape=None, penalties=None) -> DraftTrees:
         return DraftTrees.root_only(batch.roots)
 
     def extend_after_verify(self, batch, trees, acc, target_out, path_rows) -> None:
