@@ -269,8 +269,8 @@ def test_every_adaptive_tier_with_penalties_equals_plain(seed):
 @pytest.mark.parametrize(
     "extra",
     [
-        {"frequency_penalty": 1.5},
-        {"repetition_penalty": 1.8},
+        {"frequency_penalty": 2.0, "presence_penalty": 2.0},
+        {"repetition_penalty": 0.3},  # (these two also need each node's own path)
         {"logit_bias": {str(t): 4.0 for t in range(3, 60)}},
         {"allowed_token_ids": list(range(100, 140))},
         {"min_new_tokens": 30, "stop_token_ids": list(range(3, 40)), "presence_penalty": -0.5},
@@ -280,7 +280,7 @@ def test_the_draft_proposes_from_penalized_logits_too(shape, extra):
     """The target as its own draft: penalized as the target's draws are (each node after
     its own path), every greedy draft is accepted; unpenalized, a bias alone took the
     accept length from 4 to 1.07."""
-    prompts = mixed_prompts(6, 512, seed=3, min_len=3, max_len=20)
+    prompts = mixed_prompts(8, 40, seed=5, min_len=3, max_len=6)
     params = dict(GREEDY, max_new_tokens=40, **extra)
     with Engine(**TINY, **spec_args("tiny", *shape)) as e:
         outs = e.generate(input_ids=prompts, sampling_params=params)
