@@ -312,6 +312,45 @@ def test_a_reduced_draft_vocabulary_with_penalties_decodes_as_plain(tmp_path):
     assert spec == plain
 
 
+def batch_of(vocab: int, *params: dict):
+    """BatchPenalties of requests with these sampling parameters (a prompt of 1, 2, 3 and
+    one output token, 5)."""
+    from specserve.runtime.penalties import BatchPenalties
+    from specserve.runtime.request import Request
+    from specserve.sampling_params import SamplingParams
+
+    reqs = [
+        Request(f"r{i}", [1, 2, 3], SamplingParams(**p), seed=0, output_ids=[5])
+        for i, p in enumerate(params)
+    ]
+    return BatchPenalties(reqs, vocab, {2}, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("growing", [False, True])
+def test_no_draft_row_is_masked_to_nothing(growing):
+    """A draft row whose masks would leave none of its columns keeps them: there, every token
+    allowed_token_ids leaves in the draft's vocabulary is a stop token min_new_tokens holds
+    back (its other tokens are outside it), or only a growing vocabulary's free columns
+    (-inf, their ids those of no live column) are allowed. An all -inf row's candidates would
+    get NaN log-probabilities (the trees' scores, which ragged budgets calibrate with)."""
+    from specserve.ops.sampling import topk_logprobs
+    from specserve.speculative.draft_vocab import DraftVocab
+
+    v = 20
+    vocab = DraftVocab(torch.randn(v, 4), torch.tensor([3, 4, 5, 6, 7]), 2 if growing else 0)
+    allowed = [0, 15] if growing else [4, 15]  # (a free column's id is 0)
+    pen = batch_of(
+        v,
+        dict(allowed_token_ids=allowed, min_new_tokens=5, stop_token_ids=[4]),
+        dict(temperature=0.0),
+    )
+    logits = torch.randn(2, len(vocab.ids)) + (0 if vocab.bias is None else vocab.bias)
+    out = pen.draft_draws(logits.clone(), torch.arange(2), 0, vocab.ids)
+    logp, _ = topk_logprobs(out, 2, vocab.ids)
+    assert torch.isfinite(logp).all(), logp
+    assert torch.equal(out[1], logits[1])
+
+
 def test_requests_without_penalties_decode_as_in_a_batch_without_any():
     prompts = mixed_prompts(6, 512, seed=4, min_len=2, max_len=16)
     params = mixed_params(6, 4)

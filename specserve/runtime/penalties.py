@@ -164,14 +164,18 @@ class BatchPenalties:
     def _masked(self, logits, request, depth, columns=None, keep_some=False) -> torch.Tensor:
         """-inf (in place) at what allowed_token_ids leaves out, and at the stop tokens
         min_new_tokens holds back at a row's depth. columns: as in `draft_draws`; keep_some:
-        a row all of whose columns allowed_token_ids leaves out (a reduced draft vocabulary
-        may hold none of them) is left as it was."""
+        a row these masks leave without a finite column is left as it was (a new tensor): a
+        reduced draft vocabulary may hold none of the tokens allowed_token_ids allows, or
+        only stop tokens still held back, and a growing one's free columns are -inf already;
+        an all -inf row's log-probabilities would be NaN."""
+        if keep_some and (self.banned is not None or self.stops is not None):
+            kept = logits.clone()
+            out = self._masked(logits, request, depth, columns)
+            return torch.where(out.isneginf().all(1, keepdim=True), kept, out)
         if self.banned is not None:
             banned = self.banned[request]
             if columns is not None:
                 banned = banned[:, columns]
-            if keep_some:
-                banned &= ~banned.all(1, keepdim=True)
             logits.masked_fill_(banned, float("-inf"))
         if self.stops is None:
             return logits
