@@ -330,18 +330,17 @@ def batch_of(vocab: int, *params: dict):
 def test_no_draft_row_is_masked_to_nothing(growing):
     """A draft row whose masks would leave none of its columns keeps them: there, every token
     allowed_token_ids leaves in the draft's vocabulary is a stop token min_new_tokens holds
-    back (its other tokens are outside it), or only a growing vocabulary's free columns
-    (-inf, their ids those of no live column) are allowed. An all -inf row's candidates would
-    get NaN log-probabilities (the trees' scores, which ragged budgets calibrate with)."""
+    back (its other tokens are outside it; a growing vocabulary's free columns are -inf). An
+    all -inf row's candidates would get NaN log-probabilities (the trees' scores, which
+    ragged budgets calibrate with)."""
     from specserve.ops.sampling import topk_logprobs
     from specserve.speculative.draft_vocab import DraftVocab
 
     v = 20
     vocab = DraftVocab(torch.randn(v, 4), torch.tensor([3, 4, 5, 6, 7]), 2 if growing else 0)
-    allowed = [0, 15] if growing else [4, 15]  # (a free column's id is 0)
     pen = batch_of(
         v,
-        dict(allowed_token_ids=allowed, min_new_tokens=5, stop_token_ids=[4]),
+        dict(allowed_token_ids=[4, 15], min_new_tokens=5, stop_token_ids=[4]),
         dict(temperature=0.0),
     )
     logits = torch.randn(2, len(vocab.ids)) + (0 if vocab.bias is None else vocab.bias)
@@ -349,6 +348,29 @@ def test_no_draft_row_is_masked_to_nothing(growing):
     logp, _ = topk_logprobs(out, 2, vocab.ids)
     assert torch.isfinite(logp).all(), logp
     assert torch.equal(out[1], logits[1])
+
+
+def test_path_tokens_count_at_the_column_a_growing_vocabulary_holds_them_in():
+    """A growing draft vocabulary's free columns carry ids too (at first token 0's, after a
+    release the released token's): a node's path token is penalized at the live column of
+    its token, not at a free column of the same id."""
+    from specserve.speculative.draft_vocab import DraftVocab
+
+    v = 20
+    vocab = DraftVocab(torch.randn(v, 4), torch.tensor([0, 5, 7, 9]), growth=3)
+    vocab.add({"a": [11], "b": [12]})
+    vocab.release(["b"])
+    vocab.release(["a"])
+    vocab.add({"c": [12]})  # (now in another column than before)
+    pen = batch_of(v, dict(frequency_penalty=100.0))
+    logits = torch.zeros(2, len(vocab.ids)) + vocab.bias
+    path = torch.tensor([[0], [12]])
+    out = pen.draft_draws(logits.clone(), torch.zeros(2, dtype=torch.int64), 1, vocab.ids, path)
+    want = logits.clone()
+    want[:, 1] -= 100  # token 5, of the output
+    want[0, 0] -= 100
+    want[1, vocab._column[12]] -= 100
+    assert torch.equal(out, want), out
 
 
 def test_requests_without_penalties_decode_as_in_a_batch_without_any():

@@ -148,11 +148,13 @@ class BatchPenalties:
                     view.presence,
                     view.repetition,
                 )
-                # target id -> its column (-1: outside the draft's vocabulary)
+                # target id -> its column (-1: outside the draft's vocabulary); an id in
+                # several columns (a growing vocabulary's free ones): the lowest
                 column_of = torch.full(
                     (self.penalties.counts.shape[1] + 1,), -1, device=columns.device
                 )
-                column_of[columns] = torch.arange(len(columns), device=columns.device)
+                at = torch.arange(len(columns), device=columns.device)
+                column_of.scatter_reduce_(0, columns, at, "amin", include_self=False)
             self._draft = (columns, view, column_of)
         _, view, column_of = self._draft
         if path is not None and column_of is not None:

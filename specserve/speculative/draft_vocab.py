@@ -12,7 +12,8 @@ freed when the last request holding its token finishes.
 
 Device layout, fixed at construction so CUDA graphs keep reading the same buffers: `weight`
 [map + growth, hidden] (rows of the target's lm_head), `ids` [map + growth] (the target id of
-each column) and `bias` (0 for a column in use, -inf for a free one, so that free columns
+each column; a free column's is the map's first token's, so a token's lowest column is the one
+it is drafted in, as penalized drafting reads them) and `bias` (0 for a column in use, -inf for a free one, so that free columns
 never rank and take no probability mass). Changes are stream-ordered device writes issued
 between steps: a step already launched drafts with the vocabulary it was launched with.
 """
@@ -39,7 +40,8 @@ class DraftVocab:
             (self.capacity, lm_head.shape[1]), dtype=lm_head.dtype, device=dev
         )
         self.weight[: self.base] = lm_head[token_ids]
-        self.ids = torch.zeros(self.capacity, dtype=torch.int64, device=dev)
+        self._filler = int(token_ids[0]) if self.base else 0  # a free column's id
+        self.ids = torch.full((self.capacity,), self._filler, dtype=torch.int64, device=dev)
         self.ids[: self.base] = token_ids
         self.bias = None
         if growth:
@@ -124,3 +126,4 @@ class DraftVocab:
         if freed:
             cols = to_device(torch.tensor(freed), self.bias.device)
             self.bias.index_fill_(0, cols, float("-inf"))
+            self.ids.index_fill_(0, cols, self._filler)
