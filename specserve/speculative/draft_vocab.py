@@ -13,9 +13,10 @@ freed when the last request holding its token finishes.
 Device layout, fixed at construction so CUDA graphs keep reading the same buffers: `weight`
 [map + growth, hidden] (rows of the target's lm_head), `ids` [map + growth] (the target id of
 each column; a free column's is the map's first token's, so a token's lowest column is the one
-it is drafted in, as penalized drafting reads them) and `bias` (0 for a column in use, -inf for a free one, so that free columns
-never rank and take no probability mass). Changes are stream-ordered device writes issued
-between steps: a step already launched drafts with the vocabulary it was launched with.
+it is drafted in, as penalized drafting reads them) and `bias` (0 for a column in use, -inf
+for a free one, so that free columns never rank and take no probability mass). Changes are
+stream-ordered device writes issued between steps: a step already launched drafts with the
+vocabulary it was launched with.
 """
 
 from __future__ import annotations
