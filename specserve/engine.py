@@ -368,12 +368,14 @@ class Engine:
         log-prob options with their defaults and the compiled grammar of structured output."""
         self.core.validate_prompt(ids, field)
         vocab = self.core.model_config.vocab_size
-        never = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if never is not None:  # (it could never be sampled, so never stop the request)
-            raise InvalidArgument(
-                "stop_token_ids", f"token id {never} is outside the vocabulary [0, {vocab})"
-            )
-        check_penalties(params, vocab, self.config.tp_size)
+        # (a stop token outside it could never be sampled, so never stop the request)
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            outside = next((t for t in getattr(params, name) or () if t >= vocab), None)
+            if outside is not None:
+                raise InvalidArgument(
+                    name, f"token id {outside} is outside the vocabulary [0, {vocab})"
+                )
+        check_penalties(params, self.config.tp_size)
         compiled = self.core.compile_grammar(params)
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop", "stop strings need a tokenizer; use stop_token_ids")

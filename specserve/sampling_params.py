@@ -241,11 +241,16 @@ def _stop(v: Any) -> list[str]:
     return list(v)
 
 
+def _token_ids(name: str, v: Any, what: str = "a list") -> list[int]:
+    if not isinstance(v, list) or not all(is_int(t) and 0 <= t <= INT64_MAX for t in v):
+        raise InvalidArgument(name, f"must be {what} of non-negative integer token ids")
+    return list(v)
+
+
 def _stop_token_ids(v: Any) -> list[int]:
     if v is None:
         return []
-    if not isinstance(v, list) or not all(is_int(t) and 0 <= t <= INT64_MAX for t in v):
-        raise InvalidArgument("stop_token_ids", "must be a list of non-negative integer token ids")
+    v = _token_ids("stop_token_ids", v)
     if len(v) > MAX_STOP_TOKEN_IDS:
         raise InvalidArgument(
             "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids are allowed, got {len(v)}"
@@ -315,11 +320,10 @@ def _logit_bias(v: Any) -> dict[int, float] | None:
 def _allowed_token_ids(v: Any) -> list[int] | None:
     if v is None:
         return None
-    if not isinstance(v, list) or not v or not all(is_int(t) and 0 <= t <= INT64_MAX for t in v):
-        raise InvalidArgument(
-            "allowed_token_ids", "must be a non-empty list of non-negative integer token ids"
-        )
-    return list(v)
+    what = "a non-empty list"
+    if not v:
+        raise InvalidArgument("allowed_token_ids", f"must be {what} of token ids, got []")
+    return _token_ids("allowed_token_ids", v, what)
 
 
 def _json_schema(v: Any) -> str | None:

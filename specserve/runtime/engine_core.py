@@ -464,7 +464,7 @@ class EngineCore:
             catch_up=lagged is not None and lagged.catch_up,
         )
         graphs = self.worker.graphs
-        if pending.constrained or (
+        if pending.draws_adjusted or (
             graphs is not None and (graphs.captured_last or graphs.eager_last)
         ):
             self.host_clock.interrupt()  # a capture's or an eager launch's time: no step's

@@ -43,7 +43,7 @@ class RequestPenalties:
             self.bias[at] = _floats(list(p.logit_bias.values()), device)
         self.banned = None  # [V] bool: tokens outside allowed_token_ids
         if p.allowed_token_ids:
-            self.banned = ~_mask(v, {t for t in p.allowed_token_ids if t < v}, device)
+            self.banned = ~_mask(v, set(p.allowed_token_ids), device)  # (checked: all < v)
         self.stops = None  # [V] bool: what min_new_tokens holds back
         if p.min_new_tokens:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
@@ -194,10 +194,9 @@ def batch_penalties(
     return BatchPenalties(reqs, vocab_size, eos, device)
 
 
-def check_penalties(params: SamplingParams, vocab_size: int, tp_size: int) -> None:
-    """What a request's penalties and biases need beyond their own checks: token ids in the
-    vocabulary, and one rank (the other ranks hold each request's output as of its prefill
-    only, so their draws would differ)."""
+def check_penalties(params: SamplingParams, tp_size: int) -> None:
+    """Penalties and biases need one rank: the other ranks hold each request's output as of
+    its prefill only, so their draws would differ."""
     if params.adjusts_logits and tp_size > 1:
         field = next(
             name
@@ -205,15 +204,6 @@ def check_penalties(params: SamplingParams, vocab_size: int, tp_size: int) -> No
             if getattr(params, name) not in neutral
         )
         raise InvalidArgument(field, "is not supported with tp_size > 1")
-    for field, ids in (
-        ("logit_bias", params.logit_bias or ()),
-        ("allowed_token_ids", params.allowed_token_ids or ()),
-    ):
-        outside = next((t for t in ids if t >= vocab_size), None)
-        if outside is not None:
-            raise InvalidArgument(
-                field, f"token id {outside} is outside the vocabulary [0, {vocab_size})"
-            )
 
 
 def _ids(values: list[int], device: torch.device) -> torch.Tensor:

@@ -114,7 +114,7 @@ class PendingDecode:
         self.everyone_speculates = False  # every request in it speculated at launch
         # its draws were masked to grammars (waiting on the host mid-step) or penalized: run
         # eagerly, so its times are no tier's (set by the worker)
-        self.constrained = False
+        self.draws_adjusted = False
         self._timer = timer
         self.seconds: float | None = None
         self._reach = chain_reach is not None
@@ -519,7 +519,7 @@ class Worker:
         elif timer is not None:
             timer.stop()
         pending = PendingDecode(reqs, *out, tier=tier, timer=timer)
-        pending.constrained = bool(draws)
+        pending.draws_adjusted = bool(draws)
         return pending
 
 
