@@ -312,7 +312,7 @@ class Worker:
             reqs = [chunks[i].req for i in done]
             sample_pos = to_device(torch.tensor([chunks[i].end for i in done]), dev)
             drawn_from = logits  # (log-probs: the model's own, as vLLM reports them)
-            penalties = batch_penalties(reqs, logits.shape[-1], self.eos_token_ids, dev)
+            penalties = batch_penalties(reqs, self.vocab_size, self.eos_token_ids, dev)
             if penalties is not None:
                 drawn_from = penalties.draws(logits)
             if any(r.grammar is not None for r in reqs):
@@ -491,17 +491,12 @@ class Worker:
         out = None
         # structured output: the step waits for its drafts to mask the target's draws on the
         # host; penalties are built from the host's view of the output: both run eagerly
-        draws = {
-            name: value
-            for name, value in (
-                ("grammar", batch_grammar(reqs, self.vocab_size)),
-                (
-                    "penalties",
-                    batch_penalties(reqs, self.vocab_size, self.eos_token_ids, self.device),
-                ),
-            )
-            if value is not None
-        }
+        draws = {}  # (the keyword arguments DecodeStep.run takes for them)
+        if (grammar := batch_grammar(reqs, self.vocab_size)) is not None:
+            draws["grammar"] = grammar
+        penalties = batch_penalties(reqs, self.vocab_size, self.eos_token_ids, self.device)
+        if penalties is not None:
+            draws["penalties"] = penalties
         if self.graphs is not None and not draws:
             out = self.graphs.run(rows, sampling, width, tier, catch_up)
             if self.graphs.captured_last or self.graphs.covered_last or self.graphs.eager_last:
