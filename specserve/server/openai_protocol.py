@@ -93,6 +93,16 @@ class StreamOptions(StrictModel):
         return False if v is None else v
 
 
+def _one_field(name: str, value: Any, other_name: str, other: Any) -> Any:
+    """The value of a field that has two names (vLLM's and SGLang's): either given, or both
+    alike."""
+    if value is not None and other is not None and value != other:
+        raise APIError(
+            f"{other_name}: differs from {name} (two names of one field)", param=other_name
+        )
+    return value if value is not None else other
+
+
 class _CommonRequest(StrictModel):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -208,21 +218,10 @@ class _CommonRequest(StrictModel):
             "logit_bias": self.logit_bias,
             "allowed_token_ids": self.allowed_token_ids,
         }
-        keep = [v for v in (self.include_stop_str_in_output, self.no_stop_trim) if v is not None]
-        if len(set(keep)) > 1:
-            raise APIError(
-                "no_stop_trim: differs from include_stop_str_in_output (two names of one field)",
-                param="no_stop_trim",
-            )
-        sp["no_stop_trim"] = bool(keep and keep[0])
-        least = self.min_tokens if self.min_tokens is not None else self.min_new_tokens
-        if None not in (self.min_tokens, self.min_new_tokens) and (
-            self.min_tokens != self.min_new_tokens
-        ):
-            raise APIError(
-                "min_new_tokens: differs from min_tokens (two names of one field)",
-                param="min_new_tokens",
-            )
+        keep = _one_field("include_stop_str_in_output", self.include_stop_str_in_output,
+                          "no_stop_trim", self.no_stop_trim)  # fmt: skip
+        sp["no_stop_trim"] = bool(keep)
+        least = _one_field("min_tokens", self.min_tokens, "min_new_tokens", self.min_new_tokens)
         if least:
             if least > max_new_tokens:
                 field = "min_tokens" if self.min_tokens is not None else "min_new_tokens"
