@@ -8,46 +8,22 @@ import time
 
 import torch
 
-from specserve.config import REFERENCE, EngineConfig, Kernels
+from specserve.config import EngineConfig
 from specserve.errors import InvalidArgument
-from specserve.kv.allocator import PageAllocator
-from specserve.kv.pool import KVCache
-from specserve.kv.prefix_cache import PrefixCache
-from specserve.kv.request_rows import RequestRows
-from specserve.kv.table import KVTable
-from specserve.model.loader import load_model
-from specserve.model.runner import ModelRunner
-from specserve.model.sharding import draft_target, local_kv_heads
-from specserve.ops.attention import TorchAttentionBackend
-from specserve.runtime.capacity import context_length, kv_pages
 from specserve.runtime.draft_lag import DraftLag
-from specserve.runtime.grammar import GrammarCompiler, grammar_spec, refuse_by_grammar
+from specserve.runtime.engine_parts import build_engine_parts
+from specserve.runtime.grammar import grammar_spec, refuse_by_grammar
 from specserve.runtime.host_clock import HostClock
 from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import ReqState, Request
-from specserve.runtime.scheduler import Scheduler, SchedulerLimits
-from specserve.runtime.stop import StopChecker
-from specserve.runtime.worker import Worker
 from specserve.sampling_params import is_int
-from specserve.speculative.adaptive import AdaptiveSpeculation, batch_bucket, speculation_tiers
-from specserve.speculative.factory import build_drafter
-from specserve.speculative.simulate import build_simulator
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # An idle engine captures wanted decode graphs only once it has had no work this long: a
 # capture blocks the loop for 0.05-0.3 s, and a client that sends one request after another
 # (a chat turn after the last answer) leaves gaps of a millisecond or so.
 IDLE_CAPTURE_DELAY_S = 0.05
-
-
-def make_attention_backend(name: str, kernels: Kernels = REFERENCE):
-    if name == "triton":
-        from specserve.ops.triton_attention import TritonAttentionBackend
-
-        return TritonAttentionBackend(batch_invariant=kernels.batch_invariant_attention)
-    return TorchAttentionBackend()
 
 
 class EngineCore:
@@ -58,134 +34,24 @@ class EngineCore:
         self.tp = tp
         self.peers = None  # rank 0 of tp_size > 1: the other ranks' processes
         self.device = torch.device(cfg.device)
-        self.dtype = _DTYPES[cfg.dtype]
         torch.manual_seed(cfg.random_seed)
-        loaded = load_model(
-            cfg.model_path,
-            cfg.load_format,
-            self.dtype,
-            self.device,
-            skip_tokenizer_init=cfg.skip_tokenizer_init,
-            tokenizer_path=cfg.tokenizer_path,
-            seed=cfg.random_seed,
-            tp=tp,
-        )
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        mc = loaded.config
-        self.context_len, context_decision = context_length(cfg, mc)
-
-        draft = build_drafter(cfg, draft_target(loaded), self.device, self.dtype)
-        kv_heads = mc.num_kv_heads if tp is None else local_kv_heads(mc, tp.size)
-        per_slot = KVCache.bytes_per_slot(mc.num_layers, kv_heads, mc.head_dim, self.dtype)
-        per_slot += draft.kv_bytes_per_slot
-        num_pages, kv_decision = kv_pages(cfg, self.device, per_slot, tp)
-        num_slots = num_pages * cfg.page_size
-        self.max_total_tokens = kv_decision[1]
-        # what the loaded model and the device decided, for Engine.resolved_args()
-        self.load_decisions = [context_decision, kv_decision]
-        self.kv_cache = KVCache(
-            mc.num_layers, num_slots, kv_heads, mc.head_dim, self.dtype, self.device
-        )
-        self.table = KVTable(PageAllocator(num_pages, cfg.page_size))
-        window = draft.window + draft.lookahead
-        self.rows = RequestRows(
-            self.device,
-            cfg.page_size,
-            max_pages=-(-(self.context_len + 2 * window) // cfg.page_size),
-            rows=cfg.max_running_requests + 8,
-        )
-        self.table.mirror = self.rows
-        backend = make_attention_backend(cfg.attention_backend, cfg.kernels)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, backend, cfg.kernels)
-        draft.attach(self.table, num_slots, backend, self.rows)
-        # load-adaptive speculation: each step drafts the tier that pays most (or none); a
-        # plain step skips the draft, which catches up when speculation resumes
-        tiers = speculation_tiers(draft.shape) if cfg.speculative_adaptive else None
-        # (a graph replayed on rank 0 alone would wait forever in its collectives)
-        measure = self._step_seconds if tp is None or tp.size == 1 else None
-        self.adaptive = AdaptiveSpeculation(tiers, measure) if tiers else None
-        if tiers and any(t.ragged for t in tiers):  # each request's share of a budget
-            self.rows.add_calibration(draft.shape.max_depth)
-        self.draft_lag = None
-        if tiers and cfg.speculative_adaptive_lag_tokens > 0:
-            self.draft_lag = DraftLag(cfg.speculative_adaptive_lag_tokens)
-            self.rows.add_lag_ring(
-                cfg.speculative_adaptive_lag_tokens, draft.feature_dim(mc.hidden_size), self.dtype
-            )
-        eos = set(mc.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
-        self.worker = Worker(
-            self.runner,
-            self.table,
-            self.rows,
-            draft,
-            cfg.kernels,
-            build_simulator(cfg, self.tokenizer, mc.vocab_size, self.device),
-            tiers,
-            self.eos_token_ids,
-        )
-        if not cfg.disable_cuda_graph:
-            from specserve.runtime.cuda_graphs import DecodeGraphs
-
-            self.worker.graphs = DecodeGraphs(
-                self.worker,
-                cfg.cuda_graph_max_bs,
-                max_width=self.context_len + window + max(window, self.worker.slot_width),
-            )
-            if cfg.cuda_graph_max_prefill_tokens > 0:
-                from specserve.runtime.prefill_graphs import PrefillGraphs
-
-                self.worker.prefill_graphs = PrefillGraphs(
-                    self.worker, cfg.cuda_graph_max_prefill_tokens, max_width=self.context_len
-                )
-        self.scheduler = Scheduler(
-            self.table,
-            SchedulerLimits(
-                max_running_requests=cfg.max_running_requests,
-                chunked_prefill_size=cfg.chunked_prefill_size,
-                decode_window=self.worker.decode_window,
-                kv_lookahead=self.worker.kv_lookahead,
-                max_accept=self.worker.max_accept,
-            ),
-            None
-            if cfg.disable_radix_cache
-            else PrefixCache(self.table.allocator, draft.draft_kv_reads_next_token),
-        )
-        if self.scheduler.max_prompt_tokens() < 1:
-            # one request needs its prompt, its first token and one step's draft window
-            need = self.max_total_tokens + 1 - self.scheduler.max_prompt_tokens()
-            raise InvalidArgument(
-                "max_total_tokens",
-                f"holds {self.max_total_tokens} tokens, too few for one request with a decode "
-                f"window of {self.worker.decode_window + self.worker.kv_lookahead} tokens: "
-                f"it must be at least {need}",
-            )
-        if self.adaptive is not None and measure is not None and self.worker.graphs is not None:
-            # every tier timed at every batch bucket before the first request, not when serving
-            # first meets a bucket (capturing compiles kernels: seconds at a large model)
-            start = time.perf_counter()
-            largest = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
-            timed = self.adaptive.prime(largest)
-            log.info(
-                "adaptive speculation: %d tier steps timed up to batch %d in %.1f s",
-                timed,
-                largest,
-                time.perf_counter() - start,
-            )
-        self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.context_len)
-        unsupported = None
-        if tp is not None and tp.size > 1:
-            unsupported = "is not supported with tp_size > 1"
-        elif self.worker.step.simulator is not None:
-            unsupported = "is not supported under simulated acceptance (it forces what is accepted)"
-        self.grammars = (
-            None
-            if self.tokenizer is None
-            else GrammarCompiler(self.tokenizer, mc.vocab_size, unsupported)
-        )
+        parts = build_engine_parts(cfg, tp)
+        self.model_config = mc = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.context_len = parts.context_len
+        self.max_total_tokens = parts.max_total_tokens
+        self.load_decisions = parts.load_decisions
+        self.kv_cache = parts.kv_cache
+        self.table = parts.table
+        self.rows = parts.rows
+        self.runner = parts.runner
+        self.worker = parts.worker
+        self.scheduler = parts.scheduler
+        self.adaptive = parts.adaptive
+        self.draft_lag = parts.draft_lag
+        self.eos_token_ids = parts.eos_token_ids
+        self.stop_checker = parts.stop_checker
+        self.grammars = parts.grammars
         # live requests with structured output, penalties or a logit bias: steps are not
         # launched ahead while there are any, since a step's masks need the grammar state
         # after the step before it, and its penalties that step's tokens
@@ -413,18 +279,6 @@ class EngineCore:
             out["catch_ups"] = self.draft_lag.num_catch_ups
             out["stopped_speculating"] = self.draft_lag.num_stale
         return out
-
-    def _step_seconds(self, batch_size: int, tier: int) -> float | None:
-        graphs = self.worker.graphs
-        if graphs is None:
-            return None
-        largest = graphs.buckets[-1]
-        if batch_size > largest and batch_bucket(batch_size) == batch_bucket(largest):
-            # the bucket holding the largest graph (a cuda_graph_max_bs that is not a power
-            # of two): served by that graph up to its size; past it, steps run eagerly and
-            # are timed as served
-            batch_size = largest
-        return graphs.step_seconds(batch_size, tier)
 
     def _launch_decode(self, reqs: list[Request]):
         kv_upper = [r.kv_len + r.inflight_steps * self.worker.max_accept for r in reqs]
