@@ -332,6 +332,7 @@ class Engine:
         """The prompt's n requests: sample i draws with seed + i when the prompt has a seed,
         else each its own random seed; samples after the first wait for its prefill
         (`prefill_after`), to reuse the prompt's pages."""
+        ids = self.truncate_prompt(ids, params.truncate_prompt_tokens)
         opts, compiled = self._check_request(ids, params, field, logprob_options)
         grammar_field = None if compiled is None else grammar_spec(params)[0]
         if not opts["return_logprob"]:
@@ -360,6 +361,20 @@ class Engine:
         for r in reqs[1:]:
             r.prefill_after = reqs[0]
         return reqs
+
+    def truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (sampling parameter truncate_prompt_tokens; -1:
+        the longest prompt the engine takes); as given when `keep` is None."""
+        if keep is None or not isinstance(ids, (list, tuple)):
+            return ids  # (a prompt that is not a list is refused by its own check)
+        longest = min(self.core.context_len - 1, self.core.scheduler.max_prompt_tokens())
+        if keep > longest:
+            raise InvalidArgument(
+                "truncate_prompt_tokens",
+                f"must be -1 or in [1, {longest}] (the longest prompt this engine takes), "
+                f"got {keep}",
+            )
+        return ids[-(longest if keep == -1 else keep) :]
 
     def _check_request(
         self, ids: list[int], params: SamplingParams, field: str, logprob_options: dict[str, Any]

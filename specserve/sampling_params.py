@@ -67,6 +67,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # the only tokens drawn (vLLM's)
+    # the prompt cut to its last k tokens before anything else (vLLM's); -1: to the longest
+    # prompt the engine takes
+    truncate_prompt_tokens: int | None = None
     # structured output (at most one): the output follows a JSON schema (an object or its
     # text), a regular expression, or an EBNF grammar (runtime/grammar.py)
     json_schema: str | None = None
@@ -326,6 +329,18 @@ def _allowed_token_ids(v: Any) -> list[int] | None:
     return _token_ids("allowed_token_ids", v, what)
 
 
+def _truncate_prompt_tokens(v: Any) -> int | None:
+    if v is None:
+        return None
+    if not is_int(v) or not (v == -1 or 1 <= v <= INT64_MAX):
+        raise InvalidArgument(
+            "truncate_prompt_tokens",
+            f"must be null, -1 (the longest prompt the engine takes) or an integer >= 1, "
+            f"got {_short(v)}",
+        )
+    return v
+
+
 def _json_schema(v: Any) -> str | None:
     if v is None:
         return None
@@ -369,6 +384,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "repetition_penalty": _repetition_penalty,
     "logit_bias": _logit_bias,
     "allowed_token_ids": _allowed_token_ids,
+    "truncate_prompt_tokens": _truncate_prompt_tokens,
 }
 FIELDS = tuple(f.name for f in fields(SamplingParams))
 

@@ -103,7 +103,6 @@ UNSUPPORTED = [  # (routes, field, value); structured output: tests/test_structu
     ((CHAT, COMPLETIONS), "bad_words", ""),
     ((CHAT, COMPLETIONS), "use_beam_search", True),
     ((CHAT, COMPLETIONS), "bad_words", ["the"]),
-    ((CHAT, COMPLETIONS), "truncate_prompt_tokens", 4),
     ((CHAT, COMPLETIONS), "prompt_logprobs", 1),
     # (accepted and ignored on chat before: each changes what vLLM or SGLang return)
     ((CHAT,), "best_of", 3),
@@ -383,3 +382,52 @@ def test_the_stop_string_stays_in_the_text_when_asked(served, name):
     ):
         r = served.http.post(COMPLETIONS, json={**base, **bad})
         assert r.status_code == 400, r.text
+
+
+# ---- truncate_prompt_tokens -------------------------------------------------------------------
+def test_truncated_prompt_answers_as_its_last_tokens_everywhere(served):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens are the prompt (usage counts
+    them); -1 cuts a prompt past the context to the longest the engine takes."""
+    prompt = [(7 * i) % 97 + 3 for i in range(40)]
+    base = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+    def completion(body):
+        r = served.http.post(COMPLETIONS, json={**base, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"], r.json()["usage"]["prompt_tokens"]
+
+    tail, used = completion({"prompt": prompt[-5:]})
+    assert used == 5
+    assert completion({"prompt": prompt, "truncate_prompt_tokens": 5}) == (tail, 5)
+    assert completion({"prompt": prompt, "truncate_prompt_tokens": 64}) == completion(
+        {"prompt": prompt}
+    )
+    greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    offline = served.engine.generate(
+        input_ids=prompt, sampling_params={**greedy, "truncate_prompt_tokens": 5}
+    )
+    assert offline["output_ids"] == tail
+    native = served.http.post(
+        "/generate",
+        json={"input_ids": prompt, "sampling_params": {**greedy, "truncate_prompt_tokens": 5}},
+    )
+    assert native.status_code == 200 and native.json()["output_ids"] == tail, native.text
+
+    too_long = [(3 * i) % 97 + 3 for i in range(300)]  # (the context holds 256)
+    r = served.http.post(COMPLETIONS, json={**base, "prompt": too_long})
+    assert r.status_code == 400 and error_of(r)["param"] == "prompt", r.text
+    ids, used = completion({"prompt": too_long, "truncate_prompt_tokens": -1, "max_tokens": 1})
+    assert used == 255 and len(ids) == 1
+    chat = served.http.post(CHAT, json={**base, "messages": MESSAGES, "truncate_prompt_tokens": 3})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 3, chat.text
+
+
+@pytest.mark.parametrize("value", [0, -2, 2.0, True, "3", 256])
+def test_bad_truncate_prompt_tokens_get_400_naming_the_field(served, value):
+    for route, body in ((COMPLETIONS, {"prompt": [5, 6]}), (CHAT, {"messages": MESSAGES})):
+        r = served.http.post(route, json={**body, "truncate_prompt_tokens": value})
+        assert r.status_code == 400 and error_of(r)["param"] == "truncate_prompt_tokens", r.text
+    r = served.http.post(
+        "/generate", json={"input_ids": [5], "sampling_params": {"truncate_prompt_tokens": value}}
+    )
+    assert r.status_code == 400 and "truncate_prompt_tokens" in r.text, r.text

@@ -69,6 +69,9 @@ def usage(metas: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
 
 
 def _max_new_tokens(state: ServerState, req, prompts: list[list[int]], param: str):
+    """Each prompt's max_new_tokens, the prompts cut first as truncate_prompt_tokens asks."""
+    for i, ids in enumerate(prompts):
+        prompts[i] = state.truncate_prompt(ids, req.truncate_prompt_tokens)
     requested, max_param = req.requested_max_tokens()
     return [
         state.check_context(ids, requested, prompt_param(param, i, len(prompts)), max_param)
@@ -153,7 +156,9 @@ async def completions(request: Request, state: ServerState):
     with_ids = req.return_token_ids or state.tokenizer is None
     n = _n(req)
     # echo: each choice starts with its prompt's text (as given, or decoded from its ids)
-    echoes = [_echo_text(state, p) for p in given] if req.echo else None
+    # (a truncated prompt: the part kept)
+    shown = prompts if req.truncate_prompt_tokens is not None else given
+    echoes = [_echo_text(state, p) for p in shown] if req.echo else None
 
     if req.stream:
         chunks = _completion_chunks(run, req, state, cid, created, with_ids, echoes)

@@ -44,6 +44,7 @@ _OPENAI_SAMPLING = (
     "repetition_penalty",
     "logit_bias",
     "allowed_token_ids",
+    "truncate_prompt_tokens",
 )
 # Booleans outside those: null is the default too, as OpenAI's and vLLM's servers take it.
 _NULL_IS_DEFAULT = ("stream", "return_token_ids", "echo", "logprobs")
@@ -70,7 +71,6 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     # that false or 0.0 is not taken for 0)
     "use_beam_search": (lambda v: v is False, "beam search is not supported (only false)"),
     "bad_words": (lambda v: v == [], "is not supported (only null or [])"),
-    "truncate_prompt_tokens": (lambda v: False, "is not supported (only null)"),
     "prompt_logprobs": (lambda v: False, "is not supported (only null)"),
     "stop_regex": (lambda v: v == [], "is not supported (only null or [])"),
     "typical_p": (lambda v: v == 1 and not isinstance(v, bool), "is not supported (only 1.0)"),
@@ -130,6 +130,7 @@ class _CommonRequest(StrictModel):
     repetition_penalty: float = Field(1.0, json_schema_extra={"exclusiveMinimum": 0, "maximum": 2})
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # the only tokens drawn (vLLM's)
+    truncate_prompt_tokens: int | None = None  # the prompt's last k tokens (vLLM's)
     # OpenAI fields accepted only at their neutral value.
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -154,7 +155,6 @@ class _CommonRequest(StrictModel):
     typical_p: Any = None
     use_beam_search: Any = None
     bad_words: Any = None
-    truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
 
     @field_validator(*_OPENAI_SAMPLING, mode="before")
@@ -217,6 +217,7 @@ class _CommonRequest(StrictModel):
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": self.logit_bias,
             "allowed_token_ids": self.allowed_token_ids,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         keep = _one_field("include_stop_str_in_output", self.include_stop_str_in_output,
                           "no_stop_trim", self.no_stop_trim)  # fmt: skip

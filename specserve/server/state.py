@@ -240,6 +240,14 @@ class ServerState:
         except Exception as e:  # (a template's own error type)
             raise APIError(f"messages: {e}", param="messages") from None
 
+    def truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
+        """The prompt cut as sampling parameter truncate_prompt_tokens asks (before its size
+        is checked against the context)."""
+        try:
+            return self.engine.truncate_prompt(ids, keep)
+        except InvalidArgument as e:
+            raise APIError(str(e), param=e.field) from None
+
     def check_context(
         self, ids: list[int], max_tokens: int | None, prompt_param: str, max_param: str
     ) -> int:
