@@ -142,41 +142,8 @@ def build_engine_parts(cfg: EngineConfig, tp=None) -> EngineParts:
         eos_token_ids,
     )
     if not cfg.disable_cuda_graph:
-        from specserve.runtime.cuda_graphs import DecodeGraphs
-
-        worker.graphs = DecodeGraphs(
-            worker,
-            cfg.cuda_graph_max_bs,
-            max_width=context_len + window + max(window, worker.slot_width),
-        )
-        if cfg.cuda_graph_max_prefill_tokens > 0:
-            from specserve.runtime.prefill_graphs import PrefillGraphs
-
-            worker.prefill_graphs = PrefillGraphs(
-                worker, cfg.cuda_graph_max_prefill_tokens, max_width=context_len
-            )
-    scheduler = Scheduler(
-        table,
-        SchedulerLimits(
-            max_running_requests=cfg.max_running_requests,
-            chunked_prefill_size=cfg.chunked_prefill_size,
-            decode_window=worker.decode_window,
-            kv_lookahead=worker.kv_lookahead,
-            max_accept=worker.max_accept,
-        ),
-        None
-        if cfg.disable_radix_cache
-        else PrefixCache(table.allocator, draft.draft_kv_reads_next_token),
-    )
-    if scheduler.max_prompt_tokens() < 1:
-        # one request needs its prompt, its first token and one step's draft window
-        need = max_total_tokens + 1 - scheduler.max_prompt_tokens()
-        raise InvalidArgument(
-            "max_total_tokens",
-            f"holds {max_total_tokens} tokens, too few for one request with a decode "
-            f"window of {worker.decode_window + worker.kv_lookahead} tokens: "
-            f"it must be at least {need}",
-        )
+        _attach_graphs(cfg, worker, context_len, window)
+    scheduler = _scheduler(cfg, table, worker, draft, max_total_tokens)
     adaptive = _adaptive_policy(cfg, tiers, worker, tp)
     unsupported = None
     if tp is not None and tp.size > 1:
@@ -203,6 +170,51 @@ def build_engine_parts(cfg: EngineConfig, tp=None) -> EngineParts:
         if tokenizer is None
         else GrammarCompiler(tokenizer, mc.vocab_size, unsupported),
     )
+
+
+def _attach_graphs(cfg: EngineConfig, worker: Worker, context_len: int, window: int) -> None:
+    """Whole decode steps, and single prefill chunks, captured and replayed."""
+    from specserve.runtime.cuda_graphs import DecodeGraphs
+
+    worker.graphs = DecodeGraphs(
+        worker,
+        cfg.cuda_graph_max_bs,
+        max_width=context_len + window + max(window, worker.slot_width),
+    )
+    if cfg.cuda_graph_max_prefill_tokens > 0:
+        from specserve.runtime.prefill_graphs import PrefillGraphs
+
+        worker.prefill_graphs = PrefillGraphs(
+            worker, cfg.cuda_graph_max_prefill_tokens, max_width=context_len
+        )
+
+
+def _scheduler(
+    cfg: EngineConfig, table: KVTable, worker: Worker, draft, max_total_tokens: int
+) -> Scheduler:
+    scheduler = Scheduler(
+        table,
+        SchedulerLimits(
+            max_running_requests=cfg.max_running_requests,
+            chunked_prefill_size=cfg.chunked_prefill_size,
+            decode_window=worker.decode_window,
+            kv_lookahead=worker.kv_lookahead,
+            max_accept=worker.max_accept,
+        ),
+        None
+        if cfg.disable_radix_cache
+        else PrefixCache(table.allocator, draft.draft_kv_reads_next_token),
+    )
+    if scheduler.max_prompt_tokens() < 1:
+        # one request needs its prompt, its first token and one step's draft window
+        need = max_total_tokens + 1 - scheduler.max_prompt_tokens()
+        raise InvalidArgument(
+            "max_total_tokens",
+            f"holds {max_total_tokens} tokens, too few for one request with a decode "
+            f"window of {worker.decode_window + worker.kv_lookahead} tokens: "
+            f"it must be at least {need}",
+        )
+    return scheduler
 
 
 def _adaptive_policy(cfg: EngineConfig, tiers, worker: Worker, tp) -> AdaptiveSpeculation | None:
