@@ -430,4 +430,5 @@ def test_bad_truncate_prompt_tokens_get_400_naming_the_field(served, value):
     r = served.http.post(
         "/generate", json={"input_ids": [5], "sampling_params": {"truncate_prompt_tokens": value}}
     )
-    assert r.status_code == 400 and "truncate_prompt_tokens" in r.text, r.text
+    assert r.status_code == 400, r.text
+    assert error_of(r)["param"] == "sampling_params.truncate_prompt_tokens", r.text

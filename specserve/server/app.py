@@ -233,7 +233,9 @@ async def _generate(request: Request, state: ServerState):
     # the prompt, and a max_new_tokens given, must fit the context and the KV cache, as on
     # the OpenAI routes (the default of 128 stops at the context instead, as in SGLang)
     for i, ids in enumerate(prompts):
-        prompts[i] = ids = state.truncate_prompt(ids, sp.get("truncate_prompt_tokens"))
+        prompts[i] = ids = state.truncate_prompt(
+            ids, sp.get("truncate_prompt_tokens"), prefix="sampling_params."
+        )
         state.check_context(
             ids,
             sp.get("max_new_tokens"),
