@@ -432,3 +432,21 @@ def test_bad_truncate_prompt_tokens_get_400_naming_the_field(served, value):
     )
     assert r.status_code == 400, r.text
     assert error_of(r)["param"] == "sampling_params.truncate_prompt_tokens", r.text
+
+
+def test_echo_shows_the_prompt_as_given_unless_truncation_cut_it(served):
+    """A truncate_prompt_tokens that cuts nothing (a cap a client sets on every request)
+    leaves echo's text as the prompt given, not its ids decoded (with the BOS token's text);
+    a prompt it cut echoes the text of the tokens kept."""
+    text = "hello world"
+
+    def echoed(extra):
+        body = {"prompt": text, "max_tokens": 0, "echo": True, **extra}
+        r = served.http.post(COMPLETIONS, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    assert echoed({}) == text
+    assert echoed({"truncate_prompt_tokens": 100}) == text
+    kept = served.engine.tokenizer.encode(text, add_special_tokens=True)[-3:]
+    assert echoed({"truncate_prompt_tokens": 3}) == served.engine.tokenizer.decode(kept)

@@ -145,6 +145,7 @@ async def completions(request: Request, state: ServerState):
         else list(p)
         for i, p in enumerate(given)
     ]
+    lengths = [len(p) for p in prompts]  # (before truncate_prompt_tokens cuts them)
     max_new = _max_new_tokens(state, req, prompts, "prompt")
     params = [req.sampling_params(m) for m in max_new]
     await state.compile_grammars(params, _rename(req, "prompt"))
@@ -155,9 +156,9 @@ async def completions(request: Request, state: ServerState):
     cid = f"cmpl-{run.id}"
     with_ids = req.return_token_ids or state.tokenizer is None
     n = _n(req)
-    # echo: each choice starts with its prompt's text (as given, or decoded from its ids)
-    # (a truncated prompt: the part kept)
-    shown = prompts if req.truncate_prompt_tokens is not None else given
+    # echo: each choice starts with its prompt's text (as given, or decoded from its ids; a
+    # prompt truncate_prompt_tokens cut: the part kept)
+    shown = [g if len(p) == k else p for g, p, k in zip(given, prompts, lengths)]
     echoes = [_echo_text(state, p) for p in shown] if req.echo else None
 
     if req.stream:
