@@ -33,7 +33,7 @@ from specserve.runtime.request_inputs import (
     normalize_rids,
 )
 from specserve.runtime.tensor_parallel import start_engine_core
-from specserve.sampling_params import INT64_MAX, SamplingParams
+from specserve.sampling_params import INT64_MAX, SamplingParams, check_field
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +332,7 @@ class Engine:
         """The prompt's n requests: sample i draws with seed + i when the prompt has a seed,
         else each its own random seed; samples after the first wait for its prefill
         (`prefill_after`), to reuse the prompt's pages."""
-        ids = self.truncate_prompt(ids, params.truncate_prompt_tokens)
+        ids = self.truncate_prompt(ids, params.truncate_prompt_tokens, field)
         opts, compiled = self._check_request(ids, params, field, logprob_options)
         grammar_field = None if compiled is None else grammar_spec(params)[0]
         if not opts["return_logprob"]:
@@ -362,11 +362,16 @@ class Engine:
             r.prefill_after = reqs[0]
         return reqs
 
-    def truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
+    def truncate_prompt(
+        self, ids: list[int], keep: int | None, field: str = "input_ids"
+    ) -> list[int]:
         """The prompt's last `keep` tokens (sampling parameter truncate_prompt_tokens; -1:
-        the longest prompt the engine takes); as given when `keep` is None."""
-        if keep is None or not isinstance(ids, (list, tuple)):
-            return ids  # (a prompt that is not a list is refused by its own check)
+        the longest prompt the engine takes); as given when `keep` is None. The tokens cut
+        off are checked too: a bad id is refused, not dropped unseen."""
+        keep = check_field("truncate_prompt_tokens", keep)
+        if keep is None:
+            return ids
+        self.core.check_token_ids(ids, field)
         longest = min(self.core.context_len - 1, self.core.scheduler.max_prompt_tokens())
         if keep > longest:
             raise InvalidArgument(

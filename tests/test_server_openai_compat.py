@@ -11,6 +11,7 @@ import json
 import pytest
 
 from specserve.engine import Engine
+from specserve.errors import InvalidArgument
 from specserve.server.app import create_app
 from specserve.server.state import ServerConfig
 from tests.test_server import Served, ServerThread
@@ -432,6 +433,30 @@ def test_bad_truncate_prompt_tokens_get_400_naming_the_field(served, value):
     )
     assert r.status_code == 400, r.text
     assert error_of(r)["param"] == "sampling_params.truncate_prompt_tokens", r.text
+
+
+def test_a_bad_token_id_in_the_part_cut_off_is_refused_naming_its_prompt(served):
+    bad = [5, 6, 10_000, 7, 8]  # (the vocabulary holds 101 ids)
+    for route, body, param in (
+        (COMPLETIONS, {"prompt": bad}, "prompt"),
+        (COMPLETIONS, {"prompt": [[5, 6], bad]}, "prompt[1]"),
+        ("/generate", {"input_ids": bad}, "input_ids"),
+    ):
+        if route == "/generate":
+            body["sampling_params"] = {"truncate_prompt_tokens": 2}
+        else:
+            body["truncate_prompt_tokens"] = 2
+        r = served.http.post(route, json=body)
+        assert r.status_code == 400 and error_of(r)["param"] == param, r.text
+        assert "10000" in error_of(r)["message"], r.text
+
+
+@pytest.mark.parametrize("keep", [0, -2, 1.5])
+def test_the_engine_checks_the_truncation_it_is_given(served, keep):
+    with pytest.raises(InvalidArgument) as e:
+        served.engine.truncate_prompt([5, 6, 7], keep)
+    assert e.value.field == "truncate_prompt_tokens"
+    assert served.engine.truncate_prompt([5, 6, 7], 2) == [6, 7]
 
 
 def test_echo_shows_the_prompt_as_given_unless_truncation_cut_it(served):

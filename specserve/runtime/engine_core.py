@@ -83,14 +83,7 @@ class EngineCore:
 
     # ---- requests -----------------------------------------------------------------------
     def validate_prompt(self, ids: list[int], field: str) -> None:
-        if not isinstance(ids, (list, tuple)):
-            raise InvalidArgument(field, f"must be a list of token ids, got {type(ids).__name__}")
-        if not ids:
-            raise InvalidArgument(field, "is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not is_int(t) or t < 0 or t >= vocab), None)
-        if bad is not None:
-            raise InvalidArgument(field, f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        self.check_token_ids(ids, field)
         if len(ids) >= self.context_len:
             raise InvalidArgument(
                 field,
@@ -102,6 +95,17 @@ class EngineCore:
                 f"has {len(ids)} tokens but the KV cache holds at most {self.scheduler.max_prompt_tokens()} "
                 f"for one request (raise max_total_tokens)",
             )
+
+    def check_token_ids(self, ids: list[int], field: str) -> None:
+        """A non-empty list of the vocabulary's token ids, whatever its length."""
+        if not isinstance(ids, (list, tuple)):
+            raise InvalidArgument(field, f"must be a list of token ids, got {type(ids).__name__}")
+        if not ids:
+            raise InvalidArgument(field, "is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not is_int(t) or t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument(field, f"token id {bad!r} is outside the vocabulary [0, {vocab})")
 
     def compile_grammar(self, params):
         """The compiled grammar a request's structured output asks for (None: none)."""

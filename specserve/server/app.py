@@ -233,13 +233,14 @@ async def _generate(request: Request, state: ServerState):
     # the prompt, and a max_new_tokens given, must fit the context and the KV cache, as on
     # the OpenAI routes (the default of 128 stops at the context instead, as in SGLang)
     for i, ids in enumerate(prompts):
+        where = prompt_param(prompt_field, i, len(prompts))
         prompts[i] = ids = state.truncate_prompt(
-            ids, sp.get("truncate_prompt_tokens"), prefix="sampling_params."
+            ids, sp.get("truncate_prompt_tokens"), where, prefix="sampling_params."
         )
         state.check_context(
             ids,
             sp.get("max_new_tokens"),
-            prompt_param(prompt_field, i, len(prompts)),
+            where,
             "sampling_params.max_new_tokens",
         )
     logprob_options = req.logprob_options()

@@ -71,7 +71,8 @@ def usage(metas: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
 def _max_new_tokens(state: ServerState, req, prompts: list[list[int]], param: str):
     """Each prompt's max_new_tokens, the prompts cut first as truncate_prompt_tokens asks."""
     for i, ids in enumerate(prompts):
-        prompts[i] = state.truncate_prompt(ids, req.truncate_prompt_tokens)
+        where = prompt_param(param, i, len(prompts))
+        prompts[i] = state.truncate_prompt(ids, req.truncate_prompt_tokens, where)
     requested, max_param = req.requested_max_tokens()
     return [
         state.check_context(ids, requested, prompt_param(param, i, len(prompts)), max_param)

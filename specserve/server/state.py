@@ -240,14 +240,17 @@ class ServerState:
         except Exception as e:  # (a template's own error type)
             raise APIError(f"messages: {e}", param="messages") from None
 
-    def truncate_prompt(self, ids: list[int], keep: int | None, prefix: str = "") -> list[int]:
+    def truncate_prompt(
+        self, ids: list[int], keep: int | None, prompt: str, prefix: str = ""
+    ) -> list[int]:
         """The prompt cut as sampling parameter truncate_prompt_tokens asks (before its size
         is checked against the context). prefix: where the route's body holds the sampling
-        parameters (`sampling_params.` on /generate), as its other errors name them."""
+        parameters (`sampling_params.` on /generate), as its other errors name them; prompt:
+        the prompt's own field, as errors name it."""
         try:
             return self.engine.truncate_prompt(ids, keep)
         except InvalidArgument as e:
-            raise engine_error(e, {}, prefix) from None
+            raise engine_error(e, {"input_ids": prompt}, prefix) from None
 
     def check_context(
         self, ids: list[int], max_tokens: int | None, prompt_param: str, max_param: str
