@@ -130,7 +130,8 @@ class _CommonRequest(StrictModel):
     repetition_penalty: float = Field(1.0, json_schema_extra={"exclusiveMinimum": 0, "maximum": 2})
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # the only tokens drawn (vLLM's)
-    truncate_prompt_tokens: int | None = None  # the prompt's last k tokens (vLLM's)
+    # the prompt's last k tokens (vLLM's); -1: the longest prompt the engine takes
+    truncate_prompt_tokens: int | None = Field(None, json_schema_extra={"minimum": -1})
     # OpenAI fields accepted only at their neutral value.
     tools: list[Any] | None = None
     tool_choice: Any = None

@@ -101,7 +101,7 @@ class NativeSamplingParams(StrictModel):
     repetition_penalty: float = Field(1.0, **_schema(exclusiveMinimum=0, maximum=2))
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None
-    truncate_prompt_tokens: int | None = None  # the prompt's last k tokens; -1: the longest
+    truncate_prompt_tokens: int | None = Field(None, **_schema(minimum=-1))  # -1: the longest
     # structured output: a JSON schema (an object or its text), a regex, an EBNF grammar
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
