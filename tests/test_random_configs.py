@@ -1,6 +1,7 @@
 """A randomized sweep: model shapes, draft kinds, tree shapes, page sizes, chunking, KV
-budgets, overlap and sampling drawn at random; speculative output must equal plain output
-and every page must be free afterwards."""
+budgets, overlap, sampling and each request's penalties, bias, length limits, allowed tokens
+and prompt truncation drawn at random; speculative output must equal plain output and every
+page must be free afterwards."""
 
 from __future__ import annotations
 
@@ -66,7 +67,37 @@ def draw_case(rng: random.Random, root: str, case: int) -> dict:
     prompts = mixed_prompts(
         rng.randint(1, 10), cfg.vocab_size, seed=case, max_len=rng.choice([5, 40])
     )
-    return dict(common=common, spec=spec, sp=sp, prompts=prompts)
+    # each request's own adjustments, from a stream of their own (the draws above stay)
+    own = random.Random(case)
+    sps = [dict(sp, **adjustments(own, cfg.vocab_size, sp["max_new_tokens"])) for _ in prompts]
+    return dict(common=common, spec=spec, sp=sps, prompts=prompts)
+
+
+def adjustments(rng: random.Random, vocab: int, max_new: int) -> dict:
+    """About half the requests: penalties, a logit bias, a minimum length held against stop
+    tokens, allowed tokens, a truncated prompt or no drafts, each drawn at random."""
+    out: dict = {}
+    if rng.random() < 0.5:
+        return out
+    if rng.random() < 0.5:
+        out.update(frequency_penalty=rng.uniform(-2, 2), presence_penalty=rng.uniform(-2, 2))
+    if rng.random() < 0.4:
+        out["repetition_penalty"] = rng.uniform(0.3, 2)
+    if rng.random() < 0.3:
+        out["logit_bias"] = {str(rng.randrange(vocab)): rng.uniform(-10, 10) for _ in range(3)}
+    if rng.random() < 0.3:
+        out.update(
+            min_new_tokens=rng.randint(0, max_new),
+            stop_token_ids=rng.sample(range(vocab), vocab // 8),
+            ignore_eos=False,
+        )
+    if rng.random() < 0.2:
+        out["allowed_token_ids"] = rng.sample(range(vocab), rng.randint(1, vocab // 4))
+    if rng.random() < 0.2:
+        out["truncate_prompt_tokens"] = rng.randint(1, 8)
+    if rng.random() < 0.2:
+        out["speculative"] = False
+    return out
 
 
 @pytest.mark.slow
