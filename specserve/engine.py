@@ -369,9 +369,8 @@ class Engine:
         the longest prompt the engine takes); as given when `keep` is None. The tokens cut
         off are checked too: a bad id is refused, not dropped unseen."""
         keep = check_field("truncate_prompt_tokens", keep)
-        if keep is None:
-            return ids
-        self.core.check_token_ids(ids, field)
+        if keep is None or not isinstance(ids, (list, tuple)):
+            return ids  # (a prompt that is not a list is refused by the prompt's own check)
         longest = min(self.core.context_len - 1, self.core.scheduler.max_prompt_tokens())
         if keep > longest:
             raise InvalidArgument(
@@ -379,7 +378,10 @@ class Engine:
                 f"must be -1 or in [1, {longest}] (the longest prompt this engine takes), "
                 f"got {keep}",
             )
-        return ids[-(longest if keep == -1 else keep) :]
+        kept = longest if keep == -1 else keep
+        if len(ids) > kept:  # (the part kept is checked with the prompt, once cut)
+            self.core.check_token_ids(ids[:-kept], field)
+        return ids[-kept:]
 
     def _check_request(
         self, ids: list[int], params: SamplingParams, field: str, logprob_options: dict[str, Any]

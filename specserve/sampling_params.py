@@ -67,8 +67,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # the only tokens drawn (vLLM's)
-    # the prompt cut to its last k tokens before anything else (vLLM's); -1: to the longest
-    # prompt the engine takes
+    # the prompt cut to its last k tokens once tokenized (vLLM's); -1: to the longest prompt
+    # the engine takes
     truncate_prompt_tokens: int | None = None
     # structured output (at most one): the output follows a JSON schema (an object or its
     # text), a regular expression, or an EBNF grammar (runtime/grammar.py)
