@@ -397,7 +397,7 @@ class Engine:
                 raise InvalidArgument(
                     name, f"token id {outside} is outside the vocabulary [0, {vocab})"
                 )
-        check_penalties(params, self.config.tp_size)
+        check_penalties(params, self.config.tp_size, self.core.eos_token_ids)
         compiled = self.core.compile_grammar(params)
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop", "stop strings need a tokenizer; use stop_token_ids")

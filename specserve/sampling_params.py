@@ -8,6 +8,7 @@ a float is not an integer, a string or null is not a boolean.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Callable
@@ -83,6 +84,9 @@ class SamplingParams:
         if value is None:
             return SamplingParams()
         if isinstance(value, SamplingParams):
+            # a copy: the caller may change or reuse its object once it has been submitted,
+            # which must not reach the requests already made from it
+            value = copy.deepcopy(value)
             value.validate(max_temperature)
             return value
         if not isinstance(value, dict):

@@ -194,9 +194,9 @@ def batch_penalties(
     return BatchPenalties(reqs, vocab_size, eos, device)
 
 
-def check_penalties(params: SamplingParams, tp_size: int) -> None:
+def check_penalties(params: SamplingParams, tp_size: int, eos: AbstractSet[int]) -> None:
     """Penalties and biases need one rank: the other ranks hold each request's output as of
-    its prefill only, so their draws would differ."""
+    its prefill only, so their draws would differ. eos: the model's end-of-sequence ids."""
     if params.adjusts_logits and tp_size > 1:
         field = next(
             name
@@ -204,6 +204,17 @@ def check_penalties(params: SamplingParams, tp_size: int) -> None:
             if getattr(params, name) not in neutral
         )
         raise InvalidArgument(field, "is not supported with tp_size > 1")
+    allowed = params.allowed_token_ids
+    if params.min_new_tokens and allowed:
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
+        if stops.issuperset(allowed):
+            # (every token masked before the minimum: the draw would be a banned token)
+            raise InvalidArgument(
+                "min_new_tokens",
+                f"must be 0 when every token of allowed_token_ids ({sorted(set(allowed))}) "
+                "is a stop token (EOS or stop_token_ids): none could be drawn before the "
+                f"minimum; got {params.min_new_tokens}",
+            )
 
 
 def _ids(values: list[int], device: torch.device) -> torch.Tensor:

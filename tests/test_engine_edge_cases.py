@@ -1,0 +1,77 @@
+"""The offline API under unusual use: arguments refused naming the field, requests that must
+each end (finished, aborted or failed with a reason), and outputs at the edges."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from specserve import Engine, InvalidArgument
+from specserve.sampling_params import SamplingParams
+from tests.engine_utils import TINY
+
+EOS = 2  # the tiny preset's
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(**TINY) as e:
+        yield e
+
+
+def test_min_new_tokens_is_refused_when_every_allowed_token_is_a_stop_token(engine):
+    """Before the minimum every allowed token would be held back, so the draw had nothing to
+    take and emitted a token outside allowed_token_ids."""
+    for sp in (
+        {"allowed_token_ids": [EOS]},
+        {"allowed_token_ids": [7, 9], "stop_token_ids": [9, 7]},
+        {"allowed_token_ids": [EOS, 7], "stop_token_ids": [7]},
+    ):
+        with pytest.raises(InvalidArgument) as exc:
+            engine.generate(input_ids=[5, 6], sampling_params={**sp, "min_new_tokens": 3})
+        assert exc.value.field == "min_new_tokens"
+        assert "allowed_token_ids" in str(exc.value)
+    # a token left to draw, or EOS ignored: the minimum holds and only allowed tokens come
+    for sp, want in (
+        ({"allowed_token_ids": [EOS, 7]}, [7, 7, 7, EOS]),
+        ({"allowed_token_ids": [EOS], "ignore_eos": True}, [EOS] * 4),
+    ):
+        out = engine.generate(
+            input_ids=[5, 6],
+            sampling_params={
+                **sp,
+                "min_new_tokens": 3,
+                "max_new_tokens": 4,
+                "temperature": 0,
+                "logit_bias": {EOS: 100.0},
+            },
+        )
+        assert out["output_ids"] == want
+
+
+def test_a_sampling_params_object_changed_after_submission_leaves_its_requests_alone(engine):
+    """The engine keeps its own copy: a caller reusing one object for several submissions
+    (changing a field in between) gets each request as it was submitted."""
+    done = {length: threading.Event() for length in (2, 5, 9)}
+    got: dict[int, list[int]] = {length: [] for length in done}
+
+    def collect(length):
+        def on_output(out):
+            got[length].extend(out["output_ids"])
+            if out["finished"]:
+                done[length].set()
+
+        return on_output
+
+    sp = SamplingParams(temperature=0.0, ignore_eos=True)
+    for length in done:
+        sp.max_new_tokens = length
+        engine.submit([5, 6, 7], sp, collect(length))
+    for event in done.values():
+        assert event.wait(30)
+    assert {length: len(ids) for length, ids in got.items()} == {2: 2, 5: 5, 9: 9}
+    # nor does validation rewrite the caller's object (a tiny temperature means greedy)
+    mine = SamplingParams(temperature=1e-7, max_new_tokens=2)
+    engine.generate(input_ids=[5], sampling_params=mine)
+    assert mine.temperature == 1e-7
