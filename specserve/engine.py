@@ -167,7 +167,8 @@ class Engine:
             if not single:
                 raise InvalidArgument("stream", "streaming takes one prompt at a time")
             return self._stream(reqs)
-        queues = [self._submit(r, incremental=False) for r in reqs]
+        queues = [self._answer_queue(r) for r in reqs]
+        self._enqueue_requests(reqs)  # (together: an abort by their rid comes before or after all)
         outs = [self._wait(q) for q in queues]
         return outs[0] if single and len(outs) == 1 else outs
 
@@ -263,7 +264,8 @@ class Engine:
     def abort(self, rid: str) -> None:
         """Abort the running request submitted as `rid` (with n > 1, all its samples)."""
         check_rid(rid)
-        self._inbox.put(("abort", rid))
+        with self._accepting:  # (never between the requests of one submission)
+            self._inbox.put(("abort", rid))
         self._wake.set()
 
     def shutdown(self) -> None:
@@ -410,19 +412,13 @@ class Engine:
         return opts, compiled
 
     # ---- plumbing ---------------------------------------------------------------------------
-    def _submit(self, req: Request, incremental: bool = True) -> queue.Queue:
-        """incremental=False: one output when the request finishes (no per-step dicts or
+    def _answer_queue(self, req: Request) -> queue.Queue:
+        """The queue of the request's one output, when it finishes (no per-step dicts or
         thread wake-ups for a caller that only wants the result)."""
         q: queue.Queue = queue.Queue()
         tok = self.tokenizer
-        if incremental:
-            req.on_output = lambda r: q.put(output_or_failure(r, incremental=True, tokenizer=tok))
-        else:
-            req.text_at_finish = True
-            req.on_output = lambda r: (
-                q.put(output_or_failure(r, tokenizer=tok)) if r.finished else None
-            )
-        self._enqueue_requests([req])
+        req.text_at_finish = True
+        req.on_output = lambda r: q.put(output_or_failure(r, tokenizer=tok)) if r.finished else None
         return q
 
     def _wait(self, q: queue.Queue) -> dict:

@@ -4,6 +4,7 @@ each end (finished, aborted or failed with a reason), and outputs at the edges."
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -75,3 +76,29 @@ def test_a_sampling_params_object_changed_after_submission_leaves_its_requests_a
     mine = SamplingParams(temperature=1e-7, max_new_tokens=2)
     engine.generate(input_ids=[5], sampling_params=mine)
     assert mine.temperature == 1e-7
+
+
+def test_abort_right_after_a_prompt_sampled_n_times_is_submitted_aborts_every_sample():
+    """A call's samples reach the engine together: an abort by their rid, however soon after
+    the call, never lands between them and leaves some running to their full length."""
+    with Engine(**TINY) as e:
+        put = e._inbox.put
+
+        def slow_put(item, *args, **kwargs):  # (widens the window between two submissions)
+            if item[0] == "add":
+                time.sleep(0.2)
+            return put(item, *args, **kwargs)
+
+        e._inbox.put = slow_put
+        outs: list[dict] = []
+        sp = {"max_new_tokens": 100_000, "ignore_eos": True, "n": 3}
+        t = threading.Thread(
+            target=lambda: outs.extend(e.generate(input_ids=[5, 6], sampling_params=sp, rid="x")),
+            daemon=True,
+        )
+        t.start()
+        time.sleep(0.3)  # (the first sample is queued, the others not yet)
+        e.abort("x")
+        t.join(30)
+        assert not t.is_alive(), "a sample the abort missed is still running"
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort"] * 3
