@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -12,7 +13,9 @@ class RopeScaling:
 
     freq_factors: explicit per-frequency divisors of the inverse frequencies (head_dim // 2
     values), as llama.cpp stores llama3 scaling in GGUF files (`rope_freqs.weight`); when set,
-    they are used instead of the parameters above.
+    they are used instead of the parameters above. Linear and YaRN scaling are read into them
+    too: both only divide each frequency by its own factor.
+    attention_factor: YaRN's scale of cos and sin (of q and k both), 1 otherwise.
     """
 
     factor: float = 8.0
@@ -20,6 +23,7 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     freq_factors: tuple[float, ...] | None = None
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,13 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         kv_heads = cfg.get("num_key_value_heads")
         kv_heads = num_heads if kv_heads is None else kv_heads  # null: absent (transformers)
-        scaling, rope_theta = _rope(cfg)
-        _check_numbers(cfg, head_dim, rope_theta)
-        _check_window(cfg, model_type)
+        # transformers' defaults for keys config.json may omit
+        positions = cfg.get("max_position_embeddings", _DEFAULT_POSITIONS[model_type])
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        _check_numbers(cfg, head_dim, positions, eps)
+        scaling, rope_theta = _rope(cfg, head_dim, positions)
+        check_positive_number("rope_theta", rope_theta)
+        _check_window(cfg, model_type, positions)
         for key in ("tie_word_embeddings", "attention_bias"):
             if key in cfg and not isinstance(cfg[key], bool):
                 raise ValueError(f"{key} must be true or false, got {cfg[key]!r}")
@@ -81,12 +89,13 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rms_norm_eps=eps,
             rope_theta=rope_theta,
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=positions,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            # Qwen2's q/k/v always carry a bias, Mistral's never (transformers ignores the key)
+            attention_bias=model_type == "qwen2",
             qk_norm=model_type == "qwen3",
             bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=eos_ids,
@@ -96,6 +105,7 @@ class ModelConfig:
 
 # (a Mistral without a sliding window shorter than its context is a Llama)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_DEFAULT_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
 _REQUIRED_HF_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -123,8 +133,9 @@ def check_positive_number(key: str, value: Any) -> None:
         raise ValueError(f"{key} must be a positive number, got {value!r}")
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[RopeScaling | None, Any]:
-    """(scaling, rope_theta) of config.json's rope_scaling / rope_parameters."""
+def _rope(cfg: dict[str, Any], head_dim: int, positions: int) -> tuple[RopeScaling | None, Any]:
+    """(scaling, rope_theta) of config.json's rope_scaling / rope_parameters, read as
+    transformers reads them (the scaling types it implements for these models)."""
     key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     rs = cfg.get(key)
     rope_theta = cfg.get("rope_theta", 10000.0)
@@ -133,7 +144,10 @@ def _rope(cfg: dict[str, Any]) -> tuple[RopeScaling | None, Any]:
     if not isinstance(rs, dict):
         raise ValueError(f"{key} must be an object (or null), got {rs!r}")
     rope_theta = rs.get("rope_theta", rope_theta)
+    check_positive_number("rope_theta", rope_theta)
     kind = rs.get("rope_type") or rs.get("type")
+    if kind in ("llama3", "yarn"):  # (transformers' default for both)
+        rs = {"original_max_position_embeddings": positions, **rs}
     scaling = None
     if kind == "llama3":
         absent = [k for k in _LLAMA3_ROPE_KEYS if k not in rs]
@@ -147,12 +161,68 @@ def _rope(cfg: dict[str, Any]) -> tuple[RopeScaling | None, Any]:
                 f"low_freq_factor ({rs['low_freq_factor']})"
             )
         scaling = RopeScaling(**{k: rs[k] for k in _LLAMA3_ROPE_KEYS})
+    elif kind == "linear":
+        factor = rs.get("factor")
+        check_positive_number(f"{key}.factor", factor)
+        scaling = RopeScaling(factor=factor, freq_factors=(float(factor),) * (head_dim // 2))
+    elif kind == "dynamic":
+        # Dynamic NTK changes the frequencies only past max_position_embeddings, which no
+        # context reaches (capacity.py bounds it there): the default rotation.
+        check_positive_number(f"{key}.factor", rs.get("factor"))
+    elif kind == "yarn":
+        scaling = _yarn(key, rs, head_dim, rope_theta, positions)
     elif kind not in (None, "default"):
-        raise ValueError(f"rope scaling type {kind!r} is not supported (llama3 or none)")
+        raise ValueError(
+            f"rope scaling type {kind!r} is not supported (default, linear, dynamic, yarn, llama3)"
+        )
     if rs.get("freq_factors") is not None:  # written by hf_style_config for GGUF targets
         base = scaling or RopeScaling()
         scaling = replace(base, freq_factors=tuple(float(x) for x in rs["freq_factors"]))
     return scaling, rope_theta
+
+
+def _yarn(key: str, rs: dict[str, Any], dim: int, base: float, positions: int) -> RopeScaling:
+    """YaRN as transformers computes it (`_compute_yarn_parameters`): each frequency blends
+    between kept and divided by `factor` along a ramp over the dimensions; cos and sin are
+    scaled by the attention factor."""
+    orig = rs["original_max_position_embeddings"]
+    check_positive_int(f"{key}.original_max_position_embeddings", orig)
+    factor = rs.get("factor")
+    factor = positions / orig if factor is None else factor
+    check_positive_number(f"{key}.factor", factor)
+    for k in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if rs.get(k) is not None:
+            check_positive_number(f"{key}.{k}", rs[k])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rs.get("beta_fast") or 32), correction_dim(rs.get("beta_slow") or 1)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    factors = []
+    for i in range(dim // 2):
+        keep = 1 - min(max((i - low) / (high - low), 0.0), 1.0)  # 1: frequency kept as is
+        factors.append(1.0 / ((1 - keep) / factor + keep))
+    return RopeScaling(
+        factor=factor,
+        original_max_position_embeddings=orig,
+        freq_factors=tuple(factors),
+        attention_factor=float(attention_factor),
+    )
 
 
 def token_ids(cfg: dict[str, Any], key: str, allow_list: bool = True) -> tuple[int, ...]:
@@ -166,34 +236,48 @@ def token_ids(cfg: dict[str, Any], key: str, allow_list: bool = True) -> tuple[i
     return tuple(ids)
 
 
-def _check_numbers(cfg: dict[str, Any], head_dim: Any, rope_theta: Any) -> None:
+def _check_numbers(cfg: dict[str, Any], head_dim: Any, positions: Any, eps: Any) -> None:
     sizes = {k: cfg[k] for k in _REQUIRED_HF_KEYS}
     sizes["head_dim"] = head_dim
     if cfg.get("num_key_value_heads") is not None:
         sizes["num_key_value_heads"] = cfg["num_key_value_heads"]
-    if "max_position_embeddings" in cfg:
-        sizes["max_position_embeddings"] = cfg["max_position_embeddings"]
+    sizes["max_position_embeddings"] = positions
     for key, value in sizes.items():
         check_positive_int(key, value)
-    for key, value in (("rope_theta", rope_theta), ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-5))):
-        check_positive_number(key, value)
+    check_positive_number("rope_theta", cfg.get("rope_theta", 10000.0))
+    check_positive_number("rms_norm_eps", eps)
     heads = cfg["num_attention_heads"]
     given = "head_dim" if cfg.get("head_dim") else "hidden_size // num_attention_heads"
     check_attention_shape(heads, sizes.get("num_key_value_heads", heads), head_dim, given)
 
 
-def _check_window(cfg: dict[str, Any], model_type: str) -> None:
-    window = cfg.get("sliding_window")
+def _check_window(cfg: dict[str, Any], model_type: str, positions: int) -> None:
+    """Refuse sliding-window attention where it would change results: a window shorter than
+    the context on some layer, as transformers decides which layers slide (Mistral: every
+    one; Qwen2/3 with use_sliding_window: layer_types, else those from max_window_layers on).
+    Llama has no sliding window (transformers ignores the keys)."""
+    if model_type == "llama" or (model_type != "mistral" and not cfg.get("use_sliding_window")):
+        return
+    window = cfg.get("sliding_window", 4096)  # (transformers' default when the key is absent)
     if window is None:
         return
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
-    positions = cfg.get("max_position_embeddings", 4096)
-    windowed = cfg.get("use_sliding_window") or model_type == "mistral"
-    if windowed and window < positions:
+    if window >= positions:  # (a token sees keys fewer than `window` positions back)
+        return
+    layers = cfg["num_hidden_layers"]
+    if model_type == "mistral":
+        sliding = list(range(layers))
+    elif isinstance(cfg.get("layer_types"), list):
+        sliding = [i for i, t in enumerate(cfg["layer_types"]) if t == "sliding_attention"]
+    elif isinstance(cfg.get("max_window_layers"), int):
+        sliding = list(range(cfg["max_window_layers"], layers))
+    else:  # (neither key, as transformers always saves them: refused, to be safe)
+        sliding = list(range(layers))
+    if sliding:
         raise ValueError(
             f"sliding-window attention (sliding_window {window} < max_position_embeddings "
-            f"{positions}) is not supported"
+            f"{positions}, on layers {sliding}) is not supported"
         )
 
 
@@ -219,9 +303,9 @@ def _check_supported(cfg: dict[str, Any], model_type: str) -> None:
             f"{', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (allowed: silu)")
-    if cfg.get("mlp_bias"):
+    if act not in ("silu", "swish"):  # (the same function in transformers)
+        raise ValueError(f"hidden_act {act!r} is not supported (allowed: silu, swish)")
+    if model_type == "llama" and cfg.get("mlp_bias"):  # (the others' MLPs ignore the key)
         raise ValueError("mlp_bias is not supported (the MLP's projections have no bias)")
     if model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
         # these biases o_proj too (Qwen2's attention_bias does not); only q/k/v biases are

@@ -310,9 +310,19 @@ def _gguf_config(path: str, gf: GGUFFile) -> ModelConfig:
                 f"{a}.rope.scaling.original_context_length", 8192
             ),
         )
-    elif m.get(f"{a}.rope.scaling.type") not in (None, "none"):
+    elif m.get(f"{a}.rope.scaling.type") in (None, "linear"):
+        # llama.cpp reads an absent type as linear, its factor from rope.scaling.factor or
+        # the older rope.scale_linear (absent or 0: none); every frequency divided by it
+        factor = m.get(f"{a}.rope.scaling.factor") or m.get(f"{a}.rope.scale_linear") or 1.0
+        check_positive_number(f"{a}.rope.scaling.factor", factor)
+        if factor != 1.0:
+            scaling = RopeScaling(
+                factor=float(factor), freq_factors=(float(factor),) * (head_dim // 2)
+            )
+    elif m.get(f"{a}.rope.scaling.type") != "none":
         raise ValueError(
-            f"{path}: rope scaling {m.get(f'{a}.rope.scaling.type')!r} is not supported (llama3 or none)"
+            f"{path}: rope scaling {m.get(f'{a}.rope.scaling.type')!r} is not supported "
+            "(llama3, linear or none)"
         )
     # the tokens that end a generation, as llama.cpp counts them: end of sequence, of turn
     # (chat models' <|eot_id|>, <|im_end|>) and of message

@@ -182,6 +182,8 @@ class Attention(nn.Module):
             from specserve.ops.triton_rope import rope_and_write
 
             k_cache, v_cache = ctx.kv_cache.layer(self.layer_id)
+            if self.rotary.q_scale != 1.0:  # (what self.rotary applies)
+                q = q * self.rotary.q_scale
             q = rope_and_write(
                 q, k, v, positions, self.rotary.inv_freq, k_cache, v_cache,
                 ctx.write_slots,

@@ -43,6 +43,10 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None):
         super().__init__()
         self._freq_args = (head_dim, theta, scaling)
+        # YaRN scales cos and sin, so both q and k: the scores by its square, carried by q
+        # alone (rotation is linear), so the cached keys stay those of a plain rotation
+        factor = 1.0 if scaling is None else scaling.attention_factor
+        self.q_scale = factor * factor
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
 
     def _apply(self, fn, recurse=True):
@@ -58,4 +62,6 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         return apply_rotary(positions, self.inv_freq, q, k)

@@ -49,6 +49,11 @@ def load_hf_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.
         _copy_stacked(params[target_name], shards, _piece_shapes(module, target_name))
         written.add(target_name)
     missing = sorted(set(params) - written)
+    if missing == ["lm_head.weight"]:
+        raise KeyError(
+            "checkpoint lacks lm_head.weight, which tie_word_embeddings false (config.json) "
+            "needs: set it to true if the output layer is the embedding"
+        )
     if missing:
         raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
     embed = params.get("model.embed_tokens.weight")
