@@ -189,6 +189,7 @@ class Engine:
     ) -> str:
         """Low-level: validated submission of one sample (n = 1) with a callback
         `on_output(dict)` called from the loop thread with incremental outputs."""
+        _check_callback(on_output)
         params = SamplingParams.from_any(sampling_params)
         if params.n != 1:
             raise InvalidArgument("n", "submit takes n = 1; submit_samples takes any n")
@@ -208,6 +209,7 @@ class Engine:
         """Low-level: validated submission of the prompt's n samples (the server uses this).
         `on_output(index, dict)` is called from the loop thread with each sample's incremental
         outputs. Returns the samples' request ids (`rid`, or with n > 1 `rid-0` ...)."""
+        _check_callback(on_output)
         reqs = self.make_samples(prompt_ids, sampling_params, rid, **logprob_options)
         return self.submit_made(reqs, on_output)
 
@@ -227,6 +229,7 @@ class Engine:
 
     def submit_made(self, reqs: list[Request], on_output) -> list[str]:
         """Submit requests from `make_samples`; see `submit_samples`."""
+        _check_callback(on_output)
         for i, req in enumerate(reqs):
             req.on_output = self._incremental_callback(on_output, i)
         self._enqueue_requests(reqs)
@@ -541,3 +544,9 @@ class Engine:
             # loop thread and leave every caller waiting
             log.exception("releasing the failed requests' state failed")
         return failed
+
+
+def _check_callback(on_output) -> None:
+    # (else the request fails at its first output, on the loop, where its caller never hears)
+    if not callable(on_output):
+        raise InvalidArgument("on_output", f"must be callable, got {type(on_output).__name__}")

@@ -102,3 +102,17 @@ def test_abort_right_after_a_prompt_sampled_n_times_is_submitted_aborts_every_sa
         t.join(30)
         assert not t.is_alive(), "a sample the abort missed is still running"
     assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort"] * 3
+
+
+@pytest.mark.parametrize("on_output", [None, "print", 5])
+def test_a_low_level_submission_without_a_callable_callback_is_refused(engine, on_output):
+    """Else the request ran until its first output, failed there on the loop, and its
+    caller, who had no callback to hear it, never knew."""
+    for submit in (engine.submit, engine.submit_samples):
+        with pytest.raises(InvalidArgument) as exc:
+            submit([5, 6, 7], {"max_new_tokens": 2}, on_output)
+        assert exc.value.field == "on_output"
+    reqs = engine.make_samples([5, 6, 7], {"max_new_tokens": 2})
+    with pytest.raises(InvalidArgument):
+        engine.submit_made(reqs, on_output)
+    assert not engine.core.requests and engine._inbox.empty()
