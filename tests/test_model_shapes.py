@@ -300,3 +300,10 @@ def test_engine_greedy_matches_transformers_generate(tmp_path, shape):
     ) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in outs] == refs
+
+
+def test_rope_parameters_per_layer_type_are_refused_naming_them(tmp_path):
+    rope = {"rope_type": "default", "rope_theta": T}
+    nested = {"full_attention": rope, "sliding_attention": {**rope, "rope_theta": 10.0}}
+    folder, _ = write_model(tmp_path, edit={"rope_parameters": nested})
+    assert "per layer type (full_attention, sliding_attention)" in refusal(folder)

@@ -146,6 +146,9 @@ def _rope(cfg: dict[str, Any], head_dim: int, positions: int) -> tuple[RopeScali
     rope_theta = rs.get("rope_theta", rope_theta)
     check_positive_number("rope_theta", rope_theta)
     kind = rs.get("rope_type") or rs.get("type")
+    if kind is None and any(isinstance(v, dict) for v in rs.values()):
+        # (per-layer-type parameters: these architectures rotate every layer alike)
+        raise ValueError(f"{key} per layer type ({', '.join(rs)}) is not supported")
     if kind in ("llama3", "yarn"):  # (transformers' default for both)
         rs = {"original_max_position_embeddings": positions, **rs}
     scaling = None
