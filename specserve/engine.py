@@ -64,6 +64,7 @@ class Engine:
         # Why the device step failed, once it has: every request in flight was failed, and
         # the server reports the engine unhealthy.
         self.failure: str | None = None
+        self._close_at_exit = False  # shut down from the loop's own thread
         self._thread = threading.Thread(target=self._loop, name="specserve-loop", daemon=True)
         self._thread.start()
 
@@ -277,7 +278,15 @@ class Engine:
                 return
             self._stop.set()
         self._wake.set()
+        if threading.current_thread() is self._thread:
+            # (from an output callback: the loop fails what is in flight as it ends, then
+            # closes the core itself; it cannot wait for itself)
+            self._close_at_exit = True
+            return
         self._thread.join(timeout=30)  # (its last look at the inbox answers what was queued)
+        self._close()
+
+    def _close(self) -> None:
         self.core.close()
         unfreeze_heap()
 
@@ -489,6 +498,8 @@ class Engine:
         self._drain_inbox()
         for r in self._fail_all("engine shut down"):
             self._deliver(r)
+        if self._close_at_exit:
+            self._close()
 
     @staticmethod
     def _deliver(req: Request) -> None:

@@ -116,3 +116,33 @@ def test_a_low_level_submission_without_a_callable_callback_is_refused(engine, o
     with pytest.raises(InvalidArgument):
         engine.submit_made(reqs, on_output)
     assert not engine.core.requests and engine._inbox.empty()
+
+
+def test_shutdown_from_an_output_callback_shuts_the_engine_down():
+    """The callback runs on the engine's loop: shutting down there must not fail the request
+    as a broken callback ("cannot join current thread") nor skip closing the engine."""
+    e = Engine(**TINY)
+    closed = threading.Event()
+    close = e.core.close
+    e.core.close = lambda: (close(), closed.set())
+    outs: list[dict] = []
+    finished = threading.Event()
+
+    def on_output(out):
+        outs.append(out)
+        if len(outs) == 2:
+            e.shutdown()
+        if out["finished"]:
+            finished.set()
+
+    e.submit([5, 6, 7], {"max_new_tokens": 100_000, "ignore_eos": True}, on_output)
+    assert finished.wait(30)
+    assert outs[-1]["meta_info"]["finish_reason"] == {
+        "type": "abort",
+        "message": "engine shut down",
+    }
+    assert closed.wait(10)
+    e._thread.join(10)
+    assert not e._thread.is_alive()
+    with pytest.raises(RuntimeError, match="shut down"):
+        e.generate(input_ids=[5], sampling_params={"max_new_tokens": 1})
