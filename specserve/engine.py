@@ -168,6 +168,7 @@ class Engine:
             if not single:
                 raise InvalidArgument("stream", "streaming takes one prompt at a time")
             return self._stream(reqs)
+        self._refuse_on_loop("generate")
         queues = [self._answer_queue(r) for r in reqs]
         self._enqueue_requests(reqs)  # (together: an abort by their rid comes before or after all)
         outs = [self._wait(q) for q in queues]
@@ -254,6 +255,8 @@ class Engine:
     def flush_cache(self) -> int:
         """Empty the prefix cache of every page no live request uses (SGLang's flush_cache);
         returns how many pages were dropped. With no request live every page is then free."""
+        if threading.current_thread() is self._thread:  # (an output callback: between steps)
+            return self.core.flush_cache()
         done: queue.Queue = queue.Queue()
         with self._accepting:
             stopped = self._stop.is_set()
@@ -433,6 +436,13 @@ class Engine:
         req.on_output = lambda r: q.put(output_or_failure(r, tokenizer=tok)) if r.finished else None
         return q
 
+    def _refuse_on_loop(self, what: str) -> None:
+        if threading.current_thread() is self._thread:  # (it would wait for itself forever)
+            raise RuntimeError(
+                f"{what} waits for the engine's loop, which runs this output callback; "
+                "use submit from a callback"
+            )
+
     def _wait(self, q: queue.Queue) -> dict:
         text, ids, logprobs = [], [], {}
         while True:
@@ -450,6 +460,7 @@ class Engine:
     def _stream(self, reqs: list[Request]) -> Iterator[dict]:
         """Incremental outputs of the samples of one prompt, as they come, each with its
         sample's `index`."""
+        self._refuse_on_loop("a stream")
         q: queue.Queue = queue.Queue()
         for i, req in enumerate(reqs):
             req.on_output = self._incremental_callback(lambda idx, out: q.put((idx, out)), i)

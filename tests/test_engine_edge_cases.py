@@ -146,3 +146,28 @@ def test_shutdown_from_an_output_callback_shuts_the_engine_down():
     assert not e._thread.is_alive()
     with pytest.raises(RuntimeError, match="shut down"):
         e.generate(input_ids=[5], sampling_params={"max_new_tokens": 1})
+
+
+def test_an_output_callback_calling_back_into_the_engine_does_not_hang_it(engine):
+    """Callbacks run on the engine's loop: flush_cache there is answered at once, and a
+    blocking generate is refused (it would wait for the loop it is holding), failing that
+    request alone; the engine keeps serving."""
+    seen: dict[str, object] = {}
+    done = threading.Event()
+
+    def on_output(out):
+        if not out["finished"]:
+            return
+        seen["flushed"] = engine.flush_cache()
+        try:
+            engine.generate(input_ids=[5], sampling_params={"max_new_tokens": 1})
+        except RuntimeError as err:
+            seen["refused"] = str(err)
+        done.set()
+
+    engine.submit([5, 6, 7], {"max_new_tokens": 3}, on_output)
+    assert done.wait(10), "the callback is stuck"
+    assert isinstance(seen["flushed"], int)
+    assert "submit" in seen["refused"]
+    out = engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})
+    assert len(out["output_ids"]) == 2
