@@ -142,13 +142,13 @@ def test_a_disconnect_aborts_only_its_own_request_though_its_rid_was_reused(engi
 
     async def scenario():
         short = {"max_new_tokens": 2, "temperature": 0}
-        a = state.start([[5, 6, 7]], [short], {}, rids=["shared"])
+        a = await state.start([[5, 6, 7]], [short], {}, rids=["shared"])
         deadline = time.monotonic() + 30
         while "shared" in state.active_rids:  # the engine finished A's request
             assert time.monotonic() < deadline
             await asyncio.sleep(0.005)
         long = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0}
-        b = state.start([[5, 6, 7]], [long], {}, rids=["shared"])
+        b = await state.start([[5, 6, 7]], [long], {}, rids=["shared"])
         a.abort()  # A's client went away
         (out,) = await b.collect()
         return out

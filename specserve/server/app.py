@@ -251,8 +251,7 @@ async def _generate(request: Request, state: ServerState):
         "sampling_params": "sampling_params",
     }
     rename.update({name: name for name in logprob_options})
-    await state.compile_grammars([sp] * len(prompts), rename, prefix="sampling_params.")
-    run = state.start(
+    run = await state.start(
         prompts,
         [sp] * len(prompts),
         rename,

@@ -149,8 +149,7 @@ async def completions(request: Request, state: ServerState):
     lengths = [len(p) for p in prompts]  # (before truncate_prompt_tokens cuts them)
     max_new = _max_new_tokens(state, req, prompts, "prompt")
     params = [req.sampling_params(m) for m in max_new]
-    await state.compile_grammars(params, _rename(req, "prompt"))
-    run = state.start(
+    run = await state.start(
         prompts, params, _rename(req, "prompt"), logprob_options=req.logprob_options()
     )
     created = int(time.time())
@@ -297,8 +296,7 @@ async def chat_completions(request: Request, state: ServerState):
     ids = await state.encode_chat(req.chat_messages(), req.template_options())
     max_new = _max_new_tokens(state, req, [ids], "messages")
     params = [req.sampling_params(max_new[0])]
-    await state.compile_grammars(params, _rename(req, "messages"))
-    run = state.start(
+    run = await state.start(
         [ids],
         params,
         _rename(req, "messages"),

@@ -27,10 +27,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from specserve.errors import InvalidArgument
-from specserve.runtime.grammar import grammar_spec
 from specserve.runtime.logprobs import add_logprobs
 from specserve.runtime.output import sample_rids
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import GRAMMAR_PARAMS, check_field, is_int
 from specserve.server.logprobs import TokenBytes, TokenStrings
 from specserve.server.metrics import ServerMetrics
 from specserve.server.outbox import LoopOutbox
@@ -323,35 +322,8 @@ class ServerState:
         err.rejected = False  # it reached the engine
         return err
 
-    async def compile_grammars(
-        self, params: list[dict[str, Any]], rename: dict[str, str], prefix: str = ""
-    ) -> None:
-        """Compile the requests' structured-output grammars off the event loop, on the
-        grammar pool (a large JSON schema takes a while); `start` then finds them in the
-        compiler's cache. A compile holds its requests' places in the queue
-        (`max_queued_requests`) while it runs, so compiles cannot pile up past that bound."""
-        try:
-            parsed = [SamplingParams.from_any(sp) for sp in params]
-        except InvalidArgument as e:
-            raise engine_error(e, rename, prefix) from None
-        specs = {grammar_spec(sp) for sp in parsed} - {None}
-        if not specs:
-            return
-        held = sum(sp.n for sp in parsed)
-        self.reserve(held)
-        try:
-            loop = asyncio.get_running_loop()
-            for field, text in specs:
-                await loop.run_in_executor(
-                    self.grammar_pool, self.engine.core.compile_grammar_text, field, text
-                )
-        except InvalidArgument as e:
-            raise engine_error(e, rename, prefix) from None
-        finally:
-            self.release(held)
-
     # ---- runs ---------------------------------------------------------------------------------
-    def start(
+    async def start(
         self,
         prompts: list[list[int]],
         params: list[dict[str, Any]],
@@ -362,10 +334,48 @@ class ServerState:
     ) -> Run:
         """Admit and submit each prompt's n samples (sampling parameter `n`) as engine
         requests; choice i * n + j is prompt i's sample j. rids: the client's id of each
-        prompt. Raises APIError (400/503)."""
-        # every prompt's requests are built (validated) before any is admitted: a bad one is
-        # a 400 whatever the load, and costs no engine work for the prompts before it
+        prompt. Raises APIError (400/503).
+
+        A request with structured output is built on the grammar pool, not on the event loop:
+        its grammar compiles there (a large JSON schema takes seconds), and every prompt's
+        validation reads the schema again (a large one shared by a batch of prompts held
+        the event loop, and every other client, for as long). It holds its places in the
+        queue (`max_queued_requests`) meanwhile, so such builds cannot pile up past it."""
+        held = 0
+        if any(sp.get(name) is not None for sp in params for name in GRAMMAR_PARAMS):
+            held = sum(_samples(sp) for sp in params)
+            self.reserve(held)
         try:
+            args = (prompts, params, rename, prefix, rids, logprob_options)
+            if held:
+                loop = asyncio.get_running_loop()
+                made = await loop.run_in_executor(self.grammar_pool, self._make, *args)
+            else:
+                made = self._make(*args)
+            total = sum(len(reqs) for reqs, _ in made)
+            if total > held:
+                self.reserve(total - held)
+            elif total < held:
+                self.release(held - total)
+        except BaseException:
+            self.release(held)
+            raise
+        return self._submit(made, total, rename, prefix)
+
+    def _make(
+        self,
+        prompts: list[list[int]],
+        params: list[dict[str, Any]],
+        rename: dict[str, str],
+        prefix: str,
+        rids: list[str] | None,
+        logprob_options: dict[str, Any] | None,
+    ) -> list[tuple[list, str | None]]:
+        """Every prompt's requests with the client's id of the prompt, built (validated)
+        before any is admitted: a bad one is a 400 whatever the load, and costs no engine
+        work for the prompts before it."""
+        try:
+            params = _schemas_as_text(params)
             if rids and len(set(rids)) < len(rids):
                 repeated = next(r for r in rids if rids.count(r) > 1)
                 raise InvalidArgument("rid", f"request id {repeated!r} is given to two prompts")
@@ -387,8 +397,12 @@ class ServerState:
                 made.append((reqs, name))
         except InvalidArgument as e:
             raise engine_error(e, rename, prefix) from None
-        total = sum(len(reqs) for reqs, _ in made)
-        self.reserve(total)
+        return made
+
+    def _submit(
+        self, made: list[tuple[list, str | None]], total: int, rename: dict[str, str], prefix: str
+    ) -> Run:
+        """Submit what `_make` built, its `total` places in the queue already taken."""
         run = Run(self, asyncio.get_running_loop(), rename, prefix)
         self.runs.add(run)
         try:
@@ -407,6 +421,28 @@ class ServerState:
             self.release(total - len(run.rids))
             raise
         return run
+
+
+def _samples(sp: dict[str, Any]) -> int:
+    """The requests one prompt's parameters make (`n`, checked by the routes' models; a value
+    they let through is refused by the engine when the requests are made)."""
+    n = sp.get("n")
+    return n if is_int(n) and n >= 1 else 1
+
+
+def _schemas_as_text(params: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The parameters with each JSON schema object as its JSON text, serialized once for the
+    prompts that share it (the engine would serialize it again for every prompt)."""
+    texts: dict[int, str] = {}
+    out = []
+    for sp in params:
+        schema = sp.get("json_schema")
+        if isinstance(schema, dict):
+            if id(schema) not in texts:  # (params holds every schema: ids stay distinct)
+                texts[id(schema)] = check_field("json_schema", schema)
+            sp = {**sp, "json_schema": texts[id(schema)]}
+        out.append(sp)
+    return out
 
 
 def _check_ids_free(active_rids: dict[str, str], names: list[str]) -> None:

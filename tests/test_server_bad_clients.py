@@ -1,0 +1,82 @@
+"""Clients that send what a server must survive without letting it reach anyone else: requests
+that are costly to admit, odd but valid values, refusals that must name their field. A tiny
+random model with a real tokenizer, served in this process on the CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from specserve.engine import Engine
+from specserve.server.app import create_app
+from specserve.server.state import ServerConfig
+from tests.test_server import ServerThread
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from tests.model_factory import write_hf_model
+
+    folder = write_hf_model(tmp_path_factory.mktemp("m"), vocab_size=101, with_tokenizer=True)
+    with Engine(model_path=folder, dtype="float32", device="cpu", context_length=128) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    app = create_app(engine, ServerConfig(), owns_engine=False)
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+def error_of(r: httpx.Response) -> dict:
+    assert r.headers["content-type"].startswith("application/json"), r.text[:200]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    return err
+
+
+def wait_idle(http: httpx.Client, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while "specserve_num_inflight_requests 0.0" not in http.get("/metrics").text:
+        assert time.monotonic() < deadline, "requests still in flight"
+        time.sleep(0.05)
+
+
+# ---- admitting a request runs off the event loop when it is costly ----------------------------
+def test_a_batch_sharing_a_large_schema_leaves_health_responsive(server, http):
+    """Each prompt of a batch is validated with its structured output; a large schema shared
+    by many prompts took that work per prompt on the event loop every client shares (a 3 MB
+    schema on 2,000 one-token prompts held /health for a minute)."""
+    schema = {"type": "string", "description": "x" * 1_000_000}
+    body = {"prompt": [[5]] * 500, "max_tokens": 1, "json_schema": schema}
+    result = {}
+
+    def batch() -> None:
+        with httpx.Client(base_url=server.url, timeout=300) as client:
+            result["r"] = client.post("/v1/completions", json=body)
+
+    sender = threading.Thread(target=batch)
+    sender.start()
+    slowest = 0.0
+    while sender.is_alive():
+        start = time.perf_counter()
+        assert http.get("/health").status_code == 200
+        slowest = max(slowest, time.perf_counter() - start)
+        time.sleep(0.05)
+    sender.join()
+    r = result["r"]
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.json()["choices"]) == 500
+    assert slowest < 1.0, f"/health took {slowest:.1f} s while the batch was admitted"
+    wait_idle(http)
