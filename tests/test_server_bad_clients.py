@@ -80,3 +80,17 @@ def test_a_batch_sharing_a_large_schema_leaves_health_responsive(server, http):
     assert len(r.json()["choices"]) == 500
     assert slowest < 1.0, f"/health took {slowest:.1f} s while the batch was admitted"
     wait_idle(http)
+
+
+# ---- refusals name the field the client wrote -------------------------------------------------
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("name", ["self", "tokenize"])
+def test_a_template_variable_that_is_an_argument_of_the_template_call_names_its_field(http, name):
+    """`self` reached apply_chat_template as a keyword (a TypeError there), refused as a
+    fault of `messages`."""
+    r = http.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {name: True}})
+    err = error_of(r)
+    assert r.status_code == 400 and err["param"] == "chat_template_kwargs", r.text
+    assert err["message"].startswith(f"chat_template_kwargs: {name}: not a template variable")

@@ -334,6 +334,7 @@ _TEMPLATE_ARGUMENTS = frozenset(
         "add_generation_prompt", "continue_final_message", "tokenize", "padding",
         "truncation", "max_length", "return_tensors", "return_dict",
         "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+        "self",  # (the method's own: as a keyword, a TypeError there)
         # the tokenizer's special tokens, which the template also reads
         "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
         "mask_token", "additional_special_tokens",

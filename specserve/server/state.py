@@ -235,7 +235,7 @@ class ServerState:
                 functools.partial(self.engine.tokenize_chat, messages, **(options or {}))
             )
         except InvalidArgument as e:  # no tokenizer/template, or the template refused them
-            raise APIError(str(e), param=e.field) from None
+            raise engine_error(e, {"template_kwargs": "chat_template_kwargs"}) from None
         except Exception as e:  # (a template's own error type)
             raise APIError(f"messages: {e}", param="messages") from None
 
