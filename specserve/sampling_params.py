@@ -85,8 +85,9 @@ class SamplingParams:
             return SamplingParams()
         if isinstance(value, SamplingParams):
             # a copy: the caller may change or reuse its object once it has been submitted,
-            # which must not reach the requests already made from it
-            value = copy.deepcopy(value)
+            # which must not reach the requests already made from it (validate rebuilds
+            # every list and dict field, so a shallow copy shares none of them)
+            value = copy.copy(value)
             value.validate(max_temperature)
             return value
         if not isinstance(value, dict):

@@ -13,6 +13,7 @@ from specserve.sampling_params import SamplingParams
 from tests.engine_utils import TINY
 
 EOS = 2  # the tiny preset's
+GREEDY_10 = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +172,20 @@ def test_an_output_callback_calling_back_into_the_engine_does_not_hang_it(engine
     assert "submit" in seen["refused"]
     out = engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})
     assert len(out["output_ids"]) == 2
+
+
+def test_lists_in_a_submitted_sampling_params_object_are_the_engines_own(engine):
+    done = threading.Event()
+    got: list[int] = []
+    full = engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY_10)["output_ids"]
+    sp = SamplingParams(**GREEDY_10, stop_token_ids=[full[3]])
+
+    def on_output(out):
+        got.extend(out["output_ids"])
+        if out["finished"]:
+            done.set()
+
+    engine.submit([5, 6, 7], sp, on_output)
+    sp.stop_token_ids.append(full[1])  # (after submission: not the request's)
+    assert done.wait(30)
+    assert got == full[: full.index(full[3]) + 1]
