@@ -166,28 +166,26 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
                 name,
                 f"must be an integer, got {v!r}",
             )
-    if (
-        c.speculative_num_steps is None
-        and c.speculative_eagle_topk is None
-        and c.speculative_num_draft_tokens is None
-    ):
+    for name, most in (("speculative_num_steps", MAX_STEPS), ("speculative_eagle_topk", MAX_TOPK)):
+        v = getattr(c, name)
+        require(v is None or 1 <= v <= most, name, f"must be in [1, {most}], got {v}")
+    if c.speculative_num_steps is None:
+        # SGLang chooses the three together, and refuses topk or a tree size without the steps
+        for name in ("speculative_eagle_topk", "speculative_num_draft_tokens"):
+            if getattr(c, name) is not None:
+                raise InvalidArgument(
+                    "speculative_num_steps",
+                    f"must be set (an integer in [1, {MAX_STEPS}]) when {name} is, as SGLang "
+                    "requires; or leave all "
+                    "three tree settings unset for the default 3-step chain",
+                )
         decide(
             "speculative_num_steps", 3, "nothing given: a 3-step chain suits a small verify budget"
         )
         decide("speculative_eagle_topk", 1, "nothing given: topk 1 drafts a chain")
-    if c.speculative_num_steps is None:
-        decide("speculative_num_steps", 3, "not given: 3 draft steps")
     if c.speculative_eagle_topk is None:
         decide("speculative_eagle_topk", 1, "not given: topk 1 drafts a chain")
     steps, topk = c.speculative_num_steps, c.speculative_eagle_topk
-    require(
-        1 <= steps <= MAX_STEPS,
-        "speculative_num_steps",
-        f"must be in [1, {MAX_STEPS}], got {steps}",
-    )
-    require(
-        1 <= topk <= MAX_TOPK, "speculative_eagle_topk", f"must be in [1, {MAX_TOPK}], got {topk}"
-    )
     # the candidates drafting produces: topk at depth 1, then topk children of each of the topk
     # frontier nodes per further step (SGLang's bound); the tree keeps the best of them
     max_tree = 1 + topk + (steps - 1) * topk * topk
@@ -198,6 +196,15 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
             value,
             f"not given: 1 + num_steps * topk, at most 64 -> {value}",
         )
+    if topk == 1 and c.speculative_num_draft_tokens < steps + 1:
+        # as SGLang does: a chain verifies its root and every drafted token (a size above
+        # what the chain holds is refused below, as for a tree)
+        reason = (
+            f"{c.speculative_num_draft_tokens} adjusted to num_steps + 1 = {steps + 1}, "
+            "as SGLang does when speculative_eagle_topk == 1 (a chain of num_steps tokens)"
+        )
+        logging.getLogger(__name__).warning("speculative_num_draft_tokens %s", reason)
+        decide("speculative_num_draft_tokens", steps + 1, reason)
     ndt = c.speculative_num_draft_tokens
     require(
         2 <= ndt <= max_tree,

@@ -12,9 +12,10 @@ freed when the last request holding its token finishes.
 
 Device layout, fixed at construction so CUDA graphs keep reading the same buffers: `weight`
 [map + growth, hidden] (rows of the target's lm_head), `ids` [map + growth] (the target id of
-each column; a free column's is the map's first token's, so a token's lowest column is the one
-it is drafted in, as penalized drafting reads them) and `bias` (0 for a column in use, -inf
-for a free one, so that free columns never rank and take no probability mass). Changes are
+each column, all distinct: a free column holds a token outside the vocabulary, since where
+penalties leave fewer than topk finite columns the draft's top-k takes free ones too, and two
+siblings of one token would both be accepted) and `bias` (0 for a column in use, -inf for a
+free one, so that free columns rank last and take no probability mass). Changes are
 stream-ordered device writes issued between steps: a step already launched drafts with the
 vocabulary it was launched with.
 """
@@ -41,9 +42,15 @@ class DraftVocab:
             (self.capacity, lm_head.shape[1]), dtype=lm_head.dtype, device=dev
         )
         self.weight[: self.base] = lm_head[token_ids]
-        self._filler = int(token_ids[0]) if self.base else 0  # a free column's id
-        self.ids = torch.full((self.capacity,), self._filler, dtype=torch.int64, device=dev)
-        self.ids[: self.base] = token_ids
+        outside = torch.ones(lm_head.shape[0], dtype=torch.bool, device=dev)
+        outside[token_ids] = False
+        spare = outside.nonzero().flatten()[:growth]
+        if spare.numel() < growth:
+            raise ValueError(f"growth {growth} exceeds the {spare.numel()} tokens outside the map")
+        self.ids = torch.cat([token_ids, spare])
+        self._ids = self.ids.tolist()  # host copy
+        # a free column's token (outside the vocabulary) -> that column
+        self._spare = {t: self.base + i for i, t in enumerate(spare.tolist())}
         self.bias = None
         if growth:
             self.bias = torch.full((self.capacity,), float("-inf"), dtype=lm_head.dtype, device=dev)
@@ -74,6 +81,7 @@ class DraftVocab:
         if self.bias is None:
             return 0
         new: list[int] = []
+        moved: dict[int, int] = {}  # free column -> the spare token it holds now
         for owner, tokens in tokens_by_owner.items():
             held = self._owned.setdefault(owner, set())
             if not isinstance(tokens, (list, tuple)):
@@ -91,19 +99,35 @@ class DraftVocab:
                 if t in self._column:
                     self._holders[t] += 1
                 elif self._free:
-                    self._column[t] = self._free.pop()
+                    col = self._free.pop()
+                    self._take_spare(col, t, moved)
+                    self._column[t] = col
                     self._holders[t] = 1
                     new.append(t)
                 else:
                     continue  # no room: the token stays undraftable
                 held.add(t)
         if new:
-            self._write_columns(new)
+            self._write_columns(new, moved)
         return len(new)
 
+    def _take_spare(self, col: int, token: int, moved: dict[int, int]) -> None:
+        """Free column `col` is about to hold `token`: its spare token goes to the free
+        column that held `token` as its spare, if any (ids stay distinct)."""
+        spare = self._ids[col]
+        del self._spare[spare]
+        other = self._spare.pop(token, None)
+        if other is not None:
+            self._spare[spare] = other
+            self._ids[other] = spare
+            moved[other] = spare
+        self._ids[col] = token
+        moved.pop(col, None)
+
     @torch.inference_mode()
-    def _write_columns(self, new: list[int]) -> None:
-        """The added tokens' columns on the device: weight rows, ids, bias 0."""
+    def _write_columns(self, new: list[int], moved: dict[int, int]) -> None:
+        """The added tokens' columns on the device: weight rows, ids, bias 0; and the free
+        columns whose spare token changed."""
         dev = self.weight.device
         # pinned staging: a pageable copy could make the host wait for the step in flight
         ids = to_device(torch.tensor(new, dtype=torch.int64), dev)
@@ -111,6 +135,10 @@ class DraftVocab:
         self.weight.index_copy_(0, cols, self._full.index_select(0, ids))
         self.ids.index_copy_(0, cols, ids)
         self.bias.index_fill_(0, cols, 0)
+        if moved:
+            spare_cols = to_device(torch.tensor(list(moved)), dev)
+            spares = to_device(torch.tensor(list(moved.values()), dtype=torch.int64), dev)
+            self.ids.index_copy_(0, spare_cols, spares)
 
     @torch.inference_mode()
     def release(self, owners: Iterable[str]) -> None:
@@ -123,8 +151,8 @@ class DraftVocab:
                     del self._holders[t]
                     col = self._column.pop(t)
                     self._free.append(col)
+                    self._spare[t] = col  # t has left the vocabulary: the column's spare
                     freed.append(col)
         if freed:
             cols = to_device(torch.tensor(freed), self.bias.device)
             self.bias.index_fill_(0, cols, float("-inf"))
-            self.ids.index_fill_(0, cols, self._filler)

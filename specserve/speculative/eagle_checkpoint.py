@@ -142,6 +142,12 @@ def load_eagle_head(folder: str, algorithm: str, target) -> tuple[torch.nn.Modul
         raise ValueError(
             f"draft hidden_size {cfg.hidden_size} != target hidden_size {target.config.hidden_size}"
         )
+    # a head reads the target's embedding (and an EAGLE head its lm_head): its vocabulary is
+    # the target's, else it was trained for another model
+    if "vocab_size" in raw and cfg.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"draft vocab_size {cfg.vocab_size} != target vocab_size {target.config.vocab_size}"
+        )
     if algorithm == "EAGLE":
         if "fc.weight" not in state or state["fc.weight"].shape[1] != 2 * cfg.hidden_size:
             raise ValueError(f"{folder} is not an EAGLE checkpoint (fc.weight must be [H, 2H])")
@@ -186,6 +192,9 @@ def _check_draft_vocab(d2t: torch.Tensor, draft_vocab: int, target_vocab: int) -
         raise ValueError(
             f"d2t maps draft tokens outside the target's vocabulary [0, {target_vocab})"
         )
+    # sibling draft tokens must differ, or verification would accept two children at once
+    if torch.unique(target_ids).numel() != draft_vocab:
+        raise ValueError("d2t maps two draft tokens to the same target token")
 
 
 def save_eagle_checkpoint(

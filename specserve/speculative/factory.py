@@ -60,7 +60,9 @@ def build_drafter(
         vocab = ids.numel()
     if cfg.speculative_eagle_topk > vocab:
         raise InvalidArgument(
-            "speculative_eagle_topk", f"must not exceed the draft vocabulary ({vocab})"
+            "speculative_eagle_topk",
+            f"must be in [1, {vocab}] (the draft's vocabulary holds {vocab} tokens), "
+            f"got {cfg.speculative_eagle_topk}",
         )
     return TreeDrafter(
         head,

@@ -1,0 +1,180 @@
+"""Speculative settings beyond the suite's usual shapes: SGLang's conventions for the tree
+flags, drafts that do not fit their target refused at start-up, and draft vocabularies whose
+columns could give two siblings one token."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specserve import Engine, InvalidArgument
+from specserve.config import EngineConfig
+from specserve.model.config import PRESETS
+from specserve.speculative.draft_vocab import DraftVocab
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+from specserve.speculative.token_map import save_token_map
+from tests.engine_utils import TINY, mixed_prompts
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+def resolved(**kw) -> EngineConfig:
+    return EngineConfig(
+        speculative_algorithm="EAGLE", speculative_draft_model_path="x", **kw
+    ).resolve(cuda_available=False)
+
+
+def tree_of(c: EngineConfig) -> tuple[int, int, int]:
+    return c.speculative_num_steps, c.speculative_eagle_topk, c.speculative_num_draft_tokens
+
+
+@pytest.mark.parametrize(
+    "given", [dict(speculative_eagle_topk=4), dict(speculative_num_draft_tokens=8)]
+)
+def test_topk_or_tree_size_without_steps_is_refused_as_in_sglang(given):
+    with pytest.raises(InvalidArgument) as info:
+        resolved(**given)
+    assert info.value.field == "speculative_num_steps"
+    assert "[1, 16]" in str(info.value)
+
+
+def test_steps_alone_or_nothing_fill_a_chain():
+    assert tree_of(resolved()) == (3, 1, 4)
+    assert tree_of(resolved(speculative_num_steps=5)) == (5, 1, 6)
+    assert tree_of(resolved(speculative_num_steps=5, speculative_eagle_topk=4)) == (5, 4, 21)
+
+
+@pytest.mark.parametrize("ndt", [-1, 1, 2, 3])
+def test_a_chain_verifies_every_step_as_in_sglang(ndt):
+    c = resolved(
+        speculative_num_steps=4, speculative_eagle_topk=1, speculative_num_draft_tokens=ndt
+    )
+    assert tree_of(c) == (4, 1, 5)
+    assert any(f == "speculative_num_draft_tokens" and v == 5 for f, v, _ in c.decisions)
+
+
+def test_a_chain_larger_than_its_steps_is_refused_with_the_allowed_range():
+    with pytest.raises(InvalidArgument) as info:
+        resolved(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=8)
+    assert info.value.field == "speculative_num_draft_tokens" and "[2, 4]" in str(info.value)
+
+
+def test_adjusted_chain_decodes_as_plain():
+    prompts = mixed_prompts(3, 512, seed=2, max_len=12)
+    sp = dict(GREEDY, max_new_tokens=1 + 3 * 4)  # the prefill's token + 3 verifies of 4
+    with Engine(**TINY) as e:
+        plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)]
+    spec = dict(
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path="tiny",
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=2,
+    )
+    with Engine(**TINY, **spec) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=sp)
+    assert [o["output_ids"] for o in outs] == plain
+    # the target is its own draft: every verify accepts the whole 3-token chain
+    assert all(o["meta_info"]["spec_accept_histogram"] == [0, 0, 0, 3] for o in outs)
+
+
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    return write_random_eagle_checkpoint(str(root / "e"), PRESETS["tiny"], "EAGLE", seed=3)
+
+
+def spec(draft: str, algo: str = "EAGLE", steps: int = 3, topk: int = 4, ndt: int = 12, **kw):
+    return dict(
+        speculative_algorithm=algo,
+        speculative_draft_model_path=draft,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=ndt,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("allowed", [[100], [100, 300]])
+def test_growing_token_map_under_allowed_tokens_equals_plain(tmp_path, eagle, allowed):
+    """allowed_token_ids leaves fewer finite draft columns than topk, so the draft's top-k
+    takes free columns of a growing vocabulary too: their tokens must differ from the map's,
+    or two siblings share a token and verification accepts both (a crash, or wrong text)."""
+    save_token_map(str(tmp_path / "map.json"), list(range(100, 140)))
+    prompts = mixed_prompts(3, 512, seed=1, min_len=2, max_len=10)
+    sp = dict(GREEDY, allowed_token_ids=allowed)
+    with Engine(**TINY) as e:
+        plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sp)]
+    growing = dict(
+        speculative_token_map=str(tmp_path / "map.json"), speculative_token_map_growth=50
+    )
+    with Engine(**TINY, **spec(eagle, **growing), debug_check_invariants=True) as e:
+        outs = e.generate(input_ids=prompts, sampling_params=sp)
+    assert [o["output_ids"] for o in outs] == plain
+
+
+def test_growing_vocabulary_columns_hold_distinct_tokens():
+    rng = random.Random(0)
+    v = 40
+    vocab = DraftVocab(torch.randn(v, 4), torch.tensor([5, 0, 9, 3]), growth=6)
+    live: dict[str, list[int]] = {}
+    for i in range(300):
+        if live and rng.random() < 0.4:
+            owner = rng.choice(sorted(live))
+            del live[owner]
+            vocab.release([owner])
+        else:
+            owner = f"r{i}"
+            live[owner] = [rng.randrange(v) for _ in range(rng.randint(1, 5))]
+            vocab.add({owner: live[owner]})
+        ids = vocab.ids.tolist()
+        assert len(set(ids)) == len(ids), ids
+        assert ids[:4] == [5, 0, 9, 3]
+        for t, col in vocab._column.items():  # a live token's column names it
+            assert ids[col] == t and vocab.bias[col] == 0
+
+
+def _rewrite(folder: str, config: dict | None = None, tensors: dict | None = None) -> str:
+    if config:
+        path = os.path.join(folder, "config.json")
+        with open(path) as f:
+            raw = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**raw, **config}, f)
+    if tensors:
+        path = os.path.join(folder, "model.safetensors")
+        save_file({**load_file(path), **tensors}, path)
+    return folder
+
+
+def test_eagle3_draft_tokens_mapped_to_one_target_token_are_refused(tmp_path):
+    draft = write_random_eagle_checkpoint(str(tmp_path / "e3"), PRESETS["tiny"], "EAGLE3", 10)
+    d2t = load_file(os.path.join(draft, "model.safetensors"))["d2t"].clone()
+    d2t[1] = d2t[0] - 1  # draft tokens 0 and 1 both name target token d2t[0]
+    _rewrite(draft, tensors={"d2t": d2t})
+    with pytest.raises(InvalidArgument) as info:
+        Engine(**TINY, **spec(draft, "EAGLE3", topk=2, ndt=6))
+    assert info.value.field == "speculative_draft_model_path" and "d2t" in str(info.value)
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_a_draft_for_another_vocabulary_is_refused(tmp_path, algo):
+    draft = write_random_eagle_checkpoint(
+        str(tmp_path / "d"), PRESETS["tiny"].with_changes(vocab_size=300), algo
+    )
+    with pytest.raises(InvalidArgument) as info:
+        Engine(**TINY, **spec(draft, algo, topk=2, ndt=6))
+    assert info.value.field == "speculative_draft_model_path"
+    assert "300" in str(info.value) and "512" in str(info.value)
+
+
+def test_topk_above_the_draft_vocabulary_names_the_allowed_range(tmp_path):
+    draft = write_random_eagle_checkpoint(str(tmp_path / "e3"), PRESETS["tiny"], "EAGLE3", 10)
+    with pytest.raises(InvalidArgument) as info:
+        Engine(**TINY, **spec(draft, "EAGLE3", steps=2, topk=12, ndt=20))
+    assert info.value.field == "speculative_eagle_topk" and "[1, 10]" in str(info.value)
