@@ -178,3 +178,21 @@ def test_topk_above_the_draft_vocabulary_names_the_allowed_range(tmp_path):
     with pytest.raises(InvalidArgument) as info:
         Engine(**TINY, **spec(draft, "EAGLE3", steps=2, topk=12, ndt=20))
     assert info.value.field == "speculative_eagle_topk" and "[1, 10]" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "config, tensors, words",
+    [
+        ({"num_hidden_layers": 2}, None, "num_hidden_layers"),  # the head holds one layer
+        (None, "float d2t", "integer"),  # offsets cut to integers would name other tokens
+    ],
+)
+def test_a_malformed_eagle3_draft_is_refused(tmp_path, config, tensors, words):
+    draft = write_random_eagle_checkpoint(str(tmp_path / "e3"), PRESETS["tiny"], "EAGLE3", 10)
+    if tensors:
+        d2t = load_file(os.path.join(draft, "model.safetensors"))["d2t"]
+        tensors = {"d2t": d2t.float() + 0.5}
+    _rewrite(draft, config, tensors)
+    with pytest.raises(InvalidArgument) as info:
+        Engine(**TINY, **spec(draft, "EAGLE3", topk=2, ndt=6))
+    assert info.value.field == "speculative_draft_model_path" and words in str(info.value)

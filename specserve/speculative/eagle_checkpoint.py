@@ -160,6 +160,10 @@ def load_eagle_head(folder: str, algorithm: str, target) -> tuple[torch.nn.Modul
             raise ValueError(f"{folder} is not an EAGLE3 checkpoint (fc.weight must be [H, 3H])")
         if "lm_head.weight" not in state:
             raise ValueError(f"{folder}: the EAGLE3 checkpoint lacks lm_head.weight")
+        if cfg.num_layers != 1:  # (SGLang refuses these too)
+            raise ValueError(
+                f"an EAGLE3 draft has one decoder layer (num_hidden_layers 1), got {cfg.num_layers}"
+            )
         draft_vocab = raw.get("draft_vocab_size")
         if draft_vocab is None:
             draft_vocab = state["lm_head.weight"].shape[0]
@@ -187,6 +191,8 @@ def _check_draft_vocab(d2t: torch.Tensor, draft_vocab: int, target_vocab: int) -
         )
     if d2t.shape != (draft_vocab,):
         raise ValueError(f"d2t has shape {tuple(d2t.shape)}, expected ({draft_vocab},)")
+    if d2t.is_floating_point() or d2t.is_complex() or d2t.dtype == torch.bool:
+        raise ValueError(f"d2t must hold integer offsets, got {d2t.dtype}")
     target_ids = torch.arange(draft_vocab) + d2t.to(torch.int64).cpu()
     if bool(((target_ids < 0) | (target_ids >= target_vocab)).any()):
         raise ValueError(
