@@ -22,7 +22,7 @@ def engine(tmp_path_factory):
     from tests.model_factory import write_hf_model
 
     folder = write_hf_model(tmp_path_factory.mktemp("m"), vocab_size=101, with_tokenizer=True)
-    with Engine(model_path=folder, dtype="float32", device="cpu", context_length=128) as e:
+    with Engine(model_path=folder, dtype="float32", device="cpu", context_length=512) as e:
         yield e
 
 
@@ -39,6 +39,9 @@ def http(server):
         yield client
 
 
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
 def error_of(r: httpx.Response) -> dict:
     assert r.headers["content-type"].startswith("application/json"), r.text[:200]
     err = r.json()["error"]
@@ -53,20 +56,15 @@ def wait_idle(http: httpx.Client, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-# ---- admitting a request runs off the event loop when it is costly ----------------------------
-def test_a_batch_sharing_a_large_schema_leaves_health_responsive(server, http):
-    """Each prompt of a batch is validated with its structured output; a large schema shared
-    by many prompts took that work per prompt on the event loop every client shares (a 3 MB
-    schema on 2,000 one-token prompts held /health for a minute)."""
-    schema = {"type": "string", "description": "x" * 1_000_000}
-    body = {"prompt": [[5]] * 500, "max_tokens": 1, "json_schema": schema}
+def health_while(server, http, path: str, body: dict) -> tuple[httpx.Response, float]:
+    """(the answer to body, the slowest /health answered while it was served)"""
     result = {}
 
-    def batch() -> None:
+    def send() -> None:
         with httpx.Client(base_url=server.url, timeout=300) as client:
-            result["r"] = client.post("/v1/completions", json=body)
+            result["r"] = client.post(path, json=body)
 
-    sender = threading.Thread(target=batch)
+    sender = threading.Thread(target=send)
     sender.start()
     slowest = 0.0
     while sender.is_alive():
@@ -75,17 +73,40 @@ def test_a_batch_sharing_a_large_schema_leaves_health_responsive(server, http):
         slowest = max(slowest, time.perf_counter() - start)
         time.sleep(0.05)
     sender.join()
-    r = result["r"]
+    return result["r"], slowest
+
+
+# ---- admitting a request runs off the event loop when it is costly ----------------------------
+def test_a_batch_sharing_a_large_schema_leaves_health_responsive(server, http):
+    """Each prompt of a batch is validated with its structured output; a large schema shared
+    by many prompts took that work per prompt on the event loop every client shares (a 3 MB
+    schema on 2,000 one-token prompts held /health for a minute)."""
+    schema = {"type": "string", "description": "x" * 1_000_000}
+    body = {"prompt": [[5]] * 500, "max_tokens": 1, "json_schema": schema}
+    r, slowest = health_while(server, http, "/v1/completions", body)
     assert r.status_code == 200, r.text[:300]
     assert len(r.json()["choices"]) == 500
     assert slowest < 1.0, f"/health took {slowest:.1f} s while the batch was admitted"
     wait_idle(http)
 
 
+def test_a_large_answer_with_log_probs_is_assembled_off_the_event_loop(server, http):
+    """64 choices of 200 tokens with 20 alternatives each: assembling and encoding that
+    answer held the event loop, and /health, for 2 s."""
+    body = {**CHAT, "max_tokens": 200, "n": 64, "ignore_eos": True}
+    r, slowest = health_while(
+        server, http, "/v1/chat/completions", {**body, "logprobs": True, "top_logprobs": 20}
+    )
+    assert r.status_code == 200, r.text[:300]
+    choices = r.json()["choices"]
+    assert len(choices) == 64
+    assert all(len(c["logprobs"]["content"]) == 200 for c in choices)
+    assert all(len(e["top_logprobs"]) == 20 for e in choices[5]["logprobs"]["content"])
+    assert slowest < 0.5, f"/health took {slowest:.1f} s while the answer was assembled"
+    wait_idle(http)
+
+
 # ---- refusals name the field the client wrote -------------------------------------------------
-CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
 @pytest.mark.parametrize("name", ["self", "tokenize"])
 def test_a_template_variable_that_is_an_argument_of_the_template_call_names_its_field(http, name):
     """`self` reached apply_chat_template as a keyword (a TypeError there), refused as a

@@ -266,12 +266,11 @@ async def _generate(request: Request, state: ServerState):
             headers=openai_api.SSE_HEADERS,
         )
     outs = await openai_api._collect_or_abort(request, run)
-    for out in outs:
-        reason = out["meta_info"].get("finish_reason") or {}
-        if reason.get("type") == "abort":
-            raise run.abort_error(out["meta_info"])
+    openai_api._raise_abort(run, outs)
     # one prompt sampled n > 1 times answers a list of n outputs, as SGLang
-    return JSONResponse(outs[0] if single and len(outs) == 1 else outs)
+    answer = outs[0] if single and len(outs) == 1 else outs
+    entries = openai_api.answer_entries(outs, req.top_logprobs_num if req.return_logprob else 0)
+    return await openai_api.json_answer(state, lambda: answer, entries)
 
 
 async def _generate_chunks(run):

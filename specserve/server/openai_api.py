@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from specserve.runtime.output import verify_tokens
 from specserve.server.logprobs import CompletionLogprobs, chat_content
@@ -20,6 +20,10 @@ from specserve.server.structured_output import structured_output
 
 # Bodies larger than this are parsed on the server's thread pool, not on the event loop.
 PARSE_OFF_LOOP_BYTES = 64 * 1024
+# Answers holding more entries than this (tokens, each log-prob alternative counted) are
+# assembled and encoded on the server's thread pool: 64 chat choices of 200 tokens with 20
+# alternatives each held the event loop, and every other client, for 2 s.
+ANSWER_OFF_LOOP_ENTRIES = 20_000
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -88,6 +92,31 @@ def _rename(req, prompt_param: str) -> dict[str, str]:
         "max_new_tokens": max_param,
         **structured_output(req)[1],
     }
+
+
+def answer_entries(outs: list[dict[str, Any]], alternatives: int) -> int:
+    """The entries an answer holds: each token of the outputs (and of the prompts' log-probs),
+    with its `alternatives` log-prob alternatives."""
+    tokens = sum(
+        len(o["output_ids"]) + len(o["meta_info"].get("input_token_logprobs") or ()) for o in outs
+    )
+    return tokens * (1 + alternatives)
+
+
+async def json_answer(state: ServerState, build: Callable[[], Any], entries: int) -> Response:
+    """The JSON of build(), made off the event loop when it holds more than
+    ANSWER_OFF_LOOP_ENTRIES entries."""
+    if entries > ANSWER_OFF_LOOP_ENTRIES:
+        body = await state.off_loop(_json_bytes, build)
+    else:
+        body = _json_bytes(build)
+    return Response(body, media_type="application/json")
+
+
+def _json_bytes(build: Callable[[], Any]) -> bytes:
+    # (as JSONResponse renders its content)
+    content = build()
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 async def parse_body(request: Request, state: ServerState, model):
@@ -168,26 +197,26 @@ async def completions(request: Request, state: ServerState):
         )
 
     outs = await _collect_or_abort(request, run)
+    _raise_abort(run, outs)
     strings = state.token_strings()
-    choices = []
-    for i, out in enumerate(outs):
-        meta = out["meta_info"]
-        if finish_reason(meta) == "abort":
-            raise run.abort_error(meta)
-        choice: dict[str, Any] = {
-            "index": i,
-            "text": (echoes[i // n] if echoes else "") + out["text"],
-            "logprobs": None,
-            "finish_reason": finish_reason(meta),
-            "matched_stop": matched_stop(meta),
-        }
-        if req.logprobs is not None:
-            choice["logprobs"] = CompletionLogprobs(strings).part(meta, req.echo)
-        if with_ids:
-            choice["token_ids"] = out["output_ids"]
-        choices.append(choice)
-    return JSONResponse(
-        {
+
+    def answer() -> dict[str, Any]:
+        choices = []
+        for i, out in enumerate(outs):
+            meta = out["meta_info"]
+            choice: dict[str, Any] = {
+                "index": i,
+                "text": (echoes[i // n] if echoes else "") + out["text"],
+                "logprobs": None,
+                "finish_reason": finish_reason(meta),
+                "matched_stop": matched_stop(meta),
+            }
+            if req.logprobs is not None:
+                choice["logprobs"] = CompletionLogprobs(strings).part(meta, req.echo)
+            if with_ids:
+                choice["token_ids"] = out["output_ids"]
+            choices.append(choice)
+        return {
             "id": cid,
             "object": "text_completion",
             "created": created,
@@ -195,7 +224,15 @@ async def completions(request: Request, state: ServerState):
             "choices": choices,
             "usage": usage([o["meta_info"] for o in outs], n),
         }
-    )
+
+    return await json_answer(state, answer, answer_entries(outs, req.logprobs or 0))
+
+
+def _raise_abort(run: Run, outs: list[dict[str, Any]]) -> None:
+    """The error of the first choice the engine aborted, if any."""
+    for out in outs:
+        if finish_reason(out["meta_info"]) == "abort":
+            raise run.abort_error(out["meta_info"])
 
 
 def _echo_text(state: ServerState, prompt: str | list[int]) -> str:
@@ -314,26 +351,26 @@ async def chat_completions(request: Request, state: ServerState):
         )
 
     outs = await _collect_or_abort(request, run)
+    _raise_abort(run, outs)
     strings = state.token_strings()
-    choices = []
-    for i, out in enumerate(outs):
-        meta = out["meta_info"]
-        if finish_reason(meta) == "abort":
-            raise run.abort_error(meta)
-        choice: dict[str, Any] = {
-            "index": i,
-            "message": {"role": "assistant", "content": out["text"]},
-            "logprobs": None,
-            "finish_reason": finish_reason(meta),
-            "matched_stop": matched_stop(meta),
-        }
-        if req.logprobs:
-            choice["logprobs"] = {"content": chat_content(meta, strings), "refusal": None}
-        if with_ids:
-            choice["token_ids"] = out["output_ids"]
-        choices.append(choice)
-    return JSONResponse(
-        {
+
+    def answer() -> dict[str, Any]:
+        choices = []
+        for i, out in enumerate(outs):
+            meta = out["meta_info"]
+            choice: dict[str, Any] = {
+                "index": i,
+                "message": {"role": "assistant", "content": out["text"]},
+                "logprobs": None,
+                "finish_reason": finish_reason(meta),
+                "matched_stop": matched_stop(meta),
+            }
+            if req.logprobs:
+                choice["logprobs"] = {"content": chat_content(meta, strings), "refusal": None}
+            if with_ids:
+                choice["token_ids"] = out["output_ids"]
+            choices.append(choice)
+        return {
             "id": cid,
             "object": "chat.completion",
             "created": created,
@@ -341,7 +378,9 @@ async def chat_completions(request: Request, state: ServerState):
             "choices": choices,
             "usage": usage([o["meta_info"] for o in outs], _n(req)),
         }
-    )
+
+    alternatives = (req.top_logprobs or 0) if req.logprobs else 0
+    return await json_answer(state, answer, answer_entries(outs, alternatives))
 
 
 async def _chat_chunks(
