@@ -171,7 +171,15 @@ class Engine:
         self._refuse_on_loop("generate")
         queues = [self._answer_queue(r) for r in reqs]
         self._enqueue_requests(reqs)  # (together: an abort by their rid comes before or after all)
-        outs = [self._wait(q) for q in queues]
+        outs = []
+        try:
+            for q in queues:
+                outs.append(self._wait(q))
+        finally:
+            if len(outs) < len(reqs):  # a failure raised, or the caller was interrupted
+                for req in reqs[len(outs) :]:
+                    self._inbox.put(("abort", req))  # (a finished one is left as it is)
+                self._wake.set()
         return outs[0] if single and len(outs) == 1 else outs
 
     def generate_stream(
@@ -266,7 +274,10 @@ class Engine:
             self._thread.join()
             return self.core.flush_cache()
         self._wake.set()
-        return done.get()
+        dropped = done.get()
+        if isinstance(dropped, BaseException):
+            raise dropped
+        return dropped
 
     def abort(self, rid: str) -> None:
         """Abort the running request submitted as `rid` (with n > 1, all its samples)."""
@@ -540,14 +551,29 @@ class Engine:
                 except InvalidArgument as e:
                     item.finish("abort", message=str(e))
                     self._deliver(item)
+                except Exception as e:  # a bug met by this request fails it, not the loop
+                    log.exception("adding request %s failed", item.rid)
+                    item.finish("abort", message=f"internal error: {type(e).__name__}: {e}")
+                    self._deliver(item)
             elif kind == "flush":
-                item.put(self.core.flush_cache())
-            elif self.core.abort(item) is None and isinstance(item, str):
-                # (reaped and reported by the next step) a prompt's n samples are known by
-                # the rid they were submitted with (not by their names' prefix: a request
-                # submitted as 'x-1' is no sample of 'x')
-                for req in [r for r in self.core.by_name.values() if r.sample_of == item]:
-                    self.core.abort(req)
+                try:
+                    item.put(self.core.flush_cache())
+                except Exception as e:  # raised to the caller of flush_cache
+                    log.exception("flushing the prefix cache failed")
+                    item.put(e)
+            else:
+                try:
+                    self._abort(item)
+                except Exception:  # the request runs on; the loop must not end here
+                    log.exception("aborting %r failed", item)
+
+    def _abort(self, item: str | Request) -> None:
+        if self.core.abort(item) is None and isinstance(item, str):
+            # (reaped and reported by the next step) a prompt's n samples are known by the
+            # rid they were submitted with (not by their names' prefix: a request submitted
+            # as 'x-1' is no sample of 'x')
+            for req in [r for r in self.core.by_name.values() if r.sample_of == item]:
+                self.core.abort(req)
 
     def _fail_all(self, message: str) -> list[Request]:
         # A step in flight is abandoned: its results are never applied.

@@ -189,3 +189,71 @@ def test_lists_in_a_submitted_sampling_params_object_are_the_engines_own(engine)
     sp.stop_token_ids.append(full[1])  # (after submission: not the request's)
     assert done.wait(30)
     assert got == full[: full.index(full[3]) + 1]
+
+
+def test_a_bug_met_while_adding_one_request_fails_it_alone(engine, monkeypatch):
+    """An unexpected error on the loop (not a refusal) ends that request with the reason and
+    leaves the loop serving: the other request of the call finishes, later calls are served."""
+    add = engine.core.add_request
+
+    def add_or_break(req):
+        if req.rid == "broken":
+            raise RuntimeError("simulated bug")
+        add(req)
+
+    monkeypatch.setattr(engine.core, "add_request", add_or_break)
+    broken, fine = within_seconds(
+        lambda: engine.generate(
+            input_ids=[[5, 6], [5, 6]], sampling_params=GREEDY_10, rid=["broken", "fine"]
+        )
+    )
+    reason = broken["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "simulated bug" in reason["message"]
+    assert len(fine["output_ids"]) == 10
+    monkeypatch.setattr(engine.core, "add_request", add)
+    assert (
+        engine.generate(input_ids=[5, 6], sampling_params=GREEDY_10)["output_ids"]
+        == (fine["output_ids"])
+    )
+
+
+def test_a_failing_flush_raises_to_its_caller_and_the_loop_goes_on(engine, monkeypatch):
+    def broken_flush():
+        raise RuntimeError("simulated flush failure")
+
+    monkeypatch.setattr(engine.core, "flush_cache", broken_flush)
+    with pytest.raises(RuntimeError, match="simulated flush failure"):
+        within_seconds(engine.flush_cache)
+    monkeypatch.undo()
+    out = within_seconds(lambda: engine.generate(input_ids=[5, 6], sampling_params=GREEDY_10))
+    assert len(out["output_ids"]) == 10
+
+
+def test_a_failing_abort_leaves_the_loop_serving(engine, monkeypatch):
+    def broken_abort(rid, message="aborted by request"):
+        raise RuntimeError("simulated abort failure")
+
+    monkeypatch.setattr(engine.core, "abort", broken_abort)
+    engine.abort("nobody")
+    out = within_seconds(lambda: engine.generate(input_ids=[5, 6], sampling_params=GREEDY_10))
+    assert len(out["output_ids"]) == 10
+
+
+def within_seconds(call, seconds: float = 60.0):
+    """call()'s result or exception, failing the test if it has not returned in time (a loop
+    that died leaves its callers waiting forever)."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = call()
+        except BaseException as e:  # (re-raised on the test's thread)
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"no answer within {seconds} s: the engine's loop stopped"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
