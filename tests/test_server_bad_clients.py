@@ -115,3 +115,21 @@ def test_a_template_variable_that_is_an_argument_of_the_template_call_names_its_
     err = error_of(r)
     assert r.status_code == 400 and err["param"] == "chat_template_kwargs", r.text
     assert err["message"].startswith(f"chat_template_kwargs: {name}: not a template variable")
+
+
+@pytest.mark.parametrize("name", ["min_tokens", "min_new_tokens"])
+@pytest.mark.parametrize(
+    "beside",
+    [
+        {"response_format": {"type": "json_object"}},  # (a grammar could complete first)
+        {"allowed_token_ids": [2], "stop_token_ids": [2]},  # (no token could be drawn)
+    ],
+)
+def test_min_tokens_refused_by_the_engine_names_the_field_as_written(http, name, beside):
+    """The engine calls it min_new_tokens; a client that wrote vLLM's min_tokens was told of
+    a field it never sent."""
+    body = {"prompt": [5, 6], "max_tokens": 5, name: 3, **beside}
+    r = http.post("/v1/completions", json=body)
+    err = error_of(r)
+    assert r.status_code == 400 and err["param"] == name, r.text
+    assert err["message"].startswith(f"{name}: "), err

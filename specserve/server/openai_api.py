@@ -85,11 +85,19 @@ def _max_new_tokens(state: ServerState, req, prompts: list[list[int]], param: st
 
 
 def _rename(req, prompt_param: str) -> dict[str, str]:
+    """The engine's field names as this request wrote them (its errors name those)."""
     _, max_param = req.requested_max_tokens()
     return {
         "input_ids": prompt_param,
         "prompt": prompt_param,
         "max_new_tokens": max_param,
+        # (vLLM's names or SGLang's, both taken)
+        "min_new_tokens": "min_tokens" if req.min_tokens is not None else "min_new_tokens",
+        "no_stop_trim": (
+            "include_stop_str_in_output"
+            if req.include_stop_str_in_output is not None
+            else "no_stop_trim"
+        ),
         **structured_output(req)[1],
     }
 
