@@ -257,3 +257,14 @@ def within_seconds(call, seconds: float = 60.0):
     if "error" in result:
         raise result["error"]
     return result["value"]
+
+
+@pytest.mark.parametrize("rid", ["", ["a", ""]])
+def test_an_empty_request_id_is_refused(engine, rid):
+    """An empty id was replaced by a made one, so an abort by the id given reached nothing."""
+    prompts = [[5, 6]] if isinstance(rid, str) else [[5, 6], [5, 6]]
+    with pytest.raises(InvalidArgument) as exc:
+        engine.generate(input_ids=prompts, sampling_params=GREEDY_10, rid=rid)
+    assert exc.value.field == "rid"
+    with pytest.raises(InvalidArgument, match="non-empty"):
+        engine.submit([5, 6], GREEDY_10, lambda out: None, rid="")

@@ -13,10 +13,12 @@ from specserve.sampling_params import LOGPROB_FIELDS, SamplingParams, check_logp
 
 
 def check_rid(rid: Any) -> None:
-    """A request id is a string (the loop files requests by id, and an unhashable one raised
-    there, ending the loop)."""
+    """A request id is a non-empty string (the loop files requests by id, and an unhashable
+    one raised there, ending the loop; an empty one could not be aborted by it)."""
     if rid is not None and not isinstance(rid, str):
         raise InvalidArgument("rid", f"must be a string, got {type(rid).__name__}")
+    if rid == "":
+        raise InvalidArgument("rid", "must be a non-empty string or null (an id is made)")
 
 
 def normalize_prompts(
@@ -72,9 +74,10 @@ def normalize_rids(rid, n: int) -> list[str | None]:
     if isinstance(rid, str):
         if n != 1:
             raise InvalidArgument("rid", "give one id per prompt")
+        check_rid(rid)
         return [rid]
-    if not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
-        raise InvalidArgument("rid", "must be a string or a list of strings")
+    if not isinstance(rid, list) or not all(isinstance(r, str) and r for r in rid):
+        raise InvalidArgument("rid", "must be a non-empty string or a list of them")
     if len(rid) != n:
         raise InvalidArgument("rid", f"has {len(rid)} ids for {n} prompts")
     return list(rid)
