@@ -196,3 +196,15 @@ def test_a_malformed_eagle3_draft_is_refused(tmp_path, config, tensors, words):
     with pytest.raises(InvalidArgument) as info:
         Engine(**TINY, **spec(draft, "EAGLE3", topk=2, ndt=6))
     assert info.value.field == "speculative_draft_model_path" and words in str(info.value)
+
+
+def test_simulated_length_is_clipped_to_what_the_tree_can_accept(eagle):
+    """A 4-step topk-8 tree of 3 nodes accepts at most 2 deep: match-expected asked for 3
+    gives the longest it can, and says so, instead of a silent shortfall."""
+    sim = dict(simulate_acc_len=3.0, simulate_acc_method="match-expected")
+    with Engine(**TINY, **spec(eagle, steps=4, topk=8, ndt=3), **sim) as e:
+        assert e.resolved_args()["simulate_acc_len"] == 3.0
+        e.generate(input_ids=mixed_prompts(2, 512, seed=4), sampling_params=GREEDY)
+        assert e.stats()["spec_accept_length"] == 3.0
+    with Engine(**TINY, **spec(eagle, steps=4, topk=8, ndt=2), **sim) as e:
+        assert e.resolved_args()["simulate_acc_len"] == 2.0

@@ -367,9 +367,13 @@ def resolve_simulation(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         "simulate_acc_token_mode",
         f"{c.simulate_acc_token_mode!r} is not one of {', '.join(SIMULATE_TOKEN_MODES)}",
     )
-    max_len = c.speculative_num_steps + 1
+    # a tree of N nodes is at most N - 1 deep: a wide tree may verify fewer than num_steps + 1
+    max_len = min(c.speculative_num_steps, c.speculative_num_draft_tokens - 1) + 1
     if length > max_len:
-        reason = f"{length} exceeds num_steps + 1 = {max_len}: clipped"
+        reason = (
+            f"{length} exceeds the longest accepted path, min(num_steps, "
+            f"num_draft_tokens - 1) + 1 = {max_len}: clipped"
+        )
         logging.getLogger(__name__).warning("simulate_acc_len %s", reason)
         decide("simulate_acc_len", float(max_len), reason)
     if c.simulate_acc_method == "per-position":
