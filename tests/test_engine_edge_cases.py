@@ -268,3 +268,24 @@ def test_an_empty_request_id_is_refused(engine, rid):
     assert exc.value.field == "rid"
     with pytest.raises(InvalidArgument, match="non-empty"):
         engine.submit([5, 6], GREEDY_10, lambda out: None, rid="")
+
+
+def test_requests_submitted_twice_are_refused_and_the_first_submission_runs_on(engine):
+    """A second submit_made of the same requests was refused on the loop, which aborted the
+    running request it had been given."""
+    reqs = engine.make_samples([5, 6], {**GREEDY_10, "max_new_tokens": 40})
+    done = threading.Event()
+    outs: list[dict] = []
+
+    def on_output(index, out):
+        outs.append(out)
+        if out["finished"]:
+            done.set()
+
+    engine.submit_made(reqs, on_output)
+    with pytest.raises(InvalidArgument) as exc:
+        engine.submit_made(reqs, on_output)
+    assert exc.value.field == "reqs"
+    assert done.wait(60)
+    assert outs[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert sum(len(o["output_ids"]) for o in outs) == 40
