@@ -208,3 +208,16 @@ def test_simulated_length_is_clipped_to_what_the_tree_can_accept(eagle):
         assert e.stats()["spec_accept_length"] == 3.0
     with Engine(**TINY, **spec(eagle, steps=4, topk=8, ndt=2), **sim) as e:
         assert e.resolved_args()["simulate_acc_len"] == 2.0
+
+
+def test_a_wide_tree_of_few_nodes_drafts_only_what_it_can_verify():
+    """16 steps of topk 16 keeping 2 nodes verify the draft's first token alone: drafting the
+    other 15 depths reserved a 241-position window, refused by a 150-token KV budget."""
+    prompts = mixed_prompts(4, 512, seed=3, min_len=3, max_len=20)
+    with Engine(**TINY, max_total_tokens=150) as e:
+        plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+    wide = spec("tiny", "STANDALONE", steps=16, topk=16, ndt=2)
+    with Engine(**TINY, **wide, max_total_tokens=150, debug_check_invariants=True) as e:
+        outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+        assert e.stats()["spec_accept_length"] == 2.0  # the target is its own draft
+    assert outs == plain

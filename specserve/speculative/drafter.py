@@ -64,6 +64,9 @@ class TreeDrafter:
         self.head = head.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.kernels = kernels
         self.head.prepare_for_serving(kernels)
+        # A tree of N nodes is at most N - 1 deep and holds the draft's greedy chain first, so
+        # past depth N - 1 drafting only widens the step's window (KV it reserves) and work.
+        num_steps = min(num_steps, num_draft_tokens - 1)
         self.shape = TreeShape(num_steps, topk, num_draft_tokens)  # the largest step drafts this
         self.delta = head.position_offset
         self.lookahead = self.delta
