@@ -185,13 +185,16 @@ def test_topk_above_the_draft_vocabulary_names_the_allowed_range(tmp_path):
     [
         ({"num_hidden_layers": 2}, None, "num_hidden_layers"),  # the head holds one layer
         (None, "float d2t", "integer"),  # offsets cut to integers would name other tokens
+        (None, "short t2d", "t2d"),  # a target-to-draft map of another vocabulary
     ],
 )
 def test_a_malformed_eagle3_draft_is_refused(tmp_path, config, tensors, words):
     draft = write_random_eagle_checkpoint(str(tmp_path / "e3"), PRESETS["tiny"], "EAGLE3", 10)
-    if tensors:
+    if tensors == "float d2t":
         d2t = load_file(os.path.join(draft, "model.safetensors"))["d2t"]
         tensors = {"d2t": d2t.float() + 0.5}
+    elif tensors == "short t2d":
+        tensors = {"t2d": torch.ones(300, dtype=torch.bool)}
     _rewrite(draft, config, tensors)
     with pytest.raises(InvalidArgument) as info:
         Engine(**TINY, **spec(draft, "EAGLE3", topk=2, ndt=6))

@@ -137,6 +137,12 @@ def eagle3_capture_layers(raw: dict, target_layers: int) -> list[int]:
 def load_eagle_head(folder: str, algorithm: str, target) -> tuple[torch.nn.Module, dict]:
     raw, cfg = read_draft_config(folder)
     state = {_strip(k): v for k, v in read_state_dict(folder).items()}
+    t2d = state.get("t2d")  # (unused, but sized by the vocabulary the draft was made for)
+    if t2d is not None and tuple(t2d.shape) != (target.config.vocab_size,):
+        raise ValueError(
+            f"t2d has shape {tuple(t2d.shape)}, expected ({target.config.vocab_size},) "
+            "(the target's vocabulary)"
+        )
     state = {k: v for k, v in state.items() if not k.endswith(_IGNORED) or k == "lm_head.weight"}
     if cfg.hidden_size != target.config.hidden_size:
         raise ValueError(
