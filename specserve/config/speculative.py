@@ -239,6 +239,7 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
             "speculative_token_map too",
         )
     if c.speculative_adaptive:
+        steps = min(steps, ndt - 1)  # what the drafter drafts (speculative/drafter.py)
         chain = min(steps, 3)
         budgets = [v for v in (ndt // 4, ndt // 2) if 2 <= v < ndt] if topk > 1 else []
         ragged = "".join(f", the tree verifying {v} of its nodes per request" for v in budgets)
