@@ -106,6 +106,18 @@ def test_a_large_answer_with_log_probs_is_assembled_off_the_event_loop(server, h
     wait_idle(http)
 
 
+def test_a_batch_of_many_token_ids_is_checked_and_echoed_off_the_event_loop(server, http):
+    """2,000 prompts of 500 token ids, echoed: checking every id and decoding the prompts for
+    the echo held the event loop, and /health, for half a second."""
+    prompts = [[(7 * i + j) % 90 + 5 for j in range(500)] for i in range(2000)]
+    body = {"prompt": prompts, "max_tokens": 0, "echo": True}
+    r, slowest = health_while(server, http, "/v1/completions", body)
+    assert r.status_code == 200, r.text[:300]
+    choices = r.json()["choices"]
+    assert len(choices) == 2000 and all(c["text"] for c in choices)
+    assert slowest < 0.25, f"/health took {slowest:.2f} s while the batch was admitted"
+
+
 # ---- refusals name the field the client wrote -------------------------------------------------
 @pytest.mark.parametrize("name", ["self", "tokenize"])
 def test_a_template_variable_that_is_an_argument_of_the_template_call_names_its_field(http, name):

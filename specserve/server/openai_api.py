@@ -15,7 +15,13 @@ from specserve.runtime.output import verify_tokens
 from specserve.server.logprobs import CompletionLogprobs, chat_content
 from specserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.protocol import APIError, parse
-from specserve.server.state import Run, ServerState, prompt_param, watch_disconnect
+from specserve.server.state import (
+    OFF_LOOP_PROMPT_TOKENS,
+    Run,
+    ServerState,
+    prompt_param,
+    watch_disconnect,
+)
 from specserve.server.structured_output import structured_output
 
 # Bodies larger than this are parsed on the server's thread pool, not on the event loop.
@@ -186,6 +192,11 @@ async def completions(request: Request, state: ServerState):
     lengths = [len(p) for p in prompts]  # (before truncate_prompt_tokens cuts them)
     max_new = _max_new_tokens(state, req, prompts, "prompt")
     params = [req.sampling_params(m) for m in max_new]
+    # echo: each choice starts with its prompt's text (as given, or decoded from its ids; a
+    # prompt truncate_prompt_tokens cut: the part kept). Decoded before the run starts: no
+    # await may come between its start and the watch for the client's disconnect.
+    shown = [g if len(p) == k else p for g, p, k in zip(given, prompts, lengths)]
+    echoes = await _echo_texts(state, shown) if req.echo else None
     run = await state.start(
         prompts, params, _rename(req, "prompt"), logprob_options=req.logprob_options()
     )
@@ -193,10 +204,6 @@ async def completions(request: Request, state: ServerState):
     cid = f"cmpl-{run.id}"
     with_ids = req.return_token_ids or state.tokenizer is None
     n = _n(req)
-    # echo: each choice starts with its prompt's text (as given, or decoded from its ids; a
-    # prompt truncate_prompt_tokens cut: the part kept)
-    shown = [g if len(p) == k else p for g, p, k in zip(given, prompts, lengths)]
-    echoes = [_echo_text(state, p) for p in shown] if req.echo else None
 
     if req.stream:
         chunks = _completion_chunks(run, req, state, cid, created, with_ids, echoes)
@@ -241,6 +248,16 @@ def _raise_abort(run: Run, outs: list[dict[str, Any]]) -> None:
     for out in outs:
         if finish_reason(out["meta_info"]) == "abort":
             raise run.abort_error(out["meta_info"])
+
+
+async def _echo_texts(state: ServerState, shown: list[str | list[int]]) -> list[str]:
+    """Each prompt's text, decoded off the event loop when the prompts are long."""
+
+    def decode() -> list[str]:
+        return [_echo_text(state, p) for p in shown]
+
+    tokens = sum(len(p) for p in shown if not isinstance(p, str))
+    return await state.off_loop(decode) if tokens > OFF_LOOP_PROMPT_TOKENS else decode()
 
 
 def _echo_text(state: ServerState, prompt: str | list[int]) -> str:

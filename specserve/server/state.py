@@ -100,6 +100,9 @@ def prompt_param(param: str, i: int, count: int) -> str:
 
 # the engine's names of a prompt
 PROMPT_FIELDS = ("input_ids", "prompt")
+# Prompts of more tokens than this, in all, are checked (and echoed) off the event loop:
+# 2,000 prompts of 500 ids held it for half a second.
+OFF_LOOP_PROMPT_TOKENS = 100_000
 
 T = TypeVar("T")
 
@@ -177,10 +180,14 @@ class ServerState:
         return not name or name in (self.model_name, str(self.engine.config.model_path))
 
     # ---- admission ----------------------------------------------------------------------------
-    def reserve(self, n: int) -> None:
+    def check_healthy(self) -> None:
+        """503 while the server cannot serve."""
         reason = self.unhealthy()
         if reason:
             raise APIError(reason, status=503, type="service_unavailable_error")
+
+    def reserve(self, n: int) -> None:
+        self.check_healthy()
         limit = self.cfg.max_queued_requests
         with self._lock:
             if limit is not None and self.inflight + n > limit:
@@ -336,7 +343,8 @@ class ServerState:
         requests; choice i * n + j is prompt i's sample j. rids: the client's id of each
         prompt. Raises APIError (400/503).
 
-        A request with structured output is built on the grammar pool, not on the event loop:
+        A request with structured output is built on the grammar pool, not on the event loop
+        (one of more than OFF_LOOP_PROMPT_TOKENS prompt tokens on the server's pool):
         its grammar compiles there (a large JSON schema takes seconds), and every prompt's
         validation reads the schema again (a large one shared by a batch of prompts held
         the event loop, and every other client, for as long). It holds its places in the
@@ -350,8 +358,11 @@ class ServerState:
             if held:
                 loop = asyncio.get_running_loop()
                 made = await loop.run_in_executor(self.grammar_pool, self._make, *args)
+            elif sum(map(len, prompts)) > OFF_LOOP_PROMPT_TOKENS:
+                made = await self.off_loop(self._make, *args)
             else:
                 made = self._make(*args)
+            self.check_healthy()  # (a shutdown may have begun meanwhile)
             total = sum(len(reqs) for reqs, _ in made)
             if total > held:
                 self.reserve(total - held)
