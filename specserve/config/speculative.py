@@ -210,7 +210,9 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         2 <= ndt <= max_tree,
         "speculative_num_draft_tokens",
         f"must be in [2, {max_tree}] (1 + topk + (num_steps - 1) * topk^2: the draft "
-        f"candidates with num_steps={steps}, topk={topk}), got {ndt}",
+        f"candidates with num_steps={steps}, topk={topk}"
+        + (": a chain verifies num_steps + 1, smaller sizes are raised to it" if topk == 1 else "")
+        + f"), got {ndt}",
     )
     if c.speculative_token_map is not None:
         # the file itself is read and checked against the vocabulary when the draft is built
