@@ -224,3 +224,80 @@ def test_a_wide_tree_of_few_nodes_drafts_only_what_it_can_verify():
         outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
         assert e.stats()["spec_accept_length"] == 2.0  # the target is its own draft
     assert outs == plain
+
+
+def _draw_case(rng: random.Random, root: str, case: int) -> dict:
+    """Tree shapes past the usual sweep's (up to 16 steps and topk 16, trees narrower than
+    their steps), EAGLE token maps that grow, EAGLE3 vocabularies as small as topk, drafts of
+    other shapes, adaptive tiers, tight KV budgets, and each request's penalties and allowed
+    tokens."""
+    from specserve.model.config import ModelConfig
+    from tests.engine_utils import write_dummy_config
+    from tests.test_random_configs import adjustments
+
+    shape = dict(
+        vocab_size=rng.choice([40, 300]),
+        hidden_size=rng.choice([32, 64]),
+        num_hidden_layers=rng.choice([1, 4]),
+        num_attention_heads=4,
+        num_key_value_heads=rng.choice([1, 4]),
+        intermediate_size=64,
+        model_type=rng.choice(["llama", "qwen2"]),
+    )
+    folder = write_dummy_config(f"{root}/m{case}", **shape)
+    with open(f"{folder}/config.json") as f:
+        cfg = ModelConfig.from_hf_dict(json.load(f))
+    algo = rng.choice(["EAGLE", "EAGLE3", "STANDALONE"])
+    topk, steps = rng.choice([1, 2, 5, 8, 16]), rng.choice([1, 3, 8, 16])
+    extra: dict = {}
+    if algo == "STANDALONE":
+        draft = write_dummy_config(
+            f"{root}/s{case}", **dict(shape, hidden_size=48, num_hidden_layers=1)
+        )
+    elif algo == "EAGLE3":
+        vocab = rng.choice([topk, max(topk, 20)])
+        draft = write_random_eagle_checkpoint(f"{root}/d{case}", cfg, algo, vocab, seed=case)
+    else:
+        draft = write_random_eagle_checkpoint(f"{root}/d{case}", cfg, algo, seed=case)
+        if rng.random() < 0.6:
+            ids = rng.sample(range(cfg.vocab_size), rng.randint(topk, cfg.vocab_size // 2))
+            save_token_map(f"{root}/map{case}.json", ids)
+            extra = dict(
+                speculative_token_map=f"{root}/map{case}.json",
+                speculative_token_map_growth=rng.randint(0, cfg.vocab_size - len(ids)),
+            )
+    most = 1 + topk + (steps - 1) * topk * topk
+    ndt = rng.choice([2, 3, min(most, 1 + steps), min(most, 64)])
+    if rng.random() < 0.3:
+        extra["speculative_adaptive"] = True
+    common = dict(
+        model_path=folder,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        device="cpu",
+        random_seed=case,
+        max_total_tokens=rng.choice([400, 1200]),
+        page_size=rng.choice([1, 3, 16]),
+        disable_overlap_schedule=rng.random() < 0.5,
+    )
+    prompts = mixed_prompts(rng.randint(2, 8), cfg.vocab_size, seed=case, max_len=30)
+    sp = {"temperature": 0.0, "max_new_tokens": rng.randint(5, 25), "ignore_eos": True}
+    if rng.random() < 0.3:
+        sp.update(temperature=0.8, top_k=rng.choice([-1, 5]), seed=case)
+    own = random.Random(case)
+    sps = [dict(sp, **adjustments(own, cfg.vocab_size, sp["max_new_tokens"])) for _ in prompts]
+    return dict(common=common, spec=spec(draft, algo, steps, topk, ndt, **extra), sp=sps,
+                prompts=prompts)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(16))
+def test_unusual_speculative_configuration_is_lossless(tmp_path, case):
+    c = _draw_case(random.Random(5000 + case), str(tmp_path), case)
+    with Engine(**c["common"]) as e:
+        plain = e.generate(input_ids=c["prompts"], sampling_params=c["sp"])
+    with Engine(**c["common"], **c["spec"], debug_check_invariants=True) as e:
+        outs = e.generate(input_ids=c["prompts"], sampling_params=c["sp"])
+        assert e.stats()["kv_used_tokens"] == 0
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain], c["spec"]
