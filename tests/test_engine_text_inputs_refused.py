@@ -35,6 +35,7 @@ def engine(tmp_path_factory):
         ({"add_generation_prompt": False, "continue_final_message": 1}, "continue_final_message"),
         ({"template_kwargs": ["enable_thinking"]}, "template_kwargs"),
         ({"template_kwargs": {"tokenize": False}}, "template_kwargs"),
+        ({"template_kwargs": {"self": 1}}, "template_kwargs"),
     ],
 )
 def test_chat_arguments_the_template_cannot_take_are_refused_naming_them(engine, kwargs, field):

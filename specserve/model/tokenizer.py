@@ -137,7 +137,12 @@ def check_chat_arguments(
     if not isinstance(template_kwargs, dict):
         raise InvalidArgument("template_kwargs", "must be a dict of template variables or None")
     own = inspect.signature(tokenizer.apply_chat_template).parameters
-    taken = sorted(k for k in template_kwargs if k in own and own[k].kind != own[k].VAR_KEYWORD)
+    # ('self' too: a bound method's signature leaves it out, but the call binds it)
+    taken = sorted(
+        k
+        for k in template_kwargs
+        if k == "self" or (k in own and own[k].kind != own[k].VAR_KEYWORD)
+    )
     if taken:
         raise InvalidArgument(
             "template_kwargs",
