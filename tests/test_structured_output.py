@@ -550,3 +550,27 @@ def test_generate_takes_sglangs_structured_output_parameters(served):
         "/generate", json={"text": "pick:", "sampling_params": {"regex": "(unclosed"}}
     )
     assert r.status_code == 400 and error_of(r)["param"] == "sampling_params.regex", r.text
+
+
+def test_a_grammar_asked_for_again_is_checked_once(monkeypatch):
+    """The prompts of a batch sharing a schema (and a prompt's samples) reuse its check and
+    compilation; a refused one is refused every time; past the cache's size the oldest is
+    checked again."""
+    from specserve.runtime import grammar
+
+    compiler = GrammarCompiler(build_tokenizer(VOCAB), VOCAB)
+    walks = []
+    walk = grammar.unenforced
+    monkeypatch.setattr(grammar, "unenforced", lambda s: (walks.append(s), walk(s))[1])
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    first = compiler.compile("json_schema", schema)
+    assert compiler.compile("json_schema", schema) is first
+    assert len(walks) == 1
+    for _ in range(2):
+        with pytest.raises(InvalidArgument):
+            compiler.compile("json_schema", '{"type": "object", "patternProperties": {}}')
+    assert len(walks) == 3
+    for i in range(grammar.CHECKED_GRAMMARS):
+        compiler.compile("regex", f"a{{{i + 1}}}")
+    compiler.compile("json_schema", schema)
+    assert len(walks) == 4

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 
 import torch
 
@@ -30,6 +31,10 @@ _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 # go past this (vLLM's default), so clients sending ever new schemas cannot grow the host's
 # memory without bound.
 CACHE_BYTES = 512 * 2**20
+# Grammars checked and compiled lately, by (field, text): a batch's prompts sharing a schema,
+# and a prompt's samples, check it once (parsing and walking a large schema costs about
+# 8 ms per MB each time). Few: a large schema's text is held while it is cached.
+CHECKED_GRAMMARS = 16
 
 
 def _xgrammar(field: str = "json_schema"):
@@ -53,6 +58,7 @@ class GrammarCompiler:
         self.unsupported = unsupported
         self._compiler = None
         self._lock = threading.Lock()  # built once, by whichever thread asks first
+        self._checked: OrderedDict[tuple[str, str], object] = OrderedDict()
 
     def _get(self, field: str):
         with self._lock:
@@ -68,6 +74,19 @@ class GrammarCompiler:
         """The compiled grammar of `spec` given as sampling parameter `field`."""
         if self.unsupported is not None:
             raise InvalidArgument(field, f"structured output {self.unsupported}")
+        key = (field, spec)
+        with self._lock:
+            if key in self._checked:
+                self._checked.move_to_end(key)
+                return self._checked[key]
+        compiled = self._check_and_compile(field, spec)
+        with self._lock:
+            self._checked[key] = compiled
+            while len(self._checked) > CHECKED_GRAMMARS:
+                self._checked.popitem(last=False)
+        return compiled
+
+    def _check_and_compile(self, field: str, spec: str):
         if field == "json_schema":
             try:
                 schema = json.loads(spec)
