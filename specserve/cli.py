@@ -43,7 +43,7 @@ ENGINE_HELP = {
     "speculative_draft_model_path": "Draft checkpoint folder (EAGLE/EAGLE3) or draft model (STANDALONE).",
     "speculative_num_steps": "Draft depth: forward passes of the draft per step.",
     "speculative_eagle_topk": "Children kept per expanded draft node (1 = chain).",
-    "speculative_num_draft_tokens": "Tree size verified per step, root included (<= 1 + topk + (steps - 1) * topk^2).",
+    "speculative_num_draft_tokens": "Tree size verified per step, root included (<= 1 + topk + (steps - 1) * topk^2; topk 1: steps + 1).",
     "speculative_token_map": "EAGLE: draft only among these token ids (JSON list or .pt; the most frequent tokens of the target's answers): a smaller draft lm_head and top-k, output unchanged.",
     "speculative_token_map_growth": "With --speculative-token-map: room for this many more tokens; prompt and output tokens of running requests that the map lacks join the draft vocabulary while a request holding them runs, first come first served (default 0).",
     "simulate_acc_len": "Benchmarking: force this mean accept length (bonus token included; 1 = all rejected).",
