@@ -281,6 +281,9 @@ def test_a_bad_or_unservable_grammar_is_refused_naming_its_field(models):
          "maxLength beside $ref at /"),
         ({"type": "integer", "anyOf": [{"minimum": 5}]}, "minimum without a type at /anyOf/0"),
         ({"$dynamicRef": "#x"}, "$dynamicRef at /"),
+        # (no value can satisfy an empty anyOf; it compiled to an empty output, finished "stop")
+        ({"anyOf": []}, "anyOf (not a non-empty array) at /"),
+        ({"type": "object", "properties": {"x": {"oneOf": []}}}, "oneOf (not a non-empty array) at /properties/x"),
     ],
 )  # fmt: skip
 def test_a_schema_whose_constraints_the_grammar_would_not_enforce_is_refused(models, schema, named):

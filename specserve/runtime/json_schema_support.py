@@ -88,6 +88,10 @@ def _walk(schema: Any, path: str, found: list[str]) -> None:
     all_of = schema.get("allOf")
     if all_of is not None and not (isinstance(all_of, list) and len(all_of) == 1):
         found.append(f"allOf (of more than one schema) at {where}")
+    for key in ("anyOf", "oneOf"):  # (the JSON Schema spec asks for a non-empty array; an
+        # empty one allowed no value, and the grammar compiled it to an empty output)
+        if key in schema and not (isinstance(schema[key], list) and schema[key]):
+            found.append(f"{key} (not a non-empty array) at {where}")
     if schema.get("uniqueItems") is True:
         found.append(f"uniqueItems at {where}")
     required = schema.get("required")
