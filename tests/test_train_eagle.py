@@ -686,14 +686,22 @@ def test_linear_soft_ce_matches_autograd_reference(train_weight):
         assert w.grad is None
 
 
-@pytest.mark.parametrize("factors", [None, (1.0, 2.0, 8.0, 8.0)])
-def test_draft_config_keeps_the_targets_rope_scaling(factors):
-    """A head trained with its target's llama3 rotary scaling (parameters, or GGUF's explicit
-    frequency factors) is served with the same scaling: config.json round-trips it."""
+@pytest.mark.parametrize(
+    "factors, attention", [(None, 1.0), ((1.0, 2.0, 8.0, 8.0), 1.0), ((1.0, 1.5, 4.0, 4.0), 1.14)]
+)
+def test_draft_config_keeps_the_targets_rope_scaling(factors, attention):
+    """A head trained with its target's rotary scaling (llama3 parameters, or explicit
+    frequency factors: GGUF's, or linear / YaRN's with YaRN's attention factor) is served with
+    the same scaling: config.json round-trips it."""
     from specserve.model.config import ModelConfig, RopeScaling
     from specserve.speculative.eagle_checkpoint import hf_style_config
 
-    scaling = RopeScaling(factor=32.0, original_max_position_embeddings=4096, freq_factors=factors)
+    scaling = RopeScaling(
+        factor=32.0,
+        original_max_position_embeddings=4096,
+        freq_factors=factors,
+        attention_factor=attention,
+    )
     cfg = ModelConfig(
         vocab_size=64,
         hidden_size=32,

@@ -178,9 +178,16 @@ def _rope(cfg: dict[str, Any], head_dim: int, positions: int) -> tuple[RopeScali
         raise ValueError(
             f"rope scaling type {kind!r} is not supported (default, linear, dynamic, yarn, llama3)"
         )
-    if rs.get("freq_factors") is not None:  # written by hf_style_config for GGUF targets
+    if rs.get("freq_factors") is not None:  # written by hf_style_config for drafts of GGUF,
+        # linear or YaRN targets (YaRN's attention factor beside them)
         base = scaling or RopeScaling()
-        scaling = replace(base, freq_factors=tuple(float(x) for x in rs["freq_factors"]))
+        attention = rs.get("attention_factor", base.attention_factor)
+        check_positive_number(f"{key}.attention_factor", attention)
+        scaling = replace(
+            base,
+            freq_factors=tuple(float(x) for x in rs["freq_factors"]),
+            attention_factor=float(attention),
+        )
     return scaling, rope_theta
 
 

@@ -288,6 +288,8 @@ def hf_style_config(cfg: ModelConfig, architecture: str, **extra) -> dict:
         }
         if rs.freq_factors is not None:
             out["rope_scaling"]["freq_factors"] = list(rs.freq_factors)
+        if rs.attention_factor != 1.0:  # (YaRN's, read back beside freq_factors)
+            out["rope_scaling"]["attention_factor"] = rs.attention_factor
     out.update(extra)
     return out
 
