@@ -741,7 +741,7 @@ def test_an_idle_engine_captures_the_tiers_run_at_a_batch_size_at_its_other_widt
             widths, variants = met.setdefault((bs, tuple(rest[:-2])), (set(), set()))
             widths.add(width)
             variants.add(tuple(rest[-2:]))
-        assert met[(4, (True, False, False, 0, False))] == (
+        assert met[(4, (True, False, False, 0, False, False))] == (
             {256, 512},
             {(1, False), (2, False), (3, False)},
         )

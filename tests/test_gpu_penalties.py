@@ -1,6 +1,7 @@
 """Penalties and logit bias on CUDA, float32 (exact): with CUDA graphs on (a batch holding a
-penalized request runs eagerly, the others replay), speculative output equals plain output,
-greedy and seeded, and the requests without penalties decode as they would alone."""
+penalized request replays its own graphs and is launched ahead), speculative output equals
+plain output, greedy and seeded, and the requests without penalties decode as they would
+alone."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+GREEDY = {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True}
 PENALIZED = [
     {"frequency_penalty": 1.5, "presence_penalty": -0.5},
     {"repetition_penalty": 1.7, "logit_bias": {"7": 3.0, "11": -2.0}},
@@ -31,9 +32,12 @@ def test_penalties_beside_graphs_are_lossless():
         with Engine(**GPU_TINY, **extra) as engine:
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             outputs.append([o["output_ids"] for o in outs])
+            assert engine.stats()["num_decode_steps_launched_ahead"] > 0
+            graphs = engine.core.worker.graphs
+            # (the sampling mode's last field in a graph's key: penalized)
+            assert any(key[7] for key in graphs.graphs), list(graphs.graphs)
             alone = engine.generate(input_ids=prompts[1::2], sampling_params=GREEDY)
             assert [o["output_ids"] for o in alone] == outputs[-1][1::2]
-            assert engine.core.worker.graphs is not None  # (graphs on: penalized steps eager)
     assert outputs[0] == outputs[1] == outputs[2]
     # (and the penalties changed the penalized requests' outputs)
     with Engine(**GPU_TINY) as engine:

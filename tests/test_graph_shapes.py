@@ -172,15 +172,12 @@ def test_ready_tiers_are_the_tiers_captured_at_the_steps_shape():
     import dataclasses
     from types import SimpleNamespace
 
-    import torch
-
-    from specserve.ops.sampling import SamplingTensors
+    from specserve.ops.sampling import SamplingMode
 
     # (every tier's slot width 0 here: the widths asked about are the steps' widths)
     worker = SimpleNamespace(rows=SimpleNamespace(version=0), tier_slot_width=lambda t, c: 0)
     graphs = DecodeGraphs(worker, 16, max_width=4096, capture=True)
-    rows = {name: torch.zeros(3) for name in ("temperatures", "top_ks", "top_ps", "min_ps")}
-    greedy = SamplingTensors(**rows, seeds=torch.zeros(3), all_greedy=True, needs_filter=False)
+    greedy = SamplingMode(all_greedy=True, needs_filter=False)
     sampled = dataclasses.replace(greedy, all_greedy=False)
     graphs.graphs[graphs._key(graphs.bucket(3, 300), greedy, 2, False)] = object()
     no_catch_up = lambda tier: False  # noqa: E731
@@ -217,9 +214,7 @@ def test_each_tier_is_looked_up_at_its_own_width():
     the same contexts may already be in the next width bucket)."""
     from types import SimpleNamespace
 
-    import torch
-
-    from specserve.ops.sampling import SamplingTensors
+    from specserve.ops.sampling import SamplingMode
 
     slot_widths = {0: 2, 1: 16, 2: 64}  # plain, a small tree, the configured wide tree
     worker = SimpleNamespace(
@@ -227,8 +222,7 @@ def test_each_tier_is_looked_up_at_its_own_width():
         tier_slot_width=lambda t, catch_up: max(slot_widths[t], 33) if catch_up else slot_widths[t],
     )
     graphs = DecodeGraphs(worker, 16, max_width=4096, capture=True)
-    rows = {name: torch.zeros(3) for name in ("temperatures", "top_ks", "top_ps", "min_ps")}
-    greedy = SamplingTensors(**rows, seeds=torch.zeros(3), all_greedy=True, needs_filter=False)
+    greedy = SamplingMode(all_greedy=True, needs_filter=False)
     for tier in (1, 2):
         graphs.graphs[graphs._key(graphs.bucket(4, 256), greedy, tier, False)] = object()
     no_catch_up = lambda tier: False  # noqa: E731
@@ -252,16 +246,13 @@ def test_a_tier_timed_at_start_is_wanted_at_each_new_width_in_any_sampling_mode(
     import dataclasses
     from types import SimpleNamespace
 
-    import torch
-
-    from specserve.ops.sampling import SamplingTensors
+    from specserve.ops.sampling import SamplingMode
 
     # (a catch-up reaches 300 positions past kv_len, a step without one none here)
     reach = lambda tier, catch_up: 300 if catch_up else 0  # noqa: E731
     worker = SimpleNamespace(rows=SimpleNamespace(version=0), tier_slot_width=reach)
     graphs = DecodeGraphs(worker, 32, max_width=4096, capture=True)
-    rows = {name: torch.zeros(3) for name in ("temperatures", "top_ks", "top_ps", "min_ps")}
-    greedy = SamplingTensors(**rows, seeds=torch.zeros(3), all_greedy=True, needs_filter=False)
+    greedy = SamplingMode(all_greedy=True, needs_filter=False)
     sampled = dataclasses.replace(greedy, all_greedy=False)
     for tier in range(3):
         graphs.note_timed(4, tier)  # as timing each tier at engine start does
@@ -318,10 +309,9 @@ def test_a_shape_met_again_and_again_is_captured_after_its_eager_steps():
     """Eager steps are counted over every visit to a shape, not in a row: a batch flipping
     between two buckets (a request joining and leaving) would otherwise run both eagerly
     for as long as the engine stays busy."""
-    import torch
 
     from specserve.kv.request_rows import PAD_ROW
-    from specserve.ops.sampling import SamplingTensors
+    from specserve.ops.sampling import SamplingMode
 
     with Engine(**TINY) as e:
         # this test runs the steps itself, from its own thread: the idle engine's loop must not
@@ -330,12 +320,7 @@ def test_a_shape_met_again_and_again_is_captured_after_its_eager_steps():
         graphs = padded_graphs(e)
 
         def sampling(n):
-            zeros = {k: torch.zeros(n) for k in ("temperatures", "top_ps", "min_ps")}
-            ints = {k: torch.zeros(n, dtype=torch.int64) for k in ("top_ks", "seeds")}
-            plain = torch.zeros(n, dtype=torch.bool)
-            return SamplingTensors(
-                **zeros, **ints, plain_rows=plain, all_greedy=True, needs_filter=False
-            )
+            return SamplingMode(all_greedy=True, needs_filter=False)
 
         hows = {1: [], 4: []}
         for _ in range(EAGER_STEPS + 1):

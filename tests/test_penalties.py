@@ -382,6 +382,44 @@ def test_requests_without_penalties_decode_as_in_a_batch_without_any():
     assert mixed[1::2] == alone
 
 
+@pytest.mark.parametrize("spec", [{}, spec_args("tiny", 3, 4, 10)])
+def test_penalized_batches_launch_ahead_and_take_the_graph_path(spec):
+    """Penalties live by row on the device and each step keeps them up to date, so a batch
+    of penalized requests is launched before the step in flight is applied, and runs the
+    padded, static-input step a CUDA graph replays (here eagerly, on the CPU)."""
+    prompts = mixed_prompts(4, 512, seed=21, min_len=2, max_len=16)
+    params = [dict(p, max_new_tokens=24) for p in mixed_params(4, 21)[0::2] * 2]
+    assert all(p.get("repetition_penalty") for p in params)
+    plain, _ = decode(prompts, params, disable_overlap_schedule=True)
+    with Engine(**TINY, debug_check_invariants=True, **spec) as e:
+        graphs = DecodeGraphs(e.core.worker, 4, max_width=4096, capture=False)
+        e.core.worker.graphs = graphs
+        outs = e.generate(input_ids=prompts, sampling_params=params)
+        stats = e.stats()
+    assert [o["output_ids"] for o in outs] == plain
+    assert stats["num_decode_steps_launched_ahead"] > 0
+    # (the sampling mode's last field in a graph's key: penalized)
+    keys = set(graphs.graphs) | set(graphs._eager_steps)
+    assert keys and all(key[7] for key in keys)
+
+
+def test_a_row_a_penalized_request_held_is_neutral_for_the_next():
+    """A request without penalties decodes in the row a biased one left, beside a penalized
+    one (so its batch is penalized): it draws as it would alone."""
+    biased = dict(GREEDY, logit_bias={"7": 100.0}, repetition_penalty=1.5)
+    prompts = mixed_prompts(3, 512, seed=8, min_len=2, max_len=16)
+    spec = spec_args("tiny", 3, 4, 10)
+    with Engine(**TINY, **spec) as e:
+        first = e.generate(input_ids=prompts[0], sampling_params=biased)
+        assert set(first["output_ids"]) == {7}
+        later = e.generate(
+            input_ids=prompts[1:],
+            sampling_params=[GREEDY, dict(GREEDY, frequency_penalty=1.0)],
+        )
+    alone, _ = decode(prompts[1:2], [GREEDY], **spec)
+    assert later[0]["output_ids"] == alone[0]
+
+
 def test_retracted_requests_keep_their_penalties():
     prompts = mixed_prompts(16, 512, seed=11, min_len=3, max_len=12)
     params = [dict(p, max_new_tokens=24) for p in mixed_params(16, 11)]

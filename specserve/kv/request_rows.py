@@ -63,6 +63,7 @@ class RequestRows:
         self._calibration_depths = 0  # depths 0..D tracked per row (0: none)
         self.reached = self.predicted = None
         self.version = 0  # bumped when tensors are reallocated (captured graphs go stale)
+        self._attached: list = []  # more per-row tables (`attach`)
         self._allocate(max(rows, 2), max(max_pages, 1))
         self._free = list(range(self.num_rows - 1, PAD_ROW, -1))
 
@@ -104,6 +105,8 @@ class RequestRows:
                     new[:r] = cur
             if calibration is not None and self.reached is not None:
                 calibration[0][:r], calibration[1][:r] = self.reached, self.predicted
+            for table in self._attached:
+                table.resize(rows)
             self.version += 1
         self.pages, self.kv_lens, self.roots, self.features = pages, kv_lens, roots, features
         self.sampling_floats, self.sampling_ints = floats, ints
@@ -158,6 +161,13 @@ class RequestRows:
         self.draft_lens, self.ring_tokens, self.ring_features = self._new_ring(self.num_rows)
         self.version += 1
 
+    def attach(self, table) -> None:
+        """Another per-row table, kept beside these: `table.resize(rows)` when rows are
+        reallocated (keeping what rows hold), `table.forget(row)` when a row is released."""
+        table.resize(self.num_rows)
+        self._attached.append(table)
+        self.version += 1  # (graphs captured before it did not read it)
+
     @property
     def lag_capacity(self) -> int:
         return 0 if self._ring_spec is None else self._ring_spec[0]
@@ -188,6 +198,8 @@ class RequestRows:
         row = self._row_of.pop(rid, None)
         if row is not None:
             self._sampling_tags.pop(row, None)
+            for table in self._attached:
+                table.forget(row)
             self._free.append(row)
 
     def flush(self) -> None:

@@ -89,6 +89,7 @@ class SamplingMode:
     logprobs: bool = False  # a request of the batch asks for log-probs
     top_logprobs: int = 0  # top-k width of those log-probs (ops/logprobs.py)
     any_plain: bool = False  # a request of the batch decodes without drafts
+    penalized: bool = False  # a request of the batch has penalties, a bias or a minimum length
 
 
 @dataclass

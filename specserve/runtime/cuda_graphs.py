@@ -7,7 +7,7 @@ A step's shapes depend on three host values, which key the graphs:
 - the context width, padded up to a power of two (>= 256): every request's KV indices are
   laid out in a [bs, width] block, and the attention launch plan is sized for it;
 - the sampling mode (all greedy; filters on or off; log-probs on or off and their top-k
-  width), which selects host-side code paths and output shapes.
+  width; penalties on or off), which selects host-side code paths and output shapes.
 A graph's one static input is its batch's rows: a step reads each request's pages, KV length
 and sampling parameters by row on the device. Graphs are captured lazily from padding-only
 inputs (so capture writes nothing but scratch) and share one memory pool. A shape without a
@@ -377,6 +377,7 @@ class DecodeGraphs:
             mode.logprobs,
             mode.top_logprobs,
             mode.any_plain,
+            mode.penalized,
         )
 
     @classmethod
@@ -411,7 +412,7 @@ class DecodeGraphs:
         if shape is None or not self.capture:
             return None
         self._drop_stale_graphs()
-        key = (*shape, True, False, False, 0, False, tier, False)
+        key = (*shape, True, False, False, 0, False, False, tier, False)
         cap = self.graphs.get(key)
         if cap is None:
             cap = self._capture(*key)
@@ -445,6 +446,7 @@ class DecodeGraphs:
         logprobs: bool,
         top_logprobs: int,
         any_plain: bool,
+        penalized: bool,
         tier: int,
         catch_up: bool,
     ) -> _Captured:
@@ -452,17 +454,21 @@ class DecodeGraphs:
         replays, and how a shape runs before it is captured (or without CUDA graphs)."""
         worker, dev = self.worker, self.worker.device
         rows = torch.full((bs,), PAD_ROW, dtype=torch.int64, device=dev)
-        mode = SamplingMode(all_greedy, needs_filter, logprobs, top_logprobs, any_plain)
+        mode = SamplingMode(all_greedy, needs_filter, logprobs, top_logprobs, any_plain, penalized)
         kv_upper = [width - worker.tier_slot_width(tier, catch_up)] * bs
         table = worker.rows
 
         def step():
             with torch.inference_mode():
-                # (gathered in the graph: a new batch copies in its rows alone)
+                # (gathered in the graph: a new batch copies in its rows alone; so are the
+                # penalties of a penalized batch, which the step then brings up to date)
                 sampling = SamplingTensors.gather(
                     table.sampling_floats, table.sampling_ints, rows, mode
                 )
-                return worker.step.run(rows, sampling, width, kv_upper, tier, catch_up)
+                penalties = worker.penalty_rows.batch(rows) if penalized else None
+                return worker.step.run(
+                    rows, sampling, width, kv_upper, tier, catch_up, penalties=penalties
+                )
 
         return _Captured(None, step, rows, None)
 
@@ -481,16 +487,17 @@ class DecodeGraphs:
             self.num_idle_captures += 1
         else:
             self.num_captures += 1
-        bs, width, all_greedy, _, logprobs, top_logprobs, _, tier, catch_up = key
+        bs, width, all_greedy, _, logprobs, top_logprobs, _, penalized, tier, catch_up = key
         log.info(
             "captured decode graph in %.2f s: batch %d, width %d, greedy=%s, logprobs=%s "
-            "(top %d), tier %d, catch-up %s",
+            "(top %d), penalized=%s, tier %d, catch-up %s",
             time.perf_counter() - start,
             bs,
             width,
             all_greedy,
             logprobs,
             top_logprobs,
+            penalized,
             tier,
             catch_up,
         )

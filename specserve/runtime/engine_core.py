@@ -52,9 +52,9 @@ class EngineCore:
         self.eos_token_ids = parts.eos_token_ids
         self.stop_checker = parts.stop_checker
         self.grammars = parts.grammars
-        # live requests with structured output, penalties or a logit bias: steps are not
-        # launched ahead while there are any, since a step's masks need the grammar state
-        # after the step before it, and its penalties that step's tokens
+        # live requests with structured output: steps are not launched ahead while there are
+        # any, since a step's masks need the grammar state after the step before it
+        # (penalties are kept up to date on the device: runtime/penalty_rows.py)
         self.paced: set[str] = set()
         self.requests: dict[str, Request] = {}
         self.by_name: dict[str, Request] = {}  # the latest request of each caller's id
@@ -131,7 +131,7 @@ class EngineCore:
             req.rid = f"{req.name}#{next(self._rekeyed)}"
         self.requests[req.rid] = req
         self.by_name[req.name] = req
-        if req.grammar is not None or req.params.adjusts_logits:
+        if req.grammar is not None:
             self.paced.add(req.rid)
         if req.params.max_new_tokens == 0 and not req.wants_prompt_logprobs:
             req.finish("length", length=0)  # (with prompt log-probs: prefill, then finish)

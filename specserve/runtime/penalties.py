@@ -3,11 +3,10 @@ tokens of a batch's requests (sampling parameters `logit_bias`, `repetition_pena
 `frequency_penalty`, `presence_penalty`, `min_new_tokens`, `allowed_token_ids`), put on the
 device for one step or one prefill's draws (ops/penalties.py applies them).
 
-They are built from the host's view of each request's output. So, as for structured output,
-while such a request is live the engine launches no step ahead of the results of the one
-before (runtime/engine_core.py), and a batch holding one runs eagerly, not from a CUDA graph
-(runtime/worker.py): exact everywhere, at those steps' speed. The requests without them in
-the same batch draw the same tokens as they would elsewhere.
+A prefill's are built here from the host's view of each request's output; a decode step's
+are gathered by row from tables on the device that the steps keep up to date
+(runtime/penalty_rows.py), so such steps replay CUDA graphs and launch ahead as others do.
+The requests without them in the same batch draw the same tokens as they would elsewhere.
 """
 
 from __future__ import annotations
@@ -89,16 +88,37 @@ class BatchPenalties:
             _floats(presence, device),
             _floats(repetition, device),
         )
-        self.device = device
         self._draft = None  # (the draft's columns, the penalties seen through them)
         self.stops = None  # min_new_tokens: [B, V] bool, the stop tokens not yet allowed
         self.banned = None  # allowed_token_ids: [B, V] bool, the tokens never drawn
+        self._owner = None  # (PenaltyRows, the rows) where a decode step's come from
         if any(q and q.banned is not None for q in parts):
             self.banned = rows([q and q.banned for q in parts], nothing)
         held = [q.stops if q and remaining[i] else None for i, q in enumerate(parts)]
         if any(x is not None for x in held):
             self.stops = rows(held, nothing)
             self.remaining = _ids(remaining, device)
+
+    @classmethod
+    def from_tensors(
+        cls, counts, in_prompt, bias, frequency, presence, repetition, *, banned, stops,
+        remaining, owner,
+    ) -> BatchPenalties:  # fmt: skip
+        """A decode step's, gathered by row on the device (runtime/penalty_rows.py `owner`:
+        (its PenaltyRows, the rows), which `advance` brings up to date)."""
+        out = cls.__new__(cls)
+        out.penalties = Penalties(counts, in_prompt, bias, frequency, presence, repetition)
+        out._draft, out._owner = None, owner
+        out.banned, out.stops, out.remaining = banned, stops, remaining
+        return out
+
+    def advance(self, accept_len: torch.Tensor, emitted: torch.Tensor) -> None:
+        """A decode step emitted `emitted[b, :accept_len[b]]` for each request: its rows'
+        counts and minimum lengths follow on the device (nothing to do for penalties the
+        host built)."""
+        if self._owner is not None:
+            table, rows = self._owner
+            table.advance(rows, accept_len, emitted)
 
     def draws(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V]: one draw per request, right after its output so far (a prefill's,

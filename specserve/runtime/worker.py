@@ -27,6 +27,7 @@ from specserve.ops.token_bitmask import apply_token_bitmask
 from specserve.runtime.grammar import batch_grammar, next_token_bitmask
 from specserve.runtime.logprobs import TokenLogprobs, host_rows
 from specserve.runtime.penalties import batch_penalties
+from specserve.runtime.penalty_rows import PenaltyRows
 from specserve.runtime.request import PrefillChunk, Request
 from specserve.speculative.step import DecodeStep, StepLogprobs
 
@@ -112,8 +113,8 @@ class PendingDecode:
         self.tier = tier
         self.lagged = None  # what the step did to lagging drafts (runtime/draft_lag.py)
         self.everyone_speculates = False  # every request in it speculated at launch
-        # its draws were masked to grammars (waiting on the host mid-step) or penalized: run
-        # eagerly, so its times are no tier's (set by the worker)
+        # its draws were masked to grammars (waiting on the host mid-step, eagerly) or
+        # penalized, so its times are no tier's own (set by the worker)
         self.draws_adjusted = False
         self._timer = timer
         self.seconds: float | None = None
@@ -180,6 +181,7 @@ def request_sampling_mode(reqs: list[Request]) -> SamplingMode:
         logprobs=bool(asking),
         top_logprobs=top_logprobs_bucket(max(asking, default=0)) if asking else 0,
         any_plain=any(decodes_plainly(r) for r in reqs),
+        penalized=any(r.params.adjusts_logits for r in reqs),
     )
 
 
@@ -221,6 +223,7 @@ class Worker:
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
         self.prefill_graphs = None  # PrefillGraphs, when CUDA graphs are on
         self._sampling_cache: tuple[tuple, SamplingMode] | None = None
+        self.penalty_rows: PenaltyRows | None = None  # made when a penalized request decodes
 
     # ---- sizes the scheduler must reserve ------------------------------------------------
     @property
@@ -490,13 +493,12 @@ class Worker:
         timer = StepTimer(self.device) if timed else None  # around the step alone
         out = None
         # structured output: the step waits for its drafts to mask the target's draws on the
-        # host; penalties are built from the host's view of the output: both run eagerly
+        # host, so it runs eagerly; penalties live by row on the device (penalty_rows.py)
         draws = {}  # (the keyword arguments DecodeStep.run takes for them)
         if (grammar := batch_grammar(reqs, self.vocab_size)) is not None:
             draws["grammar"] = grammar
-        penalties = batch_penalties(reqs, self.vocab_size, self.eos_token_ids, self.device)
-        if penalties is not None:
-            draws["penalties"] = penalties
+        if sampling.penalized:
+            self._penalties().write(reqs, rows)
         if self.graphs is not None and not draws:
             out = self.graphs.run(rows, sampling, width, tier, catch_up)
             if self.graphs.captured_last or self.graphs.covered_last or self.graphs.eager_last:
@@ -508,14 +510,23 @@ class Worker:
             st = SamplingTensors.gather(
                 self.rows.sampling_floats, self.rows.sampling_ints, rows_dev, sampling
             )
+            if sampling.penalized:
+                draws["penalties"] = self.penalty_rows.batch(rows_dev)
             out = self.step.run(rows_dev, st, width, kv_upper, tier, catch_up, **draws)
-        if draws:
+        adjusted = bool(draws) or sampling.penalized  # (not a tier's own time)
+        if adjusted:
             timer = None
         elif timer is not None:
             timer.stop()
         pending = PendingDecode(reqs, *out, tier=tier, timer=timer)
-        pending.draws_adjusted = bool(draws)
+        pending.draws_adjusted = adjusted
         return pending
+
+    def _penalties(self) -> PenaltyRows:
+        if self.penalty_rows is None:  # (graphs captured before it are dropped: see attach)
+            self.penalty_rows = PenaltyRows(self.vocab_size, self.eos_token_ids, self.device)
+            self.rows.attach(self.penalty_rows)
+        return self.penalty_rows
 
 
 def _host_logprobs(token: torch.Tensor, values: torch.Tensor | None, ids: torch.Tensor | None):

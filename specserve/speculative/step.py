@@ -200,6 +200,8 @@ class DecodeStep:
         acc, target_out, logprobs, path_rows, reach = self.verify(
             batch, trees, shape.verified, **extra
         )
+        if penalties is not None:  # (its counts and minimum lengths, kept on the device)
+            penalties.advance(acc.accept_len, acc.emitted)
         new_lens = batch.kv_lens_dev + acc.accept_len
         if self.skips_draft and shape.tokens == 1:
             self.drafter.record_skipped(batch, target_out, acc, rows)
