@@ -17,6 +17,7 @@ from specserve.errors import InvalidArgument
 from specserve.ops import penalties
 from specserve.ops.penalties import Penalties, penalize_reference, penalize_rows
 from specserve.runtime.cuda_graphs import DecodeGraphs
+from specserve.sampling_params import SamplingParams
 from tests.engine_utils import TINY, mixed_prompts, spec_args
 from tests.model_factory import hf_logits, load_hf_model, random_prompt, write_hf_model
 
@@ -538,3 +539,38 @@ def test_min_new_tokens_must_fit_max_new_tokens():
             with pytest.raises(InvalidArgument) as err:
                 e.generate(input_ids=[5, 6], sampling_params=dict(GREEDY, min_new_tokens=bad))
             assert err.value.field == "min_new_tokens"
+
+
+def test_penalty_rows_grow_with_the_request_rows_keeping_what_rows_hold():
+    """More requests than rows: the request rows double, the penalty tables with them (new rows
+    neutral), and a released row is written again for its next request."""
+    from types import SimpleNamespace
+
+    from specserve.kv.request_rows import RequestRows
+    from specserve.runtime.penalty_rows import PenaltyRows
+
+    rows = RequestRows(torch.device("cpu"), page_size=1, max_pages=4, rows=2)
+    table = PenaltyRows(16, frozenset({2}), torch.device("cpu"))
+    rows.attach(table)
+    rows.on_pages_added("a", 0, [1])
+    (row,) = rows.rows_of(["a"])
+    req = SimpleNamespace(params=SamplingParams(), output_ids=[3], penalties=None)
+    table.write([req], [row])
+    table.counts[row, 3] = 5.0
+    for rid in ("b", "c", "d"):
+        rows.on_pages_added(rid, 0, [2])
+    assert table.num_rows == rows.num_rows > 2
+    assert table.counts[row, 3] == 5.0
+    assert torch.equal(table.repetition[2:], torch.ones(rows.num_rows - 2))
+    table.write([req], [row])  # (held already: nothing written)
+    assert table.counts[row, 3] == 5.0
+    rows.on_release("a")
+    biased = SimpleNamespace(
+        params=SamplingParams.from_any({"logit_bias": {"4": 2.0}, "frequency_penalty": 1.0}),
+        output_ids=[4, 4],
+        prompt_ids=[1],
+        penalties=None,
+    )
+    table.write([biased], [row])
+    assert table.counts[row].tolist() == [0.0] * 4 + [2.0] + [0.0] * 11
+    assert table.has_bias[row] and table.bias[row, 4] == 2.0 and table.frequency[row] == 1.0
