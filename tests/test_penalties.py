@@ -574,3 +574,27 @@ def test_penalty_rows_grow_with_the_request_rows_keeping_what_rows_hold():
     table.write([biased], [row])
     assert table.counts[row].tolist() == [0.0] * 4 + [2.0] + [0.0] * 11
     assert table.has_bias[row] and table.bias[row, 4] == 2.0 and table.frequency[row] == 1.0
+
+
+def test_a_penalized_graph_that_fails_to_capture_leaves_its_steps_eager():
+    """Captures run on padding rows alone: where a penalized step's fails, that step and every
+    penalized one after it run eagerly, with the same output."""
+    prompts = mixed_prompts(4, 512, seed=21, min_len=2, max_len=16)
+    params = [dict(p, max_new_tokens=24) for p in mixed_params(4, 21)]
+    spec = spec_args("tiny", 3, 4, 10)
+    want, _ = decode(prompts, params, **spec)
+    with Engine(**TINY, **spec) as e:
+        graphs = DecodeGraphs(e.core.worker, 4, max_width=4096, capture=False)
+        e.core.worker.graphs = graphs
+        run, failed = graphs.run, []
+
+        def failing(rows, mode, *args):
+            if mode.penalized:
+                failed.append(len(rows))
+                raise RuntimeError("simulated capture failure")
+            return run(rows, mode, *args)
+
+        graphs.run = failing
+        outs = e.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == want
+    assert len(failed) == 1  # (then no penalized step asked for a graph again)
