@@ -598,3 +598,37 @@ def test_a_penalized_graph_that_fails_to_capture_leaves_its_steps_eager():
         outs = e.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in outs] == want
     assert len(failed) == 1  # (then no penalized step asked for a graph again)
+
+
+def test_a_penalized_step_that_fails_after_running_on_its_rows_is_not_run_again():
+    """The eager fallback is for a failed capture (padding rows alone): a padded step that ran
+    on the batch's rows and then failed has already counted what it emitted into them, so
+    running the batch again would count it twice; it fails as any other step does (its
+    requests fail), none of them goes on with penalties counted twice."""
+    from specserve.kv.request_rows import PAD_ROW
+
+    prompts = mixed_prompts(3, 512, seed=21, min_len=2, max_len=16)
+    params = [dict(p, max_new_tokens=24, stop_token_ids=[]) for p in mixed_params(3, 21)]
+    spec = spec_args("tiny", 3, 4, 10)
+    want, _ = decode(prompts, params, **spec)
+    with Engine(**TINY, **spec) as e:
+        worker = e.core.worker
+        worker.graphs = DecodeGraphs(worker, 4, max_width=4096, capture=False)
+        drafter, failed = worker.step.drafter, []
+        extend = drafter.extend_after_verify
+
+        def failing(batch, *args):  # (a padded step's failure past its acceptance)
+            if not failed and (batch.rows == PAD_ROW).any():
+                failed.append(batch.rows.tolist())
+                raise RuntimeError("simulated failure of a padded step")
+            return extend(batch, *args)
+
+        drafter.extend_after_verify = failing
+        outs = e.generate(input_ids=prompts, sampling_params=params)
+    assert failed and not worker._no_graph
+    for out, ids in zip(outs, want):
+        reason = out["meta_info"]["finish_reason"]
+        if reason["type"] == "abort":
+            assert "simulated failure" in reason["message"]
+        else:
+            assert out["output_ids"] == ids

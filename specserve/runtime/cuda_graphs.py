@@ -189,6 +189,7 @@ class DecodeGraphs:
         self.captured_last = False  # the last run captured its graph
         self.covered_last = False  # the last run replayed a larger shape's graph
         self.eager_last = False  # the last run left a shape nothing covers to an eager step
+        self.ran_rows_last = False  # the last run ran the step on the batch's rows
         self._eager: dict[tuple, _Captured] = {}  # those shapes' padded steps, not captured
         self._eager_steps: dict[tuple, int] = {}  # and how many steps each ran eagerly
 
@@ -213,6 +214,7 @@ class DecodeGraphs:
         load-adaptive speculation explores only tiers it can replay at a shape
         (`ready_tiers`), so no other tier's capture is needed to explore."""
         self.covered_last = self.captured_last = self.eager_last = False
+        self.ran_rows_last = False
         shape = self.bucket(len(rows), width)
         if shape is None:
             return None
@@ -236,6 +238,7 @@ class DecodeGraphs:
             if key not in self._eager:
                 self._eager[key] = self._padded_step(*key)
             cap = self._eager[key]
+            self.ran_rows_last = True
             self._copy_inputs(cap, rows)
             return cap.step().head(len(rows))
         self.covered_last = cover is not None  # (its time is a larger shape's)
@@ -247,6 +250,7 @@ class DecodeGraphs:
             cap = self._capture(*key)
             self.graphs[key] = cap
             self._covers.clear()  # (a smaller cover may exist now)
+        self.ran_rows_last = True
         self._copy_inputs(cap, rows)
         if cap.graph is not None:
             cap.graph.replay()

@@ -527,8 +527,8 @@ class Worker:
         try:
             return self.graphs.run(rows, sampling, width, tier, catch_up)
         except Exception:
-            if not sampling.penalized:
-                raise
+            if not sampling.penalized or self.graphs.ran_rows_last:
+                raise  # (a step run on the rows may have counted its tokens into them)
             # (captures run on padding rows alone, so no request's state has moved: its step
             # runs eagerly, as every penalized one after it)
             log.exception("capturing a penalized decode step failed; such steps run eagerly")
