@@ -132,10 +132,9 @@ class PenaltyRows:
     def advance(self, rows: torch.Tensor, accept_len: torch.Tensor, emitted: torch.Tensor):
         """A step over `rows` emitted `emitted[b, :accept_len[b]]`: counted, and the minimum
         lengths' remainders lowered by as many."""
-        b, d = emitted.shape
+        d = emitted.shape[1]
         taken = torch.arange(d, device=emitted.device)[None, :] < accept_len[:, None]
-        tokens = torch.where(taken, emitted, 0)
-        self.counts.index_put_(
-            (rows[:, None].expand(b, d), tokens), taken.to(torch.float32), accumulate=True
-        )
+        # (a scatter-add into the flat table: one atomic kernel, no sort, fine in a graph)
+        at = rows[:, None] * self.vocab_size + torch.where(taken, emitted, 0)
+        self.counts.view(-1).scatter_add_(0, at.reshape(-1), taken.to(torch.float32).reshape(-1))
         self.remaining[rows] = (self.remaining[rows] - accept_len).clamp(min=0)
