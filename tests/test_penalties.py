@@ -541,39 +541,50 @@ def test_min_new_tokens_must_fit_max_new_tokens():
             assert err.value.field == "min_new_tokens"
 
 
-def test_penalty_rows_grow_with_the_request_rows_keeping_what_rows_hold():
-    """More requests than rows: the request rows double, the penalty tables with them (new rows
-    neutral), and a released row is written again for its next request."""
+def test_penalty_slots_follow_the_penalized_requests_and_the_rows():
+    """Only penalized requests take a slot (others point at the neutral one); more of them
+    than slots doubles the tables, keeping what slots hold, and tells the request rows (their
+    graphs read the old tables); more requests than rows doubles the rows' slot entries; a
+    released row frees its slot, written afresh for its next request."""
     from types import SimpleNamespace
 
     from specserve.kv.request_rows import RequestRows
-    from specserve.runtime.penalty_rows import PenaltyRows
+    from specserve.runtime.penalty_rows import FIRST_SLOTS, PenaltyRows
 
     rows = RequestRows(torch.device("cpu"), page_size=1, max_pages=4, rows=2)
-    table = PenaltyRows(16, frozenset({2}), torch.device("cpu"))
+    table = PenaltyRows(rows, 16, frozenset({2}), torch.device("cpu"))
     rows.attach(table)
-    rows.on_pages_added("a", 0, [1])
-    (row,) = rows.rows_of(["a"])
-    req = SimpleNamespace(params=SamplingParams(), output_ids=[3], penalties=None)
-    table.write([req], [row])
-    table.counts[row, 3] = 5.0
-    for rid in ("b", "c", "d"):
-        rows.on_pages_added(rid, 0, [2])
-    assert table.num_rows == rows.num_rows > 2
-    assert table.counts[row, 3] == 5.0
-    assert torch.equal(table.repetition[2:], torch.ones(rows.num_rows - 2))
-    table.write([req], [row])  # (held already: nothing written)
-    assert table.counts[row, 3] == 5.0
-    rows.on_release("a")
-    biased = SimpleNamespace(
-        params=SamplingParams.from_any({"logit_bias": {"4": 2.0}, "frequency_penalty": 1.0}),
-        output_ids=[4, 4],
-        prompt_ids=[1],
-        penalties=None,
-    )
-    table.write([biased], [row])
-    assert table.counts[row].tolist() == [0.0] * 4 + [2.0] + [0.0] * 11
-    assert table.has_bias[row] and table.bias[row, 4] == 2.0 and table.frequency[row] == 1.0
+
+    def penalized(i):
+        params = SamplingParams.from_any({"logit_bias": {"4": 2.0}, "frequency_penalty": 1.0})
+        return SimpleNamespace(params=params, output_ids=[4, 4, i], prompt_ids=[1], penalties=None)
+
+    plain = SimpleNamespace(params=SamplingParams(), output_ids=[3], penalties=None)
+    n = FIRST_SLOTS + 3
+    rids = [f"r{i}" for i in range(n + 1)]
+    for rid in rids:
+        rows.on_pages_added(rid, 0, [1])
+    assert table.slot_of.shape[0] == rows.num_rows >= n + 1
+    reqs = [penalized(i) for i in range(n)] + [plain]
+    version = rows.version
+    table.write(reqs, rows.rows_of(rids))
+    assert rows.version > version and table.num_slots > FIRST_SLOTS + 1
+    slots = table.slot_of[rows.rows_of(rids)].tolist()
+    assert slots[-1] == 0 and 0 not in slots[:-1] and len(set(slots[:-1])) == n
+    for i, slot in enumerate(slots[:-1]):
+        want = [0.0] * 16
+        want[4] += 2
+        want[i] += 1
+        assert table.counts[slot].tolist() == want
+        assert table.has_bias[slot] and table.bias[slot, 4] == 2.0
+    assert table.frequency[0] == 0 and table.repetition[0] == 1 and not table.has_bias[0]
+    rows.on_release("r0")
+    rows.on_pages_added("again", 0, [1])
+    table.write([plain], rows.rows_of(["again"]))
+    assert table.slot_of[rows.row("again")] == 0
+    reqs[1].output_ids.append(5)  # (counted by its steps on the device, not written again)
+    table.write([reqs[1]], rows.rows_of(["r1"]))
+    assert table.counts[slots[1], 5] == 0
 
 
 def test_a_penalized_graph_that_fails_to_capture_leaves_its_steps_eager():

@@ -168,6 +168,10 @@ class RequestRows:
         self._attached.append(table)
         self.version += 1  # (graphs captured before it did not read it)
 
+    def tables_changed(self) -> None:
+        """An attached table reallocated its tensors (captured graphs read the old ones)."""
+        self.version += 1
+
     @property
     def lag_capacity(self) -> int:
         return 0 if self._ring_spec is None else self._ring_spec[0]

@@ -537,7 +537,9 @@ class Worker:
 
     def _penalties(self) -> PenaltyRows:
         if self.penalty_rows is None:  # (graphs captured before it are dropped: see attach)
-            self.penalty_rows = PenaltyRows(self.vocab_size, self.eos_token_ids, self.device)
+            self.penalty_rows = PenaltyRows(
+                self.rows, self.vocab_size, self.eos_token_ids, self.device
+            )
             self.rows.attach(self.penalty_rows)
         return self.penalty_rows
 
