@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from specserve.bench.args import positive_int
+from specserve.bench.args import CHECKS, positive_int
+
+
+def _checked_first(parser, check) -> None:
+    """Run `check(args)` before the command's own function (which loads models)."""
+    run = parser.get_default("func")
+
+    def run_checked(args):
+        check(args)
+        return run(args)
+
+    parser.set_defaults(func=run_checked)
 
 
 def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
@@ -51,9 +62,14 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
     def run_one_batch_cmd(args):
         from specserve.bench.one_batch import dump, run_one_batch
         from specserve.engine import Engine
+        from specserve.errors import InvalidArgument
 
         rows = []
         with Engine(**engine_kwargs(args)) as engine:
+            if args.chat and engine.tokenizer is None:
+                raise InvalidArgument(
+                    "--chat", "the chat prompts need a tokenizer; this model has none"
+                )
             for bs in args.batch_size:
                 rows.append(
                     run_one_batch(
@@ -69,3 +85,5 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
         return 0
 
     ob.set_defaults(func=run_one_batch_cmd)
+    for name, check in CHECKS.items():
+        _checked_first(bsub.choices[name], check)

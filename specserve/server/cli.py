@@ -2,6 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+import math
+
+
+def _finite_seconds(value: str) -> float:
+    """Seconds as a finite float: NaN passed the server's range checks (every comparison with
+    it is false) and an endless wait is no timeout."""
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {value!r}")
+    return v
+
 
 def add_serve_parser(sub, add_engine_args, engine_kwargs) -> None:
     p = sub.add_parser(
@@ -40,7 +55,7 @@ def add_serve_parser(sub, add_engine_args, engine_kwargs) -> None:
     )
     g.add_argument(
         "--graceful-shutdown-timeout",
-        type=float,
+        type=_finite_seconds,
         default=30.0,
         help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting "
         "them; a second signal exits at once (default: 30)",
@@ -58,7 +73,7 @@ def add_serve_parser(sub, add_engine_args, engine_kwargs) -> None:
     )
     g.add_argument(
         "--request-body-timeout",
-        type=float,
+        type=_finite_seconds,
         default=30.0,
         help="seconds a client has to send a whole request body; slower ones get HTTP 408 "
         "(default: 30)",

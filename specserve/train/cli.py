@@ -19,6 +19,7 @@ from dataclasses import asdict
 # Off by default: on SmolLM2-135M a map from the training answers cost more acceptance than it
 # saved time (held-out answers use tokens the training answers never did; docs/TRAINING.md).
 TOKEN_MAP_SIZE = 0
+_DATA_FILES = ("manifest.json", "answers.json")  # a dataset, or its finished answers
 
 
 def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
@@ -207,7 +208,7 @@ def _hold_work_dir(work: str):
 
 
 def run_train(args) -> int:
-    from specserve.train.arg_checks import check_train_args
+    from specserve.train.arg_checks import check_target, check_train_args
 
     check_train_args(args)  # (before generating data: the head is built only when training starts)
     from specserve.train.checkpoint import write_training_args
@@ -243,6 +244,8 @@ def run_train(args) -> int:
     if not args.data_dir:  # (a folder given is used as it is)
         refuse_other_data(data_args)
     lock = _hold_work_dir(work)  # noqa: F841 (held until the run returns)
+    answered = any(os.path.isfile(os.path.join(data_dir, n)) for n in _DATA_FILES)
+    check_target(args, generates=not answered)
     _log(f"train-eagle: target {args.target}, work folder {work}, draft to {args.out}")
     manifest = build_dataset(data_args)
     _log(

@@ -66,11 +66,12 @@ def write_token_maps(
 
 def run_token_map(args) -> int:
     from specserve.model.loader import locate, read_config
-    from specserve.train.arg_checks import check_token_map_args
+    from specserve.train.arg_checks import check_target, check_token_map_args
     from specserve.train.data import DataArgs, generate_answer_set
     from specserve.train.generate import parse_engine_args
 
     check_token_map_args(args)
+    check_target(args, generates=True)
     one_file = args.out.endswith(".json")
     t0 = time.perf_counter()
     data_args = DataArgs(
