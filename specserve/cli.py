@@ -15,7 +15,7 @@ ENGINE_HELP = {
     "or a preset with --load-format dummy (llama3-8b, smollm2-135m, tiny).",
     "tokenizer_path": "Tokenizer folder or .gguf file, if not the model's own.",
     "load_format": "auto | gguf | safetensors | dummy (random weights of the model's shape).",
-    "dtype": f"Weight and KV dtype: {' | '.join(DTYPES)} (auto: bfloat16 on GPU, float32 on CPU).",
+    "dtype": f"Weight and KV dtype: {' | '.join(DTYPES)} (auto: bfloat16 on GPU, float32 on CPU; half and float: SGLang's names).",
     "device": "auto | cpu | cuda | cuda:N.",
     "page_size": "KV slots per page (any integer >= 1).",
     "tp_size": "Tensor parallelism: shard the model over this many processes (one per GPU on "

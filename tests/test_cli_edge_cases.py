@@ -124,3 +124,16 @@ def test_serve_refuses_a_timeout_that_is_not_finite(flag):
     )
     assert p.returncode == 2 and f"argument {flag}: must be a finite" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("given, runs", [("half", "float16"), ("float", "float32")])
+def test_sglangs_dtype_spellings_are_taken(given, runs):
+    """`--dtype half` / `--dtype float` (SGLang's and vLLM's names) run float16 / float32, and
+    the resolver says why; an unknown dtype is refused naming the accepted ones."""
+    from specserve.config import EngineConfig
+
+    cfg = EngineConfig.from_kwargs(model_path="tiny", load_format="dummy", dtype=given).resolve()
+    assert cfg.dtype == runs
+    assert any(f == "dtype" and given in reason for f, _, reason in cfg.decisions)
+    with pytest.raises(ValueError, match="half, float"):
+        EngineConfig.from_kwargs(model_path="tiny", load_format="dummy", dtype="fp4").resolve()

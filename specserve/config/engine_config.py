@@ -24,6 +24,8 @@ from specserve.errors import InvalidArgument, require
 log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# SGLang's and vLLM's other spellings of them
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SPEC_ALGORITHMS = (None, "EAGLE", "EAGLE3", "STANDALONE")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -122,7 +124,9 @@ class EngineConfig:
             decided.append((name, value, reason))
 
         _check_types(c)
-        _check_choice("dtype", c.dtype, DTYPES)
+        if isinstance(c.dtype, str) and c.dtype in DTYPE_ALIASES:
+            decide("dtype", DTYPE_ALIASES[c.dtype], f"{c.dtype!r} is SGLang's name for it")
+        _check_choice("dtype", c.dtype, (*DTYPES, *DTYPE_ALIASES))
         _check_choice("attention_backend", c.attention_backend, ATTENTION_BACKENDS)
         _check_choice("log_level", c.log_level, LOG_LEVELS)
         _check_int("page_size", c.page_size, minimum=1)
