@@ -51,7 +51,7 @@ def add_serve_parser(sub, add_engine_args, engine_kwargs) -> None:
         type=int,
         default=128,
         help="max_tokens of OpenAI requests that do not set it, capped by the remaining "
-        "context; 0 means the whole remaining context (default: 128)",
+        "context; 0 or -1 means the whole remaining context (default: 128)",
     )
     g.add_argument(
         "--graceful-shutdown-timeout",

@@ -251,7 +251,7 @@ def generate_answer_set(args: DataArgs, prompt_ids):
     deadline = time.time() + args.time_budget if args.time_budget > 0 else None
     _log(
         f"generate: {len(prompt_ids)} prompts x {passes} passes (temperatures 0, {temps}), "
-        f"workers {workers}, budget {args.time_budget or 'none'}s"
+        f"workers {workers}, budget {f'{args.time_budget}s' if args.time_budget else 'none'}"
     )
     results = generate_answers(
         cfg,
