@@ -4,14 +4,24 @@ fails minutes later, or one that silently does something else."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
+import uuid
 
 import pytest
 
 from specserve import cli
 
-MISSING = "/nonexistent-specserve-path"
+# a path that exists nowhere: unique to this run (a fixed one, once made by anything, would
+# stop these tests from testing anything)
+MISSING = os.path.join(tempfile.gettempdir(), f"specserve-missing-{uuid.uuid4().hex}")
+
+
+def _id(argv: list[str]) -> str:
+    """A test id the same in every process (pytest-xdist compares them)."""
+    return " ".join(argv).replace(MISSING, "MISSING")
 
 
 def _refused(capsys, argv: list[str], flag: str) -> str:
@@ -46,9 +56,7 @@ BAD_TRAIN_FLAGS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "flags,named", BAD_TRAIN_FLAGS, ids=[" ".join(f) for f, _ in BAD_TRAIN_FLAGS]
-)
+@pytest.mark.parametrize("flags,named", BAD_TRAIN_FLAGS, ids=[_id(f) for f, _ in BAD_TRAIN_FLAGS])
 def test_train_eagle_refuses_a_bad_value_before_generating(tmp_path, capsys, flags, named):
     _refused(capsys, ["train-eagle", "--out", str(tmp_path / "d"), *flags], named)
     assert not (tmp_path / "d.work").exists()
@@ -99,9 +107,7 @@ BAD_BENCH_FLAGS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "argv,named", BAD_BENCH_FLAGS, ids=[" ".join(a) for a, _ in BAD_BENCH_FLAGS]
-)
+@pytest.mark.parametrize("argv,named", BAD_BENCH_FLAGS, ids=[_id(a) for a, _ in BAD_BENCH_FLAGS])
 def test_bench_refuses_a_bad_value_before_measuring(capsys, argv, named):
     _refused(capsys, ["bench", *argv], named)
     assert capsys.readouterr().out == ""  # (nothing measured, no table)
