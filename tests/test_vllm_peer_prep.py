@@ -44,8 +44,11 @@ def engine():
 
 def specserve_eagle(embed: torch.nn.Embedding, feats, ids) -> torch.Tensor:
     """The bundled draft's output through specserve's own head (fc with its bias), float64."""
+    # (a stand-in target of the draft's own vocabulary, which the loader checks, with a small
+    # embedding table: the rows the test reads)
+    vocab = read_draft_config(DRAFT)[1].vocab_size
     target = SimpleNamespace(
-        config=SimpleNamespace(hidden_size=embed.embedding_dim),
+        config=SimpleNamespace(hidden_size=embed.embedding_dim, vocab_size=vocab),
         model=SimpleNamespace(embed_tokens=embed),
         lm_head_weight=embed.weight,
     )
