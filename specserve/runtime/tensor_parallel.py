@@ -160,9 +160,11 @@ class Peers:
             replies.append(reply[1])
         return replies
 
-    def failure(self, wait: float = 1.0) -> str | None:
+    def failure(self, wait: float = 5.0) -> str | None:
         """Why the group is broken (a rank exited, or reported an error), else None. wait:
-        how long to give a rank whose sockets closed to finish exiting."""
+        how long to give a rank whose sockets closed to finish exiting (on a loaded 2-core
+        machine a killed rank was not yet reaped after 1 s, and the reason read as rank 0's
+        socket error)."""
         deadline = time.monotonic() + wait
         for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
             p.join(timeout=max(0.0, deadline - time.monotonic()))
