@@ -224,7 +224,7 @@ class Worker:
         self.prefill_graphs = None  # PrefillGraphs, when CUDA graphs are on
         self._sampling_cache: tuple[tuple, SamplingMode] | None = None
         self.penalty_rows: PenaltyRows | None = None  # made when a penalized request decodes
-        self._no_graph = False  # penalized steps run eagerly (their graph failed to capture)
+        self._penalized_eager = False  # (a penalized graph failed to capture)
 
     # ---- sizes the scheduler must reserve ------------------------------------------------
     @property
@@ -500,7 +500,11 @@ class Worker:
             draws["grammar"] = grammar
         if sampling.penalized:
             self._penalties().write(reqs, rows)
-        if self.graphs is not None and not draws and not (sampling.penalized and self._no_graph):
+        if (
+            self.graphs is not None
+            and not draws
+            and not (sampling.penalized and self._penalized_eager)
+        ):
             out = self._replay(rows, sampling, width, tier, catch_up)
             if self.graphs.captured_last or self.graphs.covered_last or self.graphs.eager_last:
                 # a capture's time, a larger shape's, or launches a graph will not have, are
@@ -532,7 +536,7 @@ class Worker:
             # (captures run on padding rows alone, so no request's state has moved: its step
             # runs eagerly, as every penalized one after it)
             log.exception("capturing a penalized decode step failed; such steps run eagerly")
-            self._no_graph = True
+            self._penalized_eager = True
             return None
 
     def _penalties(self) -> PenaltyRows:
