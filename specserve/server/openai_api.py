@@ -274,8 +274,10 @@ def _chunk(
     choice: dict[str, Any],
     ids: list[int] | None,
     include_usage: bool,
+    running: dict[str, int] | None = None,
 ) -> str:
-    """One SSE event of a streamed completion (usage: null until the final usage chunk)."""
+    """One SSE event of a streamed completion (usage: null until the final usage chunk, or
+    `running`, the choice's usage so far, with continuous_usage_stats)."""
     if ids is not None:
         choice["token_ids"] = ids
     body: dict[str, Any] = {
@@ -286,8 +288,16 @@ def _chunk(
         "choices": [choice],
     }
     if include_usage:
-        body["usage"] = None
+        body["usage"] = running
     return sse(body)
+
+
+def running_usage(meta: dict[str, Any], completion: int | None = None) -> dict[str, int]:
+    """One choice's usage so far (continuous_usage_stats, as vLLM): its prompt and the tokens
+    it has generated (an incremental meta_info counts them all)."""
+    prompt = meta.get("prompt_tokens", 0)
+    done = meta.get("completion_tokens", 0) if completion is None else completion
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
 async def _completion_chunks(
@@ -308,11 +318,16 @@ async def _completion_chunks(
     builders: dict[int, CompletionLogprobs] = {}
     started: set[int] = set()
 
-    def chunk(index: int, text: str, reason: str | None, ids=None, logprobs=None, meta=None) -> str:
+    continuous = req.continuous_usage()
+
+    def chunk(
+        index: int, text: str, reason: str | None, ids=None, logprobs=None, meta=None, now=None
+    ) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         if meta is not None:  # the finishing chunk: what stopped the choice, as unstreamed
             choice["matched_stop"] = matched_stop(meta)
-        return _chunk(cid, "text_completion", created, state, choice, ids, include_usage)
+        running = running_usage(now) if continuous else None
+        return _chunk(cid, "text_completion", created, state, choice, ids, include_usage, running)
 
     async for index, out in run.events():
         text, ids, meta = out["text"], out["output_ids"], out["meta_info"]
@@ -327,14 +342,16 @@ async def _completion_chunks(
         # A step's tokens get their chunk even while their text is held back (an incomplete
         # UTF-8 character, a possible stop string): clients time TTFT and ITL by chunks.
         if text or ids or (logprobs and logprobs["tokens"]):
-            yield chunk(index, text, None, ids if with_ids else None, logprobs)
+            yield chunk(index, text, None, ids if with_ids else None, logprobs, now=meta)
         if out["finished"]:
             metas[index] = meta
             if finish_reason(meta) == "abort":
                 yield sse(run.abort_error(meta).body())
                 yield SSE_DONE
                 return
-            yield chunk(index, "", finish_reason(meta), [] if with_ids else None, meta=meta)
+            yield chunk(
+                index, "", finish_reason(meta), [] if with_ids else None, meta=meta, now=meta
+            )
     if include_usage:
         yield sse(
             {
@@ -421,13 +438,24 @@ async def _chat_chunks(
     include_usage = req.include_usage()
     strings = state.token_strings()
 
+    continuous = req.continuous_usage()
+
     def chunk(
-        index: int, delta: dict[str, Any], reason: str | None, ids=None, logprobs=None, meta=None
+        index: int,
+        delta: dict[str, Any],
+        reason: str | None,
+        ids=None,
+        logprobs=None,
+        meta=None,
+        now=None,
+        done=None,
     ) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         if meta is not None:  # the finishing chunk: what stopped the choice, as unstreamed
             choice["matched_stop"] = matched_stop(meta)
-        return _chunk(cid, "chat.completion.chunk", created, state, choice, ids, include_usage)
+        running = running_usage(now, done) if continuous else None
+        kind = "chat.completion.chunk"
+        return _chunk(cid, kind, created, state, choice, ids, include_usage, running)
 
     metas: dict[int, dict[str, Any]] = {}
     opened: set[int] = set()
@@ -437,20 +465,21 @@ async def _chat_chunks(
             # With the choice's first output, as vLLM: a client timing the first chunk
             # measures the time to the first token, not to the response headers.
             opened.add(index)
-            yield chunk(index, {"role": "assistant", "content": ""}, None)
+            yield chunk(index, {"role": "assistant", "content": ""}, None, now=meta, done=0)
         logprobs = None
         if req.logprobs and finish_reason(meta) != "abort":
             content = chat_content(meta, strings)
             logprobs = {"content": content, "refusal": None} if content else None
         if text or ids or logprobs:  # as completions: a chunk for every step's tokens
-            yield chunk(index, {"content": text}, None, ids if with_ids else None, logprobs)
+            tokens = ids if with_ids else None
+            yield chunk(index, {"content": text}, None, tokens, logprobs, now=meta)
         if out["finished"]:
             metas[index] = meta
             if finish_reason(meta) == "abort":
                 yield sse(run.abort_error(meta).body())
                 yield SSE_DONE
                 return
-            yield chunk(index, {}, finish_reason(meta), meta=meta)
+            yield chunk(index, {}, finish_reason(meta), meta=meta, now=meta)
     if include_usage:
         yield sse(
             {

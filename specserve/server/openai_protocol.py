@@ -86,8 +86,10 @@ def _int_or_null(name: str, v: Any, maximum: int) -> int | None:
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    # vLLM's and SGLang's: with include_usage, every chunk carries its choice's usage so far
+    continuous_usage_stats: bool = False
 
-    @field_validator("include_usage", mode="before")
+    @field_validator("include_usage", "continuous_usage_stats", mode="before")
     @classmethod
     def _null_is_false(cls, v):
         return False if v is None else v
@@ -190,6 +192,10 @@ class _CommonRequest(StrictModel):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (as vLLM: only together with include_usage)."""
+        return self.include_usage() and self.stream_options.continuous_usage_stats
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:

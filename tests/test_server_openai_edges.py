@@ -1,0 +1,68 @@
+"""The OpenAI routes as vLLM's and SGLang's clients use them, past the common paths: usage
+reported on every chunk of a stream when asked. A tiny random model with a real tokenizer,
+served in this process.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.engine import Engine
+from specserve.server.app import create_app
+from specserve.server.state import ServerConfig
+from tests.test_server import Served, ServerThread
+from tests.test_server_openai_compat import events
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from tests.model_factory import write_hf_model
+
+    folder = write_hf_model(tmp_path_factory.mktemp("m"), vocab_size=101, with_tokenizer=True)
+    with Engine(model_path=folder, dtype="float32", device="cpu", context_length=256) as engine:
+        app = create_app(engine, ServerConfig(), owns_engine=False)
+        with ServerThread(app) as srv:
+            s = Served(engine, srv, "m")
+            yield s
+            s.http.close()
+
+
+def _body(route: str, **extra) -> dict:
+    base = {"messages": MESSAGES} if route == CHAT else {"prompt": ["the quick", "brown fox"]}
+    return {**base, "max_tokens": 5, "seed": 7, "ignore_eos": True, "stream": True, **extra}
+
+
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS])
+def test_continuous_usage_stats_puts_running_usage_on_every_chunk(served, route):
+    # vLLM's and SGLang's stream option: each chunk's usage counts its choice's prompt and
+    # the tokens that choice has so far; the last chunk still sums every choice
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = events(served, route, _body(route, n=2, stream_options=options))
+    *running, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2 * 5 * (
+        2 if route == COMPLETIONS else 1
+    )
+    seen: dict[int, int] = {}
+    for chunk in running:
+        usage = chunk["usage"]
+        assert usage is not None, chunk
+        (choice,) = chunk["choices"]
+        done = usage["completion_tokens"]
+        assert done >= seen.get(choice["index"], 0)
+        seen[choice["index"]] = done
+        assert usage["total_tokens"] == usage["prompt_tokens"] + done
+        assert usage["prompt_tokens"] > 0
+    assert sorted(seen.values()) == [5] * len(seen)
+
+
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS])
+def test_continuous_usage_stats_without_include_usage_adds_nothing(served, route):
+    # (vLLM: usage on every chunk only when include_usage is on too)
+    options = {"continuous_usage_stats": True}
+    assert all(
+        "usage" not in e for e in events(served, route, _body(route, stream_options=options))
+    )
