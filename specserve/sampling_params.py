@@ -354,6 +354,8 @@ def _json_schema(v: Any) -> str | None:
             return json.dumps(v)
         except (TypeError, ValueError) as e:
             raise InvalidArgument("json_schema", f"is not JSON-serializable: {e}") from None
+        except RecursionError:  # (nested past what Python's stack holds)
+            raise InvalidArgument("json_schema", "is nested too deeply to be serialized") from None
     if not isinstance(v, str) or not v.strip():
         raise InvalidArgument("json_schema", "must be a JSON schema: an object or its JSON text")
     return v

@@ -90,9 +90,11 @@ class GrammarCompiler:
         if field == "json_schema":
             try:
                 schema = json.loads(spec)
+                unsupported = unenforced(schema)
             except ValueError as e:
                 raise InvalidArgument(field, f"is not valid JSON: {e}") from None
-            unsupported = unenforced(schema)
+            except RecursionError:  # (past Python's stack: ~1,000 levels of arrays or objects)
+                raise InvalidArgument(field, "is nested too deeply to be parsed") from None
             if unsupported:
                 shown = "; ".join(unsupported[:8]) + ("; ..." if len(unsupported) > 8 else "")
                 raise InvalidArgument(

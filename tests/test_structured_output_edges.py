@@ -1,0 +1,42 @@
+"""Structured output at its edges: hostile grammars are refused naming their field and
+leave the engine serving, and grammars meet stop strings, stop tokens, streams, n > 1 and
+speculation as they do plain decoding. Float32 on the CPU, a tiny byte-level tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve import Engine, InvalidArgument
+from tests.model_factory import write_hf_model
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_hf_model(
+        tmp_path_factory.mktemp("edges") / "m", vocab_size=300, with_tokenizer=True
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    with Engine(model_path=folder, device="cpu", dtype="float32") as e:
+        yield e
+
+
+def test_a_schema_nested_past_pythons_stack_is_refused_naming_its_field(engine):
+    """Deeply nested schema text (or a dict) raised a bare RecursionError from the caller's
+    generate (an internal error on a server) instead of a client error."""
+    deep_text = '{"items":' * 5000 + "{}" + "}" * 5000
+    deep_dict: dict = {}
+    inner = deep_dict
+    for _ in range(5000):
+        inner["items"] = {}
+        inner = inner["items"]
+    for schema in (deep_text, "[" * 5000 + "]" * 5000, deep_dict):
+        with pytest.raises(InvalidArgument) as info:
+            engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": schema})
+        assert info.value.field == "json_schema" and "nested too deeply" in str(info.value)
+    out = engine.generate(prompt="hi", sampling_params={**GREEDY, "regex": "ok"})
+    assert out["text"] == "ok"
