@@ -284,6 +284,15 @@ def test_a_bad_or_unservable_grammar_is_refused_naming_its_field(models):
         # (no value can satisfy an empty anyOf; it compiled to an empty output, finished "stop")
         ({"anyOf": []}, "anyOf (not a non-empty array) at /"),
         ({"type": "object", "properties": {"x": {"oneOf": []}}}, "oneOf (not a non-empty array) at /properties/x"),
+        # (references the grammar cannot follow, and a type list of no types, compiled to any
+        # JSON value: "s" finished "stop" against a schema of integers)
+        ({"type": "object", "properties": {"x": {"$ref": "other.json#/a"}}},
+         "$ref 'other.json#/a' (not '#' or a '#/...' pointer into this schema) at /properties/x"),
+        ({"$defs": {"a": {"$anchor": "x", "type": "integer"}}, "$ref": "#x"}, "$ref '#x'"),
+        ({"$id": "http://x/y", "$defs": {"a": {"type": "integer"}}, "$ref": "http://x/y#/$defs/a"},
+         "$ref 'http://x/y#/$defs/a'"),
+        ({"$recursiveRef": "#"}, "$recursiveRef at /"),
+        ({"type": "object", "properties": {"x": {"type": []}}}, "type (an empty array"),
     ],
 )  # fmt: skip
 def test_a_schema_whose_constraints_the_grammar_would_not_enforce_is_refused(models, schema, named):

@@ -5,7 +5,9 @@ compiles, and the outputs it allows break the schema (`allOf` of an integer and 
 allowed `null`, of an integer and a minimum of 3 allowed 1; `uniqueItems` allowed `[0, 0]`;
 `required` naming a property that `properties` does not list allowed `{}`), or allow
 nothing a schema accepts (`contains`, `patternProperties`, `propertyNames`); and it drops a
-constraint beside a `$ref`, `anyOf`, `enum` and the like, or on a schema without a `type`.
+constraint beside a `$ref`, `anyOf`, `enum` and the like, or on a schema without a `type`;
+a `$ref` that is no JSON pointer into the schema itself (another document, an anchor, an
+absolute URI) or a `type` of no types compiled to any JSON value at all.
 (`oneOf` is enforced as `anyOf`: a value matching two branches is taken.) An output that ends "stop" must satisfy its schema,
 so such schemas are refused up front, naming each keyword and where it is (as vLLM refuses
 the features its xgrammar backend does not support).
@@ -33,6 +35,7 @@ IGNORED = (
     "unevaluatedProperties",
     "unevaluatedItems",
     "$dynamicRef",
+    "$recursiveRef",
 )
 # constraints on a value of one type: xgrammar drops them where the schema gives no `type`
 # ({"minimum": 3} allowed 1)
@@ -48,9 +51,10 @@ BESIDE_WHOLE = (*TYPED, "properties", "required", "additionalProperties", "items
 SUPPORTED = (
     "type, properties, required (of the listed properties), additionalProperties, items, "
     "prefixItems, minItems, maxItems, enum, const, anyOf, oneOf, allOf of one schema, "
-    "$ref / $defs, minimum, maximum, exclusiveMinimum, exclusiveMaximum, multipleOf, "
-    "minLength, maxLength, pattern, format, minProperties, maxProperties (where the schema "
-    "gives a type, and not beside $ref, allOf, anyOf, oneOf, enum or const)"
+    "$ref ('#' or a '#/...' pointer) / $defs, minimum, maximum, exclusiveMinimum, "
+    "exclusiveMaximum, multipleOf, minLength, maxLength, pattern, format, minProperties, "
+    "maxProperties (where the schema gives a type, and not beside $ref, allOf, anyOf, oneOf, "
+    "enum or const)"
 )
 # keywords holding one subschema, a list of them, or a map of names to them (the rest hold
 # data, e.g. enum and const, or numbers)
@@ -92,6 +96,13 @@ def _walk(schema: Any, path: str, found: list[str]) -> None:
         # empty one allowed no value, and the grammar compiled it to an empty output)
         if key in schema and not (isinstance(schema[key], list) and schema[key]):
             found.append(f"{key} (not a non-empty array) at {where}")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        found.append(
+            f"$ref {ref[:80]!r} (not '#' or a '#/...' pointer into this schema) at {where}"
+        )
+    if schema.get("type") == []:
+        found.append(f"type (an empty array, which no value satisfies) at {where}")
     if schema.get("uniqueItems") is True:
         found.append(f"uniqueItems at {where}")
     required = schema.get("required")
