@@ -66,3 +66,20 @@ def test_continuous_usage_stats_without_include_usage_adds_nothing(served, route
     assert all(
         "usage" not in e for e in events(served, route, _body(route, stream_options=options))
     )
+
+
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS])
+def test_min_tokens_past_the_default_length_lifts_it(served, route):
+    # max_tokens unset: the server's default length (128) is no limit the client chose, so
+    # a min_tokens above it that fits the context is served, as vLLM serves it
+    body = _body(route, min_tokens=140, stream=False)
+    del body["max_tokens"], body["ignore_eos"]
+    r = served.http.post(route, json=body)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] >= 140 * (2 if route == COMPLETIONS else 1)
+    # one that cannot fit the context is still refused, naming the field and the room left
+    r = served.http.post(route, json={**body, "min_tokens": 250})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "min_tokens" and "at most" in err["message"], err

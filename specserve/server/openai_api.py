@@ -84,8 +84,9 @@ def _max_new_tokens(state: ServerState, req, prompts: list[list[int]], param: st
         where = prompt_param(param, i, len(prompts))
         prompts[i] = state.truncate_prompt(ids, req.truncate_prompt_tokens, where)
     requested, max_param = req.requested_max_tokens()
+    least = req.least_tokens()
     return [
-        state.check_context(ids, requested, prompt_param(param, i, len(prompts)), max_param)
+        state.check_context(ids, requested, prompt_param(param, i, len(prompts)), max_param, least)
         for i, ids in enumerate(prompts)
     ]
 

@@ -206,6 +206,11 @@ class _CommonRequest(StrictModel):
     def requested_max_tokens(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
 
+    def least_tokens(self) -> int:
+        """min_tokens (either name): the server's default length is raised to it."""
+        least = _one_field("min_tokens", self.min_tokens, "min_new_tokens", self.min_new_tokens)
+        return least or 0
+
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         """Engine (SGLang-named) sampling parameters; OpenAI's defaults where not given."""
         sp: dict[str, Any] = {

@@ -259,9 +259,15 @@ class ServerState:
             raise engine_error(e, {"input_ids": prompt}, prefix) from None
 
     def check_context(
-        self, ids: list[int], max_tokens: int | None, prompt_param: str, max_param: str
+        self,
+        ids: list[int],
+        max_tokens: int | None,
+        prompt_param: str,
+        max_param: str,
+        at_least: int = 0,
     ) -> int:
-        """The max_new_tokens to use: as requested, or the default capped by the context."""
+        """The max_new_tokens to use: as requested, or the default (raised to `at_least`, the
+        request's min_tokens) capped by the context."""
         n = len(ids)
         if n >= self.context_len:
             raise APIError(
@@ -273,7 +279,7 @@ class ServerState:
         if max_tokens is None:
             room = max(0, min(room, self.kv_tokens - n))
             default = self.cfg.default_max_tokens
-            return room if default is None else min(default, room)
+            return room if default is None else min(max(default, at_least), room)
         if max_tokens > room:
             raise APIError(
                 f"{max_param}: the context length is {self.context_len} tokens and the prompt "
