@@ -40,3 +40,15 @@ def test_a_schema_nested_past_pythons_stack_is_refused_naming_its_field(engine):
         assert info.value.field == "json_schema" and "nested too deeply" in str(info.value)
     out = engine.generate(prompt="hi", sampling_params={**GREEDY, "regex": "ok"})
     assert out["text"] == "ok"
+
+
+def test_a_regex_escape_the_grammar_would_read_as_a_letter_is_refused(engine):
+    """xgrammar reads an escaped letter it does not know as that letter: Python's anchors
+    \\A ... \\Z compiled, and the output began with "A" and finished "stop"."""
+    for regex, escape in ((r"\A[a-z]+\Z", r"\A"), (r"[0-9]+\z", r"\z"), (r"x[\h]", r"\h")):
+        with pytest.raises(InvalidArgument) as info:
+            engine.generate(prompt="hi", sampling_params={**GREEDY, "regex": regex})
+        assert info.value.field == "regex" and escape in str(info.value), str(info.value)
+    # an escaped backslash before a letter, and the escapes the grammar reads, still serve
+    out = engine.generate(prompt="hi", sampling_params={**GREEDY, "regex": r"\\A\t\x41\d"})
+    assert out["text"][:4] == "\\A\tA" and out["text"][4].isdigit()

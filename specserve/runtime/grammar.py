@@ -101,6 +101,12 @@ class GrammarCompiler:
                     field,
                     f"uses what structured output cannot enforce ({shown}); supported: {SUPPORTED}",
                 )
+        if field == "regex" and (escape := _literal_escape(spec)) is not None:
+            raise InvalidArgument(
+                field,
+                f"uses the escape {escape}, which structured output would read as the letter "
+                f"{escape[1]}; supported: {REGEX_ESCAPES} and escaped punctuation",
+            )
         compiler = self._get(field)
         try:
             if field == "json_schema":
@@ -119,6 +125,24 @@ class GrammarCompiler:
         if not first.any():
             raise InvalidArgument(field, "no token of the vocabulary can begin an output of it")
         return compiled
+
+
+# Letters xgrammar reads as escapes (or refuses itself: \b outside a class, \k, \p). Any
+# other escaped letter it takes as that letter, where Python's re (the regex dialect of SGLang
+# and vLLM) gives it a meaning or refuses it: \A[a-z]+\Z allowed "AabZ".
+_ESCAPE_LETTERS = frozenset("aefnrtvdDsSwWbBxucpPk")
+REGEX_ESCAPES = r"\d \D \s \S \w \W \n \r \t \f \v \a \e \0 \xHH \uHHHH \cX"
+
+
+def _literal_escape(regex: str) -> str | None:
+    """The first escape in `regex` of a letter xgrammar would take literally, if any."""
+    i = regex.find("\\")
+    while 0 <= i < len(regex) - 1:
+        c = regex[i + 1]
+        if c.isascii() and c.isalpha() and c not in _ESCAPE_LETTERS:
+            return "\\" + c
+        i = regex.find("\\", i + 2)  # (past the escaped character: \\A is a backslash, A)
+    return None
 
 
 def grammar_spec(params) -> tuple[str, str] | None:
