@@ -458,9 +458,10 @@ LONG_STREAM = {
 
 def test_client_disconnect_mid_stream_frees_kv(tiny_engine, tiny):
     before = tiny.wait_idle()
-    # Pace the engine (2 ms a step: 2000 tokens take seconds), so a client slowed down by a
-    # loaded machine still reads its 5 events while the request is running.
-    pace = lambda core: time.sleep(0.002)  # noqa: E731
+    # Pace the engine (20 ms a step: 2000 tokens take 10 s or more, even with drafts
+    # accepted), so a client slowed down by a loaded machine still reads its 5 events while
+    # the request is running; the test itself waits only for those 5 steps.
+    pace = lambda core: time.sleep(0.02)  # noqa: E731
     tiny_engine.step_hooks.append(pace)
     try:
         with httpx.Client(base_url=tiny.url, timeout=30) as http:
