@@ -351,7 +351,7 @@ def _json_schema(v: Any) -> str | None:
         return None
     if isinstance(v, dict):
         try:
-            return json.dumps(v)
+            return json.dumps(v, allow_nan=False)  # (NaN and Infinity are no JSON)
         except (TypeError, ValueError) as e:
             raise InvalidArgument("json_schema", f"is not JSON-serializable: {e}") from None
         except RecursionError:  # (nested past what Python's stack holds)

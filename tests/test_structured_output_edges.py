@@ -4,6 +4,8 @@ speculation as they do plain decoding. Float32 on the CPU, a tiny byte-level tok
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specserve import Engine, InvalidArgument
@@ -52,3 +54,21 @@ def test_a_regex_escape_the_grammar_would_read_as_a_letter_is_refused(engine):
     # an escaped backslash before a letter, and the escapes the grammar reads, still serve
     out = engine.generate(prompt="hi", sampling_params={**GREEDY, "regex": r"\\A\t\x41\d"})
     assert out["text"][:4] == "\\A\tA" and out["text"][4].isdigit()
+
+
+def test_a_schema_the_compiler_refuses_gets_a_short_message_without_its_internals(engine):
+    """NaN and Infinity are no JSON: xgrammar's refusal echoed the whole schema back, and a
+    failed range check came with its C++ condition."""
+    padding = {f"p{i}": {"type": "string"} for i in range(2000)}
+    big = {"type": "object", "properties": {**padding, "x": {"type": "number", "minimum": 0}}}
+    text = json.dumps(big).replace('"minimum": 0', '"minimum": NaN')
+    for schema in (text, {**big, "properties": {"x": {"type": "number", "minimum": float("inf")}}}):
+        with pytest.raises(InvalidArgument) as info:
+            engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": schema})
+        message = str(info.value)
+        assert info.value.field == "json_schema" and len(message) < 300, message[:300]
+        assert "NaN" in message or "Infinity" in message or "JSON" in message
+    with pytest.raises(InvalidArgument) as info:
+        schema = {"type": "integer", "minimum": 10**30}
+        engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": schema})
+    assert "Check failed" not in str(info.value) and "maximum limit" in str(info.value)

@@ -24,8 +24,10 @@ from specserve.errors import InvalidArgument
 from specserve.runtime.json_schema_support import SUPPORTED, unenforced
 from specserve.sampling_params import GRAMMAR_PARAMS
 
-# xgrammar's error text starts with its log prefix: "[18:30:28] /project/cpp/x.cc:94: "
-_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+# xgrammar's error text starts with its log prefix: "[18:30:28] /project/cpp/x.cc:94: ", and
+# a failed assertion's with its C++ condition: "Check failed: (val <= MAX_INT64_AS_DOUBLE) is
+# false: "
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 # Compiled grammars kept for reuse (each holds token-mask tables): least recently used ones
 # go past this (vLLM's default), so clients sending ever new schemas cannot grow the host's
@@ -89,7 +91,7 @@ class GrammarCompiler:
     def _check_and_compile(self, field: str, spec: str):
         if field == "json_schema":
             try:
-                schema = json.loads(spec)
+                schema = json.loads(spec, parse_constant=_not_json)
                 unsupported = unenforced(schema)
             except ValueError as e:
                 raise InvalidArgument(field, f"is not valid JSON: {e}") from None
@@ -143,6 +145,12 @@ def _literal_escape(regex: str) -> str | None:
             return "\\" + c
         i = regex.find("\\", i + 2)  # (past the escaped character: \\A is a backslash, A)
     return None
+
+
+def _not_json(name: str):
+    """NaN and Infinity: Python's json takes them, JSON (and xgrammar, whose error then
+    echoed the whole schema) does not."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def grammar_spec(params) -> tuple[str, str] | None:
