@@ -1,6 +1,7 @@
-"""Structured output at its edges: hostile grammars are refused naming their field and
-leave the engine serving, and grammars meet stop strings, stop tokens, streams, n > 1 and
-speculation as they do plain decoding. Float32 on the CPU, a tiny byte-level tokenizer."""
+"""Structured output at its edges: hostile grammars (schemas nested past Python's stack,
+NaN, regex escapes the compiler would read as letters) are refused with a short message
+naming their field, and the engine goes on serving. Float32 on the CPU, a tiny byte-level
+tokenizer."""
 
 from __future__ import annotations
 
