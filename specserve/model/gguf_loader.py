@@ -152,6 +152,10 @@ def read_gguf(path: str, keep_string_arrays: Container[str] = ()) -> GGUFFile:
 
 def _parse_gguf(path: str, buf: mmap.mmap, keep_string_arrays: Container[str]) -> GGUFFile:
     if buf[:4] != b"GGUF":
+        if buf[:24] == b"version https://git-lfs.":  # (a clone made without Git LFS)
+            raise ValueError(
+                f"{path} is a Git LFS pointer, not the model: fetch it with git lfs pull"
+            )
         raise ValueError(f"{path} is not a GGUF file (bad magic bytes)")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
     if version not in (2, 3):

@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from specserve.model.config import ModelConfig, token_ids
 
@@ -93,15 +93,31 @@ def iter_safetensors(folder: str, shard=None) -> Iterator[tuple[str, torch.Tenso
     in two files is refused: which copy would win is an accident of file names."""
     seen: dict[str, str] = {}
     for path in safetensors_files(folder):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                if name in seen:
-                    raise ValueError(
-                        f"tensor {name!r} is in both {os.path.basename(seen[name])} and "
-                        f"{os.path.basename(path)} (of {folder}): remove the stale file"
-                    )
-                seen[name] = path
-                if shard is None:
-                    yield name, f.get_tensor(name)
-                else:
-                    yield name, shard.read(name, f.get_slice(name))
+        try:
+            yield from _read_file(path, folder, seen, shard)
+        except SafetensorError as e:  # (its message names no file: which shard of many?)
+            raise ValueError(f"{path} cannot be read as safetensors ({_why(path, e)})") from e
+
+
+def _read_file(path: str, folder: str, seen: dict[str, str], shard):
+    with safe_open(path, framework="pt") as f:
+        for name in f.keys():
+            if name in seen:
+                raise ValueError(
+                    f"tensor {name!r} is in both {os.path.basename(seen[name])} and "
+                    f"{os.path.basename(path)} (of {folder}): remove the stale file"
+                )
+            seen[name] = path
+            if shard is None:
+                yield name, f.get_tensor(name)
+            else:
+                yield name, shard.read(name, f.get_slice(name))
+
+
+def _why(path: str, e: Exception) -> str:
+    """safetensors' reason, or that the file is a Git LFS pointer (a clone made without LFS
+    holds those in place of the weights)."""
+    with open(path, "rb") as f:
+        if f.read(24) == b"version https://git-lfs.":
+            return "it is a Git LFS pointer, not the weights: fetch them with git lfs pull"
+    return str(e)

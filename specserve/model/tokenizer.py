@@ -15,6 +15,17 @@ log = logging.getLogger(__name__)
 
 def load_tokenizer(source: str, kind: str):
     """kind: 'gguf' (a .gguf file) or 'hf' (a folder with tokenizer files)."""
+    try:
+        return _load_tokenizer(source, kind)
+    except Exception as e:
+        if type(e) is not Exception:
+            raise
+        # the tokenizers binding raises a bare Exception on an inconsistent vocabulary (a
+        # merge of a token it lacks): a malformed file like any other
+        raise ValueError(str(e)) from e
+
+
+def _load_tokenizer(source: str, kind: str):
     from transformers import AutoTokenizer
 
     if kind == "gguf":
