@@ -293,6 +293,11 @@ def test_a_bad_or_unservable_grammar_is_refused_naming_its_field(models):
          "$ref 'http://x/y#/$defs/a'"),
         ({"$recursiveRef": "#"}, "$recursiveRef at /"),
         ({"type": "object", "properties": {"x": {"type": []}}}, "type (an empty array"),
+        # (a negative count compiled to no limit: maxLength -1 allowed any string)
+        ({"type": "string", "maxLength": -1}, "maxLength (-1, not a non-negative integer) at /"),
+        ({"type": "array", "items": {"type": "integer"}, "minItems": 1.5}, "minItems (1.5"),
+        ({"type": "object", "properties": {"x": {"type": "object", "maxProperties": "2"}}},
+         "maxProperties (2, not a non-negative integer) at /properties/x"),
     ],
 )  # fmt: skip
 def test_a_schema_whose_constraints_the_grammar_would_not_enforce_is_refused(models, schema, named):

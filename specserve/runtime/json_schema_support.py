@@ -7,7 +7,8 @@ allowed `null`, of an integer and a minimum of 3 allowed 1; `uniqueItems` allowe
 nothing a schema accepts (`contains`, `patternProperties`, `propertyNames`); and it drops a
 constraint beside a `$ref`, `anyOf`, `enum` and the like, or on a schema without a `type`;
 a `$ref` that is no JSON pointer into the schema itself (another document, an anchor, an
-absolute URI) or a `type` of no types compiled to any JSON value at all.
+absolute URI) or a `type` of no types compiled to any JSON value at all, and a negative
+length or count to no limit.
 (`oneOf` is enforced as `anyOf`: a value matching two branches is taken.) An output that ends "stop" must satisfy its schema,
 so such schemas are refused up front, naming each keyword and where it is (as vLLM refuses
 the features its xgrammar backend does not support).
@@ -63,6 +64,9 @@ _ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedItems",
         "propertyNames")  # fmt: skip
 _MANY = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _NAMED = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
+# counts the JSON Schema spec makes non-negative integers: the compiler read a negative one
+# as no limit (maxLength -1 allowed any string)
+COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
 
 def unenforced(schema: Any) -> list[str]:
@@ -103,6 +107,10 @@ def _walk(schema: Any, path: str, found: list[str]) -> None:
         )
     if schema.get("type") == []:
         found.append(f"type (an empty array, which no value satisfies) at {where}")
+    for key in COUNTS:
+        value = schema.get(key)
+        if key in schema and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            found.append(f"{key} ({str(value)[:40]}, not a non-negative integer) at {where}")
     if schema.get("uniqueItems") is True:
         found.append(f"uniqueItems at {where}")
     required = schema.get("required")
