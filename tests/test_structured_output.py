@@ -215,6 +215,15 @@ def test_a_grammar_the_vocabulary_cannot_follow_ends_its_request_as_a_client_err
         reason = out["meta_info"]["finish_reason"]
         assert reason["type"] == "abort" and reason["status_code"] == 400
         assert reason["param"] == "regex"
+        assert "no token of the vocabulary" in reason["message"]
+        # where the request's own allowed_token_ids leave the grammar nothing, it says so
+        (a,) = engine.tokenizer.encode("a", add_special_tokens=False)
+        out = engine.generate(
+            prompt="hi", sampling_params={"regex": "ab", "temperature": 0, "allowed_token_ids": [a]}
+        )
+        reason = out["meta_info"]["finish_reason"]
+        assert out["text"] == "a" and reason["status_code"] == 400, reason
+        assert "allowed_token_ids" in reason["message"] and reason["param"] == "regex"
         app = create_app(engine, ServerConfig(), owns_engine=False)
         with ServerThread(app) as srv:
             served = Served(engine, srv, folder)

@@ -209,9 +209,14 @@ def refuse_by_grammar(req) -> None:
     """End a request whose grammar refused its next token: no token of the vocabulary
     continues it (the request's own fault: a client error, as its grammar's field says)."""
     field = req.grammar.field
+    # (where the request narrowed the draw itself, say so: the grammar alone may be fine)
+    narrowed = [
+        name for name in ("allowed_token_ids", "logit_bias") if getattr(req.params, name, None)
+    ]
+    where = f" that {' and '.join(narrowed)} leave drawable" if narrowed else " of the vocabulary"
     req.finish(
         "abort",
-        message=f"{field}: no token of the vocabulary continues this grammar",
+        message=f"{field}: no token{where} continues this grammar",
         status_code=400,
         param=field,
     )
