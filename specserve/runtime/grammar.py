@@ -210,10 +210,8 @@ def refuse_by_grammar(req) -> None:
     continues it (the request's own fault: a client error, as its grammar's field says)."""
     field = req.grammar.field
     # (where the request narrowed the draw itself, say so: the grammar alone may be fine)
-    narrowed = [
-        name for name in ("allowed_token_ids", "logit_bias") if getattr(req.params, name, None)
-    ]
-    where = f" that {' and '.join(narrowed)} leave drawable" if narrowed else " of the vocabulary"
+    narrowed = getattr(req.params, "allowed_token_ids", None)
+    where = " among allowed_token_ids" if narrowed else " of the vocabulary"
     req.finish(
         "abort",
         message=f"{field}: no token{where} continues this grammar",
