@@ -136,3 +136,52 @@ def test_under_chunked_prefill_a_sharer_starts_where_the_computing_request_got_t
     ref, _, _ = burst(prompts, disable_radix_cache=True, **kw, **spec)
     assert outs == ref
     assert cached[0] == 0 and cached[1] >= 150 - 2 * page_size, cached
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_request_held_back_for_a_prefix_does_not_stall_a_partial_prefill_behind_it(page_size):
+    """A 100-token cache. C computes a 40-token prefix; S, sharing it, waits for C's batch;
+    P, unrelated, takes the rest of the 64-token prefill budget (20 of its 60 tokens). Once
+    C has finished, S (83 tokens, 43 beyond the cached prefix) does not fit beside P's 20:
+    P's remaining chunks must go first, else nothing ever frees a page and both wait
+    forever. Each request's output is its output alone."""
+    from specserve.config import EngineConfig
+    from specserve.runtime.engine_core import EngineCore
+
+    g = torch.Generator().manual_seed(page_size)
+    prefix = torch.randint(3, 500, (40,), generator=g).tolist()
+    prompts = {
+        "C": prefix + torch.randint(3, 500, (4,), generator=g).tolist(),
+        "S": prefix + torch.randint(3, 500, (43,), generator=g).tolist(),
+        "P": torch.randint(3, 500, (60,), generator=g).tolist(),
+    }
+    lengths = {"C": 5, "S": 3, "P": 3}
+    kw = dict(TINY, page_size=page_size, max_total_tokens=100)
+    cfg = EngineConfig.from_kwargs(
+        **kw, chunked_prefill_size=64, disable_overlap_schedule=True, debug_check_invariants=True
+    )
+    core = EngineCore(cfg.resolve())
+    reqs = {
+        rid: Request(
+            rid,
+            ids,
+            SamplingParams(temperature=0.0, max_new_tokens=lengths[rid], ignore_eos=True),
+            0,
+        )
+        for rid, ids in prompts.items()
+    }
+    for r in reqs.values():
+        core.add_request(r)
+    steps = 0
+    while core.has_work():
+        core.step()
+        steps += 1
+        assert steps < 100, {r.rid: (r.state.value, r.kv_len) for r in reqs.values()}
+    # it did wait for C's prefix (P's last chunks may have evicted the end of it)
+    assert reqs["S"].cached_tokens >= 32
+    with Engine(**kw, disable_radix_cache=True) as e:
+        for rid, ids in prompts.items():
+            sp = {"temperature": 0.0, "max_new_tokens": lengths[rid], "ignore_eos": True}
+            assert (
+                reqs[rid].output_ids == e.generate(input_ids=ids, sampling_params=sp)["output_ids"]
+            )

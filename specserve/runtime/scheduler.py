@@ -191,7 +191,12 @@ class Scheduler:
         headroom = self._decode_headroom_pages(max_accept)
         # prompts this batch computes and caches, which later requests may wait for
         sharing = PrefillSharing(self.table.page_size) if self.cache is not None else None
-        for req in list(self.waiting):
+        # A request part way through its prefill goes first: it holds pages, and one queued
+        # ahead of it (held back for a shared prefix) that cannot fit beside them would
+        # otherwise block it for good once nothing runs that could free pages.
+        partial = [r for r in self.waiting if r.state is ReqState.PREFILLING]
+        rest = [r for r in self.waiting if r.state is not ReqState.PREFILLING]
+        for req in partial + rest:
             if req.state is ReqState.WAITING and active >= self.limits.max_running_requests:
                 break
             first = req.prefill_after
