@@ -102,7 +102,9 @@ def test_a_large_answer_with_log_probs_is_assembled_off_the_event_loop(server, h
     assert len(choices) == 64
     assert all(len(c["logprobs"]["content"]) == 200 for c in choices)
     assert all(len(e["top_logprobs"]) == 20 for e in choices[5]["logprobs"]["content"])
-    assert slowest < 0.5, f"/health took {slowest:.1f} s while the answer was assembled"
+    # (on the loop it held /health 2 s on an idle machine; off it, a loaded 2-core machine
+    # running the suite in parallel still delayed /health 0.8 s)
+    assert slowest < 1.5, f"/health took {slowest:.1f} s while the answer was assembled"
     wait_idle(http)
 
 
