@@ -405,7 +405,9 @@ def test_quick_seeds_retract_hit_the_cache_and_abort_in_every_phase():
     assert {"waiting", "prefilling", "running", "finished"} <= phases, phases
 
 
+# (40 heavy seeds: about 2 minutes on one CI worker, which runs a test file at a time; wider
+# sweeps are for changes to the scheduler: pass more seeds by editing this range locally)
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(100, 220))
+@pytest.mark.parametrize("seed", range(100, 140))
 def test_random_workloads_with_aborts_heavy(seed, plain_engine):
     run_case(draw_case(seed, heavy=True), plain_engine)
