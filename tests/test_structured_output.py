@@ -307,6 +307,9 @@ def test_a_bad_or_unservable_grammar_is_refused_naming_its_field(models):
         ({"type": "array", "items": {"type": "integer"}, "minItems": 1.5}, "minItems (1.5"),
         ({"type": "object", "properties": {"x": {"type": "object", "maxProperties": "2"}}},
          "maxProperties (2, not a non-negative integer) at /properties/x"),
+        # (an escaped letter the grammar does not know is read as the letter: \A allowed "A")
+        ({"type": "object", "properties": {"id": {"type": "string", "pattern": r"\A[a-z]+\Z"}}},
+         "pattern escape \\A (read as the letter A) at /properties/id"),
     ],
 )  # fmt: skip
 def test_a_schema_whose_constraints_the_grammar_would_not_enforce_is_refused(models, schema, named):

@@ -22,6 +22,7 @@ import torch
 
 from specserve.errors import InvalidArgument
 from specserve.runtime.json_schema_support import SUPPORTED, unenforced
+from specserve.runtime.regex_support import REGEX_ESCAPES, literal_escape
 from specserve.sampling_params import GRAMMAR_PARAMS
 
 # xgrammar's error text starts with its log prefix: "[18:30:28] /project/cpp/x.cc:94: ", and
@@ -103,7 +104,7 @@ class GrammarCompiler:
                     field,
                     f"uses what structured output cannot enforce ({shown}); supported: {SUPPORTED}",
                 )
-        if field == "regex" and (escape := _literal_escape(spec)) is not None:
+        if field == "regex" and (escape := literal_escape(spec)) is not None:
             raise InvalidArgument(
                 field,
                 f"uses the escape {escape}, which structured output would read as the letter "
@@ -127,24 +128,6 @@ class GrammarCompiler:
         if not first.any():
             raise InvalidArgument(field, "no token of the vocabulary can begin an output of it")
         return compiled
-
-
-# Letters xgrammar reads as escapes (or refuses itself: \b outside a class, \k, \p). Any
-# other escaped letter it takes as that letter, where Python's re (the regex dialect of SGLang
-# and vLLM) gives it a meaning or refuses it: \A[a-z]+\Z allowed "AabZ".
-_ESCAPE_LETTERS = frozenset("aefnrtvdDsSwWbBxucpPk")
-REGEX_ESCAPES = r"\d \D \s \S \w \W \n \r \t \f \v \a \e \0 \xHH \uHHHH \cX"
-
-
-def _literal_escape(regex: str) -> str | None:
-    """The first escape in `regex` of a letter xgrammar would take literally, if any."""
-    i = regex.find("\\")
-    while 0 <= i < len(regex) - 1:
-        c = regex[i + 1]
-        if c.isascii() and c.isalpha() and c not in _ESCAPE_LETTERS:
-            return "\\" + c
-        i = regex.find("\\", i + 2)  # (past the escaped character: \\A is a backslash, A)
-    return None
 
 
 def _not_json(name: str):

@@ -7,8 +7,9 @@ allowed `null`, of an integer and a minimum of 3 allowed 1; `uniqueItems` allowe
 nothing a schema accepts (`contains`, `patternProperties`, `propertyNames`); and it drops a
 constraint beside a `$ref`, `anyOf`, `enum` and the like, or on a schema without a `type`;
 a `$ref` that is no JSON pointer into the schema itself (another document, an anchor, an
-absolute URI) or a `type` of no types compiled to any JSON value at all, and a negative
-length or count to no limit.
+absolute URI) or a `type` of no types compiled to any JSON value at all, a negative
+length or count to no limit, and a `pattern` escaping a letter the grammar does not know
+(`\\A`) to that letter (runtime/regex_support.py).
 (`oneOf` is enforced as `anyOf`: a value matching two branches is taken.) An output that ends "stop" must satisfy its schema,
 so such schemas are refused up front, naming each keyword and where it is (as vLLM refuses
 the features its xgrammar backend does not support).
@@ -17,6 +18,8 @@ the features its xgrammar backend does not support).
 from __future__ import annotations
 
 from typing import Any
+
+from specserve.runtime.regex_support import literal_escape
 
 # keywords whose constraint the compiled grammar does not enforce (`allOf` of one subschema
 # it does: pydantic wraps a described reference so, {"allOf": [{"$ref": ...}]})
@@ -111,6 +114,9 @@ def _walk(schema: Any, path: str, found: list[str]) -> None:
         value = schema.get(key)
         if key in schema and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             found.append(f"{key} ({str(value)[:40]}, not a non-negative integer) at {where}")
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and (escape := literal_escape(pattern)) is not None:
+        found.append(f"pattern escape {escape} (read as the letter {escape[1]}) at {where}")
     if schema.get("uniqueItems") is True:
         found.append(f"uniqueItems at {where}")
     required = schema.get("required")
