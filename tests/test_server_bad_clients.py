@@ -117,7 +117,9 @@ def test_a_batch_of_many_token_ids_is_checked_and_echoed_off_the_event_loop(serv
     assert r.status_code == 200, r.text[:300]
     choices = r.json()["choices"]
     assert len(choices) == 2000 and all(c["text"] for c in choices)
-    assert slowest < 0.25, f"/health took {slowest:.2f} s while the batch was admitted"
+    # (on the loop: 0.7 s on an idle machine; off it, a loaded 2-core machine running the
+    # suite in parallel still delayed /health 0.28 s)
+    assert slowest < 0.5, f"/health took {slowest:.2f} s while the batch was admitted"
 
 
 # ---- refusals name the field the client wrote -------------------------------------------------
