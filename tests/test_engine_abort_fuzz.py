@@ -19,9 +19,7 @@ interleaving of submissions, aborts and steps (up to the adaptive policy's timin
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 import threading
 from dataclasses import dataclass, field
 
@@ -30,8 +28,8 @@ import pytest
 from specserve import Engine
 from specserve.model.config import PRESETS
 from specserve.runtime.request import Request
-from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 from tests.engine_utils import TINY, spec_args
+from tests.test_overlap_beside_fuzz import eagle_checkpoint
 
 VOCAB = PRESETS["tiny"].vocab_size
 EOS = PRESETS["tiny"].eos_token_ids[0]
@@ -49,14 +47,6 @@ SPEC_CONFIGS = [
     ("adaptive", 1, 2, 3),
 ]
 ABORT_MODES = ("now", "step", "prefilling", "tokens", "finished")
-_EAGLE: list[str] = []
-
-
-def eagle_checkpoint() -> str:
-    if not _EAGLE:
-        folder = os.path.join(tempfile.mkdtemp(prefix="abort-fuzz-"), "eagle")
-        _EAGLE.append(write_random_eagle_checkpoint(folder, PRESETS["tiny"], "EAGLE", seed=2))
-    return _EAGLE[0]
 
 
 # ---- a workload ---------------------------------------------------------------------------

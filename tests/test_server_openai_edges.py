@@ -7,28 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.engine import Engine
-from specserve.server.app import create_app
-from specserve.server.state import ServerConfig
-from tests.test_server import Served, ServerThread
-from tests.test_server_openai_compat import events
+from tests import test_server_openai_compat as compat
+from tests.test_server_openai_compat import CHAT, COMPLETIONS, MESSAGES, events
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from tests.model_factory import write_hf_model
-
-    folder = write_hf_model(tmp_path_factory.mktemp("m"), vocab_size=101, with_tokenizer=True)
-    with Engine(model_path=folder, dtype="float32", device="cpu", context_length=256) as engine:
-        app = create_app(engine, ServerConfig(), owns_engine=False)
-        with ServerThread(app) as srv:
-            s = Served(engine, srv, "m")
-            yield s
-            s.http.close()
+served = compat.served  # (the same fixture: a tiny model with a real tokenizer, per module)
 
 
 def _body(route: str, **extra) -> dict:
