@@ -9,7 +9,7 @@ x_j at j (delta 1).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,7 @@ class DraftHead(nn.Module):
 
     takes_request_tokens = False  # observe_tokens does something (a growing vocabulary)
 
-    def observe_tokens(self, tokens_by_request: Mapping[str, Iterable[int]]) -> None:
+    def observe_tokens(self, tokens_by_request: Mapping[str, Sequence[int]]) -> None:
         """Prompt and output tokens of running requests: a growing draft vocabulary
         (speculative/draft_vocab.py) takes those it lacks."""
 

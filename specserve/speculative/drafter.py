@@ -23,7 +23,7 @@ draft ("draft extend") so its KV for them is exactly what a plain pass would com
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,7 +106,7 @@ class TreeDrafter:
         """Whether the head wants the requests' tokens (else callers skip building them)."""
         return self.head.takes_request_tokens
 
-    def observe_tokens(self, tokens_by_request: Mapping[str, Iterable[int]]) -> None:
+    def observe_tokens(self, tokens_by_request: Mapping[str, Sequence[int]]) -> None:
         self.head.observe_tokens(tokens_by_request)
 
     def release_tokens(self, request_ids: Iterable[str]) -> None:

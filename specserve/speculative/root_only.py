@@ -6,7 +6,7 @@ rest of the engine needs no "is there a drafter" branch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ class RootOnlyDrafter:
     def extend_after_prefill(self, chunks, target_out, done, sampled) -> torch.Tensor | None:
         return None
 
-    def observe_tokens(self, tokens_by_request: Mapping[str, Iterable[int]]) -> None:
+    def observe_tokens(self, tokens_by_request: Mapping[str, Sequence[int]]) -> None:
         pass
 
     def release_tokens(self, request_ids: Iterable[str]) -> None:
