@@ -217,15 +217,13 @@ class RequestRows:
         # a (row, index) written twice (truncated, then given a new page) keeps its latest
         # page: the first of each in reverse order (an index_put with repeated indices would
         # pick any)
-        keys = upd[0] * self.pages.shape[1] + upd[1]  # (flat positions in `pages`)
+        keys = upd[0] * self.pages.shape[1] + upd[1]
         _, last = np.unique(keys[::-1], return_index=True)
         if len(last) < len(keys):
-            keep = len(keys) - 1 - last
-            keys, upd = keys[keep], upd[:, keep]
-        host = torch.from_numpy(np.stack([keys, upd[2]]))  # [2, N]
-        keys, pages = to_device(host, self.device)
-        # (one flat copy: indexing by row and position took several kernels a step)
-        self.pages.view(-1).index_copy_(0, keys, pages.to(torch.int32))
+            upd = upd[:, len(keys) - 1 - last]
+        host = torch.from_numpy(np.ascontiguousarray(upd))  # [3, N]
+        upd = to_device(host, self.device)
+        self.pages[upd[0], upd[1]] = upd[2].to(torch.int32)
 
     # ---- sampling parameters by row ------------------------------------------------------------
     def sampling_tag(self, row: int) -> object | None:
