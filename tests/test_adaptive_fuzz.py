@@ -254,17 +254,25 @@ def test_random_verify_plans_keep_closed_trees_of_the_exact_total(seed):
 @pytest.mark.parametrize("seed", range(100))
 def test_random_draft_lag_sequences(seed):
     """Against a model of what the device does: the draft is exact up to draft_len, which a
-    catch-up moves to kv_len and a drafting step keeps there; a plain step adds to the lag."""
+    catch-up moves to kv_len and a drafting step keeps there; a plain step adds to the lag.
+    Requests join (their draft current) and finish between steps, as in a serving batch."""
     rng = random.Random(seed)
     cap = rng.randint(1, 6)
     lag = DraftLag(cap)
-    reqs = [
-        Request(str(i), [1], SamplingParams(speculative=rng.random() < 0.8), seed=0)
-        for i in range(rng.randint(1, 4))
-    ]
-    kv = {r.rid: 1 for r in reqs}
-    draft_len = dict(kv)
-    for _ in range(40):
+    joined = iter(range(10**6))
+
+    def join() -> Request:
+        r = Request(str(next(joined)), [1], SamplingParams(speculative=rng.random() < 0.8), seed=0)
+        kv[r.rid] = draft_len[r.rid] = 1
+        return r
+
+    kv, draft_len = {}, {}
+    reqs = [join() for _ in range(rng.randint(1, 4))]
+    for _ in range(60):
+        if rng.random() < 0.15:
+            reqs.append(join())
+        if len(reqs) > 1 and rng.random() < 0.1:
+            reqs.pop(rng.randrange(len(reqs)))  # (finished)
         tier = rng.choice([0, 0, 1, 2])
         pays = rng.random() < 0.5
         step = lag.plan(reqs, tier, lambda pays=pays: pays)
@@ -274,6 +282,8 @@ def test_random_draft_lag_sequences(seed):
             if step.catch_up and speculating:
                 assert kv[r.rid] - draft_len[r.rid] <= cap  # the ring holds the whole lag
                 draft_len[r.rid] = kv[r.rid]
+            if tier > 0 and speculating:  # (drafting needs the draft current)
+                assert draft_len[r.rid] == kv[r.rid], (r.rid, step)
             if tier == 0 and speculating:
                 assert kv[r.rid] - draft_len[r.rid] < cap  # room in the ring for this one
             kv[r.rid] += n

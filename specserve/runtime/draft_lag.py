@@ -35,6 +35,10 @@ class DraftLag:
         self.capacity = capacity
         self.num_catch_ups = 0
         self.num_stale = 0
+        # whether a plain step was planned since the last catch-up: if not, no speculating
+        # request lags (a catch-up leaves every one of them current, a request joins current,
+        # and only a plain step puts one behind), so the batch need not be looked through
+        self._skipped_since_catch_up = False
 
     def speculating(self, req: Request) -> bool:
         return req.params.speculative and not req.draft_stale
@@ -43,6 +47,8 @@ class DraftLag:
         """Whether a step of `tier` first catches the draft up, `live` being its speculating
         requests: a speculative step wherever one of them lags, a plain one only where one's
         ring is full and speculation pays (else those stop speculating)."""
+        if not self._skipped_since_catch_up:
+            return False
         if tier > 0:
             return any(r.draft_lag > 0 for r in live)
         return any(r.draft_lag >= self.capacity for r in live) and speculation_pays()
@@ -74,9 +80,11 @@ class DraftLag:
             everyone = everyone and not full
         if catch_up:
             self.num_catch_ups += 1
+            self._skipped_since_catch_up = False
             for r in live:  # (none of them was just left behind: that needs no catch-up)
                 r.draft_lag = 0
         if tier == 0:
+            self._skipped_since_catch_up = True
             for r in reqs:
                 r.draft_lag += 1
         stale = (
