@@ -1385,7 +1385,7 @@ def test_a_best_tier_demoted_by_one_unlucky_step_is_looked_at_again_within_a_few
     """A tier not served is not observed: one step of 16 requests that accepted little drops
     the best tier's estimate below a wider tree's, and it stays that low until an
     exploration runs it again. (SmolLM2 at batch 16 on an H100: the 4/4/16 tree's estimate went
-    from 2.39 to 2.18 against 2.95 served, and the 6/8/64 tree and a chain, 10-16% slower,
+    from 2.39 to 2.18 against 2.95 served, and the 6/8/64 tree and a chain, 13-17% slower,
     served the next 45 steps.) The change of best tier brings that exploration within a few
     picks, and the demoted tier serves again."""
     tiers = [PLAIN, TreeShape(4, 4, 16), TreeShape(6, 8, 64)]

@@ -100,7 +100,7 @@ EXPLORE_BUDGET = 0.01
 # (4 by default; still within the budget).
 # (SmolLM2 at batch 16 on an H100: one step of 16 requests took the 4/4/16 tree's estimate
 # from 2.39 to 2.18 against 2.95 served, the 6/8/64 tree and the chain of 3 served the next
-# 45 steps, 10-16% slower, until the exploration due 32 picks on looked at it again: 0.95 of
+# 45 steps, 13-17% slower, until the exploration due 32 picks on looked at it again: 0.95 of
 # the best fixed tier there, 1.00 with this; in a simulation of those steps, the worst of ten
 # seeds 0.95 against 0.97.)
 FIRST_LOOK = 1 / 8

@@ -1,0 +1,153 @@
+"""The adaptive policy's tokens per millisecond against every fixed tier's, on a simulated
+stream shaped like SmolLM2-135M with its bundled draft (the served 6/8/64 tree's tiers) on
+an H100: each tier's device time per step at the batch size (the policy traces' medians), the
+host's time per step, and per request per step an accept length drawn from a per-depth
+acceptance that drifts between easy and hard stretches of text and from step to step, with
+each tree step reporting what the chains within it would have accepted (as the engine does).
+Batches of new requests arrive in turn (`arrived`). No model and no device: what the policy's
+choices alone are worth, seed by seed, and how a policy setting changes them.
+
+    python3 bench/adaptive_policy_simulation.py [--batch-size 16] [--seeds 10] \\
+        [--first-look PICKS] [--json OUT.json]
+
+JSON, then a table: per seed the best fixed tier, its tokens/ms, the policy's, their ratio and
+the steps the policy served per tier; then the mean and the worst ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+# Runnable as a plain script from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specserve.speculative.adaptive import AdaptiveSpeculation, speculation_tiers  # noqa: E402
+from specserve.speculative.tree import TreeShape  # noqa: E402
+
+TIERS = speculation_tiers(TreeShape(6, 8, 64))
+# device ms per step of each tier (plain, chains of 1-3, 4/4/16, the 6/8/64 tree verifying 16
+# and 32 nodes a request, the whole tree) and the host's ms per step, by batch size
+STEP_MS = {
+    16: [1.07, 1.18, 1.27, 1.31, 1.55, 2.2, 2.31, 2.18],
+    64: [1.29, 1.40, 1.48, 1.55, 2.14, 3.31, 4.12, 4.97],
+    128: [1.50, 1.50, 1.69, 1.83, 3.22, 5.08, 6.5, 7.5],
+}
+HOST_MS = {16: 0.8, 64: 1.1, 128: 1.7}
+# per-depth acceptance along the draft's greedy chain, and for the two trees' best branches
+P_CHAIN, P_SMALL_TREE, P_WIDE_TREE = 0.58, 0.73, 0.77
+STEPS_PER_BATCH, BATCHES = 55, 10
+
+
+def _accepted(p: float, depth: int, rng: random.Random) -> int:
+    k = 0
+    while k < depth and rng.random() < p:
+        k += 1
+    return k
+
+
+def step_accepts(tier: int, batch: int, ease: float, rng: random.Random):
+    """(accept length, accepted tokens on the greedy chain) of each request in one step."""
+    shape = TIERS[tier]
+    lens, reach = [], []
+    for _ in range(batch):
+        e = ease + rng.gauss(0, 0.08)  # (this request's text)
+        on_chain = _accepted(min(0.95, P_CHAIN + e), shape.max_depth, rng)
+        if tier == 0:
+            lens.append(1)
+            reach.append(0)
+        elif shape.topk == 1:
+            lens.append(1 + on_chain)
+            reach.append(on_chain)
+        else:
+            p = P_SMALL_TREE if shape.tokens == 16 else P_WIDE_TREE
+            lens.append(1 + max(on_chain, _accepted(min(0.97, p + e), shape.max_depth, rng)))
+            reach.append(on_chain)
+    return lens, reach
+
+
+def run(batch: int, seed: int, fixed: int | None = None, first_look: int | None = None):
+    """Tokens per ms of a fixed tier, or (fixed None) of the policy, and steps per tier."""
+    rng = random.Random(seed)
+    ms = STEP_MS[batch]
+    policy = AdaptiveSpeculation(TIERS, measure=lambda b, t: ms[t] / 1e3)
+    if first_look is not None:
+        policy.first_look = first_look
+    tokens = spent = 0.0
+    counts = [0] * len(TIERS)
+    for b in range(BATCHES):
+        policy.arrived(batch)
+        for s in range(STEPS_PER_BATCH):
+            ease = (0.1 if (s // 20 + b) % 2 == 0 else -0.1) + rng.gauss(0, 0.05)
+            tier = fixed if fixed is not None else policy.pick(batch)
+            lens, reach = step_accepts(tier, batch, ease, rng)
+            device = ms[tier] * (1 + rng.gauss(0, 0.02))
+            if fixed is None:
+                host = HOST_MS[batch] * (1 + rng.gauss(0, 0.05))
+                policy.observe_host(tier, batch, host / 1e3, sum(lens))
+                chains = None if TIERS[tier].ragged else reach
+                policy.observe(tier, batch, lens, device / 1e3, chains)
+            counts[tier] += 1
+            tokens += sum(lens)
+            spent += max(device, HOST_MS[batch])
+    return tokens / spent, counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-size", type=int, default=16, choices=sorted(STEP_MS))
+    p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--first-look", type=int, default=None, help="picks (default: the policy's)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.seeds < 1:
+        p.error("--seeds must be at least 1")
+    if args.first_look is not None and args.first_look < 1:
+        p.error("--first-look must be at least 1")
+    rows = []
+    for seed in range(args.seeds):
+        fixed = {
+            t: run(args.batch_size, seed, fixed=t)[0]
+            for t in range(len(TIERS))
+            if not TIERS[t].ragged
+        }
+        best = max(fixed, key=fixed.get)
+        got, counts = run(args.batch_size, seed, first_look=args.first_look)
+        rows.append(
+            {
+                "seed": seed,
+                "best_fixed": str(TIERS[best]),
+                "best_tokens_per_ms": fixed[best],
+                "adaptive_tokens_per_ms": got,
+                "ratio": got / fixed[best],
+                "steps": {str(TIERS[t]): c for t, c in enumerate(counts) if c},
+            }
+        )
+    ratios = [r["ratio"] for r in rows]
+    out = {
+        "batch_size": args.batch_size,
+        "first_look": args.first_look,
+        "seeds": rows,
+        "mean_ratio": statistics.mean(ratios),
+        "worst_ratio": min(ratios),
+    }
+    print(json.dumps(out, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    print("| seed | best fixed | tokens/ms | adaptive | ratio | adaptive's steps |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(
+            f"| {r['seed']} | {r['best_fixed']} | {r['best_tokens_per_ms']:.2f} "
+            f"| {r['adaptive_tokens_per_ms']:.2f} | {r['ratio']:.3f} | {r['steps']} |"
+        )
+    print(f"mean {out['mean_ratio']:.3f}, worst {out['worst_ratio']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
