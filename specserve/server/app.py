@@ -198,7 +198,11 @@ def _rids_per_prompt(rid: str | list[str] | None, count: int, single: bool) -> l
                 param="rid",
             )
         return [rid]
-    if single or len(rid) != count:
+    if single:
+        raise APIError(
+            f"rid: one prompt takes its id as a string, got a list of {len(rid)}", param="rid"
+        )
+    if len(rid) != count:
         raise APIError(
             f"rid: has {len(rid)} ids for {count} prompt(s) (a string for one prompt, a list "
             "of one id per prompt for a batch)",
@@ -209,40 +213,51 @@ def _rids_per_prompt(rid: str | list[str] | None, count: int, single: bool) -> l
     return list(rid)
 
 
+def _params_per_prompt(sampling_params, count: int):
+    """Each prompt's sampling parameters (one object for all, or a list of one per prompt, as
+    SGLang and `Engine.generate` take them), and where prompt i's are in the body (errors)."""
+    if not isinstance(sampling_params, list):
+        one = sampling_params.engine_params() if sampling_params else {}
+        return [one] * count, lambda i: "sampling_params."
+    if len(sampling_params) != count:
+        raise APIError(
+            f"sampling_params: has {len(sampling_params)} entries for {count} prompt(s); give "
+            "one object for every prompt, or a list of one per prompt",
+            param="sampling_params",
+        )
+    return [p.engine_params() for p in sampling_params], lambda i: f"sampling_params[{i}]."
+
+
 async def _generate(request: Request, state: ServerState):
     req = await openai_api.parse_body(request, state, GenerateRequest)
     if (req.text is None) == (req.input_ids is None):
         raise APIError("text: give exactly one of text or input_ids", param="text")
-    n = req.sampling_params.n if req.sampling_params else 1
     if req.text is not None:
-        single = isinstance(req.text, str)
-        texts = [req.text] if single else req.text
-        state.size.check_batch(len(texts), n, "text", "sampling_params.n")
-        prompts = [
-            await state.encode(t, prompt_param("text", i, len(texts))) for i, t in enumerate(texts)
-        ]
-        prompt_field = "text"
+        single, prompt_field = isinstance(req.text, str), "text"
+        given = [req.text] if single else req.text
     else:
-        single = isinstance(req.input_ids[0], int)
-        prompts = [list(req.input_ids)] if single else [list(p) for p in req.input_ids]
-        prompt_field = "input_ids"
-        state.size.check_batch(len(prompts), n, prompt_field, "sampling_params.n")
+        single, prompt_field = isinstance(req.input_ids[0], int), "input_ids"
+        given = [req.input_ids] if single else req.input_ids
+    params, where_sp = _params_per_prompt(req.sampling_params, len(given))
+    most = max(range(len(params)), key=lambda i: params[i].get("n", 1))  # (the most samples)
+    n = params[most].get("n", 1)
+    state.size.check_batch(len(given), n, prompt_field, where_sp(most) + "n")
+    if req.text is not None:
+        prompts = [
+            await state.encode(t, prompt_param("text", i, len(given))) for i, t in enumerate(given)
+        ]
+    else:
+        prompts = [list(p) for p in given]
     if req.stream and not single:
         raise APIError("stream: streaming takes one prompt at a time", param="stream")
-    sp = req.sampling_params.engine_params() if req.sampling_params else {}
     # the prompt, and a max_new_tokens given, must fit the context and the KV cache, as on
     # the OpenAI routes (the default of 128 stops at the context instead, as in SGLang)
-    for i, ids in enumerate(prompts):
+    for i, (ids, sp) in enumerate(zip(prompts, params)):
         where = prompt_param(prompt_field, i, len(prompts))
         prompts[i] = ids = state.truncate_prompt(
-            ids, sp.get("truncate_prompt_tokens"), where, prefix="sampling_params."
+            ids, sp.get("truncate_prompt_tokens"), where, prefix=where_sp(i)
         )
-        state.check_context(
-            ids,
-            sp.get("max_new_tokens"),
-            where,
-            "sampling_params.max_new_tokens",
-        )
+        state.check_context(ids, sp.get("max_new_tokens"), where, where_sp(i) + "max_new_tokens")
     logprob_options = req.logprob_options()
     rids = _rids_per_prompt(req.rid, len(prompts), single)
     rename = {
@@ -253,7 +268,7 @@ async def _generate(request: Request, state: ServerState):
     rename.update({name: name for name in logprob_options})
     run = await state.start(
         prompts,
-        [sp] * len(prompts),
+        params,
         rename,
         prefix="sampling_params.",
         rids=rids,

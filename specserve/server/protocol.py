@@ -10,9 +10,18 @@ ignored, except inside `/generate`'s `sampling_params`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from specserve.errors import InvalidArgument
@@ -117,12 +126,25 @@ class NativeSamplingParams(StrictModel):
         return self.model_dump(exclude_unset=True)
 
 
+# /generate's sampling_params: one object for every prompt, or a list of one per prompt (as
+# SGLang and the offline Engine.generate take); the tags only pick the shape, and errors leave
+# them out of the field they name (`sampling_params[1].temperature`)
+_SP_TAGS = ("one", "per_prompt")
+SamplingParamsArg = Annotated[
+    Union[
+        Annotated[NativeSamplingParams, Tag("one")],
+        Annotated[list[NativeSamplingParams], Tag("per_prompt")],
+    ],
+    Discriminator(lambda v: "per_prompt" if isinstance(v, list) else "one"),
+]
+
+
 class GenerateRequest(StrictModel):
     """SGLang's native /generate body."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: NativeSamplingParams | None = None
+    sampling_params: SamplingParamsArg | None = None
     stream: bool = False
     rid: str | list[str] | None = None  # one per prompt (a list for a batch), as SGLang
     # log-probs (SGLang's names), checked by the engine's check_logprob_field
@@ -196,7 +218,7 @@ def _loc_to_param(loc: tuple) -> str | None:
 
 
 def _allowed(loc: tuple) -> str:
-    if len(loc) == 2 and loc[0] == "sampling_params":
+    if len(loc) > 1 and loc[0] == "sampling_params" and len(loc) - isinstance(loc[1], int) == 2:
         names = ", ".join(NativeSamplingParams.model_fields)
         return f"sampling_params allows: {names}"
     return "see the API reference"
@@ -210,6 +232,10 @@ def short(value: Any, limit: int = 60) -> str:
 def validation_error_to_api_error(err: ValidationError) -> APIError:
     first = err.errors(include_url=False)[0]
     kind, loc, msg = first["type"], tuple(first["loc"]), first["msg"]
+    if len(loc) > 1 and loc[0] == "sampling_params" and loc[1] in _SP_TAGS:
+        loc = loc[:1] + loc[2:]
+        if loc == ("sampling_params",) and kind == "model_type":
+            msg = "must be an object of sampling parameters, or a list of one per prompt"
     if kind == "json_invalid":
         return APIError(f"request body is not valid JSON: {msg}")
     if kind == "extra_forbidden":
