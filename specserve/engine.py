@@ -34,7 +34,7 @@ from specserve.runtime.request_inputs import (
     normalize_rids,
 )
 from specserve.runtime.tensor_parallel import start_engine_core
-from specserve.sampling_params import INT64_MAX, SamplingParams, check_field
+from specserve.sampling_params import INT64_MAX, SamplingParams, check_field, noise_seed
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +327,7 @@ class Engine:
             opts["logprob_start_len"] = -1  # (a cached prefix may then cover the prompt)
         with self._lock:
             seeds = [
-                (params.seed + i) % (INT64_MAX + 1)
+                noise_seed((params.seed + i) % (INT64_MAX + 1))
                 if params.seed is not None
                 else self._seed_rng.getrandbits(31)
                 for i in range(params.n)

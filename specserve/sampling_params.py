@@ -218,6 +218,14 @@ def _max_new_tokens(v: Any) -> int:
     return _integer("max_new_tokens", v, 0, "an integer in [0, 2**63)")
 
 
+def noise_seed(seed: int) -> int:
+    """The 32-bit seed the sampler's noise uses (ops/sampling.py keeps a seed's low 32 bits)
+    for a seed in [0, 2**63): the low bits XOR an odd multiple of the high ones, so seeds that
+    differ only above bit 32 (`run << 32 | trial`, or -1 beside 2**32 - 1) draw differently;
+    one below 2**32 is its own (the outputs recorded with it stay the same)."""
+    return (seed ^ ((seed >> 32) * 0x9E3779B1)) & 0xFFFFFFFF
+
+
 def _seed(v: Any) -> int | None:
     # (negative seeds too, as vLLM and OpenAI's API take them: -1 is a common "some seed";
     # the engine draws with the seed modulo 2**63)
