@@ -65,3 +65,16 @@ def test_min_tokens_past_the_default_length_lifts_it(served, route):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "min_tokens" and "at most" in err["message"], err
+
+
+@pytest.mark.parametrize("bad", [-3, 101, 10**12])
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_of_token_ids_outside_the_vocabulary_is_a_400_naming_the_prompt(served, bad, stream):
+    """echo decodes a prompt's ids before the engine checks them: an id the tokenizer cannot
+    hold (negative, or past 2**32) raised inside it, a 500."""
+    body = {"prompt": [[5, 6], [7, bad]], "max_tokens": 2, "echo": True, "stream": stream}
+    r = served.http.post(COMPLETIONS, json=body)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "prompt[1]" and str(bad) in err["message"], err
+    assert "[0, 101)" in err["message"], err

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from specserve.errors import InvalidArgument
 from specserve.runtime.output import verify_tokens
 from specserve.server.logprobs import CompletionLogprobs, chat_content
 from specserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -19,6 +20,7 @@ from specserve.server.state import (
     OFF_LOOP_PROMPT_TOKENS,
     Run,
     ServerState,
+    engine_error,
     prompt_param,
     watch_disconnect,
 )
@@ -187,7 +189,7 @@ async def completions(request: Request, state: ServerState):
     prompts = [
         await state.encode(p, prompt_param("prompt", i, len(given)))
         if isinstance(p, str)
-        else list(p)
+        else _token_ids(state, p, prompt_param("prompt", i, len(given)))
         for i, p in enumerate(given)
     ]
     lengths = [len(p) for p in prompts]  # (before truncate_prompt_tokens cuts them)
@@ -242,6 +244,16 @@ async def completions(request: Request, state: ServerState):
         }
 
     return await json_answer(state, answer, answer_entries(outs, req.logprobs or 0))
+
+
+def _token_ids(state: ServerState, ids: list[int], where: str) -> list[int]:
+    """A prompt given as token ids, each in the vocabulary: checked here, not only by the
+    engine, since echo decodes it first (the tokenizer raises on an id it cannot hold)."""
+    try:
+        state.engine.core.check_token_ids(ids, where)
+    except InvalidArgument as e:
+        raise engine_error(e, {}) from None
+    return list(ids)
 
 
 def _raise_abort(run: Run, outs: list[dict[str, Any]]) -> None:
