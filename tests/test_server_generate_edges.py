@@ -10,26 +10,19 @@ import re
 import httpx
 import pytest
 
-from specserve.engine import Engine
-from specserve.server.app import create_app
-from specserve.server.state import ServerConfig
-from tests.test_server import ServerThread
+from tests import test_server_openai_compat as compat
+
+served = compat.served  # (the same fixture: a tiny model with a real tokenizer, per module)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from tests.model_factory import write_hf_model
-
-    folder = write_hf_model(tmp_path_factory.mktemp("m"), vocab_size=101, with_tokenizer=True)
-    with Engine(model_path=folder, dtype="float32", device="cpu", context_length=128) as e:
-        yield e
+def http(served):
+    return served.http
 
 
 @pytest.fixture(scope="module")
-def http(engine):
-    app = create_app(engine, ServerConfig(max_queued_requests=64), owns_engine=False)
-    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
-        yield client
+def engine(served):
+    return served.engine
 
 
 def error_of(r: httpx.Response) -> dict:
