@@ -189,7 +189,7 @@ async def completions(request: Request, state: ServerState):
     prompts = [
         await state.encode(p, prompt_param("prompt", i, len(given)))
         if isinstance(p, str)
-        else _token_ids(state, p, prompt_param("prompt", i, len(given)))
+        else list(p)
         for i, p in enumerate(given)
     ]
     lengths = [len(p) for p in prompts]  # (before truncate_prompt_tokens cuts them)
@@ -199,6 +199,10 @@ async def completions(request: Request, state: ServerState):
     # prompt truncate_prompt_tokens cut: the part kept). Decoded before the run starts: no
     # await may come between its start and the watch for the client's disconnect.
     shown = [g if len(p) == k else p for g, p, k in zip(given, prompts, lengths)]
+    if req.echo:  # (decoded before the engine checks the ids, which the tokenizer may not hold)
+        for i, p in enumerate(given):
+            if not isinstance(p, str):
+                _check_token_ids(state, p, prompt_param("prompt", i, len(given)))
     echoes = await _echo_texts(state, shown) if req.echo else None
     run = await state.start(
         prompts, params, _rename(req, "prompt"), logprob_options=req.logprob_options()
@@ -246,14 +250,12 @@ async def completions(request: Request, state: ServerState):
     return await json_answer(state, answer, answer_entries(outs, req.logprobs or 0))
 
 
-def _token_ids(state: ServerState, ids: list[int], where: str) -> list[int]:
-    """A prompt given as token ids, each in the vocabulary: checked here, not only by the
-    engine, since echo decodes it first (the tokenizer raises on an id it cannot hold)."""
+def _check_token_ids(state: ServerState, ids: list[int], where: str) -> None:
+    """Each of a prompt's token ids in the vocabulary (the engine's check, as a 400)."""
     try:
         state.engine.core.check_token_ids(ids, where)
     except InvalidArgument as e:
         raise engine_error(e, {}) from None
-    return list(ids)
 
 
 def _raise_abort(run: Run, outs: list[dict[str, Any]]) -> None:
