@@ -89,3 +89,13 @@ def test_a_list_of_rids_for_one_prompt_is_refused_with_a_message_that_says_why(h
 def test_an_empty_batch_is_refused_naming_the_prompt_field(http, body):
     err = error_of(http.post("/generate", json=body))
     assert err["param"] in ("text", "input_ids", "sampling_params"), err
+
+
+def test_per_prompt_n_counts_the_samples_asked_not_the_largest_n_times_the_prompts(http):
+    """40 prompts, one sampled 64 times: 103 requests, well within the server's 2048 a
+    request; counted as 40 x 64 = 2560 it was refused."""
+    one = {"temperature": 0, "max_new_tokens": 1}
+    params = [{**one, "n": 64}] + [one] * 39
+    r = http.post("/generate", json={"input_ids": [[5, 6]] * 40, "sampling_params": params})
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.json()) == 103

@@ -239,9 +239,9 @@ async def _generate(request: Request, state: ServerState):
         single, prompt_field = isinstance(req.input_ids[0], int), "input_ids"
         given = [req.input_ids] if single else req.input_ids
     params, where_sp = _params_per_prompt(req.sampling_params, len(given))
-    most = max(range(len(params)), key=lambda i: params[i].get("n", 1))  # (the most samples)
-    n = params[most].get("n", 1)
-    state.size.check_batch(len(given), n, prompt_field, where_sp(most) + "n")
+    ns = [p.get("n", 1) for p in params]
+    most = ns.index(max(ns))  # (the entry an error names)
+    state.size.check_batch(len(given), ns[most], prompt_field, where_sp(most) + "n", sum(ns))
     if req.text is not None:
         prompts = [
             await state.encode(t, prompt_param("text", i, len(given))) for i, t in enumerate(given)

@@ -39,13 +39,16 @@ class RequestSize:
         # measured on the first chat request (tokenizing: off the event loop).
         self.message_tokens: int | None = None
 
-    def check_batch(self, prompts: int, n: int, prompt_param: str, n_param: str) -> None:
-        """A request of `prompts` prompts sampled n times each must fit max_queued_requests
-        on an idle server, and max_samples_per_request."""
+    def check_batch(
+        self, prompts: int, n: int, prompt_param: str, n_param: str, samples: int | None = None
+    ) -> None:
+        """A request of `prompts` prompts sampled n times each (`samples` in all where the
+        prompts' n differ, n then the largest) must fit max_queued_requests on an idle server,
+        and max_samples_per_request."""
         limit, name = self.max_samples_per_request, "max_samples_per_request"
         if self.max_queued_requests is not None and self.max_queued_requests < limit:
             limit, name = self.max_queued_requests, "max_queued_requests"
-        if prompts * n <= limit:
+        if (prompts * n if samples is None else samples) <= limit:
             return
         if prompts > limit:
             raise APIError(
