@@ -5,7 +5,8 @@
 # chain of 3), bf16, greedy, EOS ignored, at concurrency 1, 16 and 64 on two workloads:
 #   random  vLLM's random dataset on /v1/completions, 256 tokens in, 256 out
 #   chat    the packaged chat prompts (custom dataset) on /v1/chat/completions, 256 out
-# vLLM's result JSON per run under OUT_DIR (SYSTEM-DATASET-cC.json, client log beside it),
+# vLLM's result JSON per run under OUT_DIR (SYSTEM-DATASET-cC.json, with each request's TTFT
+# and inter-token times; client log beside it),
 # then one table of TTFT, TPOT and output tok/s with specserve/vLLM ratios.
 #   bash bench/serving_vs_vllm.sh OUT_DIR PART
 # PART: specserve, vllm (each fits one device call, under 10 minutes), table (anywhere),
@@ -100,7 +101,7 @@ client() {  # system dataset concurrency
     --max-concurrency "$c" --request-rate inf --num-warmups "$c" --temperature 0 --ignore-eos
     --seed 0 --disable-tqdm --percentile-metrics "ttft,tpot,itl,e2el"
     --metric-percentiles "50,90,99"
-    --save-result --result-dir "$out" --result-filename "$name.json")
+    --save-result --save-detailed --result-dir "$out" --result-filename "$name.json")
   case $2 in
     random) args+=(--backend openai --endpoint /v1/completions --dataset-name random
       --random-input-len 256 --random-output-len 256) ;;
