@@ -187,6 +187,25 @@ def test_cuda_graphs_simulated_acceptance_draws_fresh_lengths():
     assert abs(stats["spec_accept_length"] - 2.3) < 0.1, stats
 
 
+@pytest.mark.parametrize("spec", [{}, dict(SPEC, speculative_eagle_topk=4)])
+def test_short_requests_at_every_batch_size_run_on_graphs_captured_at_start(spec):
+    """Every batch bucket's decode step and every prefill length bucket are captured before
+    the first request (their kernels compile then, not in a request's time): short requests
+    alone and batched, greedy, need no capture while they are served."""
+    spec = dict(spec, speculative_num_draft_tokens=8) if spec else spec
+    with Engine(**GPU, attention_backend="triton", max_running_requests=8, **spec) as e:
+        graphs, prefill = e.core.worker.graphs, e.core.worker.prefill_graphs
+        assert sorted({key[0] for key in graphs.graphs}) == graphs.buckets == [1, 2, 4, 8]
+        assert sorted(prefill.graphs) == [(16, 256), (32, 256), (64, 256), (128, 256),
+                                          (256, 256), (512, 512)]  # fmt: skip
+        at_start = graphs.num_captures, prefill.num_captures
+        for n in (1, 3, 8):
+            prompts = mixed_prompts(n, 512, seed=n, min_len=4, max_len=40)
+            outs = e.generate(input_ids=prompts, sampling_params=GREEDY)
+            assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs)
+        assert (graphs.num_captures, prefill.num_captures) == at_start
+
+
 @pytest.mark.parametrize(
     "spec", [{}, dict(SPEC, speculative_eagle_topk=4, speculative_num_draft_tokens=8)]
 )

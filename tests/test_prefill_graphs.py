@@ -222,3 +222,30 @@ def test_replayed_draft_prefill_writes_the_eager_draft_kv_and_root(eagle_drafts,
     graphed = draft_prefill_snapshots(prompt, kw, padded)
     assert len(eager) == -(-40 // chunk)
     assert_same_draft_prefill(graphed, eager)
+
+
+@pytest.mark.parametrize(
+    "max_tokens, shapes",
+    [
+        (64, [(16, 256), (32, 256), (64, 256)]),
+        (100, [(16, 256), (32, 256), (64, 256), (128, 256)]),  # (a 100-token chunk pads to 128)
+    ],
+)
+def test_every_chunk_length_is_ready_at_start_and_serves_real_prompts(max_tokens, shapes):
+    """Start-up capture makes one shape per chunk-length bucket up to the limit, at its
+    shortest width, from padding alone; requests then prefill through those shapes with the
+    tokens of eager prefills (CPU: the padded forward runs eagerly)."""
+    prompts = mixed_prompts(4, 512, seed=43, min_len=3, max_len=max_tokens)
+    sps = params(4)
+    kw = dict(page_size=4, max_running_requests=1)
+    eager, _, _ = generate(prompts, sps, padded=False, **kw)
+    with Engine(**TINY, **kw) as e:
+        worker = e.core.worker
+        graphs = PrefillGraphs(worker, max_tokens, max_width=e.core.context_len, capture=False)
+        assert graphs.capture_at_start(worker.drafter.capture_layers) == len(shapes)
+        assert sorted(graphs.graphs) == shapes
+        assert graphs.capture_at_start(worker.drafter.capture_layers) == 0  # (kept)
+        worker.prefill_graphs = graphs
+        outs = e.generate(input_ids=prompts, sampling_params=sps)
+        assert sorted(graphs.graphs) == shapes  # (short prompts: no shape beyond them)
+    assert [o["output_ids"] for o in outs] == eager

@@ -412,16 +412,10 @@ class DecodeGraphs:
         """The device time of one greedy step of `tier` at this batch size's bucket (its graph
         replayed on padding rows, captured first if need be): what load-adaptive speculation
         weighs tiers by. None without CUDA graphs or past the largest bucket."""
-        shape = self.bucket(batch_size, MIN_WIDTH)
-        if shape is None or not self.capture:
-            return None
-        self._drop_stale_graphs()
-        key = (*shape, True, False, False, 0, False, False, tier, False)
-        cap = self.graphs.get(key)
+        cap = self._greedy_graph(batch_size, tier)
         if cap is None:
-            cap = self._capture(*key)
-            self.graphs[key] = cap
-            self._covers.clear()
+            return None
+        shape = self.bucket(batch_size, MIN_WIDTH)
         # (a tier timed at a bucket may be picked there: at the next width met there it is
         # wanted like the tiers that ran; without, the first wave to run it at a new width
         # stalled on its eager steps and capture, 0.2 s of a 0.3 s SmolLM2 run at batch 64)
@@ -435,6 +429,38 @@ class DecodeGraphs:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / replays
+
+    @torch.inference_mode()  # (as when a step meets its shape: inputs written in place)
+    def capture_at_start(self, tiers: int) -> int:
+        """Capture the greedy step of each of `tiers` tiers at every batch bucket at the
+        shortest width, before the first request. The first capture at a batch size compiles
+        its kernels' variants: serving SmolLM2 on an H100, the first step at batch 8 stalled
+        every request for 3 s; captures at other widths reuse them (0.08-0.1 s). Returns how
+        many graphs were captured (simulated acceptance's counter left as it was found, as
+        by an idle capture)."""
+        before = len(self.graphs)
+        sim = getattr(self.worker.step, "simulator", None)
+        counter = sim.counter.clone() if sim is not None else None
+        for bs in self.buckets:
+            for tier in range(tiers):
+                self._greedy_graph(bs, tier)
+        if counter is not None:
+            sim.counter.copy_(counter)
+        return len(self.graphs) - before
+
+    def _greedy_graph(self, batch_size: int, tier: int) -> _Captured | None:
+        """The graph of a greedy step of `tier` at this batch size's bucket and the shortest
+        width, captured if need be (None without graphs or past the largest bucket)."""
+        shape = self.bucket(batch_size, MIN_WIDTH)
+        if shape is None or not self.capture:
+            return None
+        self._drop_stale_graphs()
+        key = (*shape, True, False, False, 0, False, False, tier, False)
+        cap = self.graphs.get(key)
+        if cap is None:
+            cap = self.graphs[key] = self._capture(*key)
+            self._covers.clear()
+        return cap
 
     @staticmethod
     def _copy_inputs(cap: _Captured, rows: list[int]) -> None:

@@ -145,6 +145,10 @@ def build_engine_parts(cfg: EngineConfig, tp=None) -> EngineParts:
         _attach_graphs(cfg, worker, context_len, window)
     scheduler = _scheduler(cfg, table, worker, draft, max_total_tokens)
     adaptive = _adaptive_policy(cfg, tiers, worker, tp)
+    if tp is None or tp.size == 1:
+        # (a capture on rank 0 alone would wait forever in its collectives: tensor-parallel
+        # ranks capture together as steps meet their shapes)
+        _capture_at_start(worker, adaptive is None)
     unsupported = None
     if tp is not None and tp.size > 1:
         unsupported = "is not supported with tp_size > 1"
@@ -186,6 +190,25 @@ def _attach_graphs(cfg: EngineConfig, worker: Worker, context_len: int, window: 
 
         worker.prefill_graphs = PrefillGraphs(
             worker, cfg.cuda_graph_max_prefill_tokens, max_width=context_len
+        )
+
+
+def _capture_at_start(worker: Worker, decode: bool) -> None:
+    """Graphs captured before the first request, so that their kernels compile now and not
+    in a request's time: the decode step at every batch bucket (decode: adaptive speculation
+    captured every tier there already, timing them) and a prefill chunk of every length
+    bucket, each at the shortest width (cuda_graphs.py, prefill_graphs.py)."""
+    start = time.perf_counter()
+    steps = worker.graphs.capture_at_start(1) if decode and worker.graphs is not None else 0
+    chunks = 0
+    if worker.prefill_graphs is not None:
+        chunks = worker.prefill_graphs.capture_at_start(worker.drafter.capture_layers)
+    if steps or chunks:
+        log.info(
+            "captured %d decode-step and %d prefill graph shapes at start in %.1f s",
+            steps,
+            chunks,
+            time.perf_counter() - start,
         )
 
 

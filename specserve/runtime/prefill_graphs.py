@@ -25,6 +25,7 @@ more row when the prompt completes) keeps the eager path.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,22 @@ class PrefillGraphs:
         self._last = (cap, n)
         return ModelOutput(hidden=out.hidden[:n], aux_hidden=[a[:n] for a in out.aux_hidden])
 
+    @torch.inference_mode()  # (as when a step meets its shape: inputs written in place)
+    def capture_at_start(self, capture_layers: tuple[int, ...]) -> int:
+        """Capture a chunk of every token bucket at its shortest width, before the first
+        request. The first capture at a chunk length compiles its kernels' variants: serving
+        SmolLM2 on an H100, a request whose 16-token chunk met it waited 0.67 s for its first
+        token, against 7 ms for the others. Returns how many shapes were captured."""
+        count, tokens = 0, MIN_TOKENS
+        while (shape := self.bucket(0, min(tokens, self.max_tokens))) is not None:
+            if shape not in self.graphs:
+                self.graphs[shape] = self._capture(*shape, capture_layers)
+                count += 1
+            if tokens >= self.max_tokens:
+                break
+            tokens *= 2
+        return count
+
     def draft(self, next_token: torch.Tensor | int) -> torch.Tensor:
         """The draft's prefill of the chunk of the last `forward` (which returned a graph's
         outputs), replayed; `next_token`: the token after the chunk, a [1] device tensor (the
@@ -168,13 +185,19 @@ class PrefillGraphs:
             return cap
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
         cap.graph, cap.out = capture_graph(forward, self.pool, dev)
         cap.last_out = cap.out
         self.num_captures += 1
         if cap.draft_forward is not None:  # reads the target graph's static outputs
             cap.draft_graph, cap.draft_out = capture_graph(cap.draft_forward, self.pool, dev)
             self.num_captures += 1
-        log.info("captured prefill graph: %d tokens, width %d", tokens, width)
+        log.info(
+            "captured prefill graph in %.2f s: %d tokens, width %d",
+            time.perf_counter() - start,
+            tokens,
+            width,
+        )
         return cap
 
     def _draft_forward(self, cap: _Captured, tokens: int, width: int):
