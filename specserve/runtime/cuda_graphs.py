@@ -437,11 +437,14 @@ class DecodeGraphs:
         its kernels' variants: serving SmolLM2 on an H100, the first step at batch 8 stalled
         every request for 3 s; captures at other widths reuse them (0.08-0.1 s). Returns how
         many graphs were captured (simulated acceptance's counter left as it was found, as
-        by an idle capture)."""
+        by an idle capture). The largest bucket first: later, smaller captures reuse its
+        memory in the shared pool. (Smallest first, each capture needed more than any before
+        it had left: SmolLM2's 6/8/64 tree held 10.5 GiB of pool at batch 160, and batch 176
+        ran out of an H100's memory.)"""
         before = len(self.graphs)
         sim = getattr(self.worker.step, "simulator", None)
         counter = sim.counter.clone() if sim is not None else None
-        for bs in self.buckets:
+        for bs in reversed(self.buckets):
             for tier in range(tiers):
                 self._greedy_graph(bs, tier)
         if counter is not None:
