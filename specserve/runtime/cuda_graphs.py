@@ -9,8 +9,10 @@ A step's shapes depend on three host values, which key the graphs:
 - the sampling mode (all greedy; filters on or off; log-probs on or off and their top-k
   width; penalties on or off), which selects host-side code paths and output shapes.
 A graph's one static input is its batch's rows: a step reads each request's pages, KV length
-and sampling parameters by row on the device. Graphs are captured lazily from padding-only
-inputs (so capture writes nothing but scratch) and share one memory pool. A shape without a
+and sampling parameters by row on the device. Graphs are captured from padding-only inputs
+(so capture writes nothing but scratch) and share one memory pool: the greedy step of every
+batch bucket at the shortest width when the engine starts (`capture_at_start`: kernels
+compile then, not in a request's time), the rest as steps meet them. A shape without a
 graph replays the smallest captured graph that covers it (same sampling mode and tier, batch
 and width buckets at least as large, and at most `MAX_COVER_FACTOR` times: more padding
 rows, a wider KV layout) and gets its own graph when the engine is idle (`capture_wanted`)

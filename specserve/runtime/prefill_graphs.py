@@ -7,7 +7,9 @@ steps. So a prefill batch of a single chunk of at most `max_tokens` tokens repla
 captured forward instead; everything else (several requests, longer chunks) runs eagerly.
 
 A graph is keyed by the chunk's length padded up to a power of two (>= MIN_TOKENS) and by the
-context width (start + padded length, padded as decode graphs pad it). Its static inputs are
+context width (start + padded length, padded as decode graphs pad it); every length bucket is
+captured at its shortest width when the engine starts (`capture_at_start`), other widths as
+chunks meet them. Its static inputs are
 the token ids and (row, start, end): the request's KV slots are read on the device from its
 row of `RequestRows`, as a decode step reads them. Padding tokens sit after the chunk, so
 causal attention keeps them out of every real token's view; they read and write only the
