@@ -5,8 +5,8 @@ table of specserve against vLLM from the result files `vllm bench serve --save-r
   python3 bench/serving_vs_vllm.py table OUT_DIR [--json ROWS.json]
 
 Result files are named SYSTEM-DATASET-cCONCURRENCY.json (SYSTEM: specserve or vllm); vLLM's
-client writes mean_ttft_ms, mean_tpot_ms, output_throughput (tok/s), completed, failed,
-total_output_tokens and, for a vLLM server with speculation, spec_decode_acceptance_length.
+client writes mean_ttft_ms, median_ttft_ms, p99_ttft_ms, mean_tpot_ms, output_throughput
+(tok/s), completed, failed, total_output_tokens and, for a vLLM server with speculation, spec_decode_acceptance_length.
 It cannot read specserve's counters, so the script saves them before and after each specserve
 run (SYSTEM-DATASET-cC.before.json / .after.json); the accept length is then tokens emitted
 per verify step, the quantity vLLM reports (1 + accepted drafts per draft). The same counters
@@ -38,6 +38,8 @@ ENGINE_COUNTERS = (
 # (result key, column title, lower is better)
 METRICS = (
     ("mean_ttft_ms", "TTFT ms", True),
+    ("median_ttft_ms", "p50 TTFT ms", True),
+    ("p99_ttft_ms", "p99 TTFT ms", True),
     ("mean_tpot_ms", "TPOT ms", True),
     ("output_throughput", "output tok/s", False),
 )

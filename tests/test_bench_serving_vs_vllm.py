@@ -107,8 +107,14 @@ def test_table_compares_each_dataset_and_concurrency(tmp_path):
     assert r16["ratio_output_throughput"] == pytest.approx(1.25)
 
     table = format_table(rows)
-    assert "random | 1 | 10 | 20 | 0.5 | 1 | 4 | 0.25 | 2000 | 500 | 4 | - | -" in table
-    assert "random | 16 | 30 | 15 | 2 | 2 | 2.5 | 0.8 | 8000 | 6400 | 1.25 | 3 | 2.25" in table
+    assert (
+        "random | 1 | 10 | 20 | 0.5 | 10 | 20 | 0.5 | 20 | 40 | 0.5 | 1 | 4 | 0.25 | 2000 | 500 | 4 | - | -"
+        in table
+    )
+    assert (
+        "random | 16 | 30 | 15 | 2 | 30 | 15 | 2 | 60 | 30 | 2 | 2 | 2.5 | 0.8 | 8000 | 6400 | 1.25 | 3 | 2.25"
+        in table
+    )
     assert "warning" not in table
     # the engine's counters over the run, those the server lacked as "-"
     assert "random | 16 | 30 | 7 | - | - | 2" in table.split("engine during each run")[1]
