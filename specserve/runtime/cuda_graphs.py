@@ -436,8 +436,8 @@ class DecodeGraphs:
     def capture_at_start(self, tiers: int) -> int:
         """Capture the greedy step of each of `tiers` tiers at every batch bucket at the
         shortest width, before the first request. The first capture at a batch size compiles
-        its kernels' variants: serving SmolLM2 on an H100, the first step at batch 8 stalled
-        every request for 3 s; captures at other widths reuse them (0.08-0.1 s). Returns how
+        its kernels' variants: serving SmolLM2 on an H100, the first capture at batch 8 took
+        3 s, those at other widths reuse them (0.08-0.1 s). Returns how
         many graphs were captured (simulated acceptance's counter left as it was found, as
         by an idle capture). The largest bucket first: later, smaller captures reuse its
         memory in the shared pool. (Smallest first, each capture needed more than any before
