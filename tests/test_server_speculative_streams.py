@@ -192,3 +192,33 @@ def test_a_client_leaving_a_speculative_stream_aborts_every_choice(spec_served):
     assert after["specserve_num_inflight_requests"] == 0
     aborted = 'specserve_requests_total{finish_reason="abort"}'
     assert after[aborted] == before[aborted] + 2
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+def test_stop_reason_names_what_the_request_asked_to_stop_at(spec_served, route):
+    """vLLM's `stop_reason` beside SGLang's `matched_stop`: the stop string or stop token id
+    that ended the choice; null for EOS and for length (matched_stop names EOS's id),
+    unstreamed and on the finishing chunk."""
+    base = dict(GREEDY)
+    if route == CHAT:
+        base = {k: v for k, v in GREEDY.items() if k != "prompt"}
+        base["messages"] = [{"role": "user", "content": PROMPT}]
+    answer = _post(spec_served, route, {**base, "return_token_ids": True})["choices"][0]
+    text = answer["text"] if route == COMPLETIONS else answer["message"]["content"]
+    full = answer["token_ids"]
+    k = next(i for i in range(3, len(full)) if full[i] not in full[:i])
+    stop = next(text[i : i + 3] for i in range(4, len(text) - 3) if "\ufffd" not in text[i : i + 3])
+    eos = {"ignore_eos": False, "logit_bias": {str(EOS_ID): 100}, "min_tokens": 4}
+    cases = [  # (extra fields, matched_stop, stop_reason)
+        ({"stop": [stop]}, stop, stop),
+        ({"stop_token_ids": [full[k]]}, full[k], full[k]),
+        (eos, EOS_ID, None),
+        ({}, None, None),  # (length)
+    ]
+    for extra, matched, reason in cases:
+        body = {**base, **extra}
+        choice = _post(spec_served, route, body)["choices"][0]
+        assert (choice["matched_stop"], choice["stop_reason"]) == (matched, reason), extra
+        chunks = events(spec_served, route, {**body, "stream": True})
+        (finish,) = _streamed_choices(chunks, route)[0]["finishes"]
+        assert (finish["matched_stop"], finish["stop_reason"]) == (matched, reason), extra

@@ -58,6 +58,15 @@ def matched_stop(meta: dict[str, Any]) -> Any:
     return (meta.get("finish_reason") or {}).get("matched")
 
 
+def stop_fields(meta: dict[str, Any], stop_token_ids: list[int] | None) -> dict[str, Any]:
+    """What ended a choice, under both peers' names: SGLang's `matched_stop` (the stop string
+    or token, EOS included) and vLLM's `stop_reason` (a stop string or a `stop_token_ids`
+    entry; null for EOS and length)."""
+    matched = matched_stop(meta)
+    asked = isinstance(matched, str) or (matched is not None and matched in (stop_token_ids or ()))
+    return {"matched_stop": matched, "stop_reason": matched if asked else None}
+
+
 def usage(metas: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
     """Completion tokens summed over the choices (in choice order: prompt i's samples are
     i * n ... i * n + n - 1); a prompt sampled n times counts once (as OpenAI), with the
@@ -231,7 +240,7 @@ async def completions(request: Request, state: ServerState):
                 "text": (echoes[i // n] if echoes else "") + out["text"],
                 "logprobs": None,
                 "finish_reason": finish_reason(meta),
-                "matched_stop": matched_stop(meta),
+                **stop_fields(meta, req.stop_token_ids),
             }
             if req.logprobs is not None:
                 choice["logprobs"] = CompletionLogprobs(strings).part(meta, req.echo)
@@ -340,7 +349,7 @@ async def _completion_chunks(
     ) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         if meta is not None:  # the finishing chunk: what stopped the choice, as unstreamed
-            choice["matched_stop"] = matched_stop(meta)
+            choice.update(stop_fields(meta, req.stop_token_ids))
         running = running_usage(now) if continuous else None
         return _chunk(cid, "text_completion", created, state, choice, ids, include_usage, running)
 
@@ -420,7 +429,7 @@ async def chat_completions(request: Request, state: ServerState):
                 "message": {"role": "assistant", "content": out["text"]},
                 "logprobs": None,
                 "finish_reason": finish_reason(meta),
-                "matched_stop": matched_stop(meta),
+                **stop_fields(meta, req.stop_token_ids),
             }
             if req.logprobs:
                 choice["logprobs"] = {"content": chat_content(meta, strings), "refusal": None}
@@ -467,7 +476,7 @@ async def _chat_chunks(
     ) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         if meta is not None:  # the finishing chunk: what stopped the choice, as unstreamed
-            choice["matched_stop"] = matched_stop(meta)
+            choice.update(stop_fields(meta, req.stop_token_ids))
         running = running_usage(now, done) if continuous else None
         kind = "chat.completion.chunk"
         return _chunk(cid, kind, created, state, choice, ids, include_usage, running)

@@ -47,6 +47,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     matched_stop: str | int | None = None
+    stop_reason: str | int | None = None
     token_ids: list[int] | None = None
 
 
@@ -85,6 +86,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     matched_stop: str | int | None = None
+    stop_reason: str | int | None = None
     token_ids: list[int] | None = None
 
 
