@@ -71,6 +71,19 @@ def test_batch_buckets():
     assert all(b % 16 == 0 for b in batch_buckets(256)[4:]) and batch_buckets(256)[-1] == 256
 
 
+def test_start_up_captures_the_buckets_a_batch_can_meet_largest_first():
+    """Captured at engine start: every bucket up to the one holding the most requests that
+    can run together (cuda_graph_max_bs may exceed max_running_requests), largest first."""
+    from types import SimpleNamespace
+
+    worker = SimpleNamespace(rows=SimpleNamespace(version=0))
+    graphs = DecodeGraphs(worker, 256, max_width=4096, capture=False)
+    assert graphs.start_buckets(32) == [32, 16, 8, 4, 2, 1]
+    assert graphs.start_buckets(40) == [48, 32, 16, 8, 4, 2, 1]  # (40 requests: bucket 48)
+    assert graphs.start_buckets(256) == graphs.buckets[::-1]
+    assert graphs.start_buckets(1000) == graphs.buckets[::-1]  # (larger batches run eagerly)
+
+
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_plain_decoding_padded_equals_eager(page_size, overlap):

@@ -225,26 +225,29 @@ def test_replayed_draft_prefill_writes_the_eager_draft_kv_and_root(eagle_drafts,
 
 
 @pytest.mark.parametrize(
-    "max_tokens, shapes",
+    "max_tokens, chunk, shapes",
     [
-        (64, [(16, 256), (32, 256), (64, 256)]),
-        (100, [(16, 256), (32, 256), (64, 256), (128, 256)]),  # (a 100-token chunk pads to 128)
+        (64, None, [(16, 256), (32, 256), (64, 256)]),
+        (100, None, [(16, 256), (32, 256), (64, 256), (128, 256)]),  # (100 pads to 128)
+        (512, 48, [(16, 256), (32, 256), (64, 256)]),  # (no chunk is longer than 48)
     ],
 )
-def test_every_chunk_length_is_ready_at_start_and_serves_real_prompts(max_tokens, shapes):
-    """Start-up capture makes one shape per chunk-length bucket up to the limit, at its
-    shortest width, from padding alone; requests then prefill through those shapes with the
-    tokens of eager prefills (CPU: the padded forward runs eagerly)."""
-    prompts = mixed_prompts(4, 512, seed=43, min_len=3, max_len=max_tokens)
+def test_every_chunk_length_is_ready_at_start_and_serves_real_prompts(max_tokens, chunk, shapes):
+    """Start-up capture makes one shape per chunk-length bucket up to the limit (the graphs'
+    and the scheduler's chunk size), at its shortest width, from padding alone; requests then
+    prefill through those shapes with the tokens of eager prefills (CPU: the padded forward
+    runs eagerly)."""
+    prompts = mixed_prompts(4, 512, seed=43, min_len=3, max_len=min(max_tokens, 120))
     sps = params(4)
-    kw = dict(page_size=4, max_running_requests=1)
+    kw = dict(page_size=4, max_running_requests=1, chunked_prefill_size=chunk or -1)
     eager, _, _ = generate(prompts, sps, padded=False, **kw)
     with Engine(**TINY, **kw) as e:
         worker = e.core.worker
         graphs = PrefillGraphs(worker, max_tokens, max_width=e.core.context_len, capture=False)
-        assert graphs.capture_at_start(worker.drafter.capture_layers) == len(shapes)
+        layers = worker.drafter.capture_layers
+        assert graphs.capture_at_start(layers, chunk) == len(shapes)
         assert sorted(graphs.graphs) == shapes
-        assert graphs.capture_at_start(worker.drafter.capture_layers) == 0  # (kept)
+        assert graphs.capture_at_start(layers, chunk) == 0  # (kept)
         worker.prefill_graphs = graphs
         outs = e.generate(input_ids=prompts, sampling_params=sps)
         assert sorted(graphs.graphs) == shapes  # (short prompts: no shape beyond them)

@@ -433,9 +433,10 @@ class DecodeGraphs:
         return start.elapsed_time(end) / 1e3 / replays
 
     @torch.inference_mode()  # (as when a step meets its shape: inputs written in place)
-    def capture_at_start(self, tiers: int) -> int:
-        """Capture the greedy step of each of `tiers` tiers at every batch bucket at the
-        shortest width, before the first request. The first capture at a batch size compiles
+    def capture_at_start(self, tiers: int, max_batch_size: int) -> int:
+        """Capture the greedy step of each of `tiers` tiers at every batch bucket that a batch
+        of at most `max_batch_size` requests meets, at the shortest width, before the first
+        request. The first capture at a batch size compiles
         its kernels' variants: serving SmolLM2 on an H100, the first capture at batch 8 took
         3 s, those at other widths reuse them (0.08-0.1 s). Returns how
         many graphs were captured (simulated acceptance's counter left as it was found, as
@@ -446,12 +447,19 @@ class DecodeGraphs:
         before = len(self.graphs)
         sim = getattr(self.worker.step, "simulator", None)
         counter = sim.counter.clone() if sim is not None else None
-        for bs in reversed(self.buckets):
+        for bs in self.start_buckets(max_batch_size):
             for tier in range(tiers):
                 self._greedy_graph(bs, tier)
         if counter is not None:
             sim.counter.copy_(counter)
         return len(self.graphs) - before
+
+    def start_buckets(self, max_batch_size: int) -> list[int]:
+        """The batch buckets a batch of at most `max_batch_size` requests meets, largest
+        first (`capture_at_start`'s order)."""
+        largest = self.bucket(max_batch_size, MIN_WIDTH)
+        top = largest[0] if largest is not None else self.buckets[-1]
+        return [bs for bs in reversed(self.buckets) if bs <= top]
 
     def _greedy_graph(self, batch_size: int, tier: int) -> _Captured | None:
         """The graph of a greedy step of `tier` at this batch size's bucket and the shortest

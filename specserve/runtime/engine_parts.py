@@ -148,7 +148,7 @@ def build_engine_parts(cfg: EngineConfig, tp=None) -> EngineParts:
     if tp is None or tp.size == 1:
         # (a capture on rank 0 alone would wait forever in its collectives: tensor-parallel
         # ranks capture together as steps meet their shapes)
-        _capture_at_start(worker, adaptive is None)
+        _capture_at_start(cfg, worker, adaptive is None)
     unsupported = None
     if tp is not None and tp.size > 1:
         unsupported = "is not supported with tp_size > 1"
@@ -193,16 +193,20 @@ def _attach_graphs(cfg: EngineConfig, worker: Worker, context_len: int, window: 
         )
 
 
-def _capture_at_start(worker: Worker, decode: bool) -> None:
+def _capture_at_start(cfg: EngineConfig, worker: Worker, decode: bool) -> None:
     """Graphs captured before the first request, so that their kernels compile now and not
-    in a request's time: the decode step at every batch bucket (decode: adaptive speculation
-    captured every tier there already, timing them) and a prefill chunk of every length
-    bucket, each at the shortest width (cuda_graphs.py, prefill_graphs.py)."""
+    in a request's time, each at the shortest width (cuda_graphs.py, prefill_graphs.py): the
+    decode step at every batch bucket a batch can meet (decode: else adaptive speculation
+    captured every tier at the power-of-two buckets, timing them; a graph there covers the
+    buckets between) and a prefill chunk of every length bucket a chunk can have."""
     start = time.perf_counter()
-    steps = worker.graphs.capture_at_start(1) if decode and worker.graphs is not None else 0
+    steps = 0
+    if decode and worker.graphs is not None:
+        steps = worker.graphs.capture_at_start(1, cfg.max_running_requests)
     chunks = 0
     if worker.prefill_graphs is not None:
-        chunks = worker.prefill_graphs.capture_at_start(worker.drafter.capture_layers)
+        most = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else None  # (-1: whole)
+        chunks = worker.prefill_graphs.capture_at_start(worker.drafter.capture_layers, most)
     if steps or chunks:
         log.info(
             "captured %d decode-step and %d prefill graph shapes at start in %.1f s",

@@ -112,17 +112,18 @@ class PrefillGraphs:
         return ModelOutput(hidden=out.hidden[:n], aux_hidden=[a[:n] for a in out.aux_hidden])
 
     @torch.inference_mode()  # (as when a step meets its shape: inputs written in place)
-    def capture_at_start(self, capture_layers: tuple[int, ...]) -> int:
-        """Capture a chunk of every token bucket at its shortest width, before the first
+    def capture_at_start(self, capture_layers: tuple[int, ...], max_chunk: int | None) -> int:
+        """Capture a chunk of every token bucket up to `max_chunk` tokens (the scheduler's
+        chunk size; None: no limit but the graphs') at its shortest width, before the first
         request. The first capture at a chunk length compiles its kernels' variants: serving
         SmolLM2 on an H100, a request whose 16-token chunk met it waited 0.67 s for its first
         token, against 7 ms for the others. Returns how many shapes were captured."""
-        count, tokens = 0, MIN_TOKENS
-        while (shape := self.bucket(0, min(tokens, self.max_tokens))) is not None:
+        count, tokens, most = 0, MIN_TOKENS, min(self.max_tokens, max_chunk or self.max_tokens)
+        while (shape := self.bucket(0, min(tokens, most))) is not None:
             if shape not in self.graphs:
                 self.graphs[shape] = self._capture(*shape, capture_layers)
                 count += 1
-            if tokens >= self.max_tokens:
+            if tokens >= most:
                 break
             tokens *= 2
         return count
