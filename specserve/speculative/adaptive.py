@@ -254,15 +254,16 @@ class AdaptiveSpeculation:
         """Time every tier at every bucket up to `max_batch_size` now (engine start): capturing
         a tier's graph compiles its kernels for that batch shape, which would otherwise stall
         the first step served at that bucket for every tier at once. Returns how many
-        (tier, bucket) were timed; buckets that cannot be replayed are left to serving."""
+        (tier, bucket) were timed; buckets that cannot be replayed (past the graphs' largest
+        batch) are left to serving. The largest bucket first: smaller captures reuse its
+        memory in the graphs' shared pool (runtime/cuda_graphs.py, `capture_at_start`)."""
+        buckets = [1]
+        while buckets[-1] < batch_bucket(max_batch_size):
+            buckets.append(buckets[-1] * 2)
         timed = 0
-        bucket = 1
-        while bucket <= batch_bucket(max_batch_size):
-            untimed = self._fill(bucket)
+        for bucket in reversed(buckets):
+            self._fill(bucket)
             timed += sum(1 for t, b in self.replayed if b == bucket)
-            if untimed is not None:
-                break  # past the graphs' largest batch: served steps time the rest
-            bucket *= 2
         return timed
 
     def _fill(self, bucket: int) -> int | None:
