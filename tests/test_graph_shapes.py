@@ -84,6 +84,27 @@ def test_start_up_captures_the_buckets_a_batch_can_meet_largest_first():
     assert graphs.start_buckets(1000) == graphs.buckets[::-1]  # (larger batches run eagerly)
 
 
+def test_a_bucket_out_of_memory_at_start_is_left_to_serving_and_the_rest_captured(caplog):
+    """An engine whose largest graph does not fit in memory now still starts: that bucket is
+    captured when a batch meets it (as before start-up captures), the smaller ones now."""
+    from types import SimpleNamespace
+
+    import torch
+
+    worker = SimpleNamespace(rows=SimpleNamespace(version=0), step=SimpleNamespace())
+    graphs = DecodeGraphs(worker, 64, max_width=4096, capture=True)
+
+    def capture(*key, idle=False):
+        if key[0] == 64:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return object()
+
+    graphs._capture = capture
+    assert graphs.capture_at_start(1, 64) == 7  # 48, 32, 16, 8, 4, 2, 1 but not 64
+    assert sorted(key[0] for key in graphs.graphs) == [1, 2, 4, 8, 16, 32, 48]
+    assert "batch 64, tier 0: no memory to capture at start" in caplog.text
+
+
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_plain_decoding_padded_equals_eager(page_size, overlap):

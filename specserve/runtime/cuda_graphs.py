@@ -436,20 +436,25 @@ class DecodeGraphs:
     def capture_at_start(self, tiers: int, max_batch_size: int) -> int:
         """Capture the greedy step of each of `tiers` tiers at every batch bucket that a batch
         of at most `max_batch_size` requests meets, at the shortest width, before the first
-        request. The first capture at a batch size compiles
-        its kernels' variants: serving SmolLM2 on an H100, the first capture at batch 8 took
-        3 s, those at other widths reuse them (0.08-0.1 s). Returns how
-        many graphs were captured (simulated acceptance's counter left as it was found, as
-        by an idle capture). The largest bucket first: later, smaller captures reuse its
-        memory in the shared pool. (Smallest first, each capture needed more than any before
-        it had left: SmolLM2's 6/8/64 tree held 10.5 GiB of pool at batch 160, and batch 176
-        ran out of an H100's memory.)"""
+        request. The first capture at a batch size compiles its kernels' variants: serving
+        SmolLM2 on an H100, the first capture at batch 8 took 3 s, those at other widths
+        reuse them (0.08-0.1 s). Returns how many graphs were captured (simulated
+        acceptance's counter left as it was found, as by an idle capture). The largest
+        bucket first: later, smaller captures reuse its memory in the shared pool. (Smallest
+        first, each capture needed more than any before it had left: SmolLM2's 6/8/64 tree
+        held 10.5 GiB of pool at batch 160, and batch 176 ran out of an H100's memory.) A
+        bucket that does not fit in memory now is left to be captured when met, as before
+        start-up captures: an engine that served then still starts."""
         before = len(self.graphs)
         sim = getattr(self.worker.step, "simulator", None)
         counter = sim.counter.clone() if sim is not None else None
         for bs in self.start_buckets(max_batch_size):
             for tier in range(tiers):
-                self._greedy_graph(bs, tier)
+                try:
+                    self._greedy_graph(bs, tier)
+                except torch.OutOfMemoryError:
+                    log.warning("batch %d, tier %d: no memory to capture at start", bs, tier)
+                    torch.cuda.empty_cache()
         if counter is not None:
             sim.counter.copy_(counter)
         return len(self.graphs) - before
