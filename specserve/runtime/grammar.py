@@ -22,7 +22,7 @@ import torch
 
 from specserve.errors import InvalidArgument
 from specserve.runtime.json_schema_support import SUPPORTED, unenforced
-from specserve.runtime.regex_support import REGEX_ESCAPES, literal_escape
+from specserve.runtime.regex_support import REGEX_ESCAPES, literal_escape, python_dots
 from specserve.sampling_params import GRAMMAR_PARAMS
 
 # xgrammar's error text starts with its log prefix: "[18:30:28] /project/cpp/x.cc:94: ", and
@@ -117,7 +117,7 @@ class GrammarCompiler:
                 # those listed unless additionalProperties allows them)
                 compiled = compiler.compile_json_schema(spec)
             elif field == "regex":
-                compiled = compiler.compile_regex(spec)
+                compiled = _compile_regex(compiler, spec)
             else:
                 compiled = compiler.compile_grammar(spec)
         except Exception as e:  # xgrammar reports a bad schema / pattern as a RuntimeError
@@ -128,6 +128,16 @@ class GrammarCompiler:
         if not first.any():
             raise InvalidArgument(field, "no token of the vocabulary can begin an output of it")
         return compiled
+
+
+def _compile_regex(compiler, spec: str):
+    """A regex compiled with Python's dot (runtime/regex_support.py `python_dots`)."""
+    try:
+        return compiler.compile_regex(python_dots(spec))
+    except Exception:
+        # (the same error again, at its position in the client's own pattern)
+        compiler.compile_regex(spec)
+        raise
 
 
 def _not_json(name: str):

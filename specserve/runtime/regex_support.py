@@ -22,3 +22,31 @@ def literal_escape(regex: str) -> str | None:
             return "\\" + c
         i = regex.find("\\", i + 2)  # (past the escaped character: \\A is a backslash, A)
     return None
+
+
+def python_dots(regex: str) -> str:
+    """`regex` with each unescaped '.' outside a character class as `[^\\n]`: xgrammar's dot
+    takes a newline, Python's re (without the DOTALL flag, which xgrammar refuses) does not,
+    so "a.{3}" finished with "a\\n\\n\\n", an output the client's re.fullmatch rejects."""
+    out, i, in_class = [], 0, False
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\":
+            out.append(regex[i : i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            # (a ']' first in a class, after an optional '^', is a literal bracket)
+            close = i + 1 + (regex[i + 1 : i + 2] == "^")
+            if regex[close : close + 1] == "]":
+                out.append(regex[i : close + 1])
+                i = close + 1
+                continue
+        elif c == ".":
+            c = "[^\\n]"
+        out.append(c)
+        i += 1
+    return "".join(out)

@@ -1,0 +1,40 @@
+"""Structured output under speculative decoding, against the constraint's own meaning: an
+output that finishes "stop" satisfies its JSON schema (checked on the parsed value) or
+matches its regex fully as Python's `re` reads it (the dialect of SGLang and vLLM), or the
+request is refused naming its field. Float32 on the CPU, the tiny random model and EAGLE
+draft of tests/test_structured_output.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from specserve import Engine
+from tests.test_structured_output import _tree, models  # noqa: F401 (a fixture)
+
+
+@pytest.fixture(scope="module")
+def engine(models):  # noqa: F811 (the imported fixture)
+    folder, draft = models
+    with Engine(model_path=folder, device="cpu", **_tree(draft, 3, 2, 6)) as e:
+        yield e
+
+
+def _newline_favoured(engine) -> dict:
+    """Sampling parameters under which the model would write newlines wherever allowed."""
+    (newline,) = engine.tokenizer.encode("\n", add_special_tokens=False)
+    return {"temperature": 0, "max_new_tokens": 8, "logit_bias": {str(newline): 50.0}}
+
+
+def test_a_regex_dot_never_matches_a_newline(engine):
+    """xgrammar's '.' took a newline, where Python's re (and the check a client runs) does
+    not: "a.{3}" finished "stop" with "a\\n\\n\\n". Dots inside a class or escaped stay
+    literal dots, and a class may still allow the newline."""
+    sp = _newline_favoured(engine)
+    for regex in ("a.{3}", "(x|.)b", "a[^b]", r"a[.]\.", r"a[\n.]"):
+        out = engine.generate(prompt="hi", sampling_params={**sp, "regex": regex})
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", (regex, out)
+        assert re.fullmatch(regex, out["text"]), (regex, out["text"])
+    out = engine.generate(prompt="hi", sampling_params={**sp, "regex": "a[^b]"})
+    assert out["text"] == "a\n"  # (a class is as written: it allows the favoured newline)
