@@ -6,11 +6,12 @@ draft of tests/test_structured_output.py."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
-from specserve import Engine
+from specserve import Engine, InvalidArgument
 from tests.test_structured_output import _tree, models  # noqa: F401 (a fixture)
 
 
@@ -38,3 +39,23 @@ def test_a_regex_dot_never_matches_a_newline(engine):
         assert re.fullmatch(regex, out["text"]), (regex, out["text"])
     out = engine.generate(prompt="hi", sampling_params={**sp, "regex": "a[^b]"})
     assert out["text"] == "a\n"  # (a class is as written: it allows the favoured newline)
+
+
+def test_multiple_of_on_numbers_is_refused_and_on_integers_enforced(engine):
+    """multipleOf compiled to nothing on a number, or with a fraction on an integer: outputs
+    such as 964445 finished "stop" against multipleOf 3."""
+    for schema in (
+        {"type": "number", "multipleOf": 3},
+        {"type": ["number", "null"], "multipleOf": 3},
+        {"type": "integer", "multipleOf": 2.5},
+        {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}},
+    ):
+        with pytest.raises(InvalidArgument) as info:
+            engine.generate(prompt="hi", sampling_params={"json_schema": schema})
+        assert info.value.field == "json_schema" and "multipleOf" in str(info.value)
+    schema = {"type": "integer", "multipleOf": 3}
+    for seed in range(4):
+        sp = {"json_schema": schema, "temperature": 1.0, "seed": seed, "max_new_tokens": 16}
+        out = engine.generate(prompt="{", sampling_params=sp)
+        if out["meta_info"]["finish_reason"]["type"] == "stop":
+            assert json.loads(out["text"]) % 3 == 0, out["text"]

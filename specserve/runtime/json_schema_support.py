@@ -8,7 +8,8 @@ nothing a schema accepts (`contains`, `patternProperties`, `propertyNames`); and
 constraint beside a `$ref`, `anyOf`, `enum` and the like, or on a schema without a `type`;
 a `$ref` that is no JSON pointer into the schema itself (another document, an anchor, an
 absolute URI) or a `type` of no types compiled to any JSON value at all, a negative
-length or count to no limit, and a `pattern` escaping a letter the grammar does not know
+length or count to no limit, `multipleOf` on a number (or a fraction on an integer) to
+nothing, and a `pattern` escaping a letter the grammar does not know
 (`\\A`) to that letter (runtime/regex_support.py).
 (`oneOf` is enforced as `anyOf`: a value matching two branches is taken.) An output that ends "stop" must satisfy its schema,
 so such schemas are refused up front, naming each keyword and where it is (as vLLM refuses
@@ -56,7 +57,8 @@ SUPPORTED = (
     "type, properties, required (of the listed properties), additionalProperties, items, "
     "prefixItems, minItems, maxItems, enum, const, anyOf, oneOf, allOf of one schema, "
     "$ref ('#' or a '#/...' pointer) / $defs, minimum, maximum, exclusiveMinimum, "
-    "exclusiveMaximum, multipleOf, minLength, maxLength, pattern, format, minProperties, "
+    "exclusiveMaximum, multipleOf (an integer, on integers), minLength, maxLength, pattern, "
+    "format, minProperties, "
     "maxProperties (where the schema gives a type, and not beside $ref, allOf, anyOf, oneOf, "
     "enum or const)"
 )
@@ -114,6 +116,8 @@ def _walk(schema: Any, path: str, found: list[str]) -> None:
         value = schema.get(key)
         if key in schema and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             found.append(f"{key} ({str(value)[:40]}, not a non-negative integer) at {where}")
+    if "multipleOf" in schema and "type" in schema and not _integer_multiple(schema):
+        found.append(f"multipleOf (enforced only on an integer type, by an integer) at {where}")
     pattern = schema.get("pattern")
     if isinstance(pattern, str) and (escape := literal_escape(pattern)) is not None:
         found.append(f"pattern escape {escape} (read as the letter {escape[1]}) at {where}")
@@ -137,6 +141,14 @@ def _walk(schema: Any, path: str, found: list[str]) -> None:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
                 _walk(sub, f"{path}/{key}/{_pointer(name)}", found)
+
+
+def _integer_multiple(schema: dict) -> bool:
+    """multipleOf as the grammar enforces it: an integer on a schema of integers (on a number
+    it compiled to nothing, 964445 passing for a multiple of 3; so did 2.5 on an integer)."""
+    types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    value = schema["multipleOf"]
+    return "number" not in types and isinstance(value, int) and not isinstance(value, bool)
 
 
 def _pointer(name: str) -> str:
