@@ -59,3 +59,14 @@ def test_multiple_of_on_numbers_is_refused_and_on_integers_enforced(engine):
         out = engine.generate(prompt="{", sampling_params=sp)
         if out["meta_info"]["finish_reason"]["type"] == "stop":
             assert json.loads(out["text"]) % 3 == 0, out["text"]
+
+
+def test_a_raw_newline_in_a_regex_class_is_served(engine):
+    """Python's re takes a newline character inside a class; xgrammar refused it with "EBNF
+    lexer error ... Character class should not contain newline", a grammar the client never
+    wrote."""
+    sp = _newline_favoured(engine)
+    for regex in ("a[\n]", "a[^\nb]x", "a\nb"):
+        out = engine.generate(prompt="hi", sampling_params={**sp, "regex": regex})
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", (regex, out)
+        assert re.fullmatch(regex, out["text"]), (regex, out["text"])

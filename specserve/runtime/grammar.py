@@ -22,7 +22,7 @@ import torch
 
 from specserve.errors import InvalidArgument
 from specserve.runtime.json_schema_support import SUPPORTED, unenforced
-from specserve.runtime.regex_support import REGEX_ESCAPES, literal_escape, python_dots
+from specserve.runtime.regex_support import REGEX_ESCAPES, literal_escape, python_regex
 from specserve.sampling_params import GRAMMAR_PARAMS
 
 # xgrammar's error text starts with its log prefix: "[18:30:28] /project/cpp/x.cc:94: ", and
@@ -131,9 +131,9 @@ class GrammarCompiler:
 
 
 def _compile_regex(compiler, spec: str):
-    """A regex compiled with Python's dot (runtime/regex_support.py `python_dots`)."""
+    """A regex compiled with Python's meaning (runtime/regex_support.py `python_regex`)."""
     try:
-        return compiler.compile_regex(python_dots(spec))
+        return compiler.compile_regex(python_regex(spec))
     except Exception:
         # (the same error again, at its position in the client's own pattern)
         compiler.compile_regex(spec)

@@ -24,10 +24,12 @@ def literal_escape(regex: str) -> str | None:
     return None
 
 
-def python_dots(regex: str) -> str:
-    """`regex` with each unescaped '.' outside a character class as `[^\\n]`: xgrammar's dot
-    takes a newline, Python's re (without the DOTALL flag, which xgrammar refuses) does not,
-    so "a.{3}" finished with "a\\n\\n\\n", an output the client's re.fullmatch rejects."""
+def python_regex(regex: str) -> str:
+    """`regex` as xgrammar reads it with Python's re meaning: each unescaped '.' outside a
+    character class as `[^\\n]` (xgrammar's dot takes a newline, Python's, without the DOTALL
+    flag xgrammar refuses, does not: "a.{3}" finished with "a\\n\\n\\n", an output the
+    client's re.fullmatch rejects), and each newline character as the escape `\\n` (xgrammar
+    refuses one inside a class, Python's re takes it)."""
     out, i, in_class = [], 0, False
     while i < len(regex):
         c = regex[i]
@@ -35,7 +37,9 @@ def python_dots(regex: str) -> str:
             out.append(regex[i : i + 2])
             i += 2
             continue
-        if in_class:
+        if c == "\n":
+            c = "\\n"
+        elif in_class:
             in_class = c != "]"
         elif c == "[":
             in_class = True
