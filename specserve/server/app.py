@@ -18,13 +18,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.runtime.logprobs import add_logprobs
-from specserve.server import openai_api
+from specserve.server import openai_api, tokenize_api
 from specserve.server import schemas as s
 from specserve.server.guard import RequestGuard
 from specserve.server.metrics import CONTENT_TYPE
 from specserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.protocol import APIError, GenerateRequest
 from specserve.server.state import ServerConfig, ServerState, prompt_param
+from specserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,19 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
             )
         return model_card()
 
+    # ---- vLLM's token counting ---------------------------------------------------------------
+    @app.post("/tokenize", response_model=s.TokenizeResponse, openapi_extra=s.body(TokenizeRequest))
+    async def tokenize(request: Request):
+        return await tokenize_api.tokenize(request, state)
+
+    @app.post(
+        "/detokenize",
+        response_model=s.DetokenizeResponse,
+        openapi_extra=s.body(DetokenizeRequest),
+    )
+    async def detokenize(request: Request):
+        return await tokenize_api.detokenize(request, state)
+
     # ---- SGLang native ----------------------------------------------------------------------
     @app.post(
         "/generate",
@@ -182,7 +196,11 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    s.install_openapi(app, [CompletionRequest, ChatCompletionRequest, GenerateRequest])
+    s.install_openapi(
+        app,
+        [CompletionRequest, ChatCompletionRequest, GenerateRequest, TokenizeRequest,
+         DetokenizeRequest],
+    )  # fmt: skip
     return app
 
 

@@ -162,15 +162,18 @@ async def _collect_or_abort(request: Request, run: Run) -> list[dict[str, Any]]:
         run.abort()  # no-op unless cancelled (graceful-shutdown timeout) before finishing
 
 
-def _check_common(state: ServerState, req) -> None:
-    if not state.accepts_model(req.model):
+def check_model(state: ServerState, model: str | None) -> None:
+    if not state.accepts_model(model):
         raise APIError(
-            f"model: the model {req.model!r} does not exist; this server serves "
-            f"{state.model_name!r}",
+            f"model: the model {model!r} does not exist; this server serves {state.model_name!r}",
             status=404,
             param="model",
             code="model_not_found",
         )
+
+
+def _check_common(state: ServerState, req) -> None:
+    check_model(state, req.model)
     req.check_stream_options()
 
 
@@ -211,7 +214,7 @@ async def completions(request: Request, state: ServerState):
     if req.echo:  # (decoded before the engine checks the ids, which the tokenizer may not hold)
         for i, p in enumerate(given):
             if not isinstance(p, str):
-                _check_token_ids(state, p, prompt_param("prompt", i, len(given)))
+                check_token_ids(state, p, prompt_param("prompt", i, len(given)))
     echoes = await _echo_texts(state, shown) if req.echo else None
     run = await state.start(
         prompts, params, _rename(req, "prompt"), logprob_options=req.logprob_options()
@@ -259,7 +262,7 @@ async def completions(request: Request, state: ServerState):
     return await json_answer(state, answer, answer_entries(outs, req.logprobs or 0))
 
 
-def _check_token_ids(state: ServerState, ids: list[int], where: str) -> None:
+def check_token_ids(state: ServerState, ids: list[int], where: str) -> None:
     """Each of a prompt's token ids in the vocabulary (the engine's check, as a 400)."""
     try:
         state.engine.core.check_token_ids(ids, where)

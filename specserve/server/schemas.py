@@ -129,6 +129,17 @@ class ModelInfo(BaseModel):
     has_tokenizer: bool
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class Health(BaseModel):
     status: str
     reason: str | None = None

@@ -216,7 +216,7 @@ class ServerState:
             log.exception("metrics update failed")
 
     # ---- tokenization -------------------------------------------------------------------------
-    async def encode(self, text: str, param: str) -> list[int]:
+    async def encode(self, text: str, param: str, special: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise APIError(
                 f"{param}: text needs a tokenizer, and this server runs without one "
@@ -224,10 +224,10 @@ class ServerState:
                 param=param,
             )
         self.size.check_text(len(text), param)
-        return await self.off_loop(self._encode, text)
+        return await self.off_loop(self._encode, text, special)
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+    def _encode(self, text: str, special: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
 
     async def encode_chat(
         self, messages: list[dict[str, str]], options: dict[str, Any] | None = None
