@@ -191,7 +191,8 @@ def test_cuda_graphs_simulated_acceptance_draws_fresh_lengths():
 def test_short_requests_at_every_batch_size_run_on_graphs_captured_at_start(spec):
     """Every batch bucket a batch can meet and every prefill length bucket a chunk can have
     are captured before the first request (their kernels compile then, not in a request's
-    time): short requests alone and batched, greedy, need no capture while they are served."""
+    time): short requests alone and batched, greedy or at the default sampling (temperature
+    1, no filter) alone or mixed in a batch, need no capture while they are served."""
     spec = dict(spec, speculative_num_draft_tokens=8) if spec else spec
     kw = dict(max_running_requests=8, cuda_graph_max_bs=32, chunked_prefill_size=100)
     with Engine(**GPU, attention_backend="triton", **kw, **spec) as e:
@@ -200,9 +201,11 @@ def test_short_requests_at_every_batch_size_run_on_graphs_captured_at_start(spec
         assert sorted({key[0] for key in graphs.graphs}) == [1, 2, 4, 8]  # (8 at most)
         assert sorted(prefill.graphs) == [(16, 256), (32, 256), (64, 256), (128, 256)]
         at_start = graphs.num_captures, prefill.num_captures
-        for n in (1, 3, 8):
+        sampled = dict(GREEDY, temperature=1.0)
+        for n, params in ((1, GREEDY), (3, GREEDY), (8, GREEDY), (1, sampled), (5, sampled)):
             prompts = mixed_prompts(n, 512, seed=n, min_len=4, max_len=40)
-            outs = e.generate(input_ids=prompts, sampling_params=GREEDY)
+            mixed = [params if i % 2 == 0 else GREEDY for i in range(n)]
+            outs = e.generate(input_ids=prompts, sampling_params=mixed)
             assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs)
         assert (graphs.num_captures, prefill.num_captures) == at_start
 

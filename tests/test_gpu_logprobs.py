@@ -28,7 +28,9 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
 def run(prompts, **kw):
     with Engine(**GPU, **kw) as e:
         graphs = e.core.worker.graphs
-        at_start = set(graphs.graphs) if graphs is not None else set()  # (greedy, no log-probs)
+        at_start = (
+            set(graphs.graphs) if graphs is not None else set()
+        )  # (greedy and sampled, no log-probs)
         for _ in range(2):  # the second run replays the graphs of every shape the first met
             outs = e.generate(
                 input_ids=prompts,

@@ -18,6 +18,7 @@ from specserve.runtime.cuda_graphs import (
     DecodeGraphs,
     batch_buckets,
 )
+from specserve.sampling_params import SamplingParams
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 from tests.engine_utils import (
     TINY,
@@ -100,9 +101,41 @@ def test_a_bucket_out_of_memory_at_start_is_left_to_serving_and_the_rest_capture
         return object()
 
     graphs._capture = capture
-    assert graphs.capture_at_start(1, 64) == 7  # 48, 32, 16, 8, 4, 2, 1 but not 64
-    assert sorted(key[0] for key in graphs.graphs) == [1, 2, 4, 8, 16, 32, 48]
-    assert "batch 64, tier 0: no memory to capture at start" in caplog.text
+    # 48, 32, 16, 8, 4, 2, 1 but not 64, greedy and sampled
+    assert graphs.capture_at_start(1, 64) == 14
+    for greedy in (True, False):
+        at = sorted(key[0] for key in graphs.graphs if key[2] == greedy)
+        assert at == [1, 2, 4, 8, 16, 32, 48]
+    assert "batch 64, tier 0, greedy: no memory to capture at start" in caplog.text
+    assert "batch 64, tier 0, sampled: no memory to capture at start" in caplog.text
+
+
+def test_start_up_captures_serve_greedy_and_default_sampled_requests_unfiltered_ones_later():
+    """The graphs captured at start are the ones a greedy batch and a batch at the OpenAI
+    default (temperature 1, no top-k / top-p) replay; a filtered batch is captured as met."""
+    from types import SimpleNamespace
+
+    from specserve.ops.sampling import SamplingMode
+    from specserve.runtime.worker import request_sampling_mode
+
+    worker = SimpleNamespace(rows=SimpleNamespace(version=0), step=SimpleNamespace())
+    graphs = DecodeGraphs(worker, 16, max_width=4096, capture=True)
+    graphs._capture = lambda *key, idle=False: object()
+    assert graphs.capture_at_start(2, 16) == 2 * 2 * 5  # modes x tiers x buckets 16..1
+
+    def request(**params):
+        sp = SamplingParams(**params)
+        return SimpleNamespace(
+            params=sp, return_logprob=False, top_logprobs_num=0, draft_stale=False
+        )
+
+    def captured(mode: SamplingMode, bs: int = 8, tier: int = 1) -> bool:
+        return graphs._key((bs, 256), mode, tier, False) in graphs.graphs
+
+    greedy = request_sampling_mode([request(temperature=0.0)] * 3)
+    default = request_sampling_mode([request(), request(temperature=0.0)])
+    filtered = request_sampling_mode([request(temperature=0.8, top_p=0.9)])
+    assert captured(greedy) and captured(default) and not captured(filtered)
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])

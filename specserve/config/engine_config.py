@@ -311,9 +311,10 @@ def _resolve_cuda_graph(c: EngineConfig, on_gpu: bool, decide) -> None:
         "disable_cuda_graph",
         False,
         "CUDA: each decode step (draft, verify, accept, KV compaction, draft extend) is "
-        "captured once per padded batch size and context bucket, then replayed; every batch "
-        "size's (and every short prefill length's) at the shortest context before the first "
-        "request, so their kernels compile at start, not in a request's time",
+        "captured once per padded batch size, context bucket and sampling mode, then "
+        "replayed; every batch size's greedy and plain sampled step (and every short prefill "
+        "length's forward) at the shortest context before the first request, so their kernels "
+        "compile at start, not in a request's time",
     )
     if c.cuda_graph_max_bs is None:
         decide(

@@ -10,9 +10,10 @@ A step's shapes depend on three host values, which key the graphs:
   width; penalties on or off), which selects host-side code paths and output shapes.
 A graph's one static input is its batch's rows: a step reads each request's pages, KV length
 and sampling parameters by row on the device. Graphs are captured from padding-only inputs
-(so capture writes nothing but scratch) and share one memory pool: the greedy step of every
-batch bucket at the shortest width when the engine starts (`capture_at_start`: kernels
-compile then, not in a request's time), the rest as steps meet them. A shape without a
+(so capture writes nothing but scratch) and share one memory pool: the greedy and the plain
+sampled step of every batch bucket at the shortest width when the engine starts
+(`capture_at_start`: kernels compile then, not in a request's time), the rest as steps meet
+them. A shape without a
 graph replays the smallest captured graph that covers it (same sampling mode and tier, batch
 and width buckets at least as large, and at most `MAX_COVER_FACTOR` times: more padding
 rows, a wider KV layout) and gets its own graph when the engine is idle (`capture_wanted`)
@@ -69,6 +70,15 @@ EAGER_STEPS = 4
 # batch 1, 15 ms at 256), and until the engine idles or the shape turns long-lived (up to 64
 # steps) a far larger graph could cost more than the capture it saves (0.05-0.3 s).
 MAX_COVER_FACTOR = 4
+# The sampling modes captured at engine start: greedy, and sampling with a temperature and no
+# filter (the OpenAI routes' default, temperature 1). Each mode runs kernels of its own (the
+# sampler's noise, tree rejection sampling), compiled at a mode's first capture at each batch
+# bucket: without this, a server's first default-sampled request at each batch size waited
+# for them. Filters (top-k / top-p / min-p), log-probs and penalties are captured as met:
+# each would add a graph per bucket, and a filtered step sorts every sampled row's
+# probabilities (float32 values and int64 indices: three times its logits' memory).
+GREEDY = SamplingMode(all_greedy=True, needs_filter=False)
+START_MODES = (GREEDY, SamplingMode(all_greedy=False, needs_filter=False))
 
 
 def pow2_bucket(n: int, minimum: int) -> int:
@@ -414,7 +424,7 @@ class DecodeGraphs:
         """The device time of one greedy step of `tier` at this batch size's bucket (its graph
         replayed on padding rows, captured first if need be): what load-adaptive speculation
         weighs tiers by. None without CUDA graphs or past the largest bucket."""
-        cap = self._greedy_graph(batch_size, tier)
+        cap = self._start_graph(batch_size, tier)
         if cap is None:
             return None
         shape = self.bucket(batch_size, MIN_WIDTH)
@@ -434,27 +444,33 @@ class DecodeGraphs:
 
     @torch.inference_mode()  # (as when a step meets its shape: inputs written in place)
     def capture_at_start(self, tiers: int, max_batch_size: int) -> int:
-        """Capture the greedy step of each of `tiers` tiers at every batch bucket that a batch
-        of at most `max_batch_size` requests meets, at the shortest width, before the first
-        request. The first capture at a batch size compiles its kernels' variants: serving
-        SmolLM2 on an H100, the first capture at batch 8 took 3 s, those at other widths
-        reuse them (0.08-0.1 s). Returns how many graphs were captured (simulated
-        acceptance's counter left as it was found, as by an idle capture). The largest
-        bucket first: later, smaller captures reuse its memory in the shared pool. (Smallest
-        first, each capture needed more than any before it had left: SmolLM2's 6/8/64 tree
-        held 10.5 GiB of pool at batch 160, and batch 176 ran out of an H100's memory.) A
-        bucket that does not fit in memory now is left to be captured when met, as before
-        start-up captures: an engine that served then still starts."""
+        """Capture the step of each of `tiers` tiers in each of `START_MODES` at every batch
+        bucket that a batch of at most `max_batch_size` requests meets, at the shortest width,
+        before the first request. The first capture at a batch size compiles its kernels'
+        variants: serving SmolLM2 on an H100, the first capture at batch 8 took 3 s, those at
+        other widths reuse them (0.08-0.1 s). Returns how many graphs were captured
+        (simulated acceptance's counter left as it was found, as by an idle capture). The
+        largest bucket first: later, smaller captures reuse its memory in the shared pool.
+        (Smallest first, each capture needed more than any before it had left: SmolLM2's
+        6/8/64 tree held 10.5 GiB of pool at batch 160, and batch 176 ran out of an H100's
+        memory.) A bucket that does not fit in memory now is left to be captured when met,
+        as before start-up captures: an engine that served then still starts."""
         before = len(self.graphs)
         sim = getattr(self.worker.step, "simulator", None)
         counter = sim.counter.clone() if sim is not None else None
         for bs in self.start_buckets(max_batch_size):
-            for tier in range(tiers):
-                try:
-                    self._greedy_graph(bs, tier)
-                except torch.OutOfMemoryError:
-                    log.warning("batch %d, tier %d: no memory to capture at start", bs, tier)
-                    torch.cuda.empty_cache()
+            for mode in START_MODES:
+                for tier in range(tiers):
+                    try:
+                        self._start_graph(bs, tier, mode)
+                    except torch.OutOfMemoryError:
+                        log.warning(
+                            "batch %d, tier %d, %s: no memory to capture at start",
+                            bs,
+                            tier,
+                            "greedy" if mode.all_greedy else "sampled",
+                        )
+                        torch.cuda.empty_cache()
         if counter is not None:
             sim.counter.copy_(counter)
         return len(self.graphs) - before
@@ -466,14 +482,17 @@ class DecodeGraphs:
         top = largest[0] if largest is not None else self.buckets[-1]
         return [bs for bs in reversed(self.buckets) if bs <= top]
 
-    def _greedy_graph(self, batch_size: int, tier: int) -> _Captured | None:
-        """The graph of a greedy step of `tier` at this batch size's bucket and the shortest
-        width, captured if need be (None without graphs or past the largest bucket)."""
+    def _start_graph(
+        self, batch_size: int, tier: int, mode: SamplingMode = GREEDY
+    ) -> _Captured | None:
+        """The graph of a step of `tier` in `mode` at this batch size's bucket and the
+        shortest width, captured if need be (None without graphs or past the largest
+        bucket)."""
         shape = self.bucket(batch_size, MIN_WIDTH)
         if shape is None or not self.capture:
             return None
         self._drop_stale_graphs()
-        key = (*shape, True, False, False, 0, False, False, tier, False)
+        key = self._key(shape, mode, tier, False)
         cap = self.graphs.get(key)
         if cap is None:
             cap = self.graphs[key] = self._capture(*key)
