@@ -30,12 +30,16 @@ def test_penalties_beside_graphs_are_lossless():
     outputs = []
     for extra in ({}, spec_args("tiny", 3, 4, 10), spec_args("tiny", 1, 3, 4)):
         with Engine(**GPU_TINY, **extra) as engine:
+            graphs = engine.core.worker.graphs
+            at_start = set(graphs.graphs)
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             outputs.append([o["output_ids"] for o in outs])
             assert engine.stats()["num_decode_steps_launched_ahead"] > 0
-            graphs = engine.core.worker.graphs
             # (the sampling mode's last field in a graph's key: penalized)
             assert any(key[7] for key in graphs.graphs), list(graphs.graphs)
+            # the penalty tables, attached for the first penalized request, are read by
+            # penalized graphs alone: those captured at start are kept
+            assert at_start and at_start <= set(graphs.graphs)
             alone = engine.generate(input_ids=prompts[1::2], sampling_params=GREEDY)
             assert [o["output_ids"] for o in alone] == outputs[-1][1::2]
     assert outputs[0] == outputs[1] == outputs[2]

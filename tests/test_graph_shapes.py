@@ -77,7 +77,7 @@ def test_start_up_captures_the_buckets_a_batch_can_meet_largest_first():
     can run together (cuda_graph_max_bs may exceed max_running_requests), largest first."""
     from types import SimpleNamespace
 
-    worker = SimpleNamespace(rows=SimpleNamespace(version=0))
+    worker = SimpleNamespace(rows=SimpleNamespace(version=0, attached_version=0))
     graphs = DecodeGraphs(worker, 256, max_width=4096, capture=False)
     assert graphs.start_buckets(32) == [32, 16, 8, 4, 2, 1]
     assert graphs.start_buckets(40) == [48, 32, 16, 8, 4, 2, 1]  # (40 requests: bucket 48)
@@ -92,7 +92,9 @@ def test_a_bucket_out_of_memory_at_start_is_left_to_serving_and_the_rest_capture
 
     import torch
 
-    worker = SimpleNamespace(rows=SimpleNamespace(version=0), step=SimpleNamespace())
+    worker = SimpleNamespace(
+        rows=SimpleNamespace(version=0, attached_version=0), step=SimpleNamespace()
+    )
     graphs = DecodeGraphs(worker, 64, max_width=4096, capture=True)
 
     def capture(*key, idle=False):
@@ -118,7 +120,9 @@ def test_start_up_captures_serve_greedy_and_default_sampled_requests_unfiltered_
     from specserve.ops.sampling import SamplingMode
     from specserve.runtime.worker import request_sampling_mode
 
-    worker = SimpleNamespace(rows=SimpleNamespace(version=0), step=SimpleNamespace())
+    worker = SimpleNamespace(
+        rows=SimpleNamespace(version=0, attached_version=0), step=SimpleNamespace()
+    )
     graphs = DecodeGraphs(worker, 16, max_width=4096, capture=True)
     graphs._capture = lambda *key, idle=False: object()
     assert graphs.capture_at_start(2, 16) == 2 * 2 * 5  # modes x tiers x buckets 16..1
@@ -242,7 +246,9 @@ def test_ready_tiers_are_the_tiers_captured_at_the_steps_shape():
     from specserve.ops.sampling import SamplingMode
 
     # (every tier's slot width 0 here: the widths asked about are the steps' widths)
-    worker = SimpleNamespace(rows=SimpleNamespace(version=0), tier_slot_width=lambda t, c: 0)
+    worker = SimpleNamespace(
+        rows=SimpleNamespace(version=0, attached_version=0), tier_slot_width=lambda t, c: 0
+    )
     graphs = DecodeGraphs(worker, 16, max_width=4096, capture=True)
     greedy = SamplingMode(all_greedy=True, needs_filter=False)
     sampled = dataclasses.replace(greedy, all_greedy=False)
@@ -285,7 +291,7 @@ def test_each_tier_is_looked_up_at_its_own_width():
 
     slot_widths = {0: 2, 1: 16, 2: 64}  # plain, a small tree, the configured wide tree
     worker = SimpleNamespace(
-        rows=SimpleNamespace(version=0),
+        rows=SimpleNamespace(version=0, attached_version=0),
         tier_slot_width=lambda t, catch_up: max(slot_widths[t], 33) if catch_up else slot_widths[t],
     )
     graphs = DecodeGraphs(worker, 16, max_width=4096, capture=True)
@@ -317,7 +323,9 @@ def test_a_tier_timed_at_start_is_wanted_at_each_new_width_in_any_sampling_mode(
 
     # (a catch-up reaches 300 positions past kv_len, a step without one none here)
     reach = lambda tier, catch_up: 300 if catch_up else 0  # noqa: E731
-    worker = SimpleNamespace(rows=SimpleNamespace(version=0), tier_slot_width=reach)
+    worker = SimpleNamespace(
+        rows=SimpleNamespace(version=0, attached_version=0), tier_slot_width=reach
+    )
     graphs = DecodeGraphs(worker, 32, max_width=4096, capture=True)
     greedy = SamplingMode(all_greedy=True, needs_filter=False)
     sampled = dataclasses.replace(greedy, all_greedy=False)
@@ -590,3 +598,30 @@ def test_an_adaptive_engine_built_inside_inference_mode_writes_its_rows_sampling
         padded_graphs(e)
         outs = e.generate(input_ids=prompts, sampling_params=sp)
     assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * 3
+
+
+def test_penalty_tables_moving_drop_only_the_penalized_graphs():
+    """The first penalized request attaches the penalty tables (and more penalized requests
+    at once than its slots reallocate them): graphs of steps without penalties, those
+    captured at start among them, do not read them and are kept; penalized ones are
+    dropped. Rows reallocated drop every graph."""
+    from types import SimpleNamespace
+
+    from specserve.ops.sampling import SamplingMode
+
+    rows = SimpleNamespace(version=0, attached_version=0)
+    graphs = DecodeGraphs(SimpleNamespace(rows=rows), 16, max_width=4096, capture=False)
+    greedy = SamplingMode(all_greedy=True, needs_filter=False)
+    penalized = SamplingMode(all_greedy=False, needs_filter=False, penalized=True)
+    for mode in (greedy, penalized):
+        for bs in (1, 8):
+            graphs.graphs[graphs._key((bs, 256), mode, 0, False)] = object()
+    graphs.wanted[graphs._key((4, 256), penalized, 0, False)] = None
+    graphs.wanted[graphs._key((4, 256), greedy, 0, False)] = None
+    rows.attached_version += 1
+    graphs._drop_stale_graphs()
+    assert sorted(graphs.graphs) == sorted(graphs._key((b, 256), greedy, 0, False) for b in (1, 8))
+    assert list(graphs.wanted) == [graphs._key((4, 256), greedy, 0, False)]
+    rows.version += 1
+    graphs._drop_stale_graphs()
+    assert not graphs.graphs and not graphs.wanted

@@ -63,6 +63,9 @@ class RequestRows:
         self._calibration_depths = 0  # depths 0..D tracked per row (0: none)
         self.reached = self.predicted = None
         self.version = 0  # bumped when tensors are reallocated (captured graphs go stale)
+        # bumped when an attached table is added or reallocates its own tensors: only graphs
+        # that read attached tables (penalized steps) go stale
+        self.attached_version = 0
         self._attached: list = []  # more per-row tables (`attach`)
         self._allocate(max(rows, 2), max(max_pages, 1))
         self._free = list(range(self.num_rows - 1, PAD_ROW, -1))
@@ -166,11 +169,12 @@ class RequestRows:
         reallocated (keeping what rows hold), `table.forget(row)` when a row is released."""
         table.resize(self.num_rows)
         self._attached.append(table)
-        self.version += 1  # (graphs captured before it did not read it)
+        self.attached_version += 1
 
     def tables_changed(self) -> None:
-        """An attached table reallocated its tensors (captured graphs read the old ones)."""
-        self.version += 1
+        """An attached table reallocated its tensors (graphs that read it read the old ones;
+        this table's own tensors did not move)."""
+        self.attached_version += 1
 
     @property
     def lag_capacity(self) -> int:

@@ -77,6 +77,7 @@ MAX_COVER_FACTOR = 4
 # for them. Filters (top-k / top-p / min-p), log-probs and penalties are captured as met:
 # each would add a graph per bucket, and a filtered step sorts every sampled row's
 # probabilities (float32 values and int64 indices: three times its logits' memory).
+PENALIZED = 7  # a graph key's penalties flag: (batch, width, *the sampling mode, tier, catch-up)
 GREEDY = SamplingMode(all_greedy=True, needs_filter=False)
 START_MODES = (GREEDY, SamplingMode(all_greedy=False, needs_filter=False))
 
@@ -196,6 +197,7 @@ class DecodeGraphs:
         self._covers: dict[tuple, tuple | None] = {}  # key -> the captured key covering it
         self.pool = None
         self._rows_version = worker.rows.version
+        self._attached_version = worker.rows.attached_version
         self.num_captures = 0  # captured while a step (or engine start) waited
         self.num_idle_captures = 0  # captured while no request was running or waiting
         self.captured_last = False  # the last run captured its graph
@@ -292,8 +294,8 @@ class DecodeGraphs:
 
         if shape_of(0) is None or not self.capture:
             return None
-        if worker.rows.version != self._rows_version:
-            return frozenset()  # the next step drops every graph
+        if self._stale():
+            return frozenset()  # the next step drops stale graphs
         mode_key = self._mode(mode)
         last, steps = self.streak
         # (the streak is of the shape the last tier ran at: a tier at that shape may capture)
@@ -320,7 +322,7 @@ class DecodeGraphs:
         """Capture the oldest covered shape's own graph (the engine calls this when no request
         is running or waiting; one arriving meanwhile waits for this capture alone). Returns
         whether there was one."""
-        if self.worker.rows.version != self._rows_version:
+        if self._stale():
             self._drop_stale_graphs()
         while self.wanted:
             key = next(iter(self.wanted))
@@ -400,23 +402,40 @@ class DecodeGraphs:
     def _key(cls, shape: tuple[int, int], mode: SamplingMode, tier: int, catch_up: bool):
         return (*shape, *cls._mode(mode), tier, catch_up)
 
+    def _stale(self) -> bool:
+        rows = self.worker.rows
+        return (rows.version, rows.attached_version) != (self._rows_version, self._attached_version)
+
     def _drop_stale_graphs(self) -> None:
         """The row tensors were reallocated (more requests or longer contexts than sized
-        for): graphs captured the old addresses. A launched replay may still be running: let
-        it finish before its graph and memory pool are released."""
-        if self.worker.rows.version == self._rows_version:
+        for): graphs captured the old addresses. Only an attached table (the penalties')
+        moved: so did what penalized graphs read, and no other graph reads it (the first
+        penalized request, or more penalized requests at once than its slots, kept every
+        other graph, those captured at start among them). A launched replay may still be
+        running: let it finish before its graph and memory pool are released."""
+        rows = self.worker.rows
+        if not self._stale():
             return
         if self.capture:
             torch.cuda.synchronize(self.worker.device)
-        if self.graphs:
-            log.info("request rows reallocated: %d decode graphs dropped", len(self.graphs))
-        self.graphs.clear()
-        self.wanted.clear()
-        self._met.clear()
-        self._eager.clear()
-        self._eager_steps.clear()
+        everything = rows.version != self._rows_version
+
+        def stale(key: tuple) -> bool:
+            return everything or key[PENALIZED]
+
+        dropped = [key for key in self.graphs if stale(key)]
+        if dropped:
+            log.info("request rows reallocated: %d decode graphs dropped", len(dropped))
+        for key in dropped:
+            del self.graphs[key]
+        for keyed in (self.wanted, self._eager, self._eager_steps):
+            for key in [key for key in keyed if stale(key)]:
+                del keyed[key]
+        # (per batch bucket and sampling mode: its penalties flag is the mode's last)
+        for met in [met for met in self._met if stale((*met[:1], None, *met[1]))]:
+            del self._met[met]
         self._covers.clear()
-        self._rows_version = self.worker.rows.version
+        self._rows_version, self._attached_version = rows.version, rows.attached_version
         self.streak = (None, 0)
 
     @torch.inference_mode()  # (graph inputs are inference tensors, written in place)
