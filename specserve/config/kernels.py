@@ -67,7 +67,7 @@ class Kernels:
     batch_invariant_attention: bool = False  # one reduction order per query row, any forward
     # the decode step (CUDA)
     decode_metadata: bool = False  # a step's attention metadata in one launch
-    sampling_reductions: bool = False  # split-row argmax and top-k log-probs
+    sampling_reductions: bool = False  # split-row argmax, Gumbel-max draws, top-k log-probs
     draft_tree: bool = False  # a drafting depth's bookkeeping and the tree selection
     tree_accept: bool = False  # acceptance from the ancestor mask in one launch
     kv_commit: bool = False  # the accepted path's KV moved in one launch
@@ -245,7 +245,7 @@ def _deterministic(
     for name in _STEP_KERNELS:
         why = step_why
         if name == "sampling_reductions":
-            why += "; argmax and top-k per row are exact (ties to the lower id): batch-invariant"
+            why += "; argmax, Gumbel-max and top-k reduce each row alone (ties to the lower id): batch-invariant"
         decisions.append((f"kernels.{name}", True, why))
     on.update(
         batch_invariant_matmul=True,

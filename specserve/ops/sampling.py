@@ -66,17 +66,30 @@ def _mix32(x: torch.Tensor, round_: int) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 [R], each below 2**32: what a row's noise is a function of (with the column)."""
+    s = _mix32(seeds.to(torch.int64) & _MASK32, 0)
+    return _mix32(s ^ (positions.to(torch.int64) & _MASK32), 1)
+
+
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """float32 [R, vocab] in (0, 1), a pure function of (seed, position, index). 23 random
     bits: (k + 0.5) / 2**23 is exact in float32, so no draw rounds to 1.0 (with 24 bits the
     largest did, one value in 2**24, and its Gumbel noise was infinite: that token won
     whatever its probability, even a filtered or masked one)."""
-    s = _mix32(seeds.to(torch.int64) & _MASK32, 0)
-    s = _mix32(s ^ (positions.to(torch.int64) & _MASK32), 1)
-    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    x = _mix32(s[:, None] ^ idx[None, :], 2)
-    x = _mix32(x ^ (s[:, None] >> 7), 3)
+    return _uniform_of_keys(noise_keys(seeds, positions), vocab)
+
+
+def _uniform_of_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    idx = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    x = _mix32(keys[:, None] ^ idx[None, :], 2)
+    x = _mix32(x ^ (keys[:, None] >> 7), 3)
     return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [R, vocab]: Gumbel(0, 1) noise of each row's `noise_keys`."""
+    return -torch.log(-torch.log(_uniform_of_keys(keys, vocab)))
 
 
 @dataclass(frozen=True)
@@ -218,7 +231,18 @@ def sample(
     greedy = argmax_rows(logits, kernels)
     if st.all_greedy:
         return greedy
-    scaled = target_distribution_logits(logits, st)
-    gumbel = -torch.log(-torch.log(uniform_noise(st.seeds, positions, logits.shape[-1])))
-    sampled = (scaled + gumbel).argmax(dim=-1)
+    keys = noise_keys(st.seeds, positions)
+    if _triton_rows(logits, kernels):
+        # (the noise in registers: the reference's [R, V] temporaries, several per step,
+        # outgrow the device's memory beside the KV cache at large batches of a tree)
+        from specserve.ops.triton_gumbel import gumbel_argmax
+
+        if st.needs_filter:
+            filtered = target_distribution_logits(logits, st)
+            sampled = gumbel_argmax(filtered, torch.ones_like(st.temperatures), keys)
+        else:
+            sampled = gumbel_argmax(logits, st.temperatures, keys)
+    else:
+        scaled = target_distribution_logits(logits, st)
+        sampled = (scaled + gumbel_noise(keys, logits.shape[-1])).argmax(dim=-1)
     return torch.where(st.temperatures >= GREEDY_BELOW, sampled, greedy)
