@@ -123,3 +123,29 @@ def test_sampler_draws_equal_with_and_without_the_kernel(filtered):
     if filtered:  # every draw inside its row's top 50
         top = logits.topk(50, dim=-1).indices
         assert (top == fast[:, None]).any(dim=-1).all()
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_draws_taken_a_block_of_rows_at_a_time_are_the_whole_batchs(filtered, monkeypatch):
+    """The torch path draws a block of rows at a time (its temporaries are several [R, V]
+    tensors): the draws do not depend on the block size."""
+    import specserve.ops.sampling as sampling
+
+    rows, vocab = 10, 300
+    logits, temps, _ = inputs(rows, vocab, seed=23)
+    temps[3] = 0.0
+    st = SamplingTensors(
+        temperatures=temps,
+        top_ks=torch.full((rows,), 40 if filtered else -1, dtype=torch.int64, device=DEVICE),
+        top_ps=torch.full((rows,), 0.8 if filtered else 1.0, device=DEVICE),
+        min_ps=torch.zeros(rows, device=DEVICE),
+        seeds=torch.arange(rows, device=DEVICE) * 7 + 1,
+        all_greedy=False,
+        needs_filter=filtered,
+    )
+    positions = torch.arange(rows, device=DEVICE)
+    whole = sample(logits, st, positions)
+    monkeypatch.setattr(sampling, "SAMPLE_BLOCK_ELEMENTS", 3 * vocab)  # blocks of 3 rows
+    assert torch.equal(sample(logits, st, positions), whole)
+    if filtered:
+        assert torch.equal(sample(logits, st, positions, Kernels(sampling_reductions=True)), whole)

@@ -54,6 +54,11 @@ def topk_logprobs(
 
 
 _MASK32 = 0xFFFFFFFF
+# Rows x vocabulary a sampled draw's torch path takes at once (filters, or no Triton): its
+# sort holds float32 values and int64 indices of each row, its noise int64 hashes; 2**26
+# elements keep each temporary at 256-512 MiB (SmolLM2's 6/8/64 tree at batch 256 samples
+# 16,384 rows of 49,152: 6 GiB per int64 temporary at once).
+SAMPLE_BLOCK_ELEMENTS = 1 << 26
 # Odd multipliers below 2**31: products with 32-bit values stay inside int64.
 _MULTIPLIERS = (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39, 0x045D9F3B)
 
@@ -232,17 +237,26 @@ def sample(
     if st.all_greedy:
         return greedy
     keys = noise_keys(st.seeds, positions)
-    if _triton_rows(logits, kernels):
+    fast = _triton_rows(logits, kernels)
+    if fast:
+        from specserve.ops.triton_gumbel import gumbel_argmax
+    if fast and not st.needs_filter:
         # (the noise in registers: the reference's [R, V] temporaries, several per step,
         # outgrow the device's memory beside the KV cache at large batches of a tree)
-        from specserve.ops.triton_gumbel import gumbel_argmax
-
-        if st.needs_filter:
-            filtered = target_distribution_logits(logits, st)
-            sampled = gumbel_argmax(filtered, torch.ones_like(st.temperatures), keys)
-        else:
-            sampled = gumbel_argmax(logits, st.temperatures, keys)
+        sampled = gumbel_argmax(logits, st.temperatures, keys)
     else:
-        scaled = target_distribution_logits(logits, st)
-        sampled = (scaled + gumbel_noise(keys, logits.shape[-1])).argmax(dim=-1)
+        # a block of rows at a time: the filters' sort and the noise take several [R, V]
+        # temporaries (a tree samples every node: batch x nodes rows)
+        rows, vocab = logits.shape
+        block = max(1, SAMPLE_BLOCK_ELEMENTS // max(vocab, 1))
+        parts = []
+        for start in range(0, rows, block):
+            part = slice(start, min(rows, start + block))
+            scaled = target_distribution_logits(logits[part], st.take(part))
+            if fast:
+                ones = torch.ones_like(st.temperatures[part])
+                parts.append(gumbel_argmax(scaled, ones, keys[part]))
+            else:
+                parts.append((scaled + gumbel_noise(keys[part], vocab)).argmax(dim=-1))
+        sampled = greedy if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
     return torch.where(st.temperatures >= GREEDY_BELOW, sampled, greedy)
