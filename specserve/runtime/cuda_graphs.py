@@ -13,12 +13,11 @@ and sampling parameters by row on the device. Graphs are captured from padding-o
 (so capture writes nothing but scratch) and share one memory pool: the greedy and the plain
 sampled step of every batch bucket at the shortest width when the engine starts
 (`capture_at_start`: kernels compile then, not in a request's time), the rest as steps meet
-them. A shape without a
-graph replays the smallest captured graph that covers it (same sampling mode and tier, batch
-and width buckets at least as large, and at most `MAX_COVER_FACTOR` times: more padding
-rows, a wider KV layout) and gets its own graph when the engine is idle (`capture_wanted`)
-or once it has served `LONG_LIVED_SHAPE_STEPS` steps in a row (a request outliving its
-batch); a shape nothing covers runs eagerly for its first `EAGER_STEPS` steps (about a
+them. A shape without a graph replays the smallest captured graph that covers it (same
+sampling mode and tier, batch and width buckets at least as large, and at most
+`MAX_COVER_FACTOR` times: more padding rows, a wider KV layout) and gets its own graph
+when the engine is idle (`capture_wanted`) or once it has served `LONG_LIVED_SHAPE_STEPS`
+steps in a row (a request outliving its batch); a shape nothing covers runs eagerly for its first `EAGER_STEPS` steps (about a
 capture's time; a batch's tail passes most shapes in fewer), then is captured, or is
 captured when the engine idles. Under load-adaptive speculation a step's key also names its
 tier; an idle engine captures every tier that has run, or was timed at engine start, at a
@@ -425,7 +424,8 @@ class DecodeGraphs:
 
         dropped = [key for key in self.graphs if stale(key)]
         if dropped:
-            log.info("request rows reallocated: %d decode graphs dropped", len(dropped))
+            what = "request rows" if everything else "penalty tables"
+            log.info("%s reallocated: %d decode graphs dropped", what, len(dropped))
         for key in dropped:
             del self.graphs[key]
         for keyed in (self.wanted, self._eager, self._eager_steps):
