@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specserve import Engine
+from specserve.config.kernels import REFERENCE, Kernels
 from specserve.ops.sampling import SamplingTensors, sample
 from tests.engine_utils import (
     GPU_TINY,
@@ -48,22 +49,25 @@ def test_cuda_matches_cpu_and_speculation_is_lossless(backend, page_size):
         assert spec == plain
 
 
-def test_sampling_has_no_host_sync():
+@pytest.mark.parametrize("kernels", [REFERENCE, Kernels(sampling_reductions=True)])
+@pytest.mark.parametrize("filtered", [True, False])
+def test_sampling_has_no_host_sync(kernels, filtered):
     logits = torch.randn(8, 1000, device="cuda")
     st = SamplingTensors(
         temperatures=torch.full((8,), 0.7, device="cuda"),
-        top_ks=torch.full((8,), 50, device="cuda", dtype=torch.int64),
-        top_ps=torch.full((8,), 0.9, device="cuda"),
+        top_ks=torch.full((8,), 50 if filtered else -1, device="cuda", dtype=torch.int64),
+        top_ps=torch.full((8,), 0.9 if filtered else 1.0, device="cuda"),
         min_ps=torch.zeros(8, device="cuda"),
         seeds=torch.arange(8, device="cuda"),
         all_greedy=False,
-        needs_filter=True,
+        needs_filter=filtered,
     )
     positions = torch.arange(8, device="cuda")
+    sample(logits, st, positions, kernels)  # (compiles first)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = sample(logits, st, positions)
+        out = sample(logits, st, positions, kernels)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.shape == (8,)
