@@ -314,7 +314,8 @@ def _resolve_cuda_graph(c: EngineConfig, on_gpu: bool, decide) -> None:
         "captured once per padded batch size, context bucket and sampling mode, then "
         "replayed; every batch size's greedy and plain sampled step (and every short prefill "
         "length's forward) at the shortest context before the first request, so their kernels "
-        "compile at start, not in a request's time",
+        "compile at start, not in a request's time (adaptive speculation times every tier's "
+        "greedy step instead; tensor-parallel ranks capture as steps meet shapes)",
     )
     if c.cuda_graph_max_bs is None:
         decide(

@@ -10,9 +10,10 @@ program per (row, chunk of columns) and writes the chunk's best score and its lo
 a torch argmax over the chunks (in column order, so the first maximum wins) picks the row's.
 
 The hash is the reference's, in 32-bit unsigned arithmetic (a product masked to 32 bits is
-the wrapped one), so the noise bits are equal; the logs are Triton's, which may round
-differently from torch's in the last place: draws equal the reference's except where two
-columns' scores are that close.
+the wrapped one), so the noise bits are equal; the division is correctly rounded, as torch's
+(Triton's `/` is not); the logs are libdevice's, which may round differently from torch's in
+the last place: draws equal the reference's except where two columns' scores are that
+close. Each row's draw depends on that row alone, whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _chunk_kernel(
         h = _mix(key ^ cols.to(tl.uint32), M2, M3)
         h = _mix(h ^ high, M3, M0)
         u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        score = x / t - tl.log(-tl.log(u))
+        score = tl.math.div_rn(x, t) - tl.log(-tl.log(u))  # (rounded as torch divides)
         score = tl.where(inside, score, float("-inf"))
         better = score > lane_max  # (strictly: a lane keeps its lowest column on ties)
         lane_col = tl.where(better, cols, lane_col)

@@ -12,8 +12,9 @@ A graph's one static input is its batch's rows: a step reads each request's page
 and sampling parameters by row on the device. Graphs are captured from padding-only inputs
 (so capture writes nothing but scratch) and share one memory pool: the greedy and the plain
 sampled step of every batch bucket at the shortest width when the engine starts
-(`capture_at_start`: kernels compile then, not in a request's time), the rest as steps meet
-them. A shape without a graph replays the smallest captured graph that covers it (same
+(`capture_at_start`: kernels compile then, not in a request's time; under adaptive
+speculation its timing captures the greedy step of every tier instead, and tensor-parallel
+ranks capture nothing at start), the rest as steps meet them. A shape without a graph replays the smallest captured graph that covers it (same
 sampling mode and tier, batch and width buckets at least as large, and at most
 `MAX_COVER_FACTOR` times: more padding rows, a wider KV layout) and gets its own graph
 when the engine is idle (`capture_wanted`) or once it has served `LONG_LIVED_SHAPE_STEPS`
@@ -293,8 +294,11 @@ class DecodeGraphs:
 
         if shape_of(0) is None or not self.capture:
             return None
-        if self._stale():
-            return frozenset()  # the next step drops stale graphs
+        rows = worker.rows
+        if rows.version != self._rows_version or (
+            mode.penalized and rows.attached_version != self._attached_version
+        ):
+            return frozenset()  # the next step drops the graphs this one would replay
         mode_key = self._mode(mode)
         last, steps = self.streak
         # (the streak is of the shape the last tier ran at: a tier at that shape may capture)

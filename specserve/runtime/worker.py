@@ -540,7 +540,7 @@ class Worker:
             return None
 
     def _penalties(self) -> PenaltyRows:
-        if self.penalty_rows is None:  # (graphs captured before it are dropped: see attach)
+        if self.penalty_rows is None:  # (penalized graphs captured before it are dropped)
             self.penalty_rows = PenaltyRows(
                 self.rows, self.vocab_size, self.eos_token_ids, self.device
             )
