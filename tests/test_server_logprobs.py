@@ -204,6 +204,38 @@ def test_generate_sglang_fields(served):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprob_start_len"
 
 
+def test_generate_batch_takes_logprob_options_per_prompt(served):
+    """As SGLang: a batch's return_logprob, top_logprobs_num and logprob_start_len may be
+    lists of one per prompt; each prompt gets what it asked for, and a list of another
+    length, or a bad entry, is refused naming the field."""
+    _, _, _, http = served
+    body = {
+        "input_ids": [[1, 40, 50, 60], [1, 70, 80]],
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+        "return_logprob": [True, False],
+        "top_logprobs_num": [2, 0],
+        "logprob_start_len": [1, -1],
+    }
+    first, second = (o["meta_info"] for o in http.post("/generate", json=body).json())
+    assert [e[1] for e in first["input_token_logprobs"]] == [40, 50, 60]
+    assert len(first["output_token_logprobs"]) == 3
+    assert all(len(t) == 2 for t in first["output_top_logprobs"])
+    assert "output_token_logprobs" not in second or not second["output_token_logprobs"]
+    both = http.post("/generate", json={**body, "return_logprob": True, "top_logprobs_num": 1})
+    second = both.json()[1]["meta_info"]
+    assert len(second["output_token_logprobs"]) == 3 and not second.get("input_token_logprobs")
+    assert all(len(t) == 1 for t in second["output_top_logprobs"])
+    for field, value in [
+        ("top_logprobs_num", [2]),
+        ("top_logprobs_num", [2, 21]),
+        ("return_logprob", []),
+        ("logprob_start_len", [1, "x"]),
+    ]:
+        bad = http.post("/generate", json={**body, field: value})
+        assert bad.status_code == 400, (field, value, bad.text)
+        assert bad.json()["error"]["param"] == field, bad.json()
+
+
 def test_logprob_fields_are_validated(served):
     _, _, client, _ = served
     with pytest.raises(openai.BadRequestError) as exc:

@@ -302,7 +302,7 @@ async def _generate(request: Request, state: ServerState):
     openai_api._raise_abort(run, outs)
     # one prompt sampled n > 1 times answers a list of n outputs, as SGLang
     answer = outs[0] if single and len(outs) == 1 else outs
-    entries = openai_api.answer_entries(outs, req.top_logprobs_num if req.return_logprob else 0)
+    entries = openai_api.answer_entries(outs, req.most_alternatives())
     return await openai_api.json_answer(state, lambda: answer, entries)
 
 

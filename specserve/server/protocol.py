@@ -139,6 +139,13 @@ SamplingParamsArg = Annotated[
 ]
 
 
+def _checked_logprob_option(name: str, value: Any) -> Any:
+    try:
+        return check_logprob_field(name, value)
+    except InvalidArgument as e:
+        raise field_error(name, str(e)[len(e.field) + 2 :]) from None
+
+
 class GenerateRequest(StrictModel):
     """SGLang's native /generate body."""
 
@@ -147,10 +154,11 @@ class GenerateRequest(StrictModel):
     sampling_params: SamplingParamsArg | None = None
     stream: bool = False
     rid: str | list[str] | None = None  # one per prompt (a list for a batch), as SGLang
-    # log-probs (SGLang's names), checked by the engine's check_logprob_field
-    return_logprob: bool = False
-    top_logprobs_num: int = Field(0, **_schema(minimum=0, maximum=20))
-    logprob_start_len: int = Field(-1, **_schema(minimum=-1))
+    # log-probs (SGLang's names), checked by the engine's check_logprob_field: a value for
+    # every prompt, or (a batch) a list of one per prompt, as SGLang
+    return_logprob: bool | list[bool] = False
+    top_logprobs_num: int | list[int] = Field(0, **_schema(minimum=0, maximum=20))
+    logprob_start_len: int | list[int] = Field(-1, **_schema(minimum=-1))
     return_text_in_logprobs: bool = False
 
     @field_validator("text", mode="before")
@@ -192,10 +200,20 @@ class GenerateRequest(StrictModel):
     )
     @classmethod
     def _logprob_option(cls, v, info: ValidationInfo):
-        try:
-            return check_logprob_field(info.field_name, v)
-        except InvalidArgument as e:
-            raise field_error(info.field_name, str(e)[len(e.field) + 2 :]) from None
+        name = info.field_name
+        if isinstance(v, list) and name != "return_text_in_logprobs":
+            if not v:
+                raise field_error(name, "must be a value or a non-empty list of one per prompt")
+            return [_checked_logprob_option(name, x) for x in v]
+        return _checked_logprob_option(name, v)
+
+    def most_alternatives(self) -> int:
+        """The most log-prob alternatives any prompt asked for (0: no log-probs)."""
+        ask, top = self.return_logprob, self.top_logprobs_num
+        n = max(len(x) if isinstance(x, list) else 1 for x in (ask, top))
+        asks = ask if isinstance(ask, list) else [ask] * n
+        tops = top if isinstance(top, list) else [top] * n
+        return max((k for a, k in zip(asks, tops) if a), default=0)
 
     def logprob_options(self) -> dict[str, Any]:
         return {

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from specserve.errors import InvalidArgument
 from specserve.runtime.logprobs import add_logprobs
 from specserve.runtime.output import sample_rids
+from specserve.runtime.request_inputs import normalize_logprob_options
 from specserve.sampling_params import GRAMMAR_PARAMS, check_field, is_int
 from specserve.server.logprobs import TokenBytes, TokenStrings
 from specserve.server.metrics import ServerMetrics
@@ -396,12 +397,12 @@ class ServerState:
             if rids and len(set(rids)) < len(rids):
                 repeated = next(r for r in rids if rids.count(r) > 1)
                 raise InvalidArgument("rid", f"request id {repeated!r} is given to two prompts")
+            # (each option given once, or once per prompt: a list of another length is refused)
+            options = normalize_logprob_options(len(prompts), **(logprob_options or {}))
             made = []
-            for i, (ids, sp) in enumerate(zip(prompts, params)):
+            for i, (ids, sp, opts) in enumerate(zip(prompts, params, options)):
                 try:
-                    reqs = self.engine.make_samples(
-                        ids, sp, uuid.uuid4().hex, **(logprob_options or {})
-                    )
+                    reqs = self.engine.make_samples(ids, sp, uuid.uuid4().hex, **opts)
                 except InvalidArgument as e:
                     if e.field not in PROMPT_FIELDS or len(prompts) == 1:
                         raise
