@@ -225,6 +225,28 @@ def target_distribution_logits(logits: torch.Tensor, st: SamplingTensors) -> tor
     return filter_logits(scaled, st) if st.needs_filter else scaled
 
 
+def _draw_in_blocks(
+    logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor, fast: bool
+) -> torch.Tensor:
+    """The sampled rows' draws, a block of rows at a time: the filters' sort and the noise
+    take several [R, V] temporaries (a tree samples every node: batch x nodes rows). fast:
+    the noise and argmax in the Triton kernel, after the filters."""
+    rows, vocab = logits.shape
+    block = max(1, SAMPLE_BLOCK_ELEMENTS // max(vocab, 1))
+    parts = []
+    for start in range(0, rows, block):
+        part = slice(start, min(rows, start + block))
+        scaled = target_distribution_logits(logits[part], st.take(part))
+        if fast:
+            from specserve.ops.triton_gumbel import gumbel_argmax
+
+            ones = torch.ones_like(st.temperatures[part])  # (scaled already divided)
+            parts.append(gumbel_argmax(scaled, ones, keys[part]))
+        else:
+            parts.append((scaled + gumbel_noise(keys[part], vocab)).argmax(dim=-1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def sample(
     logits: torch.Tensor,
     st: SamplingTensors,
@@ -238,25 +260,12 @@ def sample(
         return greedy
     keys = noise_keys(st.seeds, positions)
     fast = _triton_rows(logits, kernels)
-    if fast:
-        from specserve.ops.triton_gumbel import gumbel_argmax
     if fast and not st.needs_filter:
         # (the noise in registers: the reference's [R, V] temporaries, several per step,
         # outgrow the device's memory beside the KV cache at large batches of a tree)
+        from specserve.ops.triton_gumbel import gumbel_argmax
+
         sampled = gumbel_argmax(logits, st.temperatures, keys)
     else:
-        # a block of rows at a time: the filters' sort and the noise take several [R, V]
-        # temporaries (a tree samples every node: batch x nodes rows)
-        rows, vocab = logits.shape
-        block = max(1, SAMPLE_BLOCK_ELEMENTS // max(vocab, 1))
-        parts = []
-        for start in range(0, rows, block):
-            part = slice(start, min(rows, start + block))
-            scaled = target_distribution_logits(logits[part], st.take(part))
-            if fast:
-                ones = torch.ones_like(st.temperatures[part])
-                parts.append(gumbel_argmax(scaled, ones, keys[part]))
-            else:
-                parts.append((scaled + gumbel_noise(keys[part], vocab)).argmax(dim=-1))
-        sampled = greedy if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+        sampled = _draw_in_blocks(logits, st, keys, fast) if len(logits) else greedy
     return torch.where(st.temperatures >= GREEDY_BELOW, sampled, greedy)

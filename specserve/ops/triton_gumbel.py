@@ -95,12 +95,12 @@ def gumbel_argmax(
         raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     rows, vocab = logits.shape
-    n_chunks = max(1, -(-vocab // CHUNK))
     dev = logits.device
-    part_max = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)
-    part_col = torch.empty((rows, n_chunks), dtype=torch.int64, device=dev)
     if rows == 0:
         return torch.empty((0,), dtype=torch.int64, device=dev)
+    n_chunks = max(1, -(-vocab // CHUNK))
+    part_max = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)
+    part_col = torch.empty((rows, n_chunks), dtype=torch.int64, device=dev)
     _chunk_kernel[(rows, n_chunks)](
         logits, temperatures.float().contiguous(), keys.contiguous(), part_max, part_col,
         logits.stride(0), vocab, n_chunks, GREEDY_BELOW,

@@ -14,12 +14,13 @@ and sampling parameters by row on the device. Graphs are captured from padding-o
 sampled step of every batch bucket at the shortest width when the engine starts
 (`capture_at_start`: kernels compile then, not in a request's time; under adaptive
 speculation its timing captures the greedy step of every tier instead, and tensor-parallel
-ranks capture nothing at start), the rest as steps meet them. A shape without a graph replays the smallest captured graph that covers it (same
-sampling mode and tier, batch and width buckets at least as large, and at most
-`MAX_COVER_FACTOR` times: more padding rows, a wider KV layout) and gets its own graph
-when the engine is idle (`capture_wanted`) or once it has served `LONG_LIVED_SHAPE_STEPS`
-steps in a row (a request outliving its batch); a shape nothing covers runs eagerly for its first `EAGER_STEPS` steps (about a
-capture's time; a batch's tail passes most shapes in fewer), then is captured, or is
+ranks capture nothing at start), the rest as steps meet them. A shape without a graph
+replays the smallest captured graph that covers it (same sampling mode and tier, batch and
+width buckets at least as large, and at most `MAX_COVER_FACTOR` times: more padding rows, a
+wider KV layout) and gets its own graph when the engine is idle (`capture_wanted`) or once
+it has served `LONG_LIVED_SHAPE_STEPS` steps in a row (a request outliving its batch); a
+shape nothing covers runs eagerly for its first `EAGER_STEPS` steps (about a capture's
+time; a batch's tail passes most shapes in fewer), then is captured, or is
 captured when the engine idles. Under load-adaptive speculation a step's key also names its
 tier; an idle engine captures every tier that has run, or was timed at engine start, at a
 batch bucket at every context width met there, so that the next wave of requests, whose
