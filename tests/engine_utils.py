@@ -228,15 +228,17 @@ def wait_for_idle_captures(graphs, timeout: float = 60.0) -> None:
 
 def record_graph_steps(graphs) -> list[tuple[int, str]]:
     """Wrap `graphs.run`: every decode step appends (its rows, how it ran: "own" graph,
-    "covered" by a larger one, "captured" on the spot, or "eager" where nothing covered its
-    shape yet) to the returned list."""
+    "covered" by a larger one, "captured" on the spot, "eager" where nothing covered its
+    shape yet, or "unpadded": left to the caller's eager step) to the returned list."""
     steps: list[tuple[int, str]] = []
     run = graphs.run
 
     def recording_run(rows, sampling, width, tier=0, catch_up=False):
         out = run(rows, sampling, width, tier, catch_up)
         how = (
-            "covered"
+            "unpadded"
+            if out is None
+            else "covered"
             if graphs.covered_last
             else "captured"
             if graphs.captured_last

@@ -202,6 +202,66 @@ def test_a_short_lived_shape_runs_eagerly_and_is_captured_when_idle():
     assert [o["output_ids"] for o in first] == [o["output_ids"] for o in second]
 
 
+@pytest.mark.parametrize("unwound", [False, True])
+def test_a_shape_without_memory_for_its_graph_runs_eagerly_and_fails_no_request(unwound):
+    """A capture that runs out of device memory while serving (its warm-up, or the capture
+    itself, which then fails to end) leaves its shape to eager steps on the batch's rows: every
+    request still gets the tokens of eager decoding, and the shape is not tried again, neither
+    by a later step nor by the idle engine. Other shapes are captured as before."""
+    import torch
+
+    prompts = mixed_prompts(4, 512, seed=37, min_len=4)
+    lengths = [EAGER_STEPS + n for n in (4, 6, 9, 14)]
+    sps = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in lengths]
+    eager, _ = generate(prompts, sps, padded=False)
+    with Engine(**TINY, debug_check_invariants=True) as e:
+        graphs = padded_graphs(e)
+        capture, tried = graphs._capture, []
+
+        def capture_out_of_memory_at_batch_4(*key, idle=False):
+            if key[0] != 4:
+                return capture(*key, idle=idle)
+            tried.append(key)
+            oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 MiB")
+            if not unwound:
+                raise oom
+            try:
+                raise oom
+            except torch.OutOfMemoryError:  # (as torch.cuda.graph's exit ending the capture)
+                raise RuntimeError("operation not permitted when stream is capturing")
+
+        graphs._capture = capture_out_of_memory_at_batch_4
+        ran = record_graph_steps(graphs)
+        first = e.generate(input_ids=prompts, sampling_params=sps)
+        wait_for_idle_captures(graphs)
+        second = e.generate(input_ids=prompts, sampling_params=sps)
+        wait_for_idle_captures(graphs)
+    assert [o["output_ids"] for o in first] == [o["output_ids"] for o in second] == eager
+    assert len(tried) == 1  # (once: later steps at batch 4, and the idle engine, skip it)
+    hows = [how for n, how in ran if n == 4]
+    assert hows[:EAGER_STEPS] == ["eager"] * EAGER_STEPS
+    assert hows[EAGER_STEPS:] == ["unpadded"] * (len(hows) - EAGER_STEPS) and len(hows) > 10
+    assert {k[0] for k in graphs.graphs} == {1, 2}  # (the batch's tail captured its own)
+
+
+def test_only_running_out_of_memory_leaves_a_capture_to_eager_steps():
+    """Any other failure of a capture is a bug to report, not a shape to run eagerly."""
+    import torch
+
+    from specserve.runtime.graph_capture import out_of_memory
+
+    assert out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("capture invalidated")
+    except RuntimeError as unwound:
+        assert out_of_memory(unwound)
+    assert not out_of_memory(RuntimeError("an illegal memory access was encountered"))
+    assert not out_of_memory(ValueError("bad shape"))
+
+
 @pytest.mark.parametrize(
     "draft, topk, steps, ndt", [("eagle", 1, 3, 4), ("eagle", 4, 3, 10), ("tiny", 3, 2, 7)]
 )

@@ -252,3 +252,32 @@ def test_every_chunk_length_is_ready_at_start_and_serves_real_prompts(max_tokens
         outs = e.generate(input_ids=prompts, sampling_params=sps)
         assert sorted(graphs.graphs) == shapes  # (short prompts: no shape beyond them)
     assert [o["output_ids"] for o in outs] == eager
+
+
+def test_a_chunk_without_memory_for_its_graph_prefills_eagerly_and_fails_no_request():
+    """A prefill capture that runs out of device memory (at start or while serving) leaves
+    that chunk length to eager prefills: every request gets the tokens of eager prefills,
+    the other lengths replay their graphs, and the failed one is not tried again."""
+    prompts = mixed_prompts(4, 512, seed=44, min_len=20, max_len=30)  # (32-token chunks)
+    sps = params(4)
+    kw = dict(page_size=4, max_running_requests=1)
+    eager, _, _ = generate(prompts, sps, padded=False, **kw)
+    with Engine(**TINY, **kw) as e:
+        worker = e.core.worker
+        graphs = PrefillGraphs(worker, 64, max_width=e.core.context_len, capture=False)
+        capture, tried = graphs._capture, []
+
+        def capture_out_of_memory_at_32_tokens(tokens, width, layers):
+            if tokens != 32:
+                return capture(tokens, width, layers)
+            tried.append((tokens, width))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+        graphs._capture = capture_out_of_memory_at_32_tokens
+        # start: 16 captured, 32 out of memory, so 64 not tried (longer chunks need more)
+        assert graphs.capture_at_start(worker.drafter.capture_layers, None) == 1
+        worker.prefill_graphs = graphs
+        outs = e.generate(input_ids=prompts, sampling_params=sps)
+    assert [o["output_ids"] for o in outs] == eager
+    assert [t for t, _ in tried] == [32, 32]  # (at start, then once while serving)
+    assert all(t != 32 for t, _ in graphs.graphs)

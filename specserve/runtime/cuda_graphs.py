@@ -20,8 +20,9 @@ width buckets at least as large, and at most `MAX_COVER_FACTOR` times: more padd
 wider KV layout) and gets its own graph when the engine is idle (`capture_wanted`) or once
 it has served `LONG_LIVED_SHAPE_STEPS` steps in a row (a request outliving its batch); a
 shape nothing covers runs eagerly for its first `EAGER_STEPS` steps (about a capture's
-time; a batch's tail passes most shapes in fewer), then is captured, or is
-captured when the engine idles. Under load-adaptive speculation a step's key also names its
+time; a batch's tail passes most shapes in fewer), then is captured, or is captured when
+the engine idles. A capture that finds no device memory while serving leaves its shape to
+eager steps on the batch's rows. Under load-adaptive speculation a step's key also names its
 tier; an idle engine captures every tier that has run, or was timed at engine start, at a
 batch bucket at every context width met there, so that the next wave of requests, whose
 tails pass the same shapes with other tiers, does not stop to capture them. Anything
@@ -45,6 +46,12 @@ import torch
 
 from specserve.kv.request_rows import PAD_ROW
 from specserve.ops.sampling import SamplingMode, SamplingTensors
+from specserve.runtime.graph_capture import (
+    capture_graph,
+    copy_from_host,
+    out_of_memory,
+    pow2_bucket,
+)
 from specserve.speculative.step import StepOutputs
 
 log = logging.getLogger(__name__)
@@ -81,38 +88,6 @@ MAX_COVER_FACTOR = 4
 PENALIZED = 7  # a graph key's penalties flag: (batch, width, *the sampling mode, tier, catch-up)
 GREEDY = SamplingMode(all_greedy=True, needs_filter=False)
 START_MODES = (GREEDY, SamplingMode(all_greedy=False, needs_filter=False))
-
-
-def pow2_bucket(n: int, minimum: int) -> int:
-    """The smallest power-of-two multiple of `minimum` that is >= n."""
-    size = minimum
-    while size < n:
-        size *= 2
-    return size
-
-
-def capture_graph(fn, pool, device: torch.device):
-    """Warm `fn` up on a side stream (Triton compiles, the allocator settles), then capture
-    it into a new graph on `pool`. Returns (graph, fn's outputs as captured)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
-    return graph, out
-
-
-def copy_from_host(dst: torch.Tensor, values: list[int]) -> None:
-    """Into a graph's static input, stream-ordered, without making the host wait (pinned
-    staging on CUDA)."""
-    src = torch.tensor(values, dtype=dst.dtype)
-    if dst.device.type == "cuda":
-        src = src.pin_memory()
-    dst.copy_(src, non_blocking=True)
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -207,6 +182,9 @@ class DecodeGraphs:
         self.ran_rows_last = False  # the last run ran the step on the batch's rows
         self._eager: dict[tuple, _Captured] = {}  # those shapes' padded steps, not captured
         self._eager_steps: dict[tuple, int] = {}  # and how many steps each ran eagerly
+        # shapes whose capture ran out of device memory while serving: their steps run
+        # eagerly on the batch's rows alone (until the graphs are dropped, freeing memory)
+        self._no_memory: dict[tuple, None] = {}
 
     def bucket(self, bsz: int, width: int) -> tuple[int, int] | None:
         bs = next((b for b in self.buckets if b >= bsz), None)
@@ -242,6 +220,8 @@ class DecodeGraphs:
         long_lived = self.streak[1] >= LONG_LIVED_SHAPE_STEPS
         cover = None if cap is not None or long_lived else self._cover(key)
         eager = self._eager_steps.get(key, 0) < EAGER_STEPS and not long_lived
+        if cap is None and cover is None and key in self._no_memory:
+            return None
         if cap is None and cover is None and eager:
             self.eager_last = True  # (its time is mostly its launches')
             self.wanted[key] = None
@@ -260,9 +240,13 @@ class DecodeGraphs:
         self.captured_last = cap is None and cover is None  # (its time includes the capture)
         if cover is not None:
             cap = self.graphs[cover]
-            self.wanted[key] = None
+            if key not in self._no_memory:
+                self.wanted[key] = None
         elif cap is None:
-            cap = self._capture(*key)
+            cap = self._capture_if_memory(key)
+            if cap is None:
+                self.captured_last = False
+                return None
             self.graphs[key] = cap
             self._covers.clear()  # (a smaller cover may exist now)
         self.ran_rows_last = True
@@ -336,8 +320,10 @@ class DecodeGraphs:
                 # advance: put it back, so its draws do not depend on when the engine idled)
                 sim = getattr(self.worker.step, "simulator", None)
                 counter = sim.counter.clone() if sim is not None else None
-                self.graphs[key] = self._capture(*key, idle=True)
-                self._covers.clear()
+                cap = self._capture_if_memory(key, idle=True)
+                if cap is not None:
+                    self.graphs[key] = cap
+                    self._covers.clear()
                 if counter is not None:
                     sim.counter.copy_(counter)
             del self.wanted[key]  # (after: a reader seeing none wanted sees every graph)
@@ -367,7 +353,7 @@ class DecodeGraphs:
             # (a tier's step reaches its slot width past kv_len: no step of it fits a
             # narrower graph, e.g. a catch-up's ring at a width a plain step met)
             fits = w >= self.worker.tier_slot_width(*v)
-            if fits and alike != key and alike not in self.graphs:
+            if fits and alike != key and alike not in self.graphs and alike not in self._no_memory:
                 self.wanted[alike] = None
 
     def note_timed(self, batch_bucket: int, tier: int) -> None:
@@ -433,7 +419,7 @@ class DecodeGraphs:
             log.info("%s reallocated: %d decode graphs dropped", what, len(dropped))
         for key in dropped:
             del self.graphs[key]
-        for keyed in (self.wanted, self._eager, self._eager_steps):
+        for keyed in (self.wanted, self._eager, self._eager_steps, self._no_memory):
             for key in [key for key in keyed if stale(key)]:
                 del keyed[key]
         # (per batch bucket and sampling mode: its penalties flag is the mode's last)
@@ -562,6 +548,23 @@ class DecodeGraphs:
                 )
 
         return _Captured(None, step, rows, None)
+
+    def _capture_if_memory(self, key: tuple, idle: bool = False) -> _Captured | None:
+        """The graph of `key`, captured; None when the device has no memory left for it. A
+        capture runs its step on padding rows alone, so no request's state has moved: the
+        step runs eagerly on the batch's rows instead (less memory than the padded graph and
+        its pool), and so does every later step of this shape, rather than failing every
+        request in flight."""
+        try:
+            return self._capture(*key, idle=idle)
+        except Exception as exc:
+            if not out_of_memory(exc):
+                raise
+        log.warning("no device memory to capture decode graph %s: its steps run eagerly", key)
+        self._no_memory[key] = None
+        self.wanted.pop(key, None)
+        torch.cuda.empty_cache()  # (what the failed capture's warm-up left cached)
+        return None
 
     def _capture(self, *key, idle: bool = False) -> _Captured:
         # (fresh padding rows: a capture runs the step, and the eager step's hold real rows)

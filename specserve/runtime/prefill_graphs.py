@@ -35,7 +35,13 @@ import torch
 from specserve.kv.request_rows import PAD_ROW
 from specserve.model.llama import ModelOutput
 from specserve.ops.attention_metadata import build_device_metadata
-from specserve.runtime.cuda_graphs import MIN_WIDTH, capture_graph, copy_from_host, pow2_bucket
+from specserve.runtime.cuda_graphs import MIN_WIDTH
+from specserve.runtime.graph_capture import (
+    capture_graph,
+    copy_from_host,
+    out_of_memory,
+    pow2_bucket,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +75,7 @@ class PrefillGraphs:
         self.pool = None
         self._rows_version = worker.rows.version
         self.num_captures = 0
+        self._no_memory: dict[tuple[int, int], None] = {}  # shapes whose capture ran out
         self._last: tuple[_Captured, int] | None = None  # the last forward's graph, tokens
 
     def bucket(self, start: int, num_tokens: int) -> tuple[int, int] | None:
@@ -95,10 +102,22 @@ class PrefillGraphs:
             if self.capture:
                 torch.cuda.synchronize(self.worker.device)
             self.graphs.clear()
+            self._no_memory.clear()
             self._rows_version = rows.version
         cap = self.graphs.get(shape)
         if cap is None:
-            cap = self._capture(*shape, capture_layers)
+            if shape in self._no_memory:
+                return None
+            try:
+                cap = self._capture(*shape, capture_layers)
+            except Exception as exc:
+                if not out_of_memory(exc):
+                    raise
+                # (captures write the scratch slot alone: the chunk runs eagerly instead)
+                log.warning("no device memory to capture prefill graph %s: runs eagerly", shape)
+                self._no_memory[shape] = None
+                torch.cuda.empty_cache()
+                return None
             self.graphs[shape] = cap
         tokens = shape[0]
         copy_from_host(cap.input_ids, token_ids + [0] * (tokens - n))
@@ -117,11 +136,17 @@ class PrefillGraphs:
         chunk size; None: no limit but the graphs') at its shortest width, before the first
         request. The first capture at a chunk length compiles its kernels' variants: serving
         SmolLM2 on an H100, a request whose 16-token chunk met it waited 0.67 s for its first
-        token, against 7 ms for the others. Returns how many shapes were captured."""
+        token, against 7 ms for the others. Returns how many shapes were captured. Lengths
+        whose capture finds no device memory are left to serving, as decode steps are."""
         count, tokens, most = 0, MIN_TOKENS, min(self.max_tokens, max_chunk or self.max_tokens)
         while (shape := self.bucket(0, min(tokens, most))) is not None:
             if shape not in self.graphs:
-                self.graphs[shape] = self._capture(*shape, capture_layers)
+                try:
+                    self.graphs[shape] = self._capture(*shape, capture_layers)
+                except torch.OutOfMemoryError:  # (longer chunks need more: left to serving)
+                    log.warning("%d-token prefill chunks: no memory to capture at start", tokens)
+                    torch.cuda.empty_cache()
+                    break
                 count += 1
             if tokens >= most:
                 break
