@@ -180,6 +180,47 @@ def test_cuda_graphs_match_eager(spec, page_size):
     assert [o["output_ids"] for o in covered] == [o["output_ids"] for o in own] == eager
 
 
+@pytest.mark.parametrize("spec", [{}, dict(SPEC, speculative_eagle_topk=4)])
+def test_decode_captures_out_of_device_memory_leave_steps_eager_and_fail_no_request(
+    monkeypatch, spec
+):
+    """Every decode capture runs out of device memory inside the capture itself (as a large
+    sampled tree step did while serving): engine start and serving leave those shapes to
+    eager steps, the device stays usable, and every request gets the eager engine's tokens."""
+    from specserve.runtime import cuda_graphs
+
+    capture = cuda_graphs.capture_graph
+
+    def capture_needing_more_than_the_device(fn, pool, device):
+        runs = []
+
+        def step():
+            out = fn()
+            runs.append(None)
+            if len(runs) == 3:  # (the captured run: the two warm-up runs went first)
+                too_much = 2 * torch.cuda.get_device_properties(device).total_memory
+                torch.empty(too_much, dtype=torch.uint8, device=device)
+            return out
+
+        return capture(step, pool, device)
+
+    monkeypatch.setattr(cuda_graphs, "capture_graph", capture_needing_more_than_the_device)
+    prompts = mixed_prompts(6, 512, seed=16, min_len=4, max_len=300)
+    sps = [
+        {"max_new_tokens": 12 + 4 * i, "ignore_eos": True, "temperature": 0.8 * (i % 2), "seed": i}
+        for i in range(6)
+    ]
+    with Engine(**GPU, attention_backend="triton", **spec) as e:
+        graphs = e.core.worker.graphs
+        assert not graphs.graphs  # (none fitted at start)
+        outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=sps)]
+        wait_for_idle_captures(graphs, timeout=120)
+        assert not graphs.graphs and graphs._no_memory
+    monkeypatch.undo()
+    eager, _, _ = _outputs(prompts, sps, disable_cuda_graph=True, **spec)
+    assert outs == eager
+
+
 def test_cuda_graphs_simulated_acceptance_draws_fresh_lengths():
     """The simulated length counter lives on the device: replays draw new lengths."""
     prompts = mixed_prompts(16, 512, seed=7, min_len=2, max_len=8)

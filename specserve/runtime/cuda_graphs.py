@@ -433,7 +433,8 @@ class DecodeGraphs:
     def step_seconds(self, batch_size: int, tier: int, replays: int = 3) -> float | None:
         """The device time of one greedy step of `tier` at this batch size's bucket (its graph
         replayed on padding rows, captured first if need be): what load-adaptive speculation
-        weighs tiers by. None without CUDA graphs or past the largest bucket."""
+        weighs tiers by. None without CUDA graphs, past the largest bucket, or without device
+        memory for the graph (its steps are then timed as served)."""
         cap = self._start_graph(batch_size, tier)
         if cap is None:
             return None
@@ -463,24 +464,15 @@ class DecodeGraphs:
         largest bucket first: later, smaller captures reuse its memory in the shared pool.
         (Smallest first, each capture needed more than any before it had left: SmolLM2's
         6/8/64 tree held 10.5 GiB of pool at batch 160, and batch 176 ran out of an H100's
-        memory.) A bucket that does not fit in memory now is left to be captured when met,
-        as before start-up captures: an engine that served then still starts."""
+        memory.) A graph that does not fit in memory is left to eager steps, as when serving
+        meets it (`_capture_if_memory`): an engine that served without it still starts."""
         before = len(self.graphs)
         sim = getattr(self.worker.step, "simulator", None)
         counter = sim.counter.clone() if sim is not None else None
         for bs in self.start_buckets(max_batch_size):
             for mode in START_MODES:
                 for tier in range(tiers):
-                    try:
-                        self._start_graph(bs, tier, mode)
-                    except torch.OutOfMemoryError:
-                        log.warning(
-                            "batch %d, tier %d, %s: no memory to capture at start",
-                            bs,
-                            tier,
-                            "greedy" if mode.all_greedy else "sampled",
-                        )
-                        torch.cuda.empty_cache()
+                    self._start_graph(bs, tier, mode)
         if counter is not None:
             sim.counter.copy_(counter)
         return len(self.graphs) - before
@@ -497,16 +489,18 @@ class DecodeGraphs:
     ) -> _Captured | None:
         """The graph of a step of `tier` in `mode` at this batch size's bucket and the
         shortest width, captured if need be (None without graphs or past the largest
-        bucket)."""
+        bucket, or no device memory for it)."""
         shape = self.bucket(batch_size, MIN_WIDTH)
         if shape is None or not self.capture:
             return None
         self._drop_stale_graphs()
         key = self._key(shape, mode, tier, False)
         cap = self.graphs.get(key)
-        if cap is None:
-            cap = self.graphs[key] = self._capture(*key)
-            self._covers.clear()
+        if cap is None and key not in self._no_memory:
+            cap = self._capture_if_memory(key)
+            if cap is not None:
+                self.graphs[key] = cap
+                self._covers.clear()
         return cap
 
     @staticmethod

@@ -106,17 +106,8 @@ class PrefillGraphs:
             self._rows_version = rows.version
         cap = self.graphs.get(shape)
         if cap is None:
-            if shape in self._no_memory:
-                return None
-            try:
-                cap = self._capture(*shape, capture_layers)
-            except Exception as exc:
-                if not out_of_memory(exc):
-                    raise
-                # (captures write the scratch slot alone: the chunk runs eagerly instead)
-                log.warning("no device memory to capture prefill graph %s: runs eagerly", shape)
-                self._no_memory[shape] = None
-                torch.cuda.empty_cache()
+            cap = self._capture_if_memory(shape, capture_layers)
+            if cap is None:
                 return None
             self.graphs[shape] = cap
         tokens = shape[0]
@@ -136,17 +127,15 @@ class PrefillGraphs:
         chunk size; None: no limit but the graphs') at its shortest width, before the first
         request. The first capture at a chunk length compiles its kernels' variants: serving
         SmolLM2 on an H100, a request whose 16-token chunk met it waited 0.67 s for its first
-        token, against 7 ms for the others. Returns how many shapes were captured. Lengths
-        whose capture finds no device memory are left to serving, as decode steps are."""
+        token, against 7 ms for the others. Returns how many shapes were captured. A length
+        whose capture finds no device memory, and every longer one, is left to serving."""
         count, tokens, most = 0, MIN_TOKENS, min(self.max_tokens, max_chunk or self.max_tokens)
         while (shape := self.bucket(0, min(tokens, most))) is not None:
             if shape not in self.graphs:
-                try:
-                    self.graphs[shape] = self._capture(*shape, capture_layers)
-                except torch.OutOfMemoryError:  # (longer chunks need more: left to serving)
-                    log.warning("%d-token prefill chunks: no memory to capture at start", tokens)
-                    torch.cuda.empty_cache()
-                    break
+                cap = self._capture_if_memory(shape, capture_layers)
+                if cap is None:
+                    break  # (longer chunks need more)
+                self.graphs[shape] = cap
                 count += 1
             if tokens >= most:
                 break
@@ -193,6 +182,24 @@ class PrefillGraphs:
             use_kernel=self.worker.kernels.decode_metadata,
         )
         return meta, torch.where(real, pos, start)
+
+    def _capture_if_memory(
+        self, shape: tuple[int, int], capture_layers: tuple[int, ...]
+    ) -> _Captured | None:
+        """The graphs of `shape`, captured; None when the device has no memory for them, then
+        or ever after (until the rows are reallocated): captures write the scratch slot
+        alone, so such chunks prefill eagerly instead."""
+        if shape in self._no_memory:
+            return None
+        try:
+            return self._capture(*shape, capture_layers)
+        except Exception as exc:
+            if not out_of_memory(exc):
+                raise
+        log.warning("no device memory to capture prefill graph %s: runs eagerly", shape)
+        self._no_memory[shape] = None
+        torch.cuda.empty_cache()
+        return None
 
     def _capture(self, tokens: int, width: int, capture_layers: tuple[int, ...]) -> _Captured:
         worker, dev = self.worker, self.worker.device
