@@ -140,9 +140,25 @@ async def json_answer(state: ServerState, build: Callable[[], Any], entries: int
 
 
 def _json_bytes(build: Callable[[], Any]) -> bytes:
-    # (as JSONResponse renders its content)
-    content = build()
-    return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    return json_in_parts(build()).encode()
+
+
+def json_in_parts(content: Any, depth: int = 2) -> str:
+    """`content` as JSONResponse renders it (compact, UTF-8 kept, no NaN), each element of its
+    top `depth` levels of lists and dicts encoded by a call of its own. One call of the C
+    encoder holds the GIL throughout: 64 chat choices of 400 tokens with 20 alternatives
+    each (32 MB) held it for 1.1 s, and the event loop's thread with it, off the loop or
+    not; a choice at a time, for 17 ms at most."""
+    if depth > 0 and isinstance(content, list):
+        return "[" + ",".join(json_in_parts(item, depth - 1) for item in content) + "]"
+    if depth > 0 and isinstance(content, dict) and all(isinstance(k, str) for k in content):
+        fields = (f"{_json(k)}:{json_in_parts(v, depth - 1)}" for k, v in content.items())
+        return "{" + ",".join(fields) + "}"
+    return _json(content)
+
+
+def _json(content: Any) -> str:
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 async def parse_body(request: Request, state: ServerState, model):
