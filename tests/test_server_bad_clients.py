@@ -132,6 +132,28 @@ def test_an_answer_encoded_a_choice_at_a_time_is_the_json_of_the_whole():
         json_in_parts({"choices": [{"logprob": math.nan}]})
 
 
+def test_a_large_answer_is_encoded_a_choice_at_a_time(monkeypatch):
+    """No call of the encoder (which holds the GIL, and so the event loop, throughout) takes
+    more than one choice of a 64-choice answer; token ids are not encoded one by one."""
+    from specserve.server import openai_api
+
+    calls = []
+    encode = openai_api._json
+
+    def recorded(content):
+        calls.append(encode(content))
+        return calls[-1]
+
+    monkeypatch.setattr(openai_api, "_json", recorded)
+    entry = {"token": "a", "logprob": -0.5, "top_logprobs": [{"token": "b", "logprob": -1.0}]}
+    choice = {"index": 0, "logprobs": {"content": [entry] * 50}, "ids": list(range(300))}
+    openai_api.json_in_parts({"id": "c", "choices": [choice] * 64, "usage": {}})
+    assert max(len(c) for c in calls) == len(encode(choice)) and len(calls) < 80
+    calls.clear()
+    openai_api.json_in_parts({"text": "x", "output_ids": list(range(1000))})
+    assert len(calls) < 10
+
+
 def test_a_batch_of_many_token_ids_is_checked_and_echoed_off_the_event_loop(server, http):
     """2,000 prompts of 500 token ids, echoed: checking every id and decoding the prompts for
     the echo held the event loop, and /health, for half a second."""

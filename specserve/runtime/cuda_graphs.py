@@ -46,12 +46,7 @@ import torch
 
 from specserve.kv.request_rows import PAD_ROW
 from specserve.ops.sampling import SamplingMode, SamplingTensors
-from specserve.runtime.graph_capture import (
-    capture_graph,
-    copy_from_host,
-    out_of_memory,
-    pow2_bucket,
-)
+from specserve.runtime.graph_capture import capture_graph, copy_from_host, pow2_bucket
 from specserve.speculative.step import StepOutputs
 
 log = logging.getLogger(__name__)
@@ -147,11 +142,21 @@ class _Captured:
 
 
 class DecodeGraphs:
-    def __init__(self, worker, max_bs: int, max_width: int, capture: bool = True):
+    def __init__(
+        self,
+        worker,
+        max_bs: int,
+        max_width: int,
+        capture: bool = True,
+        eager_without_memory: bool = True,
+    ):
         """capture=False runs the same padded, fixed-shape steps eagerly instead of replaying
-        graphs: how the padding and bucketing logic is tested on machines without CUDA."""
+        graphs: how the padding and bucketing logic is tested on machines without CUDA.
+        eager_without_memory=False: a capture without device memory raises (tensor-parallel
+        ranks, whose steps must stay alike)."""
         self.worker = worker
         self.capture = capture
+        self.eager_without_memory = eager_without_memory
         self.buckets = batch_buckets(max_bs)
         self.max_width = max_width
         self.graphs: dict[tuple, _Captured] = {}
@@ -244,8 +249,7 @@ class DecodeGraphs:
                 self.wanted[key] = None
         elif cap is None:
             cap = self._capture_if_memory(key)
-            if cap is None:
-                self.captured_last = False
+            if cap is None:  # (captured_last stays: this step's time includes the attempt)
                 return None
             self.graphs[key] = cap
             self._covers.clear()  # (a smaller cover may exist now)
@@ -326,7 +330,7 @@ class DecodeGraphs:
                     self._covers.clear()
                 if counter is not None:
                     sim.counter.copy_(counter)
-            del self.wanted[key]  # (after: a reader seeing none wanted sees every graph)
+            self.wanted.pop(key, None)  # (after: a reader seeing none wanted sees every graph)
             if captured:
                 return True
         return False
@@ -551,8 +555,8 @@ class DecodeGraphs:
         request in flight."""
         try:
             return self._capture(*key, idle=idle)
-        except Exception as exc:
-            if not out_of_memory(exc):
+        except torch.OutOfMemoryError:
+            if not self.eager_without_memory:
                 raise
         log.warning("no device memory to capture decode graph %s: its steps run eagerly", key)
         self._no_memory[key] = None

@@ -142,7 +142,7 @@ def build_engine_parts(cfg: EngineConfig, tp=None) -> EngineParts:
         eos_token_ids,
     )
     if not cfg.disable_cuda_graph:
-        _attach_graphs(cfg, worker, context_len, window)
+        _attach_graphs(cfg, worker, context_len, window, alone=tp is None or tp.size == 1)
     scheduler = _scheduler(cfg, table, worker, draft, max_total_tokens)
     adaptive = _adaptive_policy(cfg, tiers, worker, tp)
     if tp is None or tp.size == 1:
@@ -176,20 +176,29 @@ def build_engine_parts(cfg: EngineConfig, tp=None) -> EngineParts:
     )
 
 
-def _attach_graphs(cfg: EngineConfig, worker: Worker, context_len: int, window: int) -> None:
-    """Whole decode steps, and single prefill chunks, captured and replayed."""
+def _attach_graphs(
+    cfg: EngineConfig, worker: Worker, context_len: int, window: int, alone: bool
+) -> None:
+    """Whole decode steps, and single prefill chunks, captured and replayed. alone: no other
+    rank runs this step; only then may a capture without device memory fall back to an
+    eager step (a rank that did so alone would run collectives of other shapes than its
+    peers' graphs)."""
     from specserve.runtime.cuda_graphs import DecodeGraphs
 
     worker.graphs = DecodeGraphs(
         worker,
         cfg.cuda_graph_max_bs,
         max_width=context_len + window + max(window, worker.slot_width),
+        eager_without_memory=alone,
     )
     if cfg.cuda_graph_max_prefill_tokens > 0:
         from specserve.runtime.prefill_graphs import PrefillGraphs
 
         worker.prefill_graphs = PrefillGraphs(
-            worker, cfg.cuda_graph_max_prefill_tokens, max_width=context_len
+            worker,
+            cfg.cuda_graph_max_prefill_tokens,
+            max_width=context_len,
+            eager_without_memory=alone,
         )
 
 

@@ -1,6 +1,5 @@
 """Capturing a CUDA graph, and what decode and prefill graphs share around it: static inputs
-written from the host without a sync, shape buckets, and telling a capture that ran out of
-device memory from one that failed otherwise."""
+written from the host without a sync, and shape buckets."""
 
 from __future__ import annotations
 
@@ -17,27 +16,27 @@ def pow2_bucket(n: int, minimum: int) -> int:
 
 def capture_graph(fn, pool, device: torch.device):
     """Warm `fn` up on a side stream (Triton compiles, the allocator settles), then capture
-    it into a new graph on `pool`. Returns (graph, fn's outputs as captured)."""
+    it into a new graph on `pool`. Returns (graph, fn's outputs as captured).
+
+    Running out of device memory raises torch.OutOfMemoryError, and the caller may then run
+    the step eagerly: in a warm-up, the memory is freed; in the capture, torch ends the
+    capture cleanly (what it strands in `pool` serves later captures). Any other error
+    while the capture ends (the stream left capturing) is no such error: serving on after it
+    would run on a state nothing checked."""
+    current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
+    side.wait_stream(current)
     with torch.cuda.stream(side):
         for _ in range(2):
             fn()
-    torch.cuda.current_stream(device).wait_stream(side)
+    current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    finally:  # (torch leaves its capture stream current if ending the capture raises)
+        torch.cuda.set_stream(current)
     return graph, out
-
-
-def out_of_memory(exc: BaseException) -> bool:
-    """Whether `exc` is the device running out of memory, or an error raised while a graph
-    capture unwound from it (ending a capture that failed raises one of its own)."""
-    while exc is not None:
-        if isinstance(exc, torch.OutOfMemoryError):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def copy_from_host(dst: torch.Tensor, values: list[int]) -> None:

@@ -36,12 +36,7 @@ from specserve.kv.request_rows import PAD_ROW
 from specserve.model.llama import ModelOutput
 from specserve.ops.attention_metadata import build_device_metadata
 from specserve.runtime.cuda_graphs import MIN_WIDTH
-from specserve.runtime.graph_capture import (
-    capture_graph,
-    copy_from_host,
-    out_of_memory,
-    pow2_bucket,
-)
+from specserve.runtime.graph_capture import capture_graph, copy_from_host, pow2_bucket
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +59,19 @@ class _Captured:
 
 
 class PrefillGraphs:
-    def __init__(self, worker, max_tokens: int, max_width: int, capture: bool = True):
+    def __init__(
+        self,
+        worker,
+        max_tokens: int,
+        max_width: int,
+        capture: bool = True,
+        eager_without_memory: bool = True,
+    ):
         """capture=False runs the same padded forward eagerly: how the padding is tested on
-        machines without CUDA."""
+        machines without CUDA. eager_without_memory=False: a capture without device memory
+        raises (tensor-parallel ranks, whose forwards must stay alike)."""
         self.worker = worker
+        self.eager_without_memory = eager_without_memory
         self.max_tokens = max_tokens
         self.max_width = max_width
         self.capture = capture
@@ -193,8 +197,8 @@ class PrefillGraphs:
             return None
         try:
             return self._capture(*shape, capture_layers)
-        except Exception as exc:
-            if not out_of_memory(exc):
+        except torch.OutOfMemoryError:
+            if not self.eager_without_memory:
                 raise
         log.warning("no device memory to capture prefill graph %s: runs eagerly", shape)
         self._no_memory[shape] = None
