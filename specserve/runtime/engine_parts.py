@@ -22,7 +22,7 @@ from specserve.model.loader import load_model
 from specserve.model.runner import ModelRunner
 from specserve.model.sharding import draft_target, local_kv_heads
 from specserve.ops.attention import TorchAttentionBackend
-from specserve.runtime.capacity import context_length, kv_pages
+from specserve.runtime.capacity import context_length, kv_pages, step_reserve_bytes
 from specserve.runtime.draft_lag import DraftLag
 from specserve.runtime.grammar import GrammarCompiler
 from specserve.runtime.scheduler import Scheduler, SchedulerLimits
@@ -100,7 +100,8 @@ def build_engine_parts(cfg: EngineConfig, tp=None) -> EngineParts:
     kv_heads = mc.num_kv_heads if tp is None else local_kv_heads(mc, tp.size)
     per_slot = KVCache.bytes_per_slot(mc.num_layers, kv_heads, mc.head_dim, dtype)
     per_slot += draft.kv_bytes_per_slot
-    num_pages, kv_decision = kv_pages(cfg, device, per_slot, tp)
+    reserve = step_reserve_bytes(cfg.max_running_requests, draft.shape.tokens, mc.vocab_size)
+    num_pages, kv_decision = kv_pages(cfg, device, per_slot, tp, reserve)
     num_slots = num_pages * cfg.page_size
     max_total_tokens = kv_decision[1]
     kv_cache = KVCache(mc.num_layers, num_slots, kv_heads, mc.head_dim, dtype, device)
