@@ -27,7 +27,7 @@ ENGINE_HELP = {
     "skip_tokenizer_init": "Do not load a tokenizer; requests carry token ids.",
     "attention_backend": f"{' | '.join(ATTENTION_BACKENDS)}.",
     "random_seed": "Seed for random weights and for requests without their own seed.",
-    "mem_fraction_static": "CUDA: share of GPU memory for weights and KV cache.",
+    "mem_fraction_static": "CUDA: share of GPU memory for weights and KV cache (the KV cache also leaves room for the largest decode step's logits).",
     "debug_check_invariants": "Check KV ownership after every step (slow; for tests).",
     "disable_overlap_schedule": "Apply each decode step before launching the next (overlap is on by default).",
     "enable_deterministic_inference": "CUDA: batch-invariant kernels, so an answer is the same bits alone, in any batch and with or without speculation (off by default: it decodes at 0.68-0.98x the default speed on an H200).",

@@ -318,6 +318,7 @@ def test_16_concurrent_clients(tiny):
     assert after["specserve_kv_used_tokens"] == 0
     assert after["specserve_graph_captures_total"] == 0  # (eager on the CPU)
     assert after["specserve_graph_captures_idle_total"] == 0
+    assert after["specserve_graph_shapes_without_memory"] == 0
 
 
 # ---- validation -------------------------------------------------------------------------------

@@ -50,6 +50,12 @@ def engine_stats(core: EngineCore) -> dict[str, Any]:
         "num_graph_captures_wanted": (
             len(core.worker.graphs.wanted) if core.worker.graphs is not None else 0
         ),
+        # shapes, decode and prefill, whose capture found no device memory: they run eagerly
+        "num_graph_shapes_without_memory": sum(
+            len(g._no_memory)
+            for g in (core.worker.graphs, core.worker.prefill_graphs)
+            if g is not None
+        ),
         "spec_verify_ct": verify_ct,
         "speculative_adaptive": core.describe_adaptive(),
         "spec_accept_length": core.spec_totals["accepted"] / verify_ct if verify_ct else None,

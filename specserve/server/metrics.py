@@ -120,6 +120,12 @@ class _EngineCollector:
             "their steps replayed a larger graph)",
             s.get("num_graph_captures_idle", 0),
         )
+        yield gauge(
+            "graph_shapes_without_memory",
+            "CUDA-graph shapes (decode and prefill) whose capture found no device memory: their "
+            "steps run eagerly, slower (more than a few: lower mem_fraction_static)",
+            s.get("num_graph_shapes_without_memory", 0),
+        )
         verify = s.get("spec_verify_ct") or 0
         accept = s.get("spec_accept_length")
         yield counter("spec_verify_steps", "Speculative verify steps, summed over requests", verify)
