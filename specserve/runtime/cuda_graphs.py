@@ -21,8 +21,8 @@ wider KV layout) and gets its own graph when the engine is idle (`capture_wanted
 it has served `LONG_LIVED_SHAPE_STEPS` steps in a row (a request outliving its batch); a
 shape nothing covers runs eagerly for its first `EAGER_STEPS` steps (about a capture's
 time; a batch's tail passes most shapes in fewer), then is captured, or is captured when
-the engine idles. A capture that finds no device memory while serving leaves its shape to
-eager steps on the batch's rows. Under load-adaptive speculation a step's key also names its
+the engine idles. A capture that finds no device memory, at start or while serving, leaves
+its shape to eager steps on the batch's rows. Under load-adaptive speculation a step's key also names its
 tier; an idle engine captures every tier that has run, or was timed at engine start, at a
 batch bucket at every context width met there, so that the next wave of requests, whose
 tails pass the same shapes with other tiers, does not stop to capture them. Anything
@@ -187,8 +187,8 @@ class DecodeGraphs:
         self.ran_rows_last = False  # the last run ran the step on the batch's rows
         self._eager: dict[tuple, _Captured] = {}  # those shapes' padded steps, not captured
         self._eager_steps: dict[tuple, int] = {}  # and how many steps each ran eagerly
-        # shapes whose capture ran out of device memory while serving: their steps run
-        # eagerly on the batch's rows alone (until the graphs are dropped, freeing memory)
+        # shapes whose capture ran out of device memory, at start or while serving: their
+        # steps run eagerly on the batch's rows alone (until the graphs are dropped)
         self._no_memory: dict[tuple, None] = {}
 
     def bucket(self, bsz: int, width: int) -> tuple[int, int] | None:
