@@ -46,7 +46,12 @@ import torch
 
 from specserve.kv.request_rows import PAD_ROW
 from specserve.ops.sampling import SamplingMode, SamplingTensors
-from specserve.runtime.graph_capture import capture_graph, copy_from_host, pow2_bucket
+from specserve.runtime.graph_capture import (
+    capture_graph,
+    capture_unless_out_of_memory,
+    copy_from_host,
+    pow2_bucket,
+)
 from specserve.speculative.step import StepOutputs
 
 log = logging.getLogger(__name__)
@@ -553,16 +558,13 @@ class DecodeGraphs:
         step runs eagerly on the batch's rows instead (less memory than the padded graph and
         its pool), and so does every later step of this shape, rather than failing every
         request in flight."""
-        try:
-            return self._capture(*key, idle=idle)
-        except torch.OutOfMemoryError:
-            if not self.eager_without_memory:
-                raise
-        log.warning("no device memory to capture decode graph %s: its steps run eagerly", key)
-        self._no_memory[key] = None
-        self.wanted.pop(key, None)
-        torch.cuda.empty_cache()  # (what the failed capture's warm-up left cached)
-        return None
+        cap = capture_unless_out_of_memory(
+            lambda: self._capture(*key, idle=idle), f"decode graph {key}", self.eager_without_memory
+        )
+        if cap is None:
+            self._no_memory[key] = None
+            self.wanted.pop(key, None)
+        return cap
 
     def _capture(self, *key, idle: bool = False) -> _Captured:
         # (fresh padding rows: a capture runs the step, and the eager step's hold real rows)

@@ -3,7 +3,14 @@ written from the host without a sync, and shape buckets."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def pow2_bucket(n: int, minimum: int) -> int:
@@ -46,3 +53,17 @@ def copy_from_host(dst: torch.Tensor, values: list[int]) -> None:
     if dst.device.type == "cuda":
         src = src.pin_memory()
     dst.copy_(src, non_blocking=True)
+
+
+def capture_unless_out_of_memory(capture: Callable[[], T], what: str, fallback: bool) -> T | None:
+    """capture(); None when the device has no memory for it and `fallback` allows running
+    the step eagerly instead (a capture runs on padding rows alone, so no request's state has
+    moved). Only running out of memory is taken so: any other error is raised."""
+    try:
+        return capture()
+    except torch.OutOfMemoryError:
+        if not fallback:
+            raise
+    log.warning("no device memory to capture %s: its steps run eagerly", what)
+    torch.cuda.empty_cache()  # (what the failed capture's warm-up left cached)
+    return None

@@ -36,7 +36,12 @@ from specserve.kv.request_rows import PAD_ROW
 from specserve.model.llama import ModelOutput
 from specserve.ops.attention_metadata import build_device_metadata
 from specserve.runtime.cuda_graphs import MIN_WIDTH
-from specserve.runtime.graph_capture import capture_graph, copy_from_host, pow2_bucket
+from specserve.runtime.graph_capture import (
+    capture_graph,
+    capture_unless_out_of_memory,
+    copy_from_host,
+    pow2_bucket,
+)
 
 log = logging.getLogger(__name__)
 
@@ -195,15 +200,14 @@ class PrefillGraphs:
         alone, so such chunks prefill eagerly instead."""
         if shape in self._no_memory:
             return None
-        try:
-            return self._capture(*shape, capture_layers)
-        except torch.OutOfMemoryError:
-            if not self.eager_without_memory:
-                raise
-        log.warning("no device memory to capture prefill graph %s: runs eagerly", shape)
-        self._no_memory[shape] = None
-        torch.cuda.empty_cache()
-        return None
+        cap = capture_unless_out_of_memory(
+            lambda: self._capture(*shape, capture_layers),
+            f"prefill graph {shape}",
+            self.eager_without_memory,
+        )
+        if cap is None:
+            self._no_memory[shape] = None
+        return cap
 
     def _capture(self, tokens: int, width: int, capture_layers: tuple[int, ...]) -> _Captured:
         worker, dev = self.worker, self.worker.device
