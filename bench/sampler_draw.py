@@ -1,13 +1,17 @@
-"""Time the sampler's draw of a decode step, torch against the Triton Gumbel-max kernel.
+"""Time the sampler's draw of a decode step, torch against the Triton kernels.
 
     PYTHONPATH=. python3 bench/sampler_draw.py [--json out.json] [--rows R ...] [--vocab V ...]
+        [--filters none top-p ...]
 
-`ops/sampling.py: sample` with every row sampled (temperature 0.8, no filter), float32 logits
-[R, V], R the rows a step samples (a tree samples every node: batch x nodes, e.g. 64 for
-SmolLM2's 6/8/64 tree at batch 1, 4,096 at batch 64). Each shape is checked first: the
-kernel's draws equal torch's except at near-ties (at most 1% of rows). Each call is replayed
-from a CUDA graph (median ms, `triton.testing.do_bench`); `torch_peak_mib` / `triton_peak_mib`
-are the call's peak memory beyond its inputs. Prints JSON lines, then a table. Needs CUDA.
+`ops/sampling.py: sample` with every row sampled (temperature 0.8), float32 logits [R, V], R
+the rows a step samples (a tree samples every node: batch x nodes, e.g. 64 for SmolLM2's
+6/8/64 tree at batch 1, 4,096 at batch 64), under each filter setting of `FILTERS`. Columns:
+torch (no Triton), Triton (the filter kernel's floor, then the Gumbel-max kernel) and, for
+filtered rows, `sort_ms`: the torch filter's floor (a sort per row) before the Gumbel-max
+kernel, which is what filtered rows ran before the filter kernel. Each shape is checked
+first: the kernels' draws equal torch's except at near-ties (at most 1% of rows). Each call
+is replayed from a CUDA graph (median ms, `triton.testing.do_bench`); the peaks are the
+call's memory beyond its inputs. Prints JSON lines, then a table. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -23,9 +27,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specserve.bench.gpu_timing import graph_ms, warm_up_clocks  # noqa: E402
 from specserve.config.kernels import REFERENCE, Kernels  # noqa: E402
-from specserve.ops.sampling import SamplingTensors, sample  # noqa: E402
+from specserve.ops.sampling import (  # noqa: E402
+    SAMPLE_BLOCK_ELEMENTS,
+    SamplingTensors,
+    noise_keys,
+    sample,
+)
+from specserve.ops.triton_filter import filter_floor_reference  # noqa: E402
+from specserve.ops.triton_gumbel import gumbel_argmax  # noqa: E402
 
 ROWS, VOCABS = [64, 1024, 4096, 16384], [49152, 128256]
+# name -> (top_k, top_p, min_p): what chat clients send most, each filter alone and together
+FILTERS = {
+    "none": (-1, 1.0, 0.0),
+    "top-p": (-1, 0.9, 0.0),
+    "top-k": (50, 1.0, 0.0),
+    "min-p": (-1, 1.0, 0.05),
+    "top-k+top-p": (50, 0.9, 0.0),
+}
 TRITON = Kernels(sampling_reductions=True)
 
 
@@ -38,28 +57,48 @@ def peak_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def case(rows: int, vocab: int) -> dict:
+def sort_then_kernel_draw(logits, st: SamplingTensors, positions) -> torch.Tensor:
+    """Filtered rows as drawn before the filter kernel: the torch filter, then the kernel's
+    draw (in blocks of rows, as the torch filter's temporaries need)."""
+    keys = noise_keys(st.seeds, positions)
+    block = max(1, SAMPLE_BLOCK_ELEMENTS // logits.shape[-1])
+    parts = []
+    for start in range(0, len(logits), block):
+        part = slice(start, start + block)
+        rows = st.take(part)
+        floor = filter_floor_reference(
+            logits[part], rows.temperatures, rows.top_ks, rows.top_ps, rows.min_ps
+        )
+        parts.append(gumbel_argmax(logits[part], rows.temperatures, keys[part], floor))
+    return torch.cat(parts)
+
+
+def case(rows: int, vocab: int, filters: str) -> dict:
+    top_k, top_p, min_p = FILTERS[filters]
     g = torch.Generator(device="cuda").manual_seed(rows + vocab)
     logits = 4.0 * torch.randn(rows, vocab, device="cuda", generator=g)
     st = SamplingTensors(
         temperatures=torch.full((rows,), 0.8, device="cuda"),
-        top_ks=torch.full((rows,), -1, dtype=torch.int64, device="cuda"),
-        top_ps=torch.ones(rows, device="cuda"),
-        min_ps=torch.zeros(rows, device="cuda"),
+        top_ks=torch.full((rows,), top_k, dtype=torch.int64, device="cuda"),
+        top_ps=torch.full((rows,), top_p, device="cuda"),
+        min_ps=torch.full((rows,), min_p, device="cuda"),
         seeds=torch.randint(0, 2**31, (rows,), device="cuda", generator=g),
         all_greedy=False,
-        needs_filter=False,
+        needs_filter=filters != "none",
     )
     positions = torch.arange(rows, device="cuda") + 500
     plain = sample(logits, st, positions, REFERENCE)
     fast = sample(logits, st, positions, TRITON)
     agree = (plain == fast).float().mean().item()
-    out = {"rows": rows, "vocab": vocab, "agree": agree, "ok": agree >= 0.99}
+    out = {"filters": filters, "rows": rows, "vocab": vocab, "agree": agree, "ok": agree >= 0.99}
     out["torch_peak_mib"] = peak_mib(lambda: sample(logits, st, positions, REFERENCE))
     out["triton_peak_mib"] = peak_mib(lambda: sample(logits, st, positions, TRITON))
     out["torch_ms"] = graph_ms(lambda: sample(logits, st, positions, REFERENCE))
     out["triton_ms"] = graph_ms(lambda: sample(logits, st, positions, TRITON))
     out["speedup"] = out["torch_ms"] / out["triton_ms"]
+    if st.needs_filter:
+        out["sort_ms"] = graph_ms(lambda: sort_then_kernel_draw(logits, st, positions))
+        out["speedup_over_sort"] = out["sort_ms"] / out["triton_ms"]
     return out
 
 
@@ -68,32 +107,39 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS)
     ap.add_argument("--vocab", type=int, nargs="+", default=VOCABS)
+    ap.add_argument("--filters", nargs="+", default=list(FILTERS), choices=list(FILTERS))
     args = ap.parse_args()
     warm_up_clocks()
     results = []
-    for vocab in args.vocab:
-        for rows in args.rows:
-            try:
-                r = case(rows, vocab)
-            except torch.OutOfMemoryError:
-                r = {"rows": rows, "vocab": vocab, "ok": None, "error": "out of memory"}
-            torch.cuda.empty_cache()
-            print(json.dumps(r), flush=True)
-            results.append(r)
+    for filters in args.filters:
+        for vocab in args.vocab:
+            for rows in args.rows:
+                try:
+                    r = case(rows, vocab, filters)
+                except torch.OutOfMemoryError:
+                    r = {"filters": filters, "rows": rows, "vocab": vocab, "ok": None}
+                    r["error"] = "out of memory"
+                torch.cuda.empty_cache()
+                print(json.dumps(r), flush=True)
+                results.append(r)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(
-        "\n| V | rows | torch ms | Triton ms | speedup | torch peak MiB | Triton peak MiB | agree |"
+        "\n| filters | V | rows | torch ms | sort + kernel draw ms | Triton ms | speedup "
+        "| over sort | torch peak MiB | Triton peak MiB | agree |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
+        head = f"| {r['filters']} | {r['vocab']} | {r['rows']} |"
         if "error" in r:
-            print(f"| {r['vocab']} | {r['rows']} | {r['error']} | | | | | |")
+            print(f"{head} {r['error']} | | | | | | | |")
             continue
+        sort = f"{r['sort_ms']:.3f}" if "sort_ms" in r else ""
+        over = f"{r['speedup_over_sort']:.1f}" if "sort_ms" in r else ""
         print(
-            f"| {r['vocab']} | {r['rows']} | {r['torch_ms']:.3f} | {r['triton_ms']:.3f} | "
-            f"{r['speedup']:.1f} | {r['torch_peak_mib']:.0f} | {r['triton_peak_mib']:.0f} | "
-            f"{r['agree']:.4f} |"
+            f"{head} {r['torch_ms']:.3f} | {sort} | {r['triton_ms']:.3f} | "
+            f"{r['speedup']:.1f} | {over} | {r['torch_peak_mib']:.0f} | "
+            f"{r['triton_peak_mib']:.0f} | {r['agree']:.4f} |"
         )
     sys.exit(0 if all(r["ok"] is not False for r in results) else 1)
 

@@ -245,7 +245,7 @@ def _deterministic(
     for name in _STEP_KERNELS:
         why = step_why
         if name == "sampling_reductions":
-            why += "; argmax, Gumbel-max and top-k reduce each row alone (ties to the lower id): batch-invariant"
+            why += "; argmax, Gumbel-max, the filters and top-k reduce each row alone (ties to the lower id): batch-invariant"
         decisions.append((f"kernels.{name}", True, why))
     on.update(
         batch_invariant_matmul=True,

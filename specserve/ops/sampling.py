@@ -54,7 +54,7 @@ def topk_logprobs(
 
 
 _MASK32 = 0xFFFFFFFF
-# Rows x vocabulary a sampled draw's torch path takes at once (filters, or no Triton): its
+# Rows x vocabulary a sampled draw's torch path (no Triton) takes at once: its
 # sort holds float32 values and int64 indices of each row, its noise int64 hashes; 2**26
 # elements keep each temporary at 256-512 MiB (SmolLM2's 6/8/64 tree at batch 256 samples
 # 16,384 rows of 49,152: 6 GiB per int64 temporary at once).
@@ -197,21 +197,14 @@ class SamplingTensors:
 def filter_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Set to -inf every token removed by top_k, then top_p (on the renormalised top-k
     distribution, as Hugging Face and vLLM apply them in sequence), then min_p (relative to
-    the likeliest token). At least one token always survives."""
-    probs = torch.softmax(logits, dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(st.top_ks > 0, st.top_ks, torch.full_like(st.top_ks, vocab))
-    remove = rank >= k[:, None]
-    kept = sorted_probs.masked_fill(remove, 0.0)
-    kept = kept / kept.sum(dim=-1, keepdim=True)
-    mass_before = kept.cumsum(dim=-1) - kept
-    remove |= mass_before >= st.top_ps[:, None]
-    remove |= sorted_probs < (st.min_ps[:, None] * sorted_probs[:, :1])
-    remove[:, 0] = False
-    removed = torch.zeros_like(remove).scatter(1, order, remove)
-    return logits.masked_fill(removed, float("-inf"))
+    the likeliest token): those below the lowest value all three keep. Tokens of equal value
+    share their fate, and the likeliest always stays (ops/triton_filter.py, whose kernel the
+    Triton path runs)."""
+    from specserve.ops.triton_filter import filter_floor_reference
+
+    ones = torch.ones_like(st.temperatures)  # (logits already divided)
+    floor = filter_floor_reference(logits, ones, st.top_ks, st.top_ps, st.min_ps)
+    return logits.masked_fill(logits < floor[:, None], float("-inf"))
 
 
 def target_distribution_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -225,25 +218,16 @@ def target_distribution_logits(logits: torch.Tensor, st: SamplingTensors) -> tor
     return filter_logits(scaled, st) if st.needs_filter else scaled
 
 
-def _draw_in_blocks(
-    logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor, fast: bool
-) -> torch.Tensor:
-    """The sampled rows' draws, a block of rows at a time: the filters' sort and the noise
-    take several [R, V] temporaries (a tree samples every node: batch x nodes rows). fast:
-    the noise and argmax in the Triton kernel, after the filters."""
+def _draw_in_blocks(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tensor) -> torch.Tensor:
+    """The torch path's draws, a block of rows at a time: the filters' sort and the noise
+    take several [R, V] temporaries (a tree samples every node: batch x nodes rows)."""
     rows, vocab = logits.shape
     block = max(1, SAMPLE_BLOCK_ELEMENTS // max(vocab, 1))
     parts = []
     for start in range(0, rows, block):
         part = slice(start, min(rows, start + block))
         scaled = target_distribution_logits(logits[part], st.take(part))
-        if fast:
-            from specserve.ops.triton_gumbel import gumbel_argmax
-
-            ones = torch.ones_like(st.temperatures[part])  # (scaled already divided)
-            parts.append(gumbel_argmax(scaled, ones, keys[part]))
-        else:
-            parts.append((scaled + gumbel_noise(keys[part], vocab)).argmax(dim=-1))
+        parts.append((scaled + gumbel_noise(keys[part], vocab)).argmax(dim=-1))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -259,13 +243,17 @@ def sample(
     if st.all_greedy:
         return greedy
     keys = noise_keys(st.seeds, positions)
-    fast = _triton_rows(logits, kernels)
-    if fast and not st.needs_filter:
-        # (the noise in registers: the reference's [R, V] temporaries, several per step,
-        # outgrow the device's memory beside the KV cache at large batches of a tree)
+    if _triton_rows(logits, kernels):
+        # (the filters' floor and the noise in registers: the reference's [R, V]
+        # temporaries, several per step, outgrow the device's memory beside the KV cache at
+        # large batches of a tree, and its sort takes most of a filtered step's time)
+        from specserve.ops.triton_filter import filter_floor as floor_of
         from specserve.ops.triton_gumbel import gumbel_argmax
 
-        sampled = gumbel_argmax(logits, st.temperatures, keys)
+        floor = None
+        if st.needs_filter:
+            floor = floor_of(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps)
+        sampled = gumbel_argmax(logits, st.temperatures, keys, floor)
     else:
-        sampled = _draw_in_blocks(logits, st, keys, fast) if len(logits) else greedy
+        sampled = _draw_in_blocks(logits, st, keys) if len(logits) else greedy
     return torch.where(st.temperatures >= GREEDY_BELOW, sampled, greedy)

@@ -31,13 +31,19 @@ _M0, _M2, _M3 = 0x7FEB352D, 0x297A2D39, 0x045D9F3B
 
 
 def gumbel_argmax_reference(
-    logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    keys: torch.Tensor,
+    floor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from specserve.ops.sampling import gumbel_noise
 
     temps = torch.where(temperatures >= GREEDY_BELOW, temperatures, torch.ones_like(temperatures))
     scaled = logits.float() / temps[:, None]
-    return (scaled + gumbel_noise(keys, logits.shape[-1])).argmax(dim=-1)
+    scores = scaled + gumbel_noise(keys, logits.shape[-1])
+    if floor is not None:
+        scores = scores.masked_fill(scaled < floor[:, None], float("-inf"))
+    return scores.argmax(dim=-1)
 
 
 @triton.jit
@@ -51,10 +57,10 @@ def _mix(x, a: tl.constexpr, b: tl.constexpr):
 
 @triton.jit
 def _chunk_kernel(
-    X, Temps, Keys, PartMax, PartCol,
+    X, Temps, Keys, Floor, PartMax, PartCol,
     stride_x, n_cols, n_chunks, greedy_below,
     M0: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_FLOOR: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -62,6 +68,8 @@ def _chunk_kernel(
     t = tl.where(t >= greedy_below, t, 1.0)
     key = tl.load(Keys + row).to(tl.uint32)
     high = key >> 7
+    if HAS_FLOOR:
+        floor = tl.load(Floor + row)
     lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
     lane_col = tl.full([BLOCK], _NO_COL, tl.int32)
     for start in tl.static_range(0, CHUNK, BLOCK):
@@ -71,7 +79,10 @@ def _chunk_kernel(
         h = _mix(key ^ cols.to(tl.uint32), M2, M3)
         h = _mix(h ^ high, M3, M0)
         u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        score = tl.math.div_rn(x, t) - tl.log(-tl.log(u))  # (rounded as torch divides)
+        scaled = tl.math.div_rn(x, t)  # (rounded as torch divides)
+        score = scaled - tl.log(-tl.log(u))
+        if HAS_FLOOR:  # (the filters' floor, ops/triton_filter.py)
+            inside = inside & (scaled >= floor)
         score = tl.where(inside, score, float("-inf"))
         better = score > lane_max  # (strictly: a lane keeps its lowest column on ties)
         lane_col = tl.where(better, cols, lane_col)
@@ -85,12 +96,16 @@ def _chunk_kernel(
 
 
 def gumbel_argmax(
-    logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    keys: torch.Tensor,
+    floor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per row, the column of max(logits / t + Gumbel noise) (int64 [R]), t the row's
     temperature (1 below GREEDY_BELOW), the noise that of `keys` (int64 [R], each below
     2**32: ops/sampling.py's `noise_keys`); equal scores: the lowest column. logits: [R, V]
-    float32/16-bit, rows may be strided (a last dim that is not contiguous is copied)."""
+    float32/16-bit, rows may be strided (a last dim that is not contiguous is copied).
+    floor (float32 [R]): only columns with logits / t >= the row's floor are drawn from."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -102,8 +117,10 @@ def gumbel_argmax(
     part_max = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)
     part_col = torch.empty((rows, n_chunks), dtype=torch.int64, device=dev)
     _chunk_kernel[(rows, n_chunks)](
-        logits, temperatures.float().contiguous(), keys.contiguous(), part_max, part_col,
+        logits, temperatures.float().contiguous(), keys.contiguous(),
+        keys if floor is None else floor.float().contiguous(), part_max, part_col,
         logits.stride(0), vocab, n_chunks, GREEDY_BELOW,
-        M0=_M0, M2=_M2, M3=_M3, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4,
+        M0=_M0, M2=_M2, M3=_M3, CHUNK=CHUNK, BLOCK=BLOCK, HAS_FLOOR=floor is not None,
+        num_warps=4,
     )  # fmt: skip
     return part_col.gather(1, part_max.argmax(dim=1, keepdim=True)).squeeze(1)

@@ -1,0 +1,151 @@
+"""The sampler's filters (top-k, top-p, min-p) as a per-row search kernel against its torch
+reference, and the reference against a plain walk down each sorted row."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+pytest.importorskip("triton", reason="the filter kernel needs the triton package")
+
+from specserve.config.kernels import REFERENCE, Kernels  # noqa: E402
+from specserve.ops.sampling import SamplingTensors, filter_logits, noise_keys, sample  # noqa: E402
+from specserve.ops.triton_filter import filter_floor, filter_floor_reference  # noqa: E402
+from specserve.ops.triton_gumbel import gumbel_argmax, gumbel_argmax_reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def random_rows(rows: int, vocab: int, seed: int, ties: bool = False, dtype=torch.float32):
+    """Logits and per-row filters, each filter off in some rows and at edge values in others."""
+    g = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(rows, vocab, generator=g)
+    if ties:  # whole numbers: runs of equal values everywhere, at the max too
+        logits = logits.round()
+    masked = torch.rand(rows, vocab, generator=g) < 0.1  # (a grammar's or a bias's -inf)
+    masked[:, 0] = False
+    logits = logits.masked_fill(masked, float("-inf"))
+    temps = 0.3 + 1.5 * torch.rand(rows, generator=g)
+    top_ks = torch.randint(-1, vocab + 3, (rows,), generator=g)
+    top_ks[::5] = -1
+    top_ks[1::7] = 1
+    top_ps = 0.05 + 0.95 * torch.rand(rows, generator=g)
+    top_ps[::3] = 1.0
+    top_ps[2::9] = 1e-9
+    min_ps = torch.rand(rows, generator=g) * 0.3
+    min_ps[::2] = 0.0
+    min_ps[4::11] = 1.0
+    return [t.to(DEVICE) for t in (logits.to(dtype), temps, top_ks, top_ps, min_ps)]
+
+
+def walk_down(scaled_row: torch.Tensor, k: int, p: float, min_p: float) -> float:
+    """The floor of one row of distinct values the way the filters are defined: down the
+    sorted row, keep a token while it is among the top k, the top-k mass above it is below p
+    of that mass, and it is at least min_p times as likely as the first."""
+    probs = torch.softmax(scaled_row.double(), dim=-1)
+    values, order = scaled_row.sort(descending=True)
+    ranked = probs[order]
+    k = k if 0 < k < len(ranked) else len(ranked)
+    kept_mass = ranked[:k].sum().item()
+    floor, above = values[0].item(), 0.0
+    for rank in range(1, k):
+        above += ranked[rank - 1].item()
+        if above >= p * kept_mass or ranked[rank].item() < min_p * ranked[0].item():
+            break
+        floor = values[rank].item()
+    return floor
+
+
+@pytest.mark.parametrize(
+    "rows, vocab, ties", [(16, 1, False), (16, 7, True), (24, 700, False), (20, 1500, True)]
+)
+def test_kernel_floor_equals_the_reference(rows, vocab, ties):
+    args = random_rows(rows, vocab, seed=rows * vocab, ties=ties)
+    got = filter_floor(*args)
+    want = filter_floor_reference(*args)
+    assert torch.equal(got, want), (got, want)
+
+
+def test_kernel_floor_of_strided_16_bit_rows():
+    logits, *params = random_rows(12, 900, seed=5, dtype=torch.bfloat16)
+    wide = torch.zeros(12, 1300, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, 200:1100] = logits
+    got = filter_floor(wide[:, 200:1100], *params)
+    assert torch.equal(got, filter_floor_reference(logits, *params))
+
+
+def test_a_rows_floor_is_the_same_alone_and_in_a_batch():
+    args = random_rows(10, 600, seed=9)
+    batch = filter_floor(*args)
+    for i in (0, 3, 9):
+        assert torch.equal(filter_floor(*(a[i : i + 1] for a in args)), batch[i : i + 1])
+
+
+def test_reference_floor_is_the_walk_down_the_sorted_row():
+    logits, temps, top_ks, top_ps, min_ps = (a.cpu() for a in random_rows(40, 300, seed=2))
+    logits = logits.masked_fill(logits == float("-inf"), -50.0)  # distinct values only
+    floor = filter_floor_reference(logits, temps, top_ks, top_ps, min_ps)
+    for i in range(len(logits)):
+        scaled = logits[i] / temps[i]
+        want = walk_down(scaled, top_ks[i].item(), top_ps[i].item(), min_ps[i].item())
+        assert floor[i].item() == want, i
+
+
+def test_equal_values_share_their_fate():
+    logits = torch.tensor([[2.0, 5.0, 5.0, 1.0, 0.0], [3.0, 3.0, 3.0, 0.0, -1.0]], device=DEVICE)
+    ones = torch.ones(2, device=DEVICE)
+    for fn in (filter_floor, filter_floor_reference):
+        # top-1 keeps both maxima; top-2 of [3, 3, 3, ...] keeps all three threes
+        floor = fn(logits, ones, torch.tensor([1, 2], device=DEVICE), ones, 0 * ones)
+        assert floor.tolist() == [5.0, 3.0]
+        # top-p 1e-9 keeps only the likeliest value, and all its copies
+        tiny = torch.full((2,), 1e-9, device=DEVICE)
+        floor = fn(logits, ones, torch.tensor([-1, -1], device=DEVICE), tiny, 0 * ones)
+        assert floor.tolist() == [5.0, 3.0]
+
+
+def test_no_filter_keeps_every_token_and_min_p_one_keeps_the_likeliest():
+    logits, temps, _, _, _ = random_rows(6, 400, seed=4)
+    logits[:3] = logits[:3].masked_fill(logits[:3] == float("-inf"), -80.0)
+    off = torch.full((6,), -1, dtype=torch.int64, device=DEVICE)
+    ones, zeros = torch.ones(6, device=DEVICE), torch.zeros(6, device=DEVICE)
+    scaled = logits / temps[:, None]
+    assert torch.equal(filter_floor(logits, temps, off, ones, zeros), scaled.amin(dim=-1))
+    assert torch.equal(filter_floor(logits, temps, off, ones, ones), scaled.amax(dim=-1))
+
+
+def test_draws_below_the_floor_never_happen_and_match_the_torch_draw():
+    logits, temps, top_ks, top_ps, min_ps = random_rows(16, 500, seed=11)
+    keys = noise_keys(torch.arange(16, device=DEVICE) * 31 + 7, torch.arange(16, device=DEVICE))
+    floor = filter_floor(logits, temps, top_ks, top_ps, min_ps)
+    got = gumbel_argmax(logits, temps, keys, floor)
+    scaled = logits / temps[:, None]
+    assert (scaled.gather(1, got[:, None]).squeeze(1) >= floor).all()
+    want = gumbel_argmax_reference(logits, temps, keys, floor)
+    assert (got == want).float().mean() >= 0.9  # (equal but where the noise's logs round)
+
+
+def test_sampler_with_the_kernel_draws_what_the_torch_path_draws():
+    """`sample` with the Triton reductions (the filter kernel, then the draw with its floor)
+    and without (the reference's -inf mask, then torch's noise): the same tokens."""
+    logits, temps, top_ks, top_ps, min_ps = random_rows(16, 800, seed=21)
+    st = SamplingTensors(
+        temperatures=temps,
+        top_ks=top_ks,
+        top_ps=top_ps,
+        min_ps=min_ps,
+        seeds=torch.arange(16, device=DEVICE) * 3 + 1,
+        all_greedy=False,
+        needs_filter=True,
+    )
+    positions = torch.arange(16, device=DEVICE) + 40
+    fast = sample(logits, st, positions, Kernels(sampling_reductions=True))
+    plain = sample(logits, st, positions, REFERENCE)
+    assert (fast == plain).float().mean() >= 0.9
+    kept = filter_logits(logits / temps[:, None], st) > float("-inf")
+    assert kept.gather(1, fast[:, None]).all()
