@@ -14,7 +14,9 @@ cumulative sums and the scatter back take several [R, V] temporaries and most of
 step's time. Here one program per row searches the values' ordered bits: a pass over the row
 counts the tokens above each of PIVOTS points spread over the interval still open (and sums
 their probability), which narrows the interval PIVOTS-fold, so a 32-bit interval closes in
-at most 8 passes at 16 pivots, and nothing of size [R, V] is written.
+at most 8 passes at 16 pivots, and nothing of size [R, V] is written. Only the first passes
+compare every token with every pivot: later ones skip the tiles with no token left inside
+the interval.
 
 Masses are float32 sums in another order than the reference's cumulative sum: the floor
 equals the reference's except where a row's top-p boundary is within rounding of p.
@@ -84,20 +86,34 @@ def _scaled_row(X, row_off, cols, n_cols, t):
 
 @triton.jit
 def _above(
-    X, row_off, n_cols, t, top, pivots,
+    X, row_off, n_cols, t, top, lo, hi, pivots,
     WITH_MASS: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr,
 ):  # fmt: skip
-    """Per pivot, the tokens whose ordered value is above it: their count and (WITH_MASS)
-    their summed exp(value - top)."""
+    """Per pivot (each in [lo, hi)), the tokens whose ordered value is above it: their count
+    and (WITH_MASS) their summed exp(value - top). A token at or above hi is above every
+    pivot and one below lo above none, so only tiles holding a token in [lo, hi) compare
+    with each pivot: after a pass or two of a search, few tiles do."""
     count = tl.zeros([BLOCK, P], tl.int32)
     mass = tl.zeros([BLOCK, P], tl.float32)
+    count_over = tl.zeros([BLOCK], tl.int32)
+    mass_over = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n_cols, BLOCK):
         s, key = _scaled_row(X, row_off, start + tl.arange(0, BLOCK), n_cols, t)
-        above = key[:, None] > pivots[None, :]
-        count += above.to(tl.int32)
+        over = key >= hi
+        count_over += over.to(tl.int32)
+        e = tl.exp(s - top)
         if WITH_MASS:
-            mass += tl.where(above, tl.exp(s - top)[:, None], 0.0)
-    return tl.sum(count, 0), tl.sum(mass, 0)
+            mass_over += tl.where(over, e, 0.0)
+        between = (key >= lo) & ~over
+        if tl.max(between.to(tl.int32), 0) > 0:
+            above = between[:, None] & (key[:, None] > pivots[None, :])
+            count += above.to(tl.int32)
+            if WITH_MASS:
+                mass += tl.where(above, e[:, None], 0.0)
+    return (
+        tl.sum(count, 0) + tl.sum(count_over, 0),
+        tl.sum(mass, 0) + tl.sum(mass_over, 0),
+    )
 
 
 @triton.jit
@@ -140,7 +156,10 @@ def _floor_kernel(
     k_hi = tl.where((k > 0) & (k < n_cols), hi, lo)
     while lo < k_hi:
         pivots = lo + ((k_hi - lo) * idx) // P
-        count, _ = _above(X, row_off, n_cols, t, top, pivots.to(tl.int32), False, BLOCK, P)
+        count, _ = _above(
+            X, row_off, n_cols, t, top, lo.to(tl.int32), k_hi.to(tl.int32),
+            pivots.to(tl.int32), False, BLOCK, P,
+        )  # fmt: skip
         lo, k_hi = _narrow(lo, k_hi, pivots, count < k, P)
     # the top-k's mass, and the lowest value min-p keeps
     lane_mass = tl.zeros([BLOCK], tl.float32)
@@ -155,7 +174,10 @@ def _floor_kernel(
     p_hi = tl.where(top_p < 1.0, hi, lo)
     while lo < p_hi:
         pivots = lo + ((p_hi - lo) * idx) // P
-        _, mass = _above(X, row_off, n_cols, t, top, pivots.to(tl.int32), True, BLOCK, P)
+        _, mass = _above(
+            X, row_off, n_cols, t, top, lo.to(tl.int32), p_hi.to(tl.int32),
+            pivots.to(tl.int32), True, BLOCK, P,
+        )  # fmt: skip
         lo, p_hi = _narrow(lo, p_hi, pivots, mass < limit, P)
     floor = _value(lo.to(tl.int32))
     floor = tl.where(min_p > 0.0, tl.maximum(floor, tl.min(lane_min_p, 0)), floor)

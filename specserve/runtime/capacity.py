@@ -77,6 +77,9 @@ def kv_pages(
 def _tokens_in_free_memory(
     cfg: EngineConfig, device: torch.device, bytes_per_token: int, step_reserve: int
 ) -> int:
+    # (memory this process freed but torch's allocator still caches counts as used: an
+    # engine started after others in one process found no room for its KV cache)
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     budget = free - (1.0 - cfg.mem_fraction_static) * total - step_reserve
     if budget <= bytes_per_token * 1024:

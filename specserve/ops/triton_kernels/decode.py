@@ -145,7 +145,7 @@ def decode_attention(
     """Launch sizes are all host integers; nothing here reads device memory.
     config overrides block_n / num_warps / num_stages (tuning)."""
     batch, num_heads, head_dim = q.shape
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # (tl.dot needs K >= 16)
     cfg = {
         "block_n": kv_block_size(block_d, max(q.element_size(), k_cache.element_size())),
         "num_warps": 4,

@@ -210,7 +210,7 @@ def extend_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # (tl.dot needs K >= 16)
     # 64-row tiles with 3 stages were the best or near it for tree verify, extend and prefill
     # in the H200 sweep (bench/attention_kernels.py --tune); short verifies take smaller ones.
     cfg = {

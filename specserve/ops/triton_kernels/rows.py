@@ -209,7 +209,7 @@ def row_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # (tl.dot needs K >= 16)
     block_n = kv_block_size(block_d, max(q.element_size(), k_cache.element_size()))
     if chunk % block_n:
         raise ValueError(f"chunk {chunk} is not a multiple of the KV block {block_n}")
