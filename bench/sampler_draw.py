@@ -6,12 +6,13 @@
 `ops/sampling.py: sample` with every row sampled (temperature 0.8), float32 logits [R, V], R
 the rows a step samples (a tree samples every node: batch x nodes, e.g. 64 for SmolLM2's
 6/8/64 tree at batch 1, 4,096 at batch 64), under each filter setting of `FILTERS`. Columns:
-torch (no Triton), Triton (the filter kernel's floor, then the Gumbel-max kernel) and, for
-filtered rows, `sort_ms`: the torch filter's floor (a sort per row) before the Gumbel-max
-kernel, which is what filtered rows ran before the filter kernel. Each shape is checked
-first: the kernels' draws equal torch's except at near-ties (at most 1% of rows). Each call
-is replayed from a CUDA graph (median ms, `triton.testing.do_bench`); the peaks are the
-call's memory beyond its inputs. Prints JSON lines, then a table. Needs CUDA.
+torch (no Triton) and Triton (`sample` as shipped); for filtered rows also each way to the
+filters' floor before the Gumbel-max kernel: `sort_ms` the torch sort per row (what
+`sample` runs below FILTER_SEARCH_MIN_ROWS rows), `search_ms` the search kernel
+(ops/triton_filter.py; above). Each shape is checked first: the kernels' draws equal
+torch's except at near-ties (at most 1% of rows). Each call is replayed from a CUDA graph
+(median ms, `triton.testing.do_bench`); the peaks are the call's memory beyond its inputs.
+Prints JSON lines, then a table. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from specserve.ops.sampling import (  # noqa: E402
     noise_keys,
     sample,
 )
-from specserve.ops.triton_filter import filter_floor_reference  # noqa: E402
+from specserve.ops.triton_filter import filter_floor, filter_floor_reference  # noqa: E402
 from specserve.ops.triton_gumbel import gumbel_argmax  # noqa: E402
 
-ROWS, VOCABS = [64, 1024, 4096, 16384], [49152, 128256]
+ROWS, VOCABS = [1, 64, 256, 1024, 16384], [49152, 128256]
 # name -> (top_k, top_p, min_p): what chat clients send most, each filter alone and together
 FILTERS = {
     "none": (-1, 1.0, 0.0),
@@ -58,8 +59,8 @@ def peak_mib(fn) -> float:
 
 
 def sort_then_kernel_draw(logits, st: SamplingTensors, positions) -> torch.Tensor:
-    """Filtered rows as drawn before the filter kernel: the torch filter, then the kernel's
-    draw (in blocks of rows, as the torch filter's temporaries need)."""
+    """The torch sort's floor, then the kernel's draw (in blocks of rows, as the sort's
+    temporaries need)."""
     keys = noise_keys(st.seeds, positions)
     block = max(1, SAMPLE_BLOCK_ELEMENTS // logits.shape[-1])
     parts = []
@@ -71,6 +72,12 @@ def sort_then_kernel_draw(logits, st: SamplingTensors, positions) -> torch.Tenso
         )
         parts.append(gumbel_argmax(logits[part], rows.temperatures, keys[part], floor))
     return torch.cat(parts)
+
+
+def search_then_kernel_draw(logits, st: SamplingTensors, positions) -> torch.Tensor:
+    """The search kernel's floor, then the kernel's draw."""
+    floor = filter_floor(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps)
+    return gumbel_argmax(logits, st.temperatures, noise_keys(st.seeds, positions), floor)
 
 
 def case(rows: int, vocab: int, filters: str) -> dict:
@@ -98,7 +105,8 @@ def case(rows: int, vocab: int, filters: str) -> dict:
     out["speedup"] = out["torch_ms"] / out["triton_ms"]
     if st.needs_filter:
         out["sort_ms"] = graph_ms(lambda: sort_then_kernel_draw(logits, st, positions))
-        out["speedup_over_sort"] = out["sort_ms"] / out["triton_ms"]
+        out["search_ms"] = graph_ms(lambda: search_then_kernel_draw(logits, st, positions))
+        out["search_over_sort"] = out["sort_ms"] / out["search_ms"]
     return out
 
 
@@ -125,20 +133,25 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(
-        "\n| filters | V | rows | torch ms | sort + kernel draw ms | Triton ms | speedup "
-        "| over sort | torch peak MiB | Triton peak MiB | agree |"
+        "\n| filters | V | rows | torch ms | Triton ms | speedup | sort + draw ms "
+        "| search + draw ms | search / sort | torch peak MiB | Triton peak MiB | agree |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         head = f"| {r['filters']} | {r['vocab']} | {r['rows']} |"
         if "error" in r:
-            print(f"{head} {r['error']} | | | | | | | |")
+            print(f"{head} {r['error']} | | | | | | | | |")
             continue
-        sort = f"{r['sort_ms']:.3f}" if "sort_ms" in r else ""
-        over = f"{r['speedup_over_sort']:.1f}" if "sort_ms" in r else ""
+        filtered = ["", "", ""]
+        if "sort_ms" in r:
+            filtered = [
+                f"{r['sort_ms']:.3f}",
+                f"{r['search_ms']:.3f}",
+                f"{r['search_over_sort']:.2f}",
+            ]
         print(
-            f"{head} {r['torch_ms']:.3f} | {sort} | {r['triton_ms']:.3f} | "
-            f"{r['speedup']:.1f} | {over} | {r['torch_peak_mib']:.0f} | "
+            f"{head} {r['torch_ms']:.3f} | {r['triton_ms']:.3f} | {r['speedup']:.1f} | "
+            f"{' | '.join(filtered)} | {r['torch_peak_mib']:.0f} | "
             f"{r['triton_peak_mib']:.0f} | {r['agree']:.4f} |"
         )
     sys.exit(0 if all(r["ok"] is not False for r in results) else 1)

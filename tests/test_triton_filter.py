@@ -130,9 +130,14 @@ def test_draws_below_the_floor_never_happen_and_match_the_torch_draw():
     assert (got == want).float().mean() >= 0.9  # (equal but where the noise's logs round)
 
 
-def test_sampler_with_the_kernel_draws_what_the_torch_path_draws():
-    """`sample` with the Triton reductions (the filter kernel, then the draw with its floor)
-    and without (the reference's -inf mask, then torch's noise): the same tokens."""
+@pytest.mark.parametrize("search_min_rows", [1, 10**9])
+def test_sampler_with_the_kernel_draws_what_the_torch_path_draws(search_min_rows, monkeypatch):
+    """`sample` with the Triton reductions (the floor from the search kernel, or for few rows
+    from the sort, then the kernel's draw above it) and without (the reference's -inf mask,
+    then torch's noise): the same tokens."""
+    import specserve.ops.sampling as sampling
+
+    monkeypatch.setattr(sampling, "FILTER_SEARCH_MIN_ROWS", search_min_rows)
     logits, temps, top_ks, top_ps, min_ps = random_rows(16, 800, seed=21)
     st = SamplingTensors(
         temperatures=temps,
