@@ -149,8 +149,34 @@ def test_sampler_with_the_kernel_draws_what_the_torch_path_draws(search_min_rows
         needs_filter=True,
     )
     positions = torch.arange(16, device=DEVICE) + 40
-    fast = sample(logits, st, positions, Kernels(sampling_reductions=True))
+    fast = sample(logits, st, positions, Kernels(sampling_reductions=True, filter_search=True))
     plain = sample(logits, st, positions, REFERENCE)
     assert (fast == plain).float().mean() >= 0.9
     kept = filter_logits(logits / temps[:, None], st) > float("-inf")
     assert kept.gather(1, fast[:, None]).all()
+
+
+def test_deterministic_inference_takes_the_floor_from_the_sort_at_any_row_count(monkeypatch):
+    """The search sums a row's probabilities in another order than the sort: deterministic
+    inference, which promises a row the same bits in any batch, never runs it."""
+    import specserve.ops.sampling as sampling
+    import specserve.ops.triton_filter as triton_filter
+    from specserve.config.kernels import resolve_kernels
+
+    resolve = dict(on_gpu=True, half_precision=True, triton=True, disabled=False)
+    default, _ = resolve_kernels(**resolve, torch_version=(2, 11))
+    deterministic, why = resolve_kernels(**resolve, torch_version=(2, 11), deterministic=True)
+    assert default.filter_search and not deterministic.filter_search
+    assert any(name == "kernels.filter_search" and not on for name, on, _ in why)
+
+    def no_search(*args):
+        raise AssertionError("the search kernel ran")
+
+    monkeypatch.setattr(sampling, "FILTER_SEARCH_MIN_ROWS", 1)
+    monkeypatch.setattr(triton_filter, "filter_floor", no_search)
+    logits, temps, top_ks, top_ps, min_ps = random_rows(8, 300, seed=31)
+    st = SamplingTensors(temps, top_ks, top_ps, min_ps, torch.arange(8, device=DEVICE), False, True)
+    drawn = sample(logits, st, torch.arange(8, device=DEVICE), deterministic)
+    assert drawn.shape == (8,)
+    with pytest.raises(AssertionError, match="search kernel ran"):
+        sample(logits, st, torch.arange(8, device=DEVICE), default)

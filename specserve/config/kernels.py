@@ -68,6 +68,7 @@ class Kernels:
     # the decode step (CUDA)
     decode_metadata: bool = False  # a step's attention metadata in one launch
     sampling_reductions: bool = False  # split-row argmax, Gumbel-max draws, top-k log-probs
+    filter_search: bool = False  # filters' floor by a search per row from 256 rows (not a sort)
     draft_tree: bool = False  # a drafting depth's bookkeeping and the tree selection
     tree_accept: bool = False  # acceptance from the ancestor mask in one launch
     kv_commit: bool = False  # the accepted path's KV moved in one launch
@@ -102,6 +103,7 @@ _LAYER_KERNELS = ("skinny_gemm", "fused_norms", "fp32_logits", "draft_fc_qkv")
 _STEP_KERNELS = (
     "decode_metadata",
     "sampling_reductions",
+    "filter_search",
     "draft_tree",
     "tree_accept",
     "kv_commit",
@@ -246,7 +248,14 @@ def _deterministic(
         why = step_why
         if name == "sampling_reductions":
             why += "; argmax, Gumbel-max, the filters and top-k reduce each row alone (ties to the lower id): batch-invariant"
-        decisions.append((f"kernels.{name}", True, why))
+        if name == "filter_search":
+            on[name] = False
+            why = (
+                "enable_deterministic_inference: the filters' floor from the sort at any row "
+                "count (the search, run from 256 rows, sums a row's probabilities in another "
+                "order: a top-p boundary within rounding of p would move with the batch)"
+            )
+        decisions.append((f"kernels.{name}", on[name], why))
     on.update(
         batch_invariant_matmul=True,
         batch_invariant_attention=True,

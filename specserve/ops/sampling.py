@@ -4,7 +4,8 @@ Randomness is counter-based: the Gumbel noise for a token depends only on (reque
 position of the token being sampled, vocabulary index). Consequences we rely on:
 - a seeded request samples the same text whatever it is batched with (with top-p, except
   where the batch's row count moves its floor across FILTER_SEARCH_MIN_ROWS and the row's
-  top-p boundary lies within float32 rounding of p: rarely, see that constant);
+  top-p boundary lies within float32 rounding of p: rarely, see that constant; never under
+  deterministic inference, which sorts at any row count);
 - speculative verification draws, at a tree node, exactly the noise plain decoding would
   draw for that position, so with the same seed speculative and plain sampling give the
   same tokens (which is stronger than "the same distribution");
@@ -242,13 +243,13 @@ def _draw_in_blocks(logits: torch.Tensor, st: SamplingTensors, keys: torch.Tenso
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _filter_floor(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Each row's filters' floor (ops/triton_filter.py): the search kernel, or for few rows
-    the torch sort (`FILTER_SEARCH_MIN_ROWS`), a block of rows at a time."""
+def _filter_floor(logits: torch.Tensor, st: SamplingTensors, search: bool) -> torch.Tensor:
+    """Each row's filters' floor (ops/triton_filter.py): the search kernel (`search`, from
+    `FILTER_SEARCH_MIN_ROWS` rows), else the torch sort, a block of rows at a time."""
     from specserve.ops.triton_filter import filter_floor, filter_floor_reference
 
     args = (st.temperatures, st.top_ks, st.top_ps, st.min_ps)
-    if len(logits) >= FILTER_SEARCH_MIN_ROWS:
+    if search and len(logits) >= FILTER_SEARCH_MIN_ROWS:
         return filter_floor(logits, *args)
     block = max(1, SAMPLE_BLOCK_ELEMENTS // max(logits.shape[-1], 1))
     parts = [
@@ -276,7 +277,7 @@ def sample(
         # large batches of a tree, and its sort takes most of a filtered step's time)
         from specserve.ops.triton_gumbel import gumbel_argmax
 
-        floor = _filter_floor(logits, st) if st.needs_filter else None
+        floor = _filter_floor(logits, st, kernels.filter_search) if st.needs_filter else None
         sampled = gumbel_argmax(logits, st.temperatures, keys, floor)
     else:
         sampled = _draw_in_blocks(logits, st, keys) if len(logits) else greedy
