@@ -25,7 +25,7 @@ def test_the_largest_step_is_kept_out_of_the_kv_cache(monkeypatch):
     tree = step_reserve_bytes(256, 64, 49152)
     assert plain < 2.7 * GIB and 11 * GIB < tree < 12 * GIB
     # (exactly what a 16,384-row step holds at its peak, and the filters' block)
-    assert tree == 16384 * 49152 * 13 + 2**26 * 32
+    assert tree == 16384 * 49152 * 13 + 2**25 * 48
     per_token = 1024
     pages_plain, (_, tokens_plain, why) = kv_pages(cfg, dev, per_token, step_reserve=plain)
     pages_tree, (_, tokens_tree, _) = kv_pages(cfg, dev, per_token, step_reserve=tree)

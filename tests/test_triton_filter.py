@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -180,3 +181,82 @@ def test_deterministic_inference_takes_the_floor_from_the_sort_at_any_row_count(
     assert drawn.shape == (8,)
     with pytest.raises(AssertionError, match="search kernel ran"):
         sample(logits, st, torch.arange(8, device=DEVICE), default)
+
+
+def top_p_where_float_sums_disagree(values: torch.Tensor, rows: int) -> float:
+    """A top_p at which a float32 sum of the row's probability weights taken alone and the same
+    sum inside a batch of `rows` (torch orders a sum by the batch's shape) put a token on
+    different sides of the top-p boundary."""
+    e = torch.exp(values - values[0])
+    alone = e[None].sum(-1)[0]
+    together = e[None].expand(rows, len(e)).contiguous().sum(-1)[0]
+    if alone == together:  # (one thread sums both alike: take another order)
+        together = e.flip(0).sum()
+    above = torch.cumsum(e, 0) - e
+    for rank in range(1, 200):
+        p = (above[rank] / alone).item()
+        for _ in range(8):
+            t = torch.tensor(p, dtype=torch.float32)
+            if (above[rank] < t * alone) != (above[rank] < t * together):
+                return t.item()
+            p = float(np.nextafter(np.float32(p), np.float32(1 if above[rank] >= t * alone else 0)))
+    raise AssertionError("no top_p separates the two sums")
+
+
+def test_a_seeded_rows_draw_is_the_same_alone_and_in_a_batch_on_the_sort_path():
+    """What deterministic inference runs at any row count (and a CPU always), at a top_p
+    where a float32 kept mass would move the boundary with the batch: the kept mass is an
+    integer sum, so no draw does."""
+    rows, vocab = 64, 128256
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # (with one, torch sums a row alone and in a batch alike)
+    try:
+        _draws_alone_and_together(rows, vocab)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _draws_alone_and_together(rows: int, vocab: int) -> None:
+    row = 3.0 * torch.randn(1, vocab, generator=torch.Generator().manual_seed(0))
+    top_p = top_p_where_float_sums_disagree(row[0].sort(descending=True).values, rows)
+    batch = row.expand(rows, vocab).contiguous().to(DEVICE)
+    ones = torch.ones(rows, device=DEVICE)
+    st = SamplingTensors(
+        temperatures=ones,
+        top_ks=torch.full((rows,), -1, device=DEVICE),
+        top_ps=torch.full((rows,), top_p, device=DEVICE),
+        min_ps=0 * ones,
+        seeds=torch.arange(rows, device=DEVICE) * 7919 + 3,
+        all_greedy=False,
+        needs_filter=True,
+    )
+    positions = torch.full((rows,), 100, device=DEVICE)
+    together = sample(batch, st, positions)
+    alone = [
+        sample(batch[i : i + 1], st.take(slice(i, i + 1)), positions[i : i + 1])
+        for i in range(rows)
+    ]
+    assert torch.equal(torch.cat(alone), together)
+
+
+def test_nan_logits_count_as_minus_infinity_in_the_floor_and_an_empty_batch_draws_nothing():
+    logits, temps, top_ks, top_ps, min_ps = random_rows(6, 200, seed=41)
+    logits[:, 7] = float("nan")
+    logits[2] = float("nan")
+    logits[2, 3] = 1.0
+    want = filter_floor_reference(
+        logits.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")),
+        temps,
+        top_ks,
+        top_ps,
+        min_ps,
+    )
+    assert torch.equal(filter_floor_reference(logits, temps, top_ks, top_ps, min_ps), want)
+    assert torch.equal(filter_floor(logits, temps, top_ks, top_ps, min_ps), want)
+    st = SamplingTensors(temps, top_ks, top_ps, min_ps, torch.arange(6, device=DEVICE), False, True)
+    for kernels in (REFERENCE, Kernels(sampling_reductions=True, filter_search=True)):
+        drawn = sample(logits, st, torch.arange(6, device=DEVICE), kernels)  # (no error)
+        if kernels.sampling_reductions:  # (the kernel's draw never takes a NaN)
+            assert drawn[2].item() == 3 and (drawn != 7).all()
+        empty = sample(logits[:0], st.take(slice(0, 0)), torch.arange(0, device=DEVICE), kernels)
+        assert empty.shape == (0,)

@@ -57,18 +57,18 @@ def topk_logprobs(
 
 
 _MASK32 = 0xFFFFFFFF
-# Rows x vocabulary a sampled draw's torch path (no Triton) takes at once: its
-# sort holds float32 values and int64 indices of each row, its noise int64 hashes; 2**26
-# elements keep each temporary at 256-512 MiB (SmolLM2's 6/8/64 tree at batch 256 samples
-# 16,384 rows of 49,152: 6 GiB per int64 temporary at once).
-SAMPLE_BLOCK_ELEMENTS = 1 << 26
+# Rows x vocabulary the filters' sort and the torch path's noise take at once: their int64
+# temporaries (sort indices, integer weights and their sums, hashes) would be 6 GiB each for
+# SmolLM2's 6/8/64 tree at batch 256 (16,384 rows of 49,152); 2**25 elements keep each at
+# 256 MiB, and the sort's peak at 1.5 GiB (48 bytes per entry, runtime/capacity.py).
+SAMPLE_BLOCK_ELEMENTS = 1 << 25
 # Fewer sampled rows than this take the filters' floor from the torch sort, more from the
 # search kernel (ops/triton_filter.py). The kernel runs a program per row, which makes its
 # 10-17 passes over the row alone, while a sort spreads few rows over the whole device: on an
 # H100 at 64 rows of 128,256 (top-k with top-p) the kernel took 2.3 ms against the sort's
 # 1.6 ms; at 1,024 rows 14 ms against 22 ms, and 1.5-12x less time at 49,152 columns.
-# The two sum a row's probabilities in different orders: where its top-p boundary is within
-# float32 rounding of p they keep different tokens, and a draw differs only if it is one of
+# The two round a row's probabilities differently: where its top-p (min-p) boundary is within
+# that rounding of p they keep different tokens, and a draw differs only if it is one of
 # those (of the order of one draw in a million).
 FILTER_SEARCH_MIN_ROWS = 256
 # Odd multipliers below 2**31: products with 32-bit values stay inside int64.
@@ -249,6 +249,8 @@ def _filter_floor(logits: torch.Tensor, st: SamplingTensors, search: bool) -> to
     from specserve.ops.triton_filter import filter_floor, filter_floor_reference
 
     args = (st.temperatures, st.top_ks, st.top_ps, st.min_ps)
+    if not len(logits):
+        return torch.empty((0,), dtype=torch.float32, device=logits.device)
     if search and len(logits) >= FILTER_SEARCH_MIN_ROWS:
         return filter_floor(logits, *args)
     block = max(1, SAMPLE_BLOCK_ELEMENTS // max(logits.shape[-1], 1))

@@ -6,7 +6,7 @@ Each filter keeps a head of the row ordered by value: top-k the k likeliest toke
 those at least min_p times as likely as the likeliest. So the tokens kept are those at or
 above one value, and the draw (ops/triton_gumbel.py) skips the rest. Tokens of equal value
 share their fate (a tie at the k-th value keeps every tied token), so the result does not
-depend on the vocabulary's order; vLLM's and FlashInfer's thresholds do the same.
+depend on the vocabulary's order; vLLM's and FlashInfer's top-k thresholds do the same.
 
 The torch reference sorts every row: a tree step samples batch x nodes rows (SmolLM2's
 6/8/64 tree at batch 200: 12,800 rows of 49,152), and the sort with its int64 indices, the
@@ -18,8 +18,10 @@ at most 8 passes at 16 pivots, and nothing of size [R, V] is written. Only the f
 compare every token with every pivot: later ones skip the tiles with no token left inside
 the interval.
 
-Masses are float32 sums in another order than the reference's cumulative sum: the floor
-equals the reference's except where a row's top-p boundary is within rounding of p.
+Each finds a row's floor from that row alone, whatever else is in the batch: the reference
+sums integer weights (exact in any order), the kernel sums float32 in a program of its own.
+The two can disagree where a row's top-p boundary is within float32 rounding of p, or its
+min-p boundary within the rounding of Triton's exp (an approximation, torch's is not).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ import triton.language as tl
 from specserve.sampling_params import GREEDY_BELOW
 
 BLOCK, PIVOTS = 512, 16
+# The reference's units of probability weight per 1.0: 2**23 weights of at most 1.0 sum below
+# 2**63, and a weight below 2**-40 counts as none (the rounding of a float32 sum of 2**17).
+FIXED_POINT = 2**40
 _BELOW_ALL = tl.constexpr(-2147483648)  # ordered value of a column past the row's end
 
 
@@ -43,20 +48,25 @@ def filter_floor_reference(
 ) -> torch.Tensor:
     """float32 [R]: each row's floor (see the module's docstring) over logits / t, t the
     row's temperature (1 below GREEDY_BELOW); top_k <= 0 or >= V, top_p >= 1 and
-    min_p <= 0 are off."""
+    min_p <= 0 are off; NaN logits count as -inf."""
     temps = torch.where(temperatures >= GREEDY_BELOW, temperatures, torch.ones_like(temperatures))
     scaled = logits.float() / temps[:, None]
+    scaled = scaled.masked_fill(scaled.isnan(), float("-inf"))
     vocab = scaled.shape[-1]
     values = scaled.sort(dim=-1, descending=True).values
     top = values[:, :1]
     e = torch.exp(values - torch.where(top == float("-inf"), 0.0, top))
+    # masses as integer sums, exact in any order: a float32 sum's order follows the batch's
+    # shape in torch, and a top-p boundary within its rounding of p would move with the batch
+    weight = (e * FIXED_POINT).to(torch.int64)
     # tokens strictly above each value: the first index of its run of equal values
     above = torch.searchsorted(-values, -values, side="left")
-    mass_above = (torch.cumsum(e, dim=-1) - e).gather(1, above)
+    mass_above = (torch.cumsum(weight, dim=-1) - weight).gather(1, above)
     k = torch.where((top_ks > 0) & (top_ks < vocab), top_ks, vocab)
     in_top_k = above < k[:, None]
-    kept_mass = (e * in_top_k).sum(dim=-1, keepdim=True)
-    in_top_p = (top_ps[:, None] >= 1.0) | (mass_above < top_ps[:, None] * kept_mass)
+    kept_mass = (weight * in_top_k).sum(dim=-1, keepdim=True)
+    limit = top_ps.double()[:, None] * kept_mass.double()
+    in_top_p = (top_ps[:, None] >= 1.0) | (mass_above.double() < limit)
     in_min_p = e >= min_ps[:, None]
     kept = in_top_k & in_top_p & in_min_p
     kept[:, 0] = True

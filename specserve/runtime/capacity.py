@@ -21,9 +21,10 @@ CPU_DEFAULT_KV_TOKENS = 16384
 # start-up graphs hold: a top-p or penalized step at that batch ran an H100 out of memory
 # with the KV cache sized by mem_fraction_static alone, failing all 200 requests.
 STEP_BYTES_PER_LOGIT = 13
-# Bytes per entry of the filters' sort (sampled rows' probabilities, sorted values and int64
-# indices, masks), which runs a block of rows at a time (`SAMPLE_BLOCK_ELEMENTS` entries).
-FILTER_BYTES = 32
+# Bytes per entry of the filters' sort at its peak (sorted values, int64 indices, integer
+# weights, their sums and ranks; 48 measured on a CPU), which runs a block of rows at a time
+# (`SAMPLE_BLOCK_ELEMENTS` entries).
+FILTER_BYTES = 48
 
 Decision = tuple[str, Any, str]
 
