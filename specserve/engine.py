@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from specserve.config import EngineConfig
 from specserve.errors import InvalidArgument
 from specserve.runtime.engine_core import EngineCore
@@ -460,6 +462,9 @@ class Engine:
                 continue
             try:
                 touched = core.step()
+            except torch.OutOfMemoryError as e:
+                log.exception("engine step ran out of device memory")
+                touched = self._after_out_of_memory(e)
             except Exception as e:  # the device step itself is broken (a request's own host
                 # work fails that request alone, in EngineCore): fail the live requests
                 self.failure = f"the engine step failed: {type(e).__name__}: {e}"
@@ -534,6 +539,17 @@ class Engine:
             # as 'x-1' is no sample of 'x')
             for req in [r for r in self.core.by_name.values() if r.sample_of == item]:
                 self.core.abort(req)
+
+    def _after_out_of_memory(self, error: torch.OutOfMemoryError) -> list[Request]:
+        """Retract the started requests to run fewer at once (EngineCore says how), or, on
+        tensor-parallel ranks or should that fail, fail every request as for a broken step."""
+        if self.core.tp is None:
+            try:
+                return self.core.retract_after_out_of_memory(error)
+            except Exception:
+                log.exception("retracting the requests after running out of memory failed")
+        self.failure = f"the engine step failed: {type(error).__name__}: {error}"
+        return self._fail_all(f"internal error: {type(error).__name__}: {error}")
 
     def _fail_all(self, message: str) -> list[Request]:
         # A step in flight is abandoned: its results are never applied.

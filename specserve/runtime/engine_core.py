@@ -18,6 +18,8 @@ from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import ReqState, Request
 from specserve.sampling_params import is_int
 
+_STARTED = (ReqState.RUNNING, ReqState.PREFILLING)
+
 log = logging.getLogger(__name__)
 
 # An idle engine captures wanted decode graphs only once it has had no work this long: a
@@ -71,6 +73,7 @@ class EngineCore:
         # device seconds of the decode steps timed for the adaptive policy (their own time,
         # launch to end): against wall time it shows how long the device waited on the host
         self.timed_step_seconds = 0.0
+        self.num_out_of_memory_retractions = 0  # (retract_after_out_of_memory)
         log.info(
             "engine ready: %s, %d layers, KV %d tokens (page_size %d), device %s %s",
             cfg.model_path,
@@ -225,6 +228,44 @@ class EngineCore:
             r.finish_reported = r.finished
             out.append(r)
         return out
+
+    def retract_after_out_of_memory(self, error: torch.OutOfMemoryError) -> list[Request]:
+        """A step ran the device out of memory: retract every started request (its outputs
+        kept; a resumed request recomputes its KV, and draws at each position what it would
+        have) and halve how many requests run at once, rather than fail them all. The
+        requests that ran alone fail, with the reason: fewer cannot run. Returns the failed
+        ones. (On tensor-parallel ranks the loop fails every request as for any step error:
+        one rank's retraction would leave its peers' batches unmatched.)"""
+        self.pending = None  # (abandoned: a resumed request draws its tokens again)
+        started = [r for r in self.requests.values() if r.state in _STARTED]
+        limits = self.scheduler.limits
+        failed = []
+        if len(started) <= 1:
+            for r in started:
+                r.inflight_steps = 0
+                r.kv_trusted = False
+                r.finish("abort", message=f"the device ran out of memory running it alone: {error}")
+                failed.append(r)
+        else:
+            limits.max_running_requests = max(
+                1, min(limits.max_running_requests, len(started) // 2)
+            )
+            for r in started:
+                r.inflight_steps = 0
+                r.kv_trusted = False  # (the broken step may have written it: not cached)
+                self.scheduler.retract(r)
+            self.num_out_of_memory_retractions += 1
+            log.warning(
+                "the device ran out of memory with %d requests started; retracted them and "
+                "now run at most %d at once: %s",
+                len(started),
+                limits.max_running_requests,
+                error,
+            )
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # (what the failed step's allocator cached)
+        self.host_clock.interrupt()
+        return failed + self._reap_finished()
 
     def _run_prefill(self, chunks) -> list[Request]:
         self.host_clock.interrupt()

@@ -30,6 +30,10 @@ def engine_stats(core: EngineCore) -> dict[str, Any]:
         "prefix_cache_query_tokens": core.scheduler.prefix_query_tokens,
         "prefix_cache_hit_tokens": core.scheduler.prefix_hit_tokens,
         "num_retractions": core.scheduler.num_retractions,
+        # (times a step ran the device out of memory and the started requests were retracted
+        # to run at most max_running_requests at once, halved each time)
+        "num_out_of_memory_retractions": core.num_out_of_memory_retractions,
+        "max_running_requests": core.scheduler.limits.max_running_requests,
         "num_steps": core.num_steps,
         "num_prefill_batches": core.num_prefill_batches,
         # prefills queued behind a decode step in flight, and decode steps launched before

@@ -287,6 +287,7 @@ class Scheduler:
         computed pages cached, so resuming may find them again)."""
         self._release(req)
         req.kv_len = 0
+        req.kv_trusted = True  # (none of it is left: the resumed prefill writes it anew)
         req.draft_lag = req.draft_behind = 0  # the resumed prefill rebuilds the draft's KV
         req.draft_stale = False
         req.num_retractions += 1
