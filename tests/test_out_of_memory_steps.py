@@ -9,6 +9,7 @@ import torch
 
 from specserve import Engine
 from specserve.model.config import PRESETS
+from specserve.server.metrics import ServerMetrics
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 from tests.engine_utils import TINY, mixed_prompts, spec_args
 
@@ -95,4 +96,6 @@ def test_a_prefill_that_runs_out_of_memory_is_retried_with_fewer_requests():
         outs = e.generate(input_ids=prompts, sampling_params=GREEDY)
         assert raised and e.stats()["num_out_of_memory_retractions"] == 1
         assert e.stats()["kv_used_tokens"] == 0 and e.failure is None
+        metrics = ServerMetrics(e, lambda: {"inflight": 0}).render().decode()
+        assert "specserve_out_of_memory_retractions_total 1.0" in metrics
     assert [o["output_ids"] for o in outs] == want

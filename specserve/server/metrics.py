@@ -97,6 +97,12 @@ class _EngineCollector:
             s["prefix_cache_hit_tokens"],
         )
         yield counter("retractions", "Requests retracted for lack of KV", s["num_retractions"])
+        yield counter(
+            "out_of_memory_retractions",
+            "Steps that ran the device out of memory, after which the started requests were "
+            "retracted and max_running_requests halved",
+            s.get("num_out_of_memory_retractions", 0),
+        )
         yield counter("engine_steps", "Engine steps (batches) run", s["num_steps"])
         yield counter("prefill_batches", "Prefill batches run", s["num_prefill_batches"])
         yield counter(
