@@ -464,12 +464,13 @@ class Engine:
                 touched = core.step()
             except torch.OutOfMemoryError as e:
                 log.exception("engine step ran out of device memory")
-                touched = self._after_out_of_memory(e)
+                touched = core.touched_by_failed_step() + self._after_out_of_memory(e)
             except Exception as e:  # the device step itself is broken (a request's own host
                 # work fails that request alone, in EngineCore): fail the live requests
                 self.failure = f"the engine step failed: {type(e).__name__}: {e}"
                 log.exception("engine step failed; failing every request in flight")
-                touched = self._fail_all(f"internal error: {type(e).__name__}: {e}")
+                touched = core.touched_by_failed_step()
+                touched += self._fail_all(f"internal error: {type(e).__name__}: {e}")
             try:
                 for hook in self.step_hooks:
                     hook(core)

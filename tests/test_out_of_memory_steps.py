@@ -4,6 +4,9 @@ ran out of memory alone fails, saying so."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -34,6 +37,23 @@ def out_of_memory_above(engine: Engine, most: int) -> list[int]:
             raised.append(len(reqs))
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return launch(reqs, *args, **kwargs)
+
+    worker.launch_decode = launch_decode
+    return raised
+
+
+def out_of_memory_at_call(engine: Engine, call: int) -> list[int]:
+    """Make the engine's `call`-th decode launch (from 0) raise as a device out of memory
+    would; returns [call] once it has."""
+    worker = engine.core.worker
+    launch, calls, raised = worker.launch_decode, [0], []
+
+    def launch_decode(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] - 1 == call:
+            raised.append(call)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return launch(*args, **kwargs)
 
     worker.launch_decode = launch_decode
     return raised
@@ -99,3 +119,81 @@ def test_a_prefill_that_runs_out_of_memory_is_retried_with_fewer_requests():
         metrics = ServerMetrics(e, lambda: {"inflight": 0}).render().decode()
         assert "specserve_out_of_memory_retractions_total 1.0" in metrics
     assert [o["output_ids"] for o in outs] == want
+
+
+def test_a_sampled_request_resumed_alone_draws_with_its_own_settings():
+    """Two requests retracted together resume in other rows: a batch of the same requests
+    afterwards must write its rows' sampling settings again, not reuse the last batch's."""
+    sampled = {"temperature": 0.8, "seed": 11, "max_new_tokens": 24, "ignore_eos": True}
+    greedy = dict(GREEDY, max_new_tokens=8)
+    for overlap in (True, False):
+        outs = []
+        for inject in (False, True):
+            kw = dict(TINY, max_running_requests=4, disable_overlap_schedule=not overlap)
+            with Engine(**kw) as e:
+                worker, raised = e.core.worker, []
+                prefill = worker.prefill
+
+                def prefill_c_once(chunks, prefill=prefill, raised=raised, inject=inject):
+                    if inject and not raised and any(c.req.rid == "c" for c in chunks):
+                        raised.append(1)
+                        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+                    return prefill(chunks)
+
+                worker.prefill = prefill_c_once
+                a_ids, a_started, a_done = [], threading.Event(), threading.Event()
+
+                def on_a(out, ids=a_ids, started=a_started, done=a_done):
+                    ids.extend(out["output_ids"])
+                    if len(ids) >= 3:
+                        started.set()
+                    if out["finished"]:
+                        done.set()
+
+                e.submit([5, 6, 7, 8, 9], sampled, on_a, rid="a")
+                assert a_started.wait(30)  # (a decodes alone a few steps before c arrives)
+                c = e.generate(input_ids=[10, 11, 12], sampling_params=greedy, rid="c")
+                assert a_done.wait(30)
+                outs.append((list(a_ids), c["output_ids"]))
+                assert raised == ([1] if inject else [])
+        assert outs[0] == outs[1]
+
+
+def test_requests_that_finish_or_are_aborted_around_the_failing_step_are_all_reported():
+    """A request that finished by length in the step just applied (still counted in the step
+    launched ahead), one aborted while a step was in flight, and one reaped at the start of
+    the step that raised: each gets its final output, and the rest finish as they would
+    have."""
+    prompts = [[5 + i, 6, 7, 8] for i in range(5)]
+    lengths = [30, 6, 30, 30, 30]
+    for overlap in (True, False):
+        results = []
+        for inject in (False, True):
+            kw = dict(TINY, debug_check_invariants=True, max_running_requests=8)
+            kw["disable_overlap_schedule"] = not overlap
+            with Engine(**kw) as e:
+                raised = out_of_memory_at_call(e, 5) if inject else []
+                done, outs = threading.Event(), {}
+
+                def on_output(out, rid, outs=outs, done=done):
+                    got = outs.setdefault(rid, {"ids": []})
+                    got["ids"] += out["output_ids"]
+                    if out["finished"]:
+                        got["reason"] = out["meta_info"]["finish_reason"]["type"]
+                        if len(outs) == 5 and all("reason" in o for o in outs.values()):
+                            done.set()
+
+                for i, (ids, n) in enumerate(zip(prompts, lengths)):
+                    sp = dict(GREEDY, max_new_tokens=n)
+                    e.submit(ids, sp, lambda out, rid=f"r{i}": on_output(out, rid), rid=f"r{i}")
+                while len(outs.get("r2", {"ids": []})["ids"]) < 4:
+                    time.sleep(0.001)
+                e.abort("r2")
+                assert done.wait(30), {k: v.get("reason") for k, v in outs.items()}
+                assert e.failure is None and not e.core.requests
+                results.append(
+                    {k: (v["reason"], v["ids"] if k != "r2" else None) for k, v in outs.items()}
+                )
+                assert raised or not inject
+        assert results[0] == results[1]
+        assert results[1]["r2"][0] == "abort" and results[1]["r1"][0] == "length"

@@ -74,6 +74,7 @@ class EngineCore:
         # launch to end): against wall time it shows how long the device waited on the host
         self.timed_step_seconds = 0.0
         self.num_out_of_memory_retractions = 0  # (retract_after_out_of_memory)
+        self.touched_in_step: list[Request] = []
         log.info(
             "engine ready: %s, %d layers, KV %d tokens (page_size %d), device %s %s",
             cfg.model_path,
@@ -186,7 +187,9 @@ class EngineCore:
         step in flight must not see (a retraction, a batch that no longer fits) drains it
         first and then runs as without overlap."""
         self._busy_at = time.perf_counter()
-        touched = self._reap_finished()
+        # (kept on self: should the step raise, what it gathered is still reported, see
+        # `touched_by_failed_step`; extended in place from here on)
+        self.touched_in_step = touched = self._reap_finished()
         if self.pending is None:
             self.host_clock.interrupt()  # the loop may have idled: not a step's host time
         if self.pending is not None:
@@ -229,31 +232,37 @@ class EngineCore:
             out.append(r)
         return out
 
+    def touched_by_failed_step(self) -> list[Request]:
+        """What the step that raised had gathered to report: requests it reaped (no longer in
+        `requests`; their callers wait for their final output) or advanced."""
+        out, self.touched_in_step = self.touched_in_step, []
+        return out
+
     def retract_after_out_of_memory(self, error: torch.OutOfMemoryError) -> list[Request]:
         """A step ran the device out of memory: retract every started request (its outputs
         kept; a resumed request recomputes its KV, and draws at each position what it would
-        have) and halve how many requests run at once, rather than fail them all. The
-        requests that ran alone fail, with the reason: fewer cannot run. Returns the failed
-        ones. (On tensor-parallel ranks the loop fails every request as for any step error:
-        one rank's retraction would leave its peers' batches unmatched.)"""
+        have), oldest first to resume, and run at most half as many as were started from
+        then on, rather than fail them all. A request that ran alone fails, with the reason:
+        fewer cannot run. Returns the finished requests, now reaped. (On tensor-parallel ranks the loop
+        fails every request as for any step error: one rank's retraction would leave its
+        peers' batches unmatched.)"""
         self.pending = None  # (abandoned: a resumed request draws its tokens again)
-        started = [r for r in self.requests.values() if r.state in _STARTED]
+        for r in self.requests.values():
+            r.inflight_steps = 0  # (the abandoned step's: finished requests are reaped now)
+            r.kv_trusted = False  # (the broken step may have written past kv_len: not cached)
+        started = sorted(
+            (r for r in self.requests.values() if r.state in _STARTED), key=lambda r: r.arrival
+        )
         limits = self.scheduler.limits
-        failed = []
         if len(started) <= 1:
             for r in started:
-                r.inflight_steps = 0
-                r.kv_trusted = False
                 r.finish("abort", message=f"the device ran out of memory running it alone: {error}")
-                failed.append(r)
         else:
-            limits.max_running_requests = max(
-                1, min(limits.max_running_requests, len(started) // 2)
-            )
-            for r in started:
-                r.inflight_steps = 0
-                r.kv_trusted = False  # (the broken step may have written it: not cached)
+            half = (len(started) + 1) // 2
+            limits.max_running_requests = min(limits.max_running_requests, half)
+            for r in reversed(started):  # (each to the queue's front: the oldest ends first)
                 self.scheduler.retract(r)
+            self.worker.forget_batch()
             self.num_out_of_memory_retractions += 1
             log.warning(
                 "the device ran out of memory with %d requests started; retracted them and "
@@ -265,7 +274,7 @@ class EngineCore:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # (what the failed step's allocator cached)
         self.host_clock.interrupt()
-        return failed + self._reap_finished()
+        return self._reap_finished()  # (the one that failed, and those that had finished)
 
     def _run_prefill(self, chunks) -> list[Request]:
         self.host_clock.interrupt()

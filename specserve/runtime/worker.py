@@ -259,6 +259,11 @@ class Worker:
         if self.drafter.observes_tokens:
             self.drafter.release_tokens((rid,))
 
+    def forget_batch(self) -> None:
+        """Drop the last batch's sampling mode: its requests were retracted together and
+        resume in other rows, which a batch of the same requests must write again."""
+        self._sampling_cache = None
+
     def capture_wanted(self) -> bool:
         """Capture one decode graph that steps have so far replayed a larger graph for (call
         only while no step is in flight); whether there was one."""

@@ -96,11 +96,15 @@ class _EngineCollector:
             "Of those, tokens served from the cache (hit rate = hit / query)",
             s["prefix_cache_hit_tokens"],
         )
-        yield counter("retractions", "Requests retracted for lack of KV", s["num_retractions"])
+        yield counter(
+            "retractions",
+            "Requests retracted for lack of KV or after a step ran the device out of memory",
+            s["num_retractions"],
+        )
         yield counter(
             "out_of_memory_retractions",
-            "Steps that ran the device out of memory, after which the started requests were "
-            "retracted and max_running_requests halved",
+            "Steps that ran the device out of memory with several requests started: they were "
+            "retracted, and max_running_requests set to half of them",
             s.get("num_out_of_memory_retractions", 0),
         )
         yield counter("engine_steps", "Engine steps (batches) run", s["num_steps"])
