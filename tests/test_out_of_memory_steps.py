@@ -197,3 +197,17 @@ def test_requests_that_finish_or_are_aborted_around_the_failing_step_are_all_rep
                 assert raised or not inject
         assert results[0] == results[1]
         assert results[1]["r2"][0] == "abort" and results[1]["r1"][0] == "length"
+
+
+def test_requests_waiting_when_a_step_ran_out_of_memory_still_cache_their_prompt():
+    """Only what the failed step may have written is kept out of the prefix cache: a request
+    that was waiting then caches its pages, its answer's too, as usual."""
+    prompts = mixed_prompts(4, 512, seed=35, min_len=24, max_len=24)
+    with Engine(**dict(TINY, debug_check_invariants=True, max_running_requests=2)) as e:
+        raised = out_of_memory_above(e, 1)
+        outs = e.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert raised and e.stats()["num_out_of_memory_retractions"] == 1
+        # (its prompt is cached when prefilled; its answer when it is released)
+        answered = prompts[3] + outs[3]["output_ids"]
+        again = e.generate(input_ids=answered, sampling_params=dict(GREEDY, max_new_tokens=1))
+        assert again["meta_info"]["cached_tokens"] > len(prompts[3])

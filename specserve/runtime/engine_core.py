@@ -243,13 +243,14 @@ class EngineCore:
         kept; a resumed request recomputes its KV, and draws at each position what it would
         have), oldest first to resume, and run at most half as many as were started from
         then on, rather than fail them all. A request that ran alone fails, with the reason:
-        fewer cannot run. Returns the finished requests, now reaped. (On tensor-parallel ranks the loop
-        fails every request as for any step error: one rank's retraction would leave its
-        peers' batches unmatched.)"""
+        fewer cannot run. Returns the finished requests, now reaped. (On tensor-parallel
+        ranks the loop fails every request as for any step error: one rank's retraction
+        would leave its peers' batches unmatched.)"""
         self.pending = None  # (abandoned: a resumed request draws its tokens again)
         for r in self.requests.values():
             r.inflight_steps = 0  # (the abandoned step's: finished requests are reaped now)
-            r.kv_trusted = False  # (the broken step may have written past kv_len: not cached)
+            if r.kv_len > 0:  # (the broken step may have written past kv_len: not cached)
+                r.kv_trusted = False
         started = sorted(
             (r for r in self.requests.values() if r.state in _STARTED), key=lambda r: r.arrival
         )
