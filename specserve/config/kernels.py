@@ -252,8 +252,9 @@ def _deterministic(
             on[name] = False
             why = (
                 "enable_deterministic_inference: the filters' floor from the sort at any row "
-                "count (the search, run from 256 rows, sums a row's probabilities in another "
-                "order: a top-p boundary within rounding of p would move with the batch)"
+                "count (the search, run from 256 rows, rounds a row's probabilities otherwise "
+                "than the sort: a top-p boundary within that rounding would move with the "
+                "batch's row count)"
             )
         decisions.append((f"kernels.{name}", on[name], why))
     on.update(
