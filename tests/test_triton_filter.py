@@ -260,3 +260,32 @@ def test_nan_logits_count_as_minus_infinity_in_the_floor_and_an_empty_batch_draw
             assert drawn[2].item() == 3 and (drawn != 7).all()
         empty = sample(logits[:0], st.take(slice(0, 0)), torch.arange(0, device=DEVICE), kernels)
         assert empty.shape == (0,)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's expf needs a GPU")
+def test_the_kernels_weights_are_torchs_bit_for_bit():
+    """Both floors weigh a value by CUDA's expf: the kernel through libdevice, torch.exp by
+    itself. Equal bits are what make the sort's floor and the search's agree on every row."""
+    import triton
+    import triton.language as tl
+
+    from specserve.ops.triton_filter import _exp
+
+    @triton.jit
+    def exp_kernel(X, Y, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(Y + i, _exp(tl.load(X + i, mask=i < n), True), mask=i < n)
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = -90.0 * torch.rand(1 << 22, device="cuda", generator=g)
+    y = torch.empty_like(x)
+    exp_kernel[(triton.cdiv(len(x), 1024),)](x, y, len(x), BLOCK=1024)
+    assert torch.equal(y, torch.exp(x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="many rows: too slow interpreted")
+def test_sort_and_search_floors_agree_on_many_rows():
+    args = random_rows(2048, 4096, seed=77)
+    assert torch.equal(filter_floor(*args), filter_floor_reference(*args))
+    args = random_rows(1024, 3000, seed=78, ties=True)
+    assert torch.equal(filter_floor(*args), filter_floor_reference(*args))

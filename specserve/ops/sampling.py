@@ -2,10 +2,7 @@
 
 Randomness is counter-based: the Gumbel noise for a token depends only on (request seed,
 position of the token being sampled, vocabulary index). Consequences we rely on:
-- a seeded request samples the same text whatever it is batched with (with top-p, except
-  where the batch's row count moves its floor across FILTER_SEARCH_MIN_ROWS and the row's
-  top-p boundary lies within float32 rounding of p: rarely, see that constant; never under
-  deterministic inference, which sorts at any row count);
+- a seeded request samples the same text whatever it is batched with;
 - speculative verification draws, at a tree node, exactly the noise plain decoding would
   draw for that position, so with the same seed speculative and plain sampling give the
   same tokens (which is stronger than "the same distribution");
@@ -67,9 +64,7 @@ SAMPLE_BLOCK_ELEMENTS = 1 << 25
 # 10-17 passes over the row alone, while a sort spreads few rows over the whole device: on an
 # H100 at 64 rows of 128,256 (top-k with top-p) the kernel took 2.3 ms against the sort's
 # 1.6 ms; at 1,024 rows 14 ms against 22 ms, and 1.5-12x less time at 49,152 columns.
-# The two round a row's probabilities differently: where its top-p (min-p) boundary is within
-# that rounding of p they keep different tokens, and a draw differs only if it is one of
-# those (of the order of one draw in a million).
+# The two find the same floor (ops/triton_filter.py: the same integer arithmetic).
 FILTER_SEARCH_MIN_ROWS = 256
 # Odd multipliers below 2**31: products with 32-bit values stay inside int64.
 _MULTIPLIERS = (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39, 0x045D9F3B)

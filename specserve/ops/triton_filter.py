@@ -18,10 +18,10 @@ at most 8 passes at 16 pivots, and nothing of size [R, V] is written. Only the f
 compare every token with every pivot: later ones skip the tiles with no token left inside
 the interval.
 
-Each finds a row's floor from that row alone, whatever else is in the batch: the reference
-sums integer weights (exact in any order), the kernel sums float32 in a program of its own.
-The two can disagree where a row's top-p boundary is within float32 rounding of p, or its
-min-p boundary within the rounding of Triton's exp (an approximation, torch's is not).
+Both find a row's floor with the same arithmetic, so a row gets the same floor from either,
+alone or in any batch: each weight exp(value - max) is CUDA's expf (torch's exp; libdevice's
+in the kernel) taken as an integer of FIXED_POINT units, masses are int64 sums of those,
+exact in any order, and top_p x the top-k's mass is one float64 product.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from specserve.sampling_params import GREEDY_BELOW
 
@@ -87,39 +88,55 @@ def _value(key):
 
 
 @triton.jit
+def _exp(x, CUDA_EXP: tl.constexpr):
+    """expf as torch computes it on a GPU (libdevice's, not Triton's faster approximation);
+    Triton's interpreter has no libdevice, and numpy's exp there is close to torch's."""
+    if CUDA_EXP:
+        return libdevice.exp(x)
+    return tl.exp(x)
+
+
+@triton.jit
+def _weight(e):
+    """A probability weight in FIXED_POINT units, as the reference takes it."""
+    return (e * 1099511627776.0).to(tl.int64)  # (2**40)
+
+
+@triton.jit
 def _scaled_row(X, row_off, cols, n_cols, t):
     inside = cols < n_cols
     x = tl.load(X + row_off + cols, mask=inside, other=float("-inf")).to(tl.float32)
     s = tl.math.div_rn(x, t)  # (rounded as torch divides)
+    s = tl.where(s == s, s, float("-inf"))  # NaN as -inf, as the reference takes it
     return s, tl.where(inside, _ordered(s), _BELOW_ALL)
 
 
 @triton.jit
 def _above(
     X, row_off, n_cols, t, top, lo, hi, pivots,
-    WITH_MASS: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr,
+    WITH_MASS: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr, CUDA_EXP: tl.constexpr,
 ):  # fmt: skip
     """Per pivot (each in [lo, hi)), the tokens whose ordered value is above it: their count
-    and (WITH_MASS) their summed exp(value - top). A token at or above hi is above every
+    and (WITH_MASS) their summed weights (`_weight`). A token at or above hi is above every
     pivot and one below lo above none, so only tiles holding a token in [lo, hi) compare
     with each pivot: after a pass or two of a search, few tiles do."""
     count = tl.zeros([BLOCK, P], tl.int32)
-    mass = tl.zeros([BLOCK, P], tl.float32)
+    mass = tl.zeros([BLOCK, P], tl.int64)
     count_over = tl.zeros([BLOCK], tl.int32)
-    mass_over = tl.zeros([BLOCK], tl.float32)
+    mass_over = tl.zeros([BLOCK], tl.int64)
     for start in range(0, n_cols, BLOCK):
         s, key = _scaled_row(X, row_off, start + tl.arange(0, BLOCK), n_cols, t)
         over = key >= hi
         count_over += over.to(tl.int32)
-        e = tl.exp(s - top)
         if WITH_MASS:
-            mass_over += tl.where(over, e, 0.0)
+            w = _weight(_exp(s - top, CUDA_EXP))
+            mass_over += tl.where(over, w, 0)
         between = (key >= lo) & ~over
         if tl.max(between.to(tl.int32), 0) > 0:
             above = between[:, None] & (key[:, None] > pivots[None, :])
             count += above.to(tl.int32)
             if WITH_MASS:
-                mass += tl.where(above, e[:, None], 0.0)
+                mass += tl.where(above, w[:, None], 0)
     return (
         tl.sum(count, 0) + tl.sum(count_over, 0),
         tl.sum(mass, 0) + tl.sum(mass_over, 0),
@@ -140,7 +157,7 @@ def _narrow(lo, hi, pivots, ok, P: tl.constexpr):
 @triton.jit
 def _floor_kernel(
     X, Temps, TopKs, TopPs, MinPs, Floor, stride_x, n_cols, greedy_below,
-    BLOCK: tl.constexpr, P: tl.constexpr,
+    BLOCK: tl.constexpr, P: tl.constexpr, CUDA_EXP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_off = row * stride_x
@@ -168,27 +185,27 @@ def _floor_kernel(
         pivots = lo + ((k_hi - lo) * idx) // P
         count, _ = _above(
             X, row_off, n_cols, t, top, lo.to(tl.int32), k_hi.to(tl.int32),
-            pivots.to(tl.int32), False, BLOCK, P,
+            pivots.to(tl.int32), False, BLOCK, P, CUDA_EXP,
         )  # fmt: skip
         lo, k_hi = _narrow(lo, k_hi, pivots, count < k, P)
     # the top-k's mass, and the lowest value min-p keeps
-    lane_mass = tl.zeros([BLOCK], tl.float32)
+    lane_mass = tl.zeros([BLOCK], tl.int64)
     lane_min_p = tl.full([BLOCK], float("inf"), tl.float32)
     for start in range(0, n_cols, BLOCK):
         s, key = _scaled_row(X, row_off, start + tl.arange(0, BLOCK), n_cols, t)
-        e = tl.exp(s - top)
-        lane_mass += tl.where(key >= lo.to(tl.int32), e, 0.0)
+        e = _exp(s - top, CUDA_EXP)
+        lane_mass += tl.where(key >= lo.to(tl.int32), _weight(e), 0)
         lane_min_p = tl.minimum(lane_min_p, tl.where(e >= min_p, s, float("inf")))
-    limit = top_p * tl.sum(lane_mass, 0)
+    limit = top_p.to(tl.float64) * tl.sum(lane_mass, 0).to(tl.float64)
     # top-p: the lowest value with less than p of that mass above it (no pass when off)
     p_hi = tl.where(top_p < 1.0, hi, lo)
     while lo < p_hi:
         pivots = lo + ((p_hi - lo) * idx) // P
         _, mass = _above(
             X, row_off, n_cols, t, top, lo.to(tl.int32), p_hi.to(tl.int32),
-            pivots.to(tl.int32), True, BLOCK, P,
+            pivots.to(tl.int32), True, BLOCK, P, CUDA_EXP,
         )  # fmt: skip
-        lo, p_hi = _narrow(lo, p_hi, pivots, mass < limit, P)
+        lo, p_hi = _narrow(lo, p_hi, pivots, mass.to(tl.float64) < limit, P)
     floor = _value(lo.to(tl.int32))
     floor = tl.where(min_p > 0.0, tl.maximum(floor, tl.min(lane_min_p, 0)), floor)
     tl.store(Floor + row, tl.minimum(floor, top_value))  # the likeliest token always stays
@@ -213,6 +230,7 @@ def filter_floor(
     _floor_kernel[(rows,)](
         logits, temperatures.float().contiguous(), top_ks.to(torch.int64).contiguous(),
         top_ps.float().contiguous(), min_ps.float().contiguous(), floor,
-        logits.stride(0), vocab, GREEDY_BELOW, BLOCK=BLOCK, P=PIVOTS, num_warps=8,
+        logits.stride(0), vocab, GREEDY_BELOW, BLOCK=BLOCK, P=PIVOTS,
+        CUDA_EXP=logits.is_cuda, num_warps=8,
     )  # fmt: skip
     return floor
