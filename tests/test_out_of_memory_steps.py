@@ -12,6 +12,7 @@ import torch
 
 from specserve import Engine
 from specserve.model.config import PRESETS
+from specserve.runtime.running_cap import RunningCap
 from specserve.server.metrics import ServerMetrics
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 from tests.engine_utils import TINY, mixed_prompts, spec_args
@@ -211,3 +212,53 @@ def test_requests_waiting_when_a_step_ran_out_of_memory_still_cache_their_prompt
         answered = prompts[3] + outs[3]["output_ids"]
         again = e.generate(input_ids=answered, sampling_params=dict(GREEDY, max_new_tokens=1))
         assert again["meta_info"]["cached_tokens"] > len(prompts[3])
+
+
+def test_the_running_cap_climbs_back_below_the_count_that_ran_out_of_memory():
+    cap = RunningCap(256, restore_steps=3)
+    assert cap.ran_out_of_memory(200, 256) == 100
+    current, seen = 100, []
+    for _ in range(3 * 150):
+        current = cap.decode_step_done(current)
+        seen.append(current)
+    assert seen[2] == 101 and seen[1] == 100  # (one request per restore_steps steps)
+    assert current == 199  # (never again the count that failed)
+    current = cap.ran_out_of_memory(150, current)
+    assert current == 75
+    for _ in range(3 * 200):
+        current = cap.decode_step_done(current)
+    assert current == 149
+    small = RunningCap(8, restore_steps=1)
+    assert small.ran_out_of_memory(5, 4) == 3  # (a cap already lower than the failure's)
+    for _ in range(20):
+        current = small.decode_step_done(3)
+    assert current == 4
+
+
+def test_after_running_out_of_memory_more_requests_run_at_once_again():
+    """Once the step that ran out of memory is behind, the engine climbs back towards the
+    batch that failed, so a passing shortage does not halve its throughput for good."""
+    prompts = mixed_prompts(16, 512, seed=37, min_len=2, max_len=12)
+    sp = dict(GREEDY, max_new_tokens=60)
+    want, _, _, _ = run(prompts, sp, None, max_running_requests=8)
+    with Engine(**dict(TINY, debug_check_invariants=True, max_running_requests=8)) as e:
+        e.core.running_cap = RunningCap(8, restore_steps=2)
+        raised = out_of_memory_at_call(e, 3)
+        worker, sizes = e.core.worker, []
+        launch = worker.launch_decode
+
+        def record(reqs, *args, **kwargs):
+            sizes.append(len(reqs))
+            return launch(reqs, *args, **kwargs)
+
+        worker.launch_decode = record
+        outs = e.generate(input_ids=prompts, sampling_params=sp)
+        stats = e.stats()
+    assert [o["output_ids"] for o in outs] == want
+    assert raised == [3] and stats["num_out_of_memory_retractions"] == 1
+    failed_at = sizes[3]
+    assert failed_at == 8
+    after = sizes[4:]
+    assert max(after[:2]) <= 4  # (half of those started, at once)
+    assert max(after) == failed_at - 1  # (climbed back, not to the count that failed)
+    assert stats["max_running_requests"] == failed_at - 1

@@ -16,6 +16,7 @@ from specserve.runtime.grammar import grammar_spec, refuse_by_grammar
 from specserve.runtime.host_clock import HostClock
 from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import ReqState, Request
+from specserve.runtime.running_cap import RunningCap
 from specserve.sampling_params import is_int
 
 _STARTED = (ReqState.RUNNING, ReqState.PREFILLING)
@@ -74,6 +75,7 @@ class EngineCore:
         # launch to end): against wall time it shows how long the device waited on the host
         self.timed_step_seconds = 0.0
         self.num_out_of_memory_retractions = 0  # (retract_after_out_of_memory)
+        self.running_cap = RunningCap(cfg.max_running_requests)
         self.touched_in_step: list[Request] = []
         log.info(
             "engine ready: %s, %d layers, KV %d tokens (page_size %d), device %s %s",
@@ -241,8 +243,8 @@ class EngineCore:
     def retract_after_out_of_memory(self, error: torch.OutOfMemoryError) -> list[Request]:
         """A step ran the device out of memory: retract every started request (its outputs
         kept; a resumed request recomputes its KV, and draws at each position what it would
-        have), oldest first to resume, and run at most half as many as were started from
-        then on, rather than fail them all. A request that ran alone fails, with the reason:
+        have), oldest first to resume, and run at most half as many as were started, rather
+        than fail them all (the cap climbs back slowly: runtime/running_cap.py). A request that ran alone fails, with the reason:
         fewer cannot run. Returns the finished requests, now reaped. (On tensor-parallel
         ranks the loop fails every request as for any step error: one rank's retraction
         would leave its peers' batches unmatched.)"""
@@ -259,8 +261,9 @@ class EngineCore:
             for r in started:
                 r.finish("abort", message=f"the device ran out of memory running it alone: {error}")
         else:
-            half = (len(started) + 1) // 2
-            limits.max_running_requests = min(limits.max_running_requests, half)
+            limits.max_running_requests = self.running_cap.ran_out_of_memory(
+                len(started), limits.max_running_requests
+            )
             for r in reversed(started):  # (each to the queue's front: the oldest ends first)
                 self.scheduler.retract(r)
             self.worker.forget_batch()
@@ -434,6 +437,8 @@ class EngineCore:
                 accepted += n
         self.spec_totals["verify_ct"] += verified
         self.spec_totals["accepted"] += accepted
+        limits = self.scheduler.limits  # (after running out of memory: climbs back slowly)
+        limits.max_running_requests = self.running_cap.decode_step_done(limits.max_running_requests)
         if emitted:
             self.worker.observe_tokens(emitted)
         if self.worker.drafter.speculative and self.num_steps % 100 == 0:

@@ -31,7 +31,7 @@ def engine_stats(core: EngineCore) -> dict[str, Any]:
         "prefix_cache_hit_tokens": core.scheduler.prefix_hit_tokens,
         "num_retractions": core.scheduler.num_retractions,
         # (times a step ran the device out of memory and the started requests were retracted
-        # to run at most max_running_requests at once, halved each time)
+        # to run at most max_running_requests at once: halved, then climbing back slowly)
         "num_out_of_memory_retractions": core.num_out_of_memory_retractions,
         "max_running_requests": core.scheduler.limits.max_running_requests,
         "num_steps": core.num_steps,

@@ -104,7 +104,7 @@ class _EngineCollector:
         yield counter(
             "out_of_memory_retractions",
             "Steps that ran the device out of memory with several requests started: they were "
-            "retracted, and max_running_requests set to half of them",
+            "retracted, and max_running_requests set to half of them (it climbs back slowly)",
             s.get("num_out_of_memory_retractions", 0),
         )
         yield counter("engine_steps", "Engine steps (batches) run", s["num_steps"])
