@@ -214,25 +214,57 @@ def test_requests_waiting_when_a_step_ran_out_of_memory_still_cache_their_prompt
         assert again["meta_info"]["cached_tokens"] > len(prompts[3])
 
 
-def test_the_running_cap_climbs_back_below_the_count_that_ran_out_of_memory():
-    cap = RunningCap(256, restore_steps=3)
-    assert cap.ran_out_of_memory(200, 256) == 100
+def test_the_running_cap_climbs_back_below_the_decode_batch_that_ran_out_of_memory():
+    cap = RunningCap(256, restore_steps=3, ceiling_restore_steps=10**9)
+    assert cap.ran_out_of_memory(200, 256, decode_batch=180) == 100
     current, seen = 100, []
     for _ in range(3 * 150):
         current = cap.decode_step_done(current)
         seen.append(current)
-    assert seen[2] == 101 and seen[1] == 100  # (one request per restore_steps steps)
-    assert current == 199  # (never again the count that failed)
-    current = cap.ran_out_of_memory(150, current)
+    assert seen[1] == 100 and seen[2] == 101  # (one request per restore_steps steps)
+    assert current == 179  # (never again the decode batch that failed)
+    current = cap.ran_out_of_memory(150, current, decode_batch=140)
     assert current == 75
     for _ in range(3 * 200):
         current = cap.decode_step_done(current)
-    assert current == 149
-    small = RunningCap(8, restore_steps=1)
-    assert small.ran_out_of_memory(5, 4) == 3  # (a cap already lower than the failure's)
-    for _ in range(20):
-        current = small.decode_step_done(3)
-    assert current == 4
+    assert current == 139
+    # a prefill's failure halves the cap but says nothing of decode batches
+    prefill = RunningCap(64, restore_steps=1, ceiling_restore_steps=10**9)
+    current = prefill.ran_out_of_memory(40, 64, decode_batch=None)
+    assert current == 20
+    for _ in range(100):
+        current = prefill.decode_step_done(current)
+    assert current == 64
+
+
+def test_the_ceiling_rises_again_after_many_steps_without_running_out_of_memory():
+    cap = RunningCap(8, restore_steps=1, ceiling_restore_steps=50)
+    current = cap.ran_out_of_memory(2, 8, decode_batch=2)
+    assert current == 1 and cap.ceiling == 1
+    for _ in range(49):
+        current = cap.decode_step_done(current)
+    assert current == 1  # (one at a time while the failure is recent)
+    for _ in range(50 * 10):
+        current = cap.decode_step_done(current)
+    assert current == 8 and cap.ceiling == 8  # (back to the configured cap, never above)
+
+
+def test_a_decode_batch_that_ran_out_of_memory_beside_a_prefill_is_not_run_again():
+    """A decode step of 6 fails while a 7th request is still prefilling: the ceiling is 5
+    (the decode batch's size less one), not 6 (the started requests' less one)."""
+    short = [[5 + i, 6 + i] for i in range(6)]
+    long = [[7 + (j % 400) for j in range(300)]]
+    sp = dict(GREEDY, max_new_tokens=120)
+    kw = dict(max_running_requests=10, chunked_prefill_size=16, disable_overlap_schedule=True)
+    want, _, _, _ = run(short + long, sp, None, **kw)
+    with Engine(**dict(TINY, debug_check_invariants=True, **kw)) as e:
+        e.core.running_cap = RunningCap(10, restore_steps=2)
+        raised = out_of_memory_above(e, 5)
+        outs = e.generate(input_ids=short + long, sampling_params=sp)
+        stats = e.stats()
+    assert [o["output_ids"] for o in outs] == want
+    assert raised == [6] and stats["num_out_of_memory_retractions"] == 1
+    assert stats["max_running_requests"] == 5
 
 
 def test_after_running_out_of_memory_more_requests_run_at_once_again():

@@ -76,6 +76,7 @@ class EngineCore:
         self.timed_step_seconds = 0.0
         self.num_out_of_memory_retractions = 0  # (retract_after_out_of_memory)
         self.running_cap = RunningCap(cfg.max_running_requests)
+        self.decode_launching: int | None = None  # requests of a decode launch under way
         self.touched_in_step: list[Request] = []
         log.info(
             "engine ready: %s, %d layers, KV %d tokens (page_size %d), device %s %s",
@@ -249,6 +250,7 @@ class EngineCore:
         ranks the loop fails every request as for any step error: one rank's retraction
         would leave its peers' batches unmatched.)"""
         self.pending = None  # (abandoned: a resumed request draws its tokens again)
+        failed_decode, self.decode_launching = self.decode_launching, None
         for r in self.requests.values():
             r.inflight_steps = 0  # (the abandoned step's: finished requests are reaped now)
             if r.kv_len > 0:  # (the broken step may have written past kv_len: not cached)
@@ -262,7 +264,7 @@ class EngineCore:
                 r.finish("abort", message=f"the device ran out of memory running it alone: {error}")
         else:
             limits.max_running_requests = self.running_cap.ran_out_of_memory(
-                len(started), limits.max_running_requests
+                len(started), limits.max_running_requests, failed_decode
             )
             for r in reversed(started):  # (each to the queue's front: the oldest ends first)
                 self.scheduler.retract(r)
@@ -282,6 +284,7 @@ class EngineCore:
 
     def _run_prefill(self, chunks) -> list[Request]:
         self.host_clock.interrupt()
+        self.decode_launching = None  # (not a decode step, should this one fail)
         sampled = self.worker.prefill(chunks)
         self.num_steps += 1
         self.num_prefill_batches += 1
@@ -368,6 +371,7 @@ class EngineCore:
         # (on a CPU the step's own work runs inside the launch: no separate host time)
         if host is not None and self.adaptive is not None and self.device.type == "cuda":
             self.adaptive.observe_host(*host)
+        self.decode_launching = len(reqs)  # (what ran out of memory, if it does)
         pending = self.worker.launch_decode(
             reqs,
             kv_upper,
@@ -375,6 +379,7 @@ class EngineCore:
             timed=self.adaptive is not None,
             catch_up=lagged is not None and lagged.catch_up,
         )
+        self.decode_launching = None
         graphs = self.worker.graphs
         if pending.draws_adjusted or (
             graphs is not None and (graphs.captured_last or graphs.eager_last)
