@@ -9,10 +9,11 @@ the rows a step samples (a tree samples every node: batch x nodes, e.g. 64 for S
 torch (no Triton) and Triton (`sample` as shipped); for filtered rows also each way to the
 filters' floor before the Gumbel-max kernel: `sort_ms` the torch sort per row (what
 `sample` runs below FILTER_SEARCH_MIN_ROWS rows), `search_ms` the search kernel
-(ops/triton_filter.py; above). Each shape is checked first: the kernels' draws equal
-torch's except at near-ties (at most 1% of rows). Each call is replayed from a CUDA graph
-(median ms, `triton.testing.do_bench`); the peaks are the call's memory beyond its inputs.
-Prints JSON lines, then a table. Needs CUDA.
+(ops/triton_filter.py; above). Each shape is checked first: the share of rows whose draw
+equals torch's (`agree`; the Gumbel kernel's logs may round otherwise than torch's at a
+near-tie, so `ok` wants 99%). Each call is replayed from a CUDA graph (median ms,
+`triton.testing.do_bench`); the peaks are the call's memory beyond its inputs. Prints JSON
+lines, then a table. Needs CUDA.
 """
 
 from __future__ import annotations

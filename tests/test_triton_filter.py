@@ -157,30 +157,43 @@ def test_sampler_with_the_kernel_draws_what_the_torch_path_draws(search_min_rows
     assert kept.gather(1, fast[:, None]).all()
 
 
-def test_deterministic_inference_takes_the_floor_from_the_sort_at_any_row_count(monkeypatch):
-    """The search sums a row's probabilities in another order than the sort: deterministic
-    inference, which promises a row the same bits in any batch, never runs it."""
+def test_a_seeded_rows_draw_is_the_same_alone_and_in_a_batch_that_runs_the_search(monkeypatch):
+    """A row alone takes its floor from the sort, the same row in a batch of as many rows as
+    FILTER_SEARCH_MIN_ROWS from the search: the two find the same floor, so the draw does not
+    depend on the batch, and deterministic inference runs the search as the default does."""
     import specserve.ops.sampling as sampling
     import specserve.ops.triton_filter as triton_filter
     from specserve.config.kernels import resolve_kernels
 
     resolve = dict(on_gpu=True, half_precision=True, triton=True, disabled=False)
     default, _ = resolve_kernels(**resolve, torch_version=(2, 11))
-    deterministic, why = resolve_kernels(**resolve, torch_version=(2, 11), deterministic=True)
-    assert default.filter_search and not deterministic.filter_search
-    assert any(name == "kernels.filter_search" and not on for name, on, _ in why)
+    deterministic, _ = resolve_kernels(**resolve, torch_version=(2, 11), deterministic=True)
+    assert default.filter_search and deterministic.filter_search
 
-    def no_search(*args):
-        raise AssertionError("the search kernel ran")
+    searched = []
+    search = triton_filter.filter_floor
 
-    monkeypatch.setattr(sampling, "FILTER_SEARCH_MIN_ROWS", 1)
-    monkeypatch.setattr(triton_filter, "filter_floor", no_search)
-    logits, temps, top_ks, top_ps, min_ps = random_rows(8, 300, seed=31)
-    st = SamplingTensors(temps, top_ks, top_ps, min_ps, torch.arange(8, device=DEVICE), False, True)
-    drawn = sample(logits, st, torch.arange(8, device=DEVICE), deterministic)
-    assert drawn.shape == (8,)
-    with pytest.raises(AssertionError, match="search kernel ran"):
-        sample(logits, st, torch.arange(8, device=DEVICE), default)
+    def counted(*args):
+        searched.append(args[0].shape[0])
+        return search(*args)
+
+    monkeypatch.setattr(sampling, "FILTER_SEARCH_MIN_ROWS", 12)
+    monkeypatch.setattr(triton_filter, "filter_floor", counted)
+    rows = 12
+    logits, temps, top_ks, top_ps, min_ps = random_rows(rows, 900, seed=31, ties=True)
+    st = SamplingTensors(
+        temps, top_ks, top_ps, min_ps, torch.arange(rows, device=DEVICE) * 5 + 2, False, True
+    )
+    positions = torch.arange(rows, device=DEVICE) + 17
+    kernels = Kernels(sampling_reductions=True, filter_search=True)
+    together = sample(logits, st, positions, kernels)
+    assert searched == [rows]
+    alone = [
+        sample(logits[i : i + 1], st.take(slice(i, i + 1)), positions[i : i + 1], kernels)
+        for i in range(rows)
+    ]
+    assert searched == [rows]  # (alone: the sort)
+    assert torch.equal(torch.cat(alone), together)
 
 
 def top_p_where_float_sums_disagree(values: torch.Tensor, rows: int) -> float:

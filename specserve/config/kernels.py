@@ -249,13 +249,7 @@ def _deterministic(
         if name == "sampling_reductions":
             why += "; argmax, Gumbel-max, the filters and top-k reduce each row alone (ties to the lower id): batch-invariant"
         if name == "filter_search":
-            on[name] = False
-            why = (
-                "enable_deterministic_inference: the filters' floor from the sort at any row "
-                "count (the search, run from 256 rows, rounds a row's probabilities otherwise "
-                "than the sort: a top-p boundary within that rounding would move with the "
-                "batch's row count)"
-            )
+            why += "; the search finds the sort's floor on every row (the same integer sums): batch-invariant"
         decisions.append((f"kernels.{name}", on[name], why))
     on.update(
         batch_invariant_matmul=True,

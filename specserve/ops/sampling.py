@@ -62,8 +62,8 @@ SAMPLE_BLOCK_ELEMENTS = 1 << 25
 # Fewer sampled rows than this take the filters' floor from the torch sort, more from the
 # search kernel (ops/triton_filter.py). The kernel runs a program per row, which makes its
 # 10-17 passes over the row alone, while a sort spreads few rows over the whole device: on an
-# H100 at 64 rows of 128,256 (top-k with top-p) the kernel took 2.3 ms against the sort's
-# 1.6 ms; at 1,024 rows 14 ms against 22 ms, and 1.5-12x less time at 49,152 columns.
+# H100 at one row of 128,256 the search took 1.7-2.2 ms against the sort's 0.23; at 256 rows
+# 4.7 ms (top-p) and 6.3 (top-k with top-p) against 6.6, at 4,096 rows 1.1-2.0x less time.
 # The two find the same floor (ops/triton_filter.py: the same integer arithmetic).
 FILTER_SEARCH_MIN_ROWS = 256
 # Odd multipliers below 2**31: products with 32-bit values stay inside int64.
