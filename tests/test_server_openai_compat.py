@@ -113,6 +113,19 @@ UNSUPPORTED = [  # (routes, field, value); structured output: tests/test_structu
     ((CHAT,), "documents", [{"text": "a"}]),
     ((CHAT,), "add_special_tokens", True),
     ((COMPLETIONS,), "add_special_tokens", False),
+    # vLLM's and SGLang's extensions: served without them, the answer would quietly differ
+    ((CHAT, COMPLETIONS), "lora_request", {"lora_name": "a", "lora_int_id": 1}),
+    ((CHAT, COMPLETIONS), "lora_path", "my-adapter"),
+    ((CHAT, COMPLETIONS), "logits_processors", ["module.Processor"]),
+    ((CHAT, COMPLETIONS), "custom_logit_processor", "{}"),
+    ((COMPLETIONS,), "prompt_embeds", "AAAA"),
+    ((CHAT, COMPLETIONS), "return_tokens_as_token_ids", True),
+    ((CHAT, COMPLETIONS), "return_hidden_states", True),
+    ((CHAT, COMPLETIONS), "guided_whitespace_pattern", " *"),
+    ((CHAT, COMPLETIONS), "structural_tag", "{}"),
+    ((CHAT, COMPLETIONS), "spaces_between_special_tokens", False),
+    ((CHAT, COMPLETIONS), "priority", 5),
+    ((CHAT,), "priority", False),
 ]
 
 
@@ -141,10 +154,56 @@ def test_fields_of_features_the_server_lacks_get_400_naming_them(served):
         (CHAT, "documents", []),
         (CHAT, "add_special_tokens", False),
         (COMPLETIONS, "add_special_tokens", True),
+        (CHAT, "return_tokens_as_token_ids", False),
+        (COMPLETIONS, "return_hidden_states", False),
+        (CHAT, "spaces_between_special_tokens", True),
+        (COMPLETIONS, "priority", 0),
+        (CHAT, "logits_processors", []),
+        (COMPLETIONS, "lora_request", None),
     ]:
         base = {"messages": MESSAGES} if route == CHAT else {"prompt": [5, 6]}
         r = served.http.post(route, json={**base, "max_tokens": 2, field: value})
         assert r.status_code == 200, (route, field, r.text)
+
+
+GENERATE_UNSUPPORTED = [
+    ("lora_path", "my-adapter"),
+    ("image_data", "data:image/png;base64,AAAA"),
+    ("audio_data", ["a.wav"]),
+    ("video_data", "v.mp4"),
+    ("modalities", ["image"]),
+    ("input_embeds", [[0.0, 1.0]]),
+    ("return_hidden_states", True),
+    ("custom_logit_processor", "{}"),
+    ("session_params", {"id": "s"}),
+    ("token_ids_logprob", [5, 6]),
+]
+
+
+def test_generate_fields_of_features_the_server_lacks_get_400_naming_them(served):
+    base = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
+    for field, value in GENERATE_UNSUPPORTED:
+        r = served.http.post("/generate", json={**base, field: value})
+        err = error_of(r)
+        assert r.status_code == 400 and err["param"] == field, (field, r.text)
+        assert err["message"].startswith(f"{field}: ") and "only" in err["message"], err
+    for field, value in [("image_data", None), ("modalities", []), ("return_hidden_states", False)]:
+        r = served.http.post("/generate", json={**base, field: value})
+        assert r.status_code == 200, (field, r.text)
+
+
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS])
+def test_a_response_with_several_choices_has_one_id_as_openais(served, route):
+    base = {"messages": MESSAGES} if route == CHAT else {"prompt": [5, 6]}
+    body = {**base, "max_tokens": 3, "n": 2, "temperature": 0.5}
+    one = served.http.post(route, json={**base, "max_tokens": 3}).json()["id"]
+    whole = served.http.post(route, json=body).json()
+    assert len(whole["choices"]) == 2
+    ids = {e["id"] for e in events(served, route, {**body, "stream": True})}
+    for got in (whole["id"], *ids):
+        assert not got.endswith(("-0", "-1")), got
+        assert got.split("-")[0] == one.split("-")[0]  # (cmpl- or chatcmpl-)
+    assert len(ids) == 1
 
 
 def test_head_health(served):

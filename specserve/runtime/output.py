@@ -176,3 +176,8 @@ def _logprob_meta(req: Request, first: int, with_input: bool, tokenizer) -> dict
 def sample_rids(rid: str, n: int) -> list[str]:
     """The request ids of a prompt's n samples: `rid` itself for one, else rid-0 .. rid-(n-1)."""
     return [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+
+
+def prompt_rid(names: list[str]) -> str:
+    """The prompt's id whose samples `sample_rids` named `names`."""
+    return names[0] if len(names) == 1 else names[0].removesuffix("-0")

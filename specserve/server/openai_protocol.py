@@ -75,6 +75,21 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
     "stop_regex": (lambda v: v == [], "is not supported (only null or [])"),
     "typical_p": (lambda v: v == 1 and not isinstance(v, bool), "is not supported (only 1.0)"),
     "documents": (lambda v: v == [], "is not supported (only null or [])"),
+    # vLLM's and SGLang's extensions that would change the output or its form
+    "lora_request": (lambda v: False, "LoRA adapters are not supported (only null)"),
+    "lora_path": (lambda v: False, "LoRA adapters are not supported (only null)"),
+    "logits_processors": (lambda v: v == [], "is not supported (only null or [])"),
+    "custom_logit_processor": (lambda v: False, "is not supported (only null)"),
+    "prompt_embeds": (lambda v: False, "is not supported (only null)"),
+    "return_tokens_as_token_ids": (lambda v: v is False, "is not supported (only false)"),
+    "return_hidden_states": (lambda v: v is False, "is not supported (only false)"),
+    "guided_whitespace_pattern": (lambda v: False, "is not supported (only null)"),
+    "structural_tag": (lambda v: False, "is not supported (only null)"),
+    "spaces_between_special_tokens": (lambda v: v is True, "is not supported (only true)"),
+    "priority": (
+        lambda v: is_int(v) and v == 0,
+        "priority scheduling is not supported (only 0)",
+    ),
 }
 
 
@@ -159,6 +174,17 @@ class _CommonRequest(StrictModel):
     use_beam_search: Any = None
     bad_words: Any = None
     prompt_logprobs: Any = None
+    lora_request: Any = None
+    lora_path: Any = None
+    logits_processors: Any = None
+    custom_logit_processor: Any = None
+    prompt_embeds: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_hidden_states: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    spaces_between_special_tokens: Any = None
+    priority: Any = None
 
     @field_validator(*_OPENAI_SAMPLING, mode="before")
     @classmethod

@@ -146,6 +146,23 @@ def _checked_logprob_option(name: str, value: Any) -> Any:
         raise field_error(name, str(e)[len(e.field) + 2 :]) from None
 
 
+# SGLang's /generate fields this server does not implement: accepted only at their neutral
+# value (null always), so a request for an adapter, images or hidden states is not served as
+# plain text on the base model.
+_NATIVE_NEUTRAL: dict[str, tuple[Any, str]] = {
+    "lora_path": (lambda v: False, "LoRA adapters are not supported (only null)"),
+    "image_data": (lambda v: v == [], "images are not supported (only null or [])"),
+    "audio_data": (lambda v: v == [], "audio is not supported (only null or [])"),
+    "video_data": (lambda v: v == [], "video is not supported (only null or [])"),
+    "modalities": (lambda v: v == [], "only text is supported (only null or [])"),
+    "input_embeds": (lambda v: False, "is not supported (only null)"),
+    "return_hidden_states": (lambda v: v is False, "is not supported (only false)"),
+    "custom_logit_processor": (lambda v: False, "is not supported (only null)"),
+    "session_params": (lambda v: False, "sessions are not supported (only null)"),
+    "token_ids_logprob": (lambda v: False, "is not supported (only null)"),
+}
+
+
 class GenerateRequest(StrictModel):
     """SGLang's native /generate body."""
 
@@ -160,6 +177,25 @@ class GenerateRequest(StrictModel):
     top_logprobs_num: int | list[int] = Field(0, **_schema(minimum=0, maximum=20))
     logprob_start_len: int | list[int] = Field(-1, **_schema(minimum=-1))
     return_text_in_logprobs: bool = False
+    # SGLang's fields accepted only at their neutral value
+    lora_path: Any = None
+    image_data: Any = None
+    audio_data: Any = None
+    video_data: Any = None
+    modalities: Any = None
+    input_embeds: Any = None
+    return_hidden_states: Any = None
+    custom_logit_processor: Any = None
+    session_params: Any = None
+    token_ids_logprob: Any = None
+
+    @field_validator(*_NATIVE_NEUTRAL)
+    @classmethod
+    def _only_neutral(cls, v, info: ValidationInfo):
+        is_neutral, message = _NATIVE_NEUTRAL[info.field_name]
+        if v is not None and not is_neutral(v):
+            raise field_error(info.field_name, f"{message}, got {short(v)}")
+        return v
 
     @field_validator("text", mode="before")
     @classmethod

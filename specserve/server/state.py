@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from specserve.errors import InvalidArgument
 from specserve.runtime.logprobs import add_logprobs
-from specserve.runtime.output import sample_rids
+from specserve.runtime.output import prompt_rid, sample_rids
 from specserve.runtime.request_inputs import normalize_logprob_options
 from specserve.sampling_params import GRAMMAR_PARAMS, check_field, is_int
 from specserve.server.logprobs import TokenBytes, TokenStrings
@@ -490,10 +490,12 @@ class Run:
         self.rids: list[str] = []  # engine request ids, by choice index
         self.names: list[str] = []  # the ids the client sees (meta_info.id), by choice index
         self.unfinished: set[int] = set()
+        self._first_prompt_choices = 1
 
     @property
     def id(self) -> str:
-        return self.names[0]
+        """The first prompt's id (of all its choices, as OpenAI's responses carry one)."""
+        return prompt_rid(self.names[: self._first_prompt_choices])
 
     def submit(self, reqs: list, rid: str | None) -> None:
         """Submit one prompt's sample requests (`Engine.make_samples`) as the next choices;
@@ -524,6 +526,8 @@ class Run:
                 for name in names:
                     state.active_rids.pop(name, None)
             raise
+        if not self.names:
+            self._first_prompt_choices = n
         self.rids += rids
         self.names += names
         self.unfinished.update(range(base, base + n))
