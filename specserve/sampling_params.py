@@ -329,6 +329,8 @@ def _logit_bias(v: Any) -> dict[int, float] | None:
                 f"the bias of token {token} must be a number in [-{MAX_LOGIT_BIAS:g}, "
                 f"{MAX_LOGIT_BIAS:g}], got {shown}",
             )
+        if token in out:  # ("5" and "05": one token twice, whose bias would be lost)
+            raise InvalidArgument("logit_bias", f"token {token} is given twice, as {_short(key)}")
         out[token] = x
     return out or None
 

@@ -472,6 +472,8 @@ def test_logit_bias_forces_and_bans_tokens():
         ({"logit_bias": {"3": 101}}, "logit_bias"),
         ({"logit_bias": {"3": "1"}}, "logit_bias"),
         ({"logit_bias": [3]}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0, "05": -1.0}}, "logit_bias"),  # (one token twice)
+        ({"logit_bias": {5: 1.0, "5": 2.0}}, "logit_bias"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"presence_penalty": "1"}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
