@@ -235,6 +235,9 @@ def test_the_running_cap_climbs_back_below_the_decode_batch_that_ran_out_of_memo
     for _ in range(100):
         current = prefill.decode_step_done(current)
     assert current == 64
+    # a decode batch smaller than half the started requests (the rest prefilling) bounds it
+    beside = RunningCap(64, restore_steps=1, ceiling_restore_steps=10**9)
+    assert beside.ran_out_of_memory(40, 64, decode_batch=6) == 5
 
 
 def test_the_ceiling_rises_again_after_many_steps_without_running_out_of_memory():

@@ -245,10 +245,10 @@ class EngineCore:
         """A step ran the device out of memory: retract every started request (its outputs
         kept; a resumed request recomputes its KV, and draws at each position what it would
         have), oldest first to resume, and run at most half as many as were started, rather
-        than fail them all (the cap climbs back slowly: runtime/running_cap.py). A request that ran alone fails, with the reason:
-        fewer cannot run. Returns the finished requests, now reaped. (On tensor-parallel
-        ranks the loop fails every request as for any step error: one rank's retraction
-        would leave its peers' batches unmatched.)"""
+        than fail them all (the cap climbs back slowly: runtime/running_cap.py). A request
+        that ran alone fails, with the reason: fewer cannot run. Returns the finished
+        requests, now reaped. (On tensor-parallel ranks the loop fails every request as for
+        any step error: one rank's retraction would leave its peers' batches unmatched.)"""
         self.pending = None  # (abandoned: a resumed request draws its tokens again)
         failed_decode, self.decode_launching = self.decode_launching, None
         for r in self.requests.values():

@@ -41,12 +41,12 @@ class RunningCap:
 
     def ran_out_of_memory(self, started: int, cap: int, decode_batch: int | None) -> int:
         """The new cap after the device ran out of memory with `started` requests (more than
-        one) under `cap`: half of them, rounded up. decode_batch: the requests of the decode
-        step that failed (None: a prefill failed)."""
+        one) under `cap`: half of them, rounded up, and below the decode batch that failed.
+        decode_batch: the requests of the decode step that failed (None: a prefill failed)."""
         if decode_batch is not None:
             self.ceiling = min(self.ceiling, max(1, decode_batch - 1))
         self._steps = self._ceiling_steps = 0
-        return min(cap, (started + 1) // 2)
+        return min(cap, (started + 1) // 2, self.ceiling)
 
     def decode_step_done(self, cap: int) -> int:
         """The cap after a decode step completed under `cap`."""
