@@ -490,12 +490,7 @@ class Run:
         self.rids: list[str] = []  # engine request ids, by choice index
         self.names: list[str] = []  # the ids the client sees (meta_info.id), by choice index
         self.unfinished: set[int] = set()
-        self._first_prompt_choices = 1
-
-    @property
-    def id(self) -> str:
-        """The first prompt's id (of all its choices, as OpenAI's responses carry one)."""
-        return prompt_rid(self.names[: self._first_prompt_choices])
+        self.id = ""  # the first prompt's id (one for all its choices, as OpenAI's responses)
 
     def submit(self, reqs: list, rid: str | None) -> None:
         """Submit one prompt's sample requests (`Engine.make_samples`) as the next choices;
@@ -527,7 +522,7 @@ class Run:
                     state.active_rids.pop(name, None)
             raise
         if not self.names:
-            self._first_prompt_choices = n
+            self.id = prompt_rid(names)
         self.rids += rids
         self.names += names
         self.unfinished.update(range(base, base + n))
