@@ -20,6 +20,7 @@ from specserve.server.protocol import (
     field_error,
     is_int,
     is_token_ids,
+    only_neutral,
     short,
 )
 from specserve.server.structured_output import structured_output
@@ -211,10 +212,7 @@ class _CommonRequest(StrictModel):
     @field_validator(*_NEUTRAL, check_fields=False)
     @classmethod
     def _only_neutral(cls, v, info: ValidationInfo):
-        is_neutral, message = _NEUTRAL[info.field_name]
-        if v is not None and not is_neutral(v):
-            raise field_error(info.field_name, f"{message}, got {short(v)}")
-        return v
+        return only_neutral(_NEUTRAL, info.field_name, v)
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

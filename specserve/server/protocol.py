@@ -146,6 +146,15 @@ def _checked_logprob_option(name: str, value: Any) -> Any:
         raise field_error(name, str(e)[len(e.field) + 2 :]) from None
 
 
+def only_neutral(table: dict[str, tuple[Any, str]], name: str, v: Any) -> Any:
+    """`v` if it is null or the neutral value of a feature this server lacks (`table`: field ->
+    (is neutral, why not)), else a 400 naming the field."""
+    is_neutral, message = table[name]
+    if v is not None and not is_neutral(v):
+        raise field_error(name, f"{message}, got {short(v)}")
+    return v
+
+
 # SGLang's /generate fields this server does not implement: accepted only at their neutral
 # value (null always), so a request for an adapter, images or hidden states is not served as
 # plain text on the base model.
@@ -192,10 +201,7 @@ class GenerateRequest(StrictModel):
     @field_validator(*_NATIVE_NEUTRAL)
     @classmethod
     def _only_neutral(cls, v, info: ValidationInfo):
-        is_neutral, message = _NATIVE_NEUTRAL[info.field_name]
-        if v is not None and not is_neutral(v):
-            raise field_error(info.field_name, f"{message}, got {short(v)}")
-        return v
+        return only_neutral(_NATIVE_NEUTRAL, info.field_name, v)
 
     @field_validator("text", mode="before")
     @classmethod
