@@ -8,7 +8,12 @@ Batches of new requests arrive in turn (`arrived`). No model and no device: what
 choices alone are worth, seed by seed, and how a policy setting changes them.
 
     python3 bench/adaptive_policy_simulation.py [--batch-size 16] [--seeds 10] \\
-        [--first-look PICKS] [--json OUT.json]
+        [--first-look PICKS] [--static-batches OUTPUT_LEN] [--json OUT.json]
+
+--static-batches OUTPUT_LEN: each batch is what `bench one-batch` runs instead, every request
+generating OUTPUT_LEN tokens at its own text's difficulty, so that the batch shrinks to a
+tail of the requests whose drafts are accepted least (step times interpolated between the
+batch sizes measured, flat below the smallest).
 
 JSON, then a table: per seed the best fixed tier, its tokens/ms, the policy's, their ratio and
 the steps the policy served per tier; then the mean and the worst ratio.
@@ -50,12 +55,13 @@ def _accepted(p: float, depth: int, rng: random.Random) -> int:
     return k
 
 
-def step_accepts(tier: int, batch: int, ease: float, rng: random.Random):
-    """(accept length, accepted tokens on the greedy chain) of each request in one step."""
+def step_accepts(tier: int, batch: int, ease: float, rng: random.Random, own=None):
+    """(accept length, accepted tokens on the greedy chain) of each request in one step;
+    own: each request's own text's ease (else drawn afresh per step)."""
     shape = TIERS[tier]
     lens, reach = [], []
-    for _ in range(batch):
-        e = ease + rng.gauss(0, 0.08)  # (this request's text)
+    for i in range(batch):
+        e = ease + (own[i] if own is not None else rng.gauss(0, 0.08))  # (this request's text)
         on_chain = _accepted(min(0.95, P_CHAIN + e), shape.max_depth, rng)
         if tier == 0:
             lens.append(1)
@@ -97,26 +103,94 @@ def run(batch: int, seed: int, fixed: int | None = None, first_look: int | None 
     return tokens / spent, counts
 
 
+def _interpolated(table: dict[int, list[float]] | dict[int, float], batch: int):
+    """A per-batch-size table's value at `batch`: linear between the sizes measured, the
+    nearest one's outside them."""
+    sizes = sorted(table)
+    lo = max((b for b in sizes if b <= batch), default=sizes[0])
+    hi = min((b for b in sizes if b >= batch), default=sizes[-1])
+    if lo == hi:
+        return table[lo]
+    w = (batch - lo) / (hi - lo)
+    a, b = table[lo], table[hi]
+    if isinstance(a, list):
+        return [x + w * (y - x) for x, y in zip(a, b)]
+    return a + w * (b - a)
+
+
+def run_static(batch: int, seed: int, output_len: int, fixed: int | None = None, first_look=None):
+    """Tokens per ms of a fixed tier, or (fixed None) of the policy, and steps per tier, over
+    BATCHES static batches of `batch` requests generating `output_len` tokens each."""
+    rng = random.Random(seed)
+    policy = AdaptiveSpeculation(TIERS, measure=lambda b, t: _interpolated(STEP_MS, b)[t] / 1e3)
+    if first_look is not None:
+        policy.first_look = first_look
+    tokens = spent = 0.0
+    counts = [0] * len(TIERS)
+    for b in range(BATCHES):
+        policy.arrived(batch)
+        own = [rng.gauss(0, 0.08) for _ in range(batch)]  # each request's text
+        left = [output_len] * batch
+        s = 0
+        while own:
+            ease = (0.1 if (s // 20 + b) % 2 == 0 else -0.1) + rng.gauss(0, 0.05)
+            n = len(own)
+            tier = fixed if fixed is not None else policy.pick(n)
+            lens, reach = step_accepts(tier, n, ease, rng, own)
+            lens = [min(k, r) for k, r in zip(lens, left)]
+            ms, host_ms = _interpolated(STEP_MS, n)[tier], _interpolated(HOST_MS, n)
+            device = ms * (1 + rng.gauss(0, 0.02))
+            if fixed is None:
+                host = host_ms * (1 + rng.gauss(0, 0.05))
+                policy.observe_host(tier, n, host / 1e3, sum(lens))
+                chains = None if TIERS[tier].ragged else reach
+                policy.observe(tier, n, lens, device / 1e3, chains)
+            counts[tier] += 1
+            tokens += sum(lens)
+            spent += max(device, host_ms)
+            left = [r - k for r, k in zip(left, lens)]
+            own = [e for e, r in zip(own, left) if r > 0]
+            left = [r for r in left if r > 0]
+            s += 1
+    return tokens / spent, counts
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch-size", type=int, default=16, choices=sorted(STEP_MS))
     p.add_argument("--seeds", type=int, default=10)
     p.add_argument("--first-look", type=int, default=None, help="picks (default: the policy's)")
+    p.add_argument(
+        "--static-batches",
+        type=int,
+        default=None,
+        metavar="OUTPUT_LEN",
+        help="static batches of requests generating OUTPUT_LEN tokens each (a shrinking tail)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds must be at least 1")
     if args.first_look is not None and args.first_look < 1:
         p.error("--first-look must be at least 1")
+    if args.static_batches is not None and args.static_batches < 1:
+        p.error("--static-batches must be at least 1")
+    if args.static_batches is None:
+        simulate = run
+    else:
+
+        def simulate(batch, seed, fixed=None, first_look=None):
+            return run_static(batch, seed, args.static_batches, fixed, first_look)
+
     rows = []
     for seed in range(args.seeds):
         fixed = {
-            t: run(args.batch_size, seed, fixed=t)[0]
+            t: simulate(args.batch_size, seed, fixed=t)[0]
             for t in range(len(TIERS))
             if not TIERS[t].ragged
         }
         best = max(fixed, key=fixed.get)
-        got, counts = run(args.batch_size, seed, first_look=args.first_look)
+        got, counts = simulate(args.batch_size, seed, first_look=args.first_look)
         rows.append(
             {
                 "seed": seed,
@@ -131,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "batch_size": args.batch_size,
         "first_look": args.first_look,
+        "static_batches": args.static_batches,
         "seeds": rows,
         "mean_ratio": statistics.mean(ratios),
         "worst_ratio": min(ratios),
