@@ -61,6 +61,11 @@ def test_per_prompt_sampling_params_errors_name_the_entry(http):
     long = [GREEDY, {"max_new_tokens": 500}]
     err = error_of(http.post("/generate", json={**body, "sampling_params": long}))
     assert err["param"] == "sampling_params[1].max_new_tokens", err
+    # errors found when the entry's request is built (its grammar compiled) too
+    for bad, field in (({"regex": "("}, "regex"), ({"json_schema": "{bad"}, "json_schema"),
+                       ({"regex": "a", "min_new_tokens": 2}, "min_new_tokens")):  # fmt: skip
+        err = error_of(http.post("/generate", json={**body, "sampling_params": [GREEDY, bad]}))
+        assert err["param"] == f"sampling_params[1].{field}", (bad, err)
     # neither an object nor a list: the error says which shapes are taken
     err = error_of(http.post("/generate", json={**body, "sampling_params": 3}))
     assert err["param"] == "sampling_params" and "list" in err["message"], err

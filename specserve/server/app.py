@@ -291,6 +291,7 @@ async def _generate(request: Request, state: ServerState):
         prefix="sampling_params.",
         rids=rids,
         logprob_options=logprob_options,
+        prefixes=[where_sp(i) for i in range(len(prompts))],
     )
     if req.stream:
         return StreamingResponse(

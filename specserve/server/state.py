@@ -345,10 +345,12 @@ class ServerState:
         prefix: str = "",
         rids: list[str] | None = None,
         logprob_options: dict[str, Any] | None = None,
+        prefixes: list[str] | None = None,
     ) -> Run:
         """Admit and submit each prompt's n samples (sampling parameter `n`) as engine
         requests; choice i * n + j is prompt i's sample j. rids: the client's id of each
-        prompt. Raises APIError (400/503).
+        prompt. prefixes: where each prompt's sampling parameters are in the body, where they
+        differ (errors; else `prefix`). Raises APIError (400/503).
 
         A request with structured output is built on the grammar pool, not on the event loop
         (one of more than OFF_LOOP_PROMPT_TOKENS prompt tokens on the server's pool):
@@ -361,7 +363,7 @@ class ServerState:
             held = sum(_samples(sp) for sp in params)
             self.reserve(held)
         try:
-            args = (prompts, params, rename, prefix, rids, logprob_options)
+            args = (prompts, params, rename, prefix, rids, logprob_options, prefixes)
             if held:
                 loop = asyncio.get_running_loop()
                 made = await loop.run_in_executor(self.grammar_pool, self._make, *args)
@@ -388,24 +390,26 @@ class ServerState:
         prefix: str,
         rids: list[str] | None,
         logprob_options: dict[str, Any] | None,
+        prefixes: list[str] | None = None,
     ) -> list[tuple[list, str | None]]:
         """Every prompt's requests with the client's id of the prompt, built (validated)
         before any is admitted: a bad one is a 400 whatever the load, and costs no engine
         work for the prompts before it."""
         try:
-            params = _schemas_as_text(params)
             if rids and len(set(rids)) < len(rids):
                 repeated = next(r for r in rids if rids.count(r) > 1)
                 raise InvalidArgument("rid", f"request id {repeated!r} is given to two prompts")
             # (each option given once, or once per prompt: a list of another length is refused)
             options = normalize_logprob_options(len(prompts), **(logprob_options or {}))
-            made = []
+            made, texts = [], {}
             for i, (ids, sp, opts) in enumerate(zip(prompts, params, options)):
                 try:
+                    sp = _schema_as_text(sp, texts)
                     reqs = self.engine.make_samples(ids, sp, uuid.uuid4().hex, **opts)
                 except InvalidArgument as e:
                     if e.field not in PROMPT_FIELDS or len(prompts) == 1:
-                        raise
+                        # (a prompt's own sampling parameters are named by its entry)
+                        raise engine_error(e, rename, prefixes[i] if prefixes else prefix) from None
                     param = rename.get(e.field, e.field)
                     raise engine_error(e, {e.field: prompt_param(param, i, len(prompts))}) from None
                 name = rids[i] if rids else None
@@ -448,19 +452,16 @@ def _samples(sp: dict[str, Any]) -> int:
     return n if is_int(n) and n >= 1 else 1
 
 
-def _schemas_as_text(params: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The parameters with each JSON schema object as its JSON text, serialized once for the
-    prompts that share it (the engine would serialize it again for every prompt)."""
-    texts: dict[int, str] = {}
-    out = []
-    for sp in params:
-        schema = sp.get("json_schema")
-        if isinstance(schema, dict):
-            if id(schema) not in texts:  # (params holds every schema: ids stay distinct)
-                texts[id(schema)] = check_field("json_schema", schema)
-            sp = {**sp, "json_schema": texts[id(schema)]}
-        out.append(sp)
-    return out
+def _schema_as_text(sp: dict[str, Any], texts: dict[int, str]) -> dict[str, Any]:
+    """The parameters with a JSON schema object as its JSON text, serialized once for the
+    prompts that share it (`texts`, by the object's id: the engine would serialize it again
+    for every prompt; the request's params hold every schema, so ids stay distinct)."""
+    schema = sp.get("json_schema")
+    if not isinstance(schema, dict):
+        return sp
+    if id(schema) not in texts:
+        texts[id(schema)] = check_field("json_schema", schema)
+    return {**sp, "json_schema": texts[id(schema)]}
 
 
 def _check_ids_free(active_rids: dict[str, str], names: list[str]) -> None:
