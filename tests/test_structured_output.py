@@ -309,7 +309,21 @@ def test_a_bad_or_unservable_grammar_is_refused_naming_its_field(models):
          "maxProperties (2, not a non-negative integer) at /properties/x"),
         # (an escaped letter the grammar does not know is read as the letter: \A allowed "A")
         ({"type": "object", "properties": {"id": {"type": "string", "pattern": r"\A[a-z]+\Z"}}},
-         "pattern escape \\A (read as the letter A) at /properties/id"),
+         "pattern (the escape \\A, read as the letter A) at /properties/id"),
+        # (the compiler ignores these, logging so; each output below finished "stop")
+        ({"type": "string", "pattern": "[a-z]+", "maxLength": 3}, "maxLength beside pattern"),
+        ({"type": "string", "format": "date", "maxLength": 5}, "maxLength beside format"),
+        ({"type": "integer", "multipleOf": 3, "minimum": 4}, "multipleOf beside minimum at /"),
+        # (a lookahead allowed "sbc"; an anchor inside the pattern was ignored)
+        ({"type": "string", "pattern": "^(?=.*[0-9])[a-z0-9]{3}$"}, "the group '(?='"),
+        ({"type": "string", "pattern": "a$b"}, "the anchor '$' inside"),
+        # (named characters went into the JSON text raw: "say "hi"", "C:\abc")
+        ({"type": "string", "pattern": '^say "[a-z]+"$'}, "pattern (a quote) at /"),
+        ({"type": "string", "pattern": r"^[A-Z]:\\[a-z]+$"}, "pattern (a backslash) at /"),
+        ({"type": "string", "pattern": r"^a\tb$"}, "the control character \\t"),
+        # (a $ref's target is checked wherever it lies: this allOf allowed null)
+        ({"components": {"A": {"allOf": [{"type": "integer"}, {"type": "string"}]}},
+          "$ref": "#/components/A"}, "allOf (of more than one schema) at /components/A"),
     ],
 )  # fmt: skip
 def test_a_schema_whose_constraints_the_grammar_would_not_enforce_is_refused(models, schema, named):
@@ -331,7 +345,7 @@ def test_schemas_using_only_enforced_keywords_compile(models):
     schema = {
         "type": "object",
         "properties": {
-            "not": {"type": "integer", "minimum": 1, "multipleOf": 2},
+            "not": {"type": "integer", "multipleOf": 2},
             "allOf": {"enum": [{"allOf": 1}, "x"]},
             "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
             "kind": {"anyOf": [{"const": {"not": 1}}, {"type": "null"}]},

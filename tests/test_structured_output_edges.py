@@ -6,6 +6,7 @@ tokenizer."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -55,6 +56,29 @@ def test_a_regex_escape_the_grammar_would_read_as_a_letter_is_refused(engine):
     # an escaped backslash before a letter, and the escapes the grammar reads, still serve
     out = engine.generate(prompt="hi", sampling_params={**GREEDY, "regex": r"\\A\t\x41\d"})
     assert out["text"][:4] == "\\A\tA" and out["text"][4].isdigit()
+
+
+def test_a_regex_the_grammar_reads_otherwise_than_python_is_refused(engine):
+    """Each compiled, and an output finishing "stop" broke Python's re.fullmatch: \\01 read as
+    \\0 then 1, an anchor inside the pattern ignored, \\W letting in "é" (a word character to
+    Python's re, reading Unicode)."""
+    for regex, named in ((r"a\01", "octal"), (r"(a)\1", "backreference"), ("a$b", "anchor"),
+                         ("x(^a)", "anchor"), (r"a\Wc", r"\W"), (r"[^\d]", "negated class"),
+                         ("a(?=b)b", "(?=")):  # fmt: skip
+        with pytest.raises(InvalidArgument) as info:
+            engine.generate(prompt="hi", sampling_params={**GREEDY, "regex": regex})
+        assert info.value.field == "regex" and named in str(info.value), str(info.value)
+
+
+def test_a_class_opening_with_a_bracket_keeps_it_literal(engine):
+    """[^]] is 'anything but ]' to Python's re; the grammar closed the class at the first ']'
+    and served "D]" as "stop"."""
+    for seed in range(3):
+        sp = {"temperature": 1.0, "seed": seed, "max_new_tokens": 4, "regex": "[^]]x"}
+        out = engine.generate(prompt="hi", sampling_params=sp)
+        assert re.fullmatch("[^]]x", out["text"]), out["text"]
+    out = engine.generate(prompt="hi", sampling_params={**GREEDY, "regex": "[]a]"})
+    assert out["text"] in ("]", "a")
 
 
 def test_a_schema_the_compiler_refuses_gets_a_short_message_without_its_internals(engine):

@@ -22,7 +22,7 @@ import torch
 
 from specserve.errors import InvalidArgument
 from specserve.runtime.json_schema_support import SUPPORTED, unenforced
-from specserve.runtime.regex_support import REGEX_ESCAPES, literal_escape, python_regex
+from specserve.runtime.regex_support import REGEX_ESCAPES, python_regex, unread
 from specserve.sampling_params import GRAMMAR_PARAMS
 
 # xgrammar's error text starts with its log prefix: "[18:30:28] /project/cpp/x.cc:94: ", and
@@ -104,11 +104,12 @@ class GrammarCompiler:
                     field,
                     f"uses what structured output cannot enforce ({shown}); supported: {SUPPORTED}",
                 )
-        if field == "regex" and (escape := literal_escape(spec)) is not None:
+        if field == "regex" and (what := unread(spec)) is not None:
             raise InvalidArgument(
                 field,
-                f"uses the escape {escape}, which structured output would read as the letter "
-                f"{escape[1]}; supported: {REGEX_ESCAPES} and escaped punctuation",
+                f"uses {what}, which structured output does not read as Python's re does; "
+                f"supported: {REGEX_ESCAPES}, escaped punctuation, classes, groups, (?:...), "
+                "and ^ and $ at the ends",
             )
         compiler = self._get(field)
         try:

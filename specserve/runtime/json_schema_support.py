@@ -9,8 +9,10 @@ constraint beside a `$ref`, `anyOf`, `enum` and the like, or on a schema without
 a `$ref` that is no JSON pointer into the schema itself (another document, an anchor, an
 absolute URI) or a `type` of no types compiled to any JSON value at all, a negative
 length or count to no limit, `multipleOf` on a number (or a fraction on an integer) to
-nothing, and a `pattern` escaping a letter the grammar does not know
-(`\\A`) to that letter (runtime/regex_support.py).
+nothing, a `pattern` escaping a letter the grammar does not know (`\\A`) to that letter
+or naming a quote, a backslash or a control character into the JSON text raw
+(runtime/regex_support.py), `minLength` / `maxLength` beside a `pattern` or `format`, and
+`multipleOf` beside a bound, to nothing (it logs that it ignores them).
 (`oneOf` is enforced as `anyOf`: a value matching two branches is taken.) An output that ends "stop" must satisfy its schema,
 so such schemas are refused up front, naming each keyword and where it is (as vLLM refuses
 the features its xgrammar backend does not support).
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specserve.runtime.regex_support import literal_escape
+from specserve.runtime.regex_support import json_unsafe, unread
 
 # keywords whose constraint the compiled grammar does not enforce (`allOf` of one subschema
 # it does: pydantic wraps a described reference so, {"allOf": [{"$ref": ...}]})
@@ -57,8 +59,9 @@ SUPPORTED = (
     "type, properties, required (of the listed properties), additionalProperties, items, "
     "prefixItems, minItems, maxItems, enum, const, anyOf, oneOf, allOf of one schema, "
     "$ref ('#' or a '#/...' pointer) / $defs, minimum, maximum, exclusiveMinimum, "
-    "exclusiveMaximum, multipleOf (an integer, on integers), minLength, maxLength, pattern, "
-    "format, minProperties, "
+    "exclusiveMaximum, multipleOf (an integer, on integers, without a bound), minLength, "
+    "maxLength (not beside pattern or format), pattern (read as Python's re; ^ and $ at its "
+    "ends; no lookarounds, quote, backslash or control character), format, minProperties, "
     "maxProperties (where the schema gives a type, and not beside $ref, allOf, anyOf, oneOf, "
     "enum or const)"
 )
@@ -69,6 +72,7 @@ _ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedItems",
         "propertyNames")  # fmt: skip
 _MANY = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _NAMED = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 # counts the JSON Schema spec makes non-negative integers: the compiler read a negative one
 # as no limit (maxLength -1 allowed any string)
 COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
@@ -76,10 +80,53 @@ COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "ma
 
 def unenforced(schema: Any) -> list[str]:
     """What of `schema` (parsed JSON) structured output cannot enforce, each as 'KEYWORD at
-    PATH' (PATH a JSON pointer; '' is the root). Empty: all of it is enforced."""
+    PATH' (PATH a JSON pointer; '' is the root). Empty: all of it is enforced. Every local
+    `$ref`'s target is checked too, wherever it lies (the compiler follows any pointer into
+    the schema: an allOf under "#/components" compiled to nothing)."""
     found: list[str] = []
     _walk(schema, "", found)
-    return found
+    refs = _local_refs(schema)
+    seen = {""}
+    while refs:
+        ref = refs.pop()
+        pointer = ref[1:]
+        if pointer in seen:
+            continue
+        seen.add(pointer)
+        target = _resolve(schema, pointer)
+        if target is not None:
+            _walk(target, pointer, found)
+            refs.extend(_local_refs(target))
+    return list(dict.fromkeys(found))  # (a target under $defs is walked twice)
+
+
+def _local_refs(schema: Any) -> list[str]:
+    """Every '#/...' $ref in `schema`, at any depth."""
+    out, stack = [], [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/"):
+                out.append(ref)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
+
+
+def _resolve(schema: Any, pointer: str) -> Any:
+    """The part of `schema` at a JSON pointer ('/a/b'), or None."""
+    node = schema
+    for part in pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def _walk(schema: Any, path: str, found: list[str]) -> None:
@@ -119,8 +166,15 @@ def _walk(schema: Any, path: str, found: list[str]) -> None:
     if "multipleOf" in schema and "type" in schema and not _integer_multiple(schema):
         found.append(f"multipleOf (enforced only on an integer type, by an integer) at {where}")
     pattern = schema.get("pattern")
-    if isinstance(pattern, str) and (escape := literal_escape(pattern)) is not None:
-        found.append(f"pattern escape {escape} (read as the letter {escape[1]}) at {where}")
+    if isinstance(pattern, str) and (what := unread(pattern) or json_unsafe(pattern)):
+        found.append(f"pattern ({what}) at {where}")
+    for length in ("minLength", "maxLength"):  # (the compiler logs that it ignores them)
+        beside = next((k for k in ("pattern", "format") if k in schema), None)
+        if length in schema and beside is not None:
+            found.append(f"{length} beside {beside} at {where}")
+    bound = next((k for k in BOUNDS if k in schema), None)
+    if "multipleOf" in schema and bound is not None:  # (it logs that it ignores multipleOf)
+        found.append(f"multipleOf beside {bound} at {where}")
     if schema.get("uniqueItems") is True:
         found.append(f"uniqueItems at {where}")
     required = schema.get("required")

@@ -1,7 +1,8 @@
-"""Which regular-expression escapes structured output reads differently from Python's `re`
-(the regex dialect of SGLang and vLLM): xgrammar takes an escaped letter it does not know as
-that letter, so such a pattern is refused rather than enforced as something else. Used for
-`regex` requests and for the `pattern` of a JSON schema.
+"""Which regular expressions structured output reads differently from Python's `re` (the
+regex dialect of SGLang and vLLM), refused rather than enforced as something else (`unread`:
+xgrammar takes an escaped letter it does not know as that letter, \\A[a-z]+\\Z allowing
+"AabZ"), and what of a JSON schema's `pattern` it would put into the JSON text raw
+(`json_unsafe`). Used for `regex` requests and for the `pattern` of a JSON schema.
 """
 
 from __future__ import annotations
@@ -10,17 +11,75 @@ from __future__ import annotations
 # other escaped letter it takes as that letter, where Python's re (the regex dialect of SGLang
 # and vLLM) gives it a meaning or refuses it: \A[a-z]+\Z allowed "AabZ".
 _ESCAPE_LETTERS = frozenset("aefnrtvdDsSwWbBxucpPk")
-REGEX_ESCAPES = r"\d \D \s \S \w \W \n \r \t \f \v \a \e \0 \xHH \uHHHH \cX"
+REGEX_ESCAPES = r"\d \s \w \n \r \t \f \v \a \e \0 \xHH \uHHHH \cX"
+# escapes of control characters: a JSON string may not hold them raw
+_CONTROL_ESCAPES = frozenset("nrtfvae0c")
 
 
-def literal_escape(regex: str) -> str | None:
-    """The first escape in `regex` of a letter xgrammar would take literally, if any."""
-    i = regex.find("\\")
-    while 0 <= i < len(regex) - 1:
-        c = regex[i + 1]
-        if c.isascii() and c.isalpha() and c not in _ESCAPE_LETTERS:
-            return "\\" + c
-        i = regex.find("\\", i + 2)  # (past the escaped character: \\A is a backslash, A)
+def unread(regex: str) -> str | None:
+    """The first part of `regex` that structured output would not read as Python's re does,
+    described (None: there is none): an escaped letter it takes as the letter; an octal
+    escape or a backreference (\\01 read as \\0 then 1); an anchor inside the pattern
+    (a$b, x(^a): ignored); a lookaround or flag group; a negated shorthand (\\W, \\D, \\S,
+    or \\w, \\d, \\s in a negated class: ASCII there, so they let in letters and digits of
+    other scripts, which Python's re, reading Unicode, excludes)."""
+    in_class = negated = False
+    class_start = -1  # (a ']' there is a literal bracket)
+    i, n = 0, len(regex)
+    while i < n:
+        c = regex[i]
+        if c == "\\" and i + 1 < n:
+            e = regex[i + 1]
+            if e.isascii() and e.isalpha() and e not in _ESCAPE_LETTERS:
+                return f"the escape \\{e}, read as the letter {e}"
+            if e.isdigit() and (e != "0" or regex[i + 2 : i + 3].isdigit()):
+                return f"the escape {regex[i : i + 3]!r} (an octal escape or a backreference)"
+            if e in "WDS" or (in_class and negated and e in "wds"):
+                return f"\\{e}{' in a negated class' if in_class else ''} (ASCII only there)"
+            i += 2
+            continue
+        if in_class:
+            if c == "]" and i != class_start:
+                in_class = False
+        elif c == "[":
+            in_class, negated = True, regex[i + 1 : i + 2] == "^"
+            class_start = i + 1 + negated
+        elif c == "(" and regex[i + 1 : i + 2] == "?" and regex[i + 2 : i + 3] != ":":
+            return f"the group {regex[i : i + 3]!r}... (lookarounds and flags are not read)"
+        elif (c == "^" and i > 0) or (c == "$" and i < n - 1):
+            return f"the anchor {c!r} inside the pattern"
+        i += 1
+    return None
+
+
+def json_unsafe(pattern: str) -> str | None:
+    """What in a JSON schema's `pattern` the grammar would put into the JSON text raw,
+    breaking it, described (None: nothing): a quote, a backslash or a control character
+    named in it (classes, '.' and shorthands leave them out)."""
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == '"':
+            return "a quote"
+        if ord(c) < 0x20:
+            return f"the control character {c!r}"
+        if c == "\\" and i + 1 < n:
+            e = pattern[i + 1]
+            if e == '"' or e == "\\":
+                return "a quote" if e == '"' else "a backslash"
+            if e in _CONTROL_ESCAPES:
+                return f"the control character \\{e}"
+            if e in "xu":
+                digits = pattern[i + 2 : i + (4 if e == "x" else 6)]
+                try:
+                    code = int(digits, 16)
+                except ValueError:
+                    code = None
+                if code is not None and (code < 0x20 or code in (0x22, 0x5C)):
+                    return f"the character \\{e}{digits}"
+            i += 2
+            continue
+        i += 1
     return None
 
 
@@ -43,10 +102,11 @@ def python_regex(regex: str) -> str:
             in_class = c != "]"
         elif c == "[":
             in_class = True
-            # (a ']' first in a class, after an optional '^', is a literal bracket)
+            # (a ']' first in a class, after an optional '^', is a literal bracket: escaped,
+            # since xgrammar closes the class there)
             close = i + 1 + (regex[i + 1 : i + 2] == "^")
             if regex[close : close + 1] == "]":
-                out.append(regex[i : close + 1])
+                out.append(regex[i:close] + "\\]")
                 i = close + 1
                 continue
         elif c == ".":
