@@ -194,6 +194,24 @@ def test_unknown_architecture_raises_a_clear_error(hf_folder, tmp_path):
         Engine(model_path=str(path), dtype="float32", device="cpu", skip_tokenizer_init=True)
 
 
+def test_a_file_rotating_part_of_each_head_is_refused(hf_folder, tmp_path, monkeypatch):
+    """llama.cpp's n_rot (rope.dimension_count) below the head size rotates part of each
+    head (Qwen-style partial rotary); the engine rotates all of it, so such a file, which
+    loaded and ran every dimension rotated, is refused naming the key."""
+    import gguf
+
+    rotated = gguf.GGUFWriter.add_rope_dimension_count
+
+    def half_rotated(self, n):  # (the head size stated as attention.key_length)
+        rotated(self, n // 2)
+        self.add_key_length(n)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_count", half_rotated)
+    path, _ = write_gguf_model(tmp_path / "half.gguf", hf_folder)
+    with pytest.raises(ValueError, match=r"rope.dimension_count is \d+, not the head size"):
+        load_model(str(path), "auto", torch.float32, torch.device("cpu"), skip_tokenizer_init=True)
+
+
 def test_not_a_gguf_file_raises(tmp_path):
     bad = tmp_path / "junk.gguf"
     bad.write_bytes(b"NOPE" + bytes(64))

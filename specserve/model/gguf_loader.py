@@ -283,6 +283,14 @@ def _gguf_config(path: str, gf: GGUFFile) -> ModelConfig:
         (k for k in (f"{a}.attention.key_length", f"{a}.rope.dimension_count") if m.get(k)), None
     )
     head_dim = size(head_dim_key) if head_dim_key else hidden // heads
+    # every dimension of a head is rotated: a file rotating fewer (llama.cpp's n_rot), or
+    # whose values are of another size than its keys, is refused rather than run otherwise
+    for key in (f"{a}.rope.dimension_count", f"{a}.attention.value_length"):
+        if m.get(key) is not None and size(key) != head_dim:
+            raise ValueError(
+                f"{path}: {key} is {m[key]}, not the head size {head_dim} (rotating part of a "
+                "head, or values of another size than the keys, is not supported)"
+            )
     tensors = {t.name: t for t in gf.tensors}
     tokens = m.get("tokenizer.ggml.tokens")
     vocab = m.get(f"{a}.vocab_size") or (len(tokens) if tokens is not None else None)
