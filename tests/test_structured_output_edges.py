@@ -63,11 +63,27 @@ def test_a_regex_the_grammar_reads_otherwise_than_python_is_refused(engine):
     \\0 then 1, an anchor inside the pattern ignored, \\W letting in "é" (a word character to
     Python's re, reading Unicode)."""
     for regex, named in ((r"a\01", "octal"), (r"(a)\1", "backreference"), ("a$b", "anchor"),
-                         ("x(^a)", "anchor"), (r"a\Wc", r"\W"), (r"[^\d]", "negated class"),
+                         ("x(^a)", "anchor"), (r"a\Wc", r"\W"), (r"[^\d]", r"\d in a class"),
                          ("a(?=b)b", "(?=")):  # fmt: skip
         with pytest.raises(InvalidArgument) as info:
             engine.generate(prompt="hi", sampling_params={**GREEDY, "regex": regex})
         assert info.value.field == "regex" and named in str(info.value), str(info.value)
+
+
+def test_a_non_space_is_not_a_space_of_any_script(engine):
+    """\\S, and \\s in a negated class, are spelt out as Python's whitespace: the grammar's
+    \\S, ASCII alone, let in a no-break space, which Python's \\S rejects."""
+    stopped = 0
+    for regex in (r"\S+@\S+", r"[^\s,]{2,5}"):
+        for seed in range(3):
+            sp = {"temperature": 1.0, "seed": seed, "max_new_tokens": 8, "regex": regex}
+            out = engine.generate(prompt="hi", sampling_params=sp)
+            if out["meta_info"]["finish_reason"]["type"] == "stop":
+                stopped += 1
+                assert re.fullmatch(regex, out["text"]), (regex, out["text"])
+    assert stopped >= 3  # (the bounded one always completes)
+    with pytest.raises(InvalidArgument, match=r"\\S in a class"):
+        engine.generate(prompt="hi", sampling_params={**GREEDY, "regex": r"[a\S]"})
 
 
 def test_a_class_opening_with_a_bracket_keeps_it_literal(engine):

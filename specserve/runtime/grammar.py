@@ -104,7 +104,7 @@ class GrammarCompiler:
                     field,
                     f"uses what structured output cannot enforce ({shown}); supported: {SUPPORTED}",
                 )
-        if field == "regex" and (what := unread(spec)) is not None:
+        if field == "regex" and (what := unread(spec, spaces_translated=True)) is not None:
             raise InvalidArgument(
                 field,
                 f"uses {what}, which structured output does not read as Python's re does; "

@@ -12,17 +12,21 @@ from __future__ import annotations
 # and vLLM) gives it a meaning or refuses it: \A[a-z]+\Z allowed "AabZ".
 _ESCAPE_LETTERS = frozenset("aefnrtvdDsSwWbBxucpPk")
 REGEX_ESCAPES = r"\d \s \w \n \r \t \f \v \a \e \0 \xHH \uHHHH \cX"
+# what Python's re takes for \s in a str pattern (str.isspace's characters), as a class's
+# members: xgrammar's \s is ASCII alone, so its \S let in a no-break space
+PYTHON_SPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 # escapes of control characters: a JSON string may not hold them raw
 _CONTROL_ESCAPES = frozenset("nrtfvae0c")
 
 
-def unread(regex: str) -> str | None:
+def unread(regex: str, spaces_translated: bool = False) -> str | None:
     """The first part of `regex` that structured output would not read as Python's re does,
     described (None: there is none): an escaped letter it takes as the letter; an octal
     escape or a backreference (\\01 read as \\0 then 1); an anchor inside the pattern
     (a$b, x(^a): ignored); a lookaround or flag group; a negated shorthand (\\W, \\D, \\S,
     or \\w, \\d, \\s in a negated class: ASCII there, so they let in letters and digits of
-    other scripts, which Python's re, reading Unicode, excludes)."""
+    other scripts, which Python's re, reading Unicode, excludes; spaces_translated: \\S, and
+    \\s in a negated class, pass, as `python_regex` spells them out)."""
     in_class = negated = False
     class_start = -1  # (a ']' there is a literal bracket)
     i, n = 0, len(regex)
@@ -34,8 +38,9 @@ def unread(regex: str) -> str | None:
                 return f"the escape \\{e}, read as the letter {e}"
             if e.isdigit() and (e != "0" or regex[i + 2 : i + 3].isdigit()):
                 return f"the escape {regex[i : i + 3]!r} (an octal escape or a backreference)"
-            if e in "WDS" or (in_class and negated and e in "wds"):
-                return f"\\{e}{' in a negated class' if in_class else ''} (ASCII only there)"
+            spaces = spaces_translated and (e == "s" or (e == "S" and not in_class))
+            if not spaces and (e in "WDS" or (in_class and negated and e in "wds")):
+                return f"\\{e}{' in a class' if in_class else ''} (ASCII only there)"
             i += 2
             continue
         if in_class:
@@ -88,12 +93,18 @@ def python_regex(regex: str) -> str:
     character class as `[^\\n]` (xgrammar's dot takes a newline, Python's, without the DOTALL
     flag xgrammar refuses, does not: "a.{3}" finished with "a\\n\\n\\n", an output the
     client's re.fullmatch rejects), and each newline character as the escape `\\n` (xgrammar
-    refuses one inside a class, Python's re takes it)."""
-    out, i, in_class = [], 0, False
+    refuses one inside a class, Python's re takes it), and \\S, and \\s in a negated class,
+    as Python's whitespace (`PYTHON_SPACE`; \\S in a positive class `unread` refuses)."""
+    out, i, in_class, negated = [], 0, False, False
     while i < len(regex):
         c = regex[i]
         if c == "\\":
-            out.append(regex[i : i + 2])
+            escape = regex[i : i + 2]
+            if escape == "\\S" and not in_class:
+                escape = f"[^{PYTHON_SPACE}]"
+            elif escape == "\\s" and in_class and negated:
+                escape = PYTHON_SPACE
+            out.append(escape)
             i += 2
             continue
         if c == "\n":
@@ -101,7 +112,7 @@ def python_regex(regex: str) -> str:
         elif in_class:
             in_class = c != "]"
         elif c == "[":
-            in_class = True
+            in_class, negated = True, regex[i + 1 : i + 2] == "^"
             # (a ']' first in a class, after an optional '^', is a literal bracket: escaped,
             # since xgrammar closes the class there)
             close = i + 1 + (regex[i + 1 : i + 2] == "^")
