@@ -76,13 +76,30 @@ def step_accepts(tier: int, batch: int, ease: float, rng: random.Random, own=Non
     return lens, reach
 
 
+def _policy(measure, first_look: int | None) -> AdaptiveSpeculation:
+    policy = AdaptiveSpeculation(TIERS, measure=measure)
+    if first_look is not None:
+        policy.first_look = first_look
+    return policy
+
+
+def _serve(policy, fixed, tier, batch, lens, reach, step_ms, host_ms, rng) -> float:
+    """One step's simulated ms (the longer of its device and host time), observed by the
+    policy when it chose the step (`fixed` None)."""
+    device = step_ms * (1 + rng.gauss(0, 0.02))
+    if fixed is None:
+        host = host_ms * (1 + rng.gauss(0, 0.05))
+        policy.observe_host(tier, batch, host / 1e3, sum(lens))
+        chains = None if TIERS[tier].ragged else reach
+        policy.observe(tier, batch, lens, device / 1e3, chains)
+    return max(device, host_ms)
+
+
 def run(batch: int, seed: int, fixed: int | None = None, first_look: int | None = None):
     """Tokens per ms of a fixed tier, or (fixed None) of the policy, and steps per tier."""
     rng = random.Random(seed)
     ms = STEP_MS[batch]
-    policy = AdaptiveSpeculation(TIERS, measure=lambda b, t: ms[t] / 1e3)
-    if first_look is not None:
-        policy.first_look = first_look
+    policy = _policy(lambda b, t: ms[t] / 1e3, first_look)
     tokens = spent = 0.0
     counts = [0] * len(TIERS)
     for b in range(BATCHES):
@@ -91,15 +108,9 @@ def run(batch: int, seed: int, fixed: int | None = None, first_look: int | None 
             ease = (0.1 if (s // 20 + b) % 2 == 0 else -0.1) + rng.gauss(0, 0.05)
             tier = fixed if fixed is not None else policy.pick(batch)
             lens, reach = step_accepts(tier, batch, ease, rng)
-            device = ms[tier] * (1 + rng.gauss(0, 0.02))
-            if fixed is None:
-                host = HOST_MS[batch] * (1 + rng.gauss(0, 0.05))
-                policy.observe_host(tier, batch, host / 1e3, sum(lens))
-                chains = None if TIERS[tier].ragged else reach
-                policy.observe(tier, batch, lens, device / 1e3, chains)
+            spent += _serve(policy, fixed, tier, batch, lens, reach, ms[tier], HOST_MS[batch], rng)
             counts[tier] += 1
             tokens += sum(lens)
-            spent += max(device, HOST_MS[batch])
     return tokens / spent, counts
 
 
@@ -122,9 +133,7 @@ def run_static(batch: int, seed: int, output_len: int, fixed: int | None = None,
     """Tokens per ms of a fixed tier, or (fixed None) of the policy, and steps per tier, over
     BATCHES static batches of `batch` requests generating `output_len` tokens each."""
     rng = random.Random(seed)
-    policy = AdaptiveSpeculation(TIERS, measure=lambda b, t: _interpolated(STEP_MS, b)[t] / 1e3)
-    if first_look is not None:
-        policy.first_look = first_look
+    policy = _policy(lambda b, t: _interpolated(STEP_MS, b)[t] / 1e3, first_look)
     tokens = spent = 0.0
     counts = [0] * len(TIERS)
     for b in range(BATCHES):
@@ -139,15 +148,9 @@ def run_static(batch: int, seed: int, output_len: int, fixed: int | None = None,
             lens, reach = step_accepts(tier, n, ease, rng, own)
             lens = [min(k, r) for k, r in zip(lens, left)]
             ms, host_ms = _interpolated(STEP_MS, n)[tier], _interpolated(HOST_MS, n)
-            device = ms * (1 + rng.gauss(0, 0.02))
-            if fixed is None:
-                host = host_ms * (1 + rng.gauss(0, 0.05))
-                policy.observe_host(tier, n, host / 1e3, sum(lens))
-                chains = None if TIERS[tier].ragged else reach
-                policy.observe(tier, n, lens, device / 1e3, chains)
+            spent += _serve(policy, fixed, tier, n, lens, reach, ms, host_ms, rng)
             counts[tier] += 1
             tokens += sum(lens)
-            spent += max(device, host_ms)
             left = [r - k for r, k in zip(left, lens)]
             own = [e for e, r in zip(own, left) if r > 0]
             left = [r for r in left if r > 0]
