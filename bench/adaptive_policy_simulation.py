@@ -8,12 +8,15 @@ Batches of new requests arrive in turn (`arrived`). No model and no device: what
 choices alone are worth, seed by seed, and how a policy setting changes them.
 
     python3 bench/adaptive_policy_simulation.py [--batch-size 16] [--seeds 10] \\
-        [--first-look PICKS] [--static-batches OUTPUT_LEN] [--json OUT.json]
+        [--first-look PICKS] [--static-batches OUTPUT_LEN [--request-spread SD]] \\
+        [--json OUT.json]
 
 --static-batches OUTPUT_LEN: each batch is what `bench one-batch` runs instead, every request
 generating OUTPUT_LEN tokens at its own text's difficulty, so that the batch shrinks to a
 tail of the requests whose drafts are accepted least (step times interpolated between the
-batch sizes measured, flat below the smallest).
+batch sizes measured, flat below the smallest). --request-spread: the standard deviation of
+a request's own text's ease (added to every depth's acceptance; default 0.08). The larger it
+is, the less the tail accepts against the whole batch.
 
 JSON, then a table: per seed the best fixed tier, its tokens/ms, the policy's, their ratio and
 the steps the policy served per tier; then the mean and the worst ratio.
@@ -46,6 +49,7 @@ HOST_MS = {16: 0.8, 64: 1.1, 128: 1.7}
 # per-depth acceptance along the draft's greedy chain, and for the two trees' best branches
 P_CHAIN, P_SMALL_TREE, P_WIDE_TREE = 0.58, 0.73, 0.77
 STEPS_PER_BATCH, BATCHES = 55, 10
+REQUEST_SPREAD = 0.08  # a request's own text's ease: its standard deviation
 
 
 def _accepted(p: float, depth: int, rng: random.Random) -> int:
@@ -129,16 +133,24 @@ def _interpolated(table: dict[int, list[float]] | dict[int, float], batch: int):
     return a + w * (b - a)
 
 
-def run_static(batch: int, seed: int, output_len: int, fixed: int | None = None, first_look=None):
+def run_static(
+    batch: int,
+    seed: int,
+    output_len: int,
+    fixed: int | None = None,
+    first_look=None,
+    spread: float = REQUEST_SPREAD,
+):
     """Tokens per ms of a fixed tier, or (fixed None) of the policy, and steps per tier, over
-    BATCHES static batches of `batch` requests generating `output_len` tokens each."""
+    BATCHES static batches of `batch` requests generating `output_len` tokens each, each
+    request's text `spread` apart in ease."""
     rng = random.Random(seed)
     policy = _policy(lambda b, t: _interpolated(STEP_MS, b)[t] / 1e3, first_look)
     tokens = spent = 0.0
     counts = [0] * len(TIERS)
     for b in range(BATCHES):
         policy.arrived(batch)
-        own = [rng.gauss(0, 0.08) for _ in range(batch)]  # each request's text
+        own = [rng.gauss(0, spread) for _ in range(batch)]  # each request's text
         left = [output_len] * batch
         s = 0
         while own:
@@ -170,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="OUTPUT_LEN",
         help="static batches of requests generating OUTPUT_LEN tokens each (a shrinking tail)",
     )
+    p.add_argument(
+        "--request-spread",
+        type=float,
+        default=REQUEST_SPREAD,
+        metavar="SD",
+        help="with --static-batches: how far apart requests' texts are in ease",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.seeds < 1:
@@ -178,12 +197,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--first-look must be at least 1")
     if args.static_batches is not None and args.static_batches < 1:
         p.error("--static-batches must be at least 1")
+    if args.request_spread < 0:
+        p.error("--request-spread must be at least 0")
     if args.static_batches is None:
         simulate = run
     else:
 
         def simulate(batch, seed, fixed=None, first_look=None):
-            return run_static(batch, seed, args.static_batches, fixed, first_look)
+            return run_static(
+                batch, seed, args.static_batches, fixed, first_look, args.request_spread
+            )
 
     rows = []
     for seed in range(args.seeds):
@@ -209,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": args.batch_size,
         "first_look": args.first_look,
         "static_batches": args.static_batches,
+        "request_spread": args.request_spread if args.static_batches is not None else None,
         "seeds": rows,
         "mean_ratio": statistics.mean(ratios),
         "worst_ratio": min(ratios),

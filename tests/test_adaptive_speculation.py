@@ -342,6 +342,43 @@ def test_a_trees_steps_teach_the_chains_it_contains_so_they_need_no_exploring():
     assert p.accept[2] == pytest.approx(2.0, rel=0.02)  # 1 + min(3, 1)
 
 
+def test_a_tier_learnt_on_hard_text_is_carried_to_the_easier_text_served_now():
+    """A batch's tail of slow requests (hard text) teaches the tree a low acceptance and a
+    chain of 3 serves; on the next batch (easy text) the chain's own steps say the text got
+    easier, and the tree, not served since, is carried up with it and serves again without
+    waiting for an exploration (explorations are off here)."""
+    tiers = [PLAIN, TreeShape(1, 1, 2), TreeShape(2, 1, 3), TreeShape(3, 1, 4)]
+    tiers.append(TreeShape(4, 4, 16))
+    seconds = [0.9e-3, 1.0e-3, 1.0e-3, 1.0e-3, 1.38e-3]
+    p = AdaptiveSpeculation(
+        tiers, measure=lambda b, t: seconds[t], explore_every=10**6, max_explore_gap=10**6
+    )
+    tree, chain = 4, 3
+    batch = 64
+
+    def step(easy: bool) -> int:
+        t = p.pick(batch)
+        if easy:  # the chain of 3 emits 3 a request, the tree 4.5
+            reach = [3] * 32 + [1] * 32
+            tree_emits = [4, 5] * 32
+        else:  # the chain of 3 emits 2.31, the tree 3
+            reach = [3] * 7 + [2] * 6 + [1] * 51
+            tree_emits = [3] * 64
+        emitted = tree_emits if t == tree else [1 + min(tiers[t].max_depth, r) for r in reach]
+        p.observe(t, batch, emitted, seconds[t], chain_reach=reach)
+        return t
+
+    easy = [step(True) for _ in range(40)]
+    assert easy[-10:] == [tree] * 10  # 4.5 / 1.38 ms against the chain's 3 / 1.0 ms
+    hard = [step(False) for _ in range(40)]
+    assert hard[-10:] == [chain] * 10  # 3 / 1.38 ms against 2.31 / 1.0 ms
+    again = [step(True) for _ in range(40)]
+    # the tree's 3 carried by the chain's 2.31 -> 3: 4.05 a request, 2% short of the chain's
+    # score and emitting more a step (EMIT_MORE_MARGIN); not carried, 28% short
+    assert again[-10:] == [tree] * 10, again
+    assert p.accept[tree] == pytest.approx(4.5, rel=0.03)  # (served: learnt again)
+
+
 def after_a_rejection_stretch(tiers, seconds, batch: int) -> AdaptiveSpeculation:
     """A policy that served 3,000 steps of `batch` requests whose drafts were all rejected:
     plain decoding serves, explorations ever rarer."""

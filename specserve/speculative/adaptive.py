@@ -26,8 +26,9 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
   graphs a (tier, bucket) not yet timed is tried first (its first step, which compiles, is
   not counted; a replayed graph was compiled when timed, so its first served step counts).
 - accept_length: tokens emitted per speculating request per step, an estimate per tier that
-  weighs recent requests most, starts optimistic, and learns the chains from deeper trees'
-  steps too (speculative/acceptance.py).
+  weighs recent requests most, starts optimistic, learns the chains from deeper trees' steps
+  too, and is carried to the text served now by how the chains' acceptance moved since
+  (speculative/acceptance.py).
 - a ragged tier whose step takes at least the device time of verifying its whole tree at the
   bucket never runs: it verifies a subset of that tree's nodes, so it cannot emit more.
   (SmolLM2-135M on an H200 at batch 1: the 6/8/64 tree's ragged budgets cost 1.78 ms a step
@@ -103,6 +104,10 @@ SCORE_TIE = 1e-9
 # and a batch served by the 4/4/16 tree alone ran 4% faster than by the chain of 3 alone at
 # 64, where the chain scored within 4% of the tree at 28% of the policy's picks.
 EMIT_MORE_MARGIN = 0.04
+# The deepest chain the text's difficulty is read from: the policy's own chains go this deep
+# (the deeper the chain the more its acceptance moves with the text: a chain of 1 sees the
+# first draft token only).
+REFERENCE_MAX_DEPTH = 3
 # The most of the decode time explorations may cost (see the module's docstring).
 EXPLORE_BUDGET = 0.01
 # A change of the best tier brings the next exploration this share of `explore_every` picks on
@@ -142,6 +147,16 @@ def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
         if t not in tiers and t.tokens <= shape.tokens:
             tiers.append(t)
     return tiers
+
+
+def reference_chains(tiers: list[TreeShape]) -> list[int]:
+    """The tiers the text's difficulty is read from (speculative/acceptance.py): the chains
+    of at most REFERENCE_MAX_DEPTH steps, each learnt on its own steps and on every deeper
+    tier's that is not ragged."""
+    return [
+        t for t, s in enumerate(tiers)
+        if s.topk == 1 and s.tokens > 1 and not s.ragged and s.max_depth <= REFERENCE_MAX_DEPTH
+    ]  # fmt: skip
 
 
 def _even(a: float, b: float) -> bool:
@@ -211,7 +226,7 @@ class AdaptiveSpeculation:
         self.first_look = max(1, round(explore_every * FIRST_LOOK))
         self.next_explore = explore_every
         # the optimistic start: a tier accepts all it drafts until observed otherwise
-        self.acceptance = AcceptanceEstimates(self._upper_accept)
+        self.acceptance = AcceptanceEstimates(self._upper_accept, reference_chains(tiers))
         self.accept = self.acceptance.mean  # (per tier; the estimates update it in place)
         self.replayed: dict[tuple[int, int], float] = {}  # (tier, bucket): a replay's time
         self.observed: dict[tuple[int, int], float] = {}  # (tier, bucket): steps served
@@ -506,11 +521,12 @@ class AdaptiveSpeculation:
         acceptance = self.acceptance
         acceptance.served(len(accept_lens))  # (requests that do not speculate say nothing)
         if tier > 0 and accept_lens:
-            acceptance.learn(tier, sum(accept_lens), len(accept_lens))
+            # (a ragged step may have pruned the chain's nodes: its reach is no measure)
+            reach = chain_reach if chain_reach and not self._ragged[tier] else None
+            acceptance.learn(tier, sum(accept_lens), len(accept_lens), reach)
             chains = self._chains_within[tier]
-            if chain_reach and not self._ragged[tier] and chains:
-                # (a ragged step may have pruned the chain's nodes: its reach is no measure)
-                acceptance.learn_chains(chains, chain_reach)
+            if reach and chains:
+                acceptance.learn_chains(chains, reach)
                 for c, _ in chains:
                     self.inferred[c] = self.picks
         bucket = batch_bucket(batch_size)
