@@ -202,6 +202,41 @@ def test_keys_config_json_omits_take_transformers_defaults(tmp_path):
     assert_logits_close(*ours_vs_hf(folder, hf))
 
 
+ABSENT_HEAD_KEYS = {
+    # (each default differs from what the head count alone gives)
+    "qwen3_head_dim_128_and_32_kv_heads": dict(
+        arch="qwen3", num_attention_heads=32, num_key_value_heads=32, head_dim=128
+    ),
+    "mistral_8_kv_heads": dict(
+        arch="mistral", sliding_window=None, num_attention_heads=16, num_key_value_heads=8
+    ),
+    "qwen2_32_kv_heads": dict(
+        arch="qwen2", hidden_size=128, num_attention_heads=64, num_key_value_heads=32
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ABSENT_HEAD_KEYS))
+def test_absent_head_keys_take_the_model_types_defaults_as_transformers_does(tmp_path, case):
+    """config.json without num_key_value_heads or head_dim: transformers' defaults per model
+    type (Qwen3's heads are 128 wide whatever the hidden size), not the head count's."""
+    folder, hf = write_model(
+        tmp_path, **ABSENT_HEAD_KEYS[case], drop=("num_key_value_heads", "head_dim")
+    )
+    assert_logits_close(*ours_vs_hf(folder, hf))
+
+
+def test_an_absent_kv_head_count_whose_default_does_not_fit_is_refused_naming_it(tmp_path):
+    folder, _ = write_model(tmp_path, arch="qwen2", num_key_value_heads=4)
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.pop("num_key_value_heads")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    assert "num_key_value_heads is absent and qwen2's default (32)" in refusal(folder)
+
+
 def test_qwen2_biases_q_k_v_whatever_its_attention_bias_key(tmp_path):
     folder, hf = write_model(tmp_path, arch="qwen2", edit={"attention_bias": False})
     assert_logits_close(*ours_vs_hf(folder, hf))

@@ -66,13 +66,15 @@ class ModelConfig:
         for key in _REQUIRED_HF_KEYS:  # before head_dim divides by one of them
             check_positive_int(key, cfg[key])
         num_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        kv_heads = cfg.get("num_key_value_heads")
-        kv_heads = num_heads if kv_heads is None else kv_heads  # null: absent (transformers)
-        # transformers' defaults for keys config.json may omit
+        # transformers' defaults for keys config.json may omit: per model type where absent
+        # (Qwen3: 128-wide heads whatever the hidden size), from the head count where null
+        head_dim = cfg.get("head_dim", _DEFAULT_HEAD_DIM.get(model_type))
+        head_dim = head_dim or cfg["hidden_size"] // num_heads
+        kv_heads = cfg.get("num_key_value_heads", _DEFAULT_KV_HEADS.get(model_type))
+        kv_heads = num_heads if kv_heads is None else kv_heads
         positions = cfg.get("max_position_embeddings", _DEFAULT_POSITIONS[model_type])
         eps = cfg.get("rms_norm_eps", 1e-6)
-        _check_numbers(cfg, head_dim, positions, eps)
+        _check_numbers(cfg, model_type, head_dim, kv_heads, positions, eps)
         scaling, rope_theta = _rope(cfg, head_dim, positions)
         check_positive_number("rope_theta", rope_theta)
         _check_window(cfg, model_type, positions)
@@ -106,6 +108,9 @@ class ModelConfig:
 # (a Mistral without a sliding window shorter than its context is a Llama)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _DEFAULT_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+# (Llama's are the head count, and hidden_size // num_attention_heads)
+_DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32}
+_DEFAULT_HEAD_DIM = {"qwen3": 128}
 _REQUIRED_HF_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -246,19 +251,30 @@ def token_ids(cfg: dict[str, Any], key: str, allow_list: bool = True) -> tuple[i
     return tuple(ids)
 
 
-def _check_numbers(cfg: dict[str, Any], head_dim: Any, positions: Any, eps: Any) -> None:
+def _check_numbers(
+    cfg: dict[str, Any], model_type: str, head_dim: Any, kv_heads: Any, positions: Any, eps: Any
+) -> None:
     sizes = {k: cfg[k] for k in _REQUIRED_HF_KEYS}
     sizes["head_dim"] = head_dim
-    if cfg.get("num_key_value_heads") is not None:
-        sizes["num_key_value_heads"] = cfg["num_key_value_heads"]
+    sizes["num_key_value_heads"] = kv_heads
     sizes["max_position_embeddings"] = positions
     for key, value in sizes.items():
         check_positive_int(key, value)
     check_positive_number("rope_theta", cfg.get("rope_theta", 10000.0))
     check_positive_number("rms_norm_eps", eps)
     heads = cfg["num_attention_heads"]
-    given = "head_dim" if cfg.get("head_dim") else "hidden_size // num_attention_heads"
-    check_attention_shape(heads, sizes.get("num_key_value_heads", heads), head_dim, given)
+    if cfg.get("head_dim"):
+        given = "head_dim"
+    elif "head_dim" not in cfg and model_type in _DEFAULT_HEAD_DIM:
+        given = f"{model_type}'s default"
+    else:
+        given = "hidden_size // num_attention_heads"
+    if "num_key_value_heads" not in cfg and heads % kv_heads:
+        raise ValueError(
+            f"num_key_value_heads is absent and {model_type}'s default ({kv_heads}) does not "
+            f"divide num_attention_heads ({heads}): set num_key_value_heads in config.json"
+        )
+    check_attention_shape(heads, kv_heads, head_dim, given)
 
 
 def _check_window(cfg: dict[str, Any], model_type: str, positions: int) -> None:
