@@ -113,3 +113,23 @@ def test_a_schema_the_compiler_refuses_gets_a_short_message_without_its_internal
         schema = {"type": "integer", "minimum": 10**30}
         engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": schema})
     assert "Check failed" not in str(info.value) and "maximum limit" in str(info.value)
+
+
+def test_a_length_bounded_string_holds_no_raw_control_character(engine):
+    """The compiler's rule for a string with minLength / maxLength let control characters
+    (a tab, \\x01) through raw, which JSON forbids in a string: outputs finishing "stop"
+    did not parse."""
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 6}},
+        "required": ["s"],
+    }
+    stopped = 0
+    for seed in range(12):
+        sp = {"temperature": 1.0, "seed": seed, "max_new_tokens": 64, "json_schema": schema}
+        out = engine.generate(prompt="hi", sampling_params=sp)
+        if out["meta_info"]["finish_reason"]["type"] == "stop":
+            stopped += 1
+            value = json.loads(out["text"])["s"]  # (strict: a raw control character fails)
+            assert 1 <= len(value) <= 6, out["text"]
+    assert stopped >= 6

@@ -116,7 +116,7 @@ class GrammarCompiler:
             if field == "json_schema":
                 # (strict mode, as vLLM and SGLang compile schemas: no properties beyond
                 # those listed unless additionalProperties allows them)
-                compiled = compiler.compile_json_schema(spec)
+                compiled = _compile_json_schema(compiler, spec)
             elif field == "regex":
                 compiled = _compile_regex(compiler, spec)
             else:
@@ -129,6 +129,27 @@ class GrammarCompiler:
         if not first.any():
             raise InvalidArgument(field, "no token of the vocabulary can begin an output of it")
         return compiled
+
+
+# The character classes xgrammar gives a JSON string's characters, and the one they become:
+# a bounded string's (minLength / maxLength) let control characters other than CR and LF
+# through raw, which JSON forbids in a string (a random walk of {"type": "string",
+# "maxLength": 3} gave unparseable output a third of the time), and both let a surrogate
+# through, which UTF-8 cannot encode (its bytes came out as three replacement characters).
+_JSON_STRING_CLASSES = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
+_JSON_STRING_CLASS = r"[^\0-\x1f\"\\\ud800-\udfff]"
+
+
+def _compile_json_schema(compiler, spec: str):
+    """A JSON schema compiled as xgrammar does, but for the characters of its strings."""
+    grammar = _xgrammar().Grammar
+    text = str(grammar.from_json_schema(spec))
+    fixed = text
+    for cls in _JSON_STRING_CLASSES:
+        fixed = fixed.replace(cls, _JSON_STRING_CLASS)
+    if fixed == text:
+        return compiler.compile_json_schema(spec)
+    return compiler.compile_grammar(grammar.from_ebnf(fixed))
 
 
 def _compile_regex(compiler, spec: str):
