@@ -133,3 +133,16 @@ def test_a_length_bounded_string_holds_no_raw_control_character(engine):
             value = json.loads(out["text"])["s"]  # (strict: a raw control character fails)
             assert 1 <= len(value) <= 6, out["text"]
     assert stopped >= 6
+
+
+def test_a_schema_number_past_a_doubles_range_is_refused_naming_it(engine):
+    """1e400 was read as infinity and the compiler failed with an empty reason."""
+    for number in ("1e400", "-2E+999"):
+        schema = '{"type": "number", "maximum": ' + number + "}"
+        with pytest.raises(InvalidArgument) as info:
+            engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": schema})
+        assert info.value.field == "json_schema" and number in str(info.value), str(info.value)
+        assert "past a double's range" in str(info.value)
+    schema = '{"type": "number", "minimum": 1e-400, "maximum": 2.5e3}'  # (tiny: 0.0)
+    out = engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": schema})
+    assert 0 <= float(out["text"]) <= 2500

@@ -92,8 +92,10 @@ class GrammarCompiler:
     def _check_and_compile(self, field: str, spec: str):
         if field == "json_schema":
             try:
-                schema = json.loads(spec, parse_constant=_not_json)
+                schema = json.loads(spec, parse_constant=_not_json, parse_float=_finite)
                 unsupported = unenforced(schema)
+            except _OutOfRange as e:
+                raise InvalidArgument(field, str(e)) from None
             except ValueError as e:
                 raise InvalidArgument(field, f"is not valid JSON: {e}") from None
             except RecursionError:  # (past Python's stack: ~1,000 levels of arrays or objects)
@@ -122,7 +124,7 @@ class GrammarCompiler:
             else:
                 compiled = compiler.compile_grammar(spec)
         except Exception as e:  # xgrammar reports a bad schema / pattern as a RuntimeError
-            why = _LOG_PREFIX.sub("", str(e).strip())
+            why = _LOG_PREFIX.sub("", str(e).strip()) or "the compiler gave no reason"
             raise InvalidArgument(field, f"cannot be compiled: {why}") from None
         first = new_bitmask(1, self.vocab_size)
         RequestGrammar(compiled, field).fill_next(first, 0)
@@ -160,6 +162,19 @@ def _compile_regex(compiler, spec: str):
         # (the same error again, at its position in the client's own pattern)
         compiler.compile_regex(spec)
         raise
+
+
+class _OutOfRange(ValueError):
+    pass
+
+
+def _finite(text: str) -> float:
+    """A JSON number as a float, refused past a double's range (1e400 read as infinity, and
+    the compiler then failed without a reason)."""
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _OutOfRange(f"holds the number {text}, past a double's range (about 1.8e308)")
+    return value
 
 
 def _not_json(name: str):
