@@ -349,7 +349,7 @@ def test_a_tier_learnt_on_hard_text_is_carried_to_the_easier_text_served_now():
     waiting for an exploration (explorations are off here)."""
     tiers = [PLAIN, TreeShape(1, 1, 2), TreeShape(2, 1, 3), TreeShape(3, 1, 4)]
     tiers.append(TreeShape(4, 4, 16))
-    seconds = [0.9e-3, 1.0e-3, 1.0e-3, 1.0e-3, 1.38e-3]
+    seconds = [0.9e-3, 1.0e-3, 1.0e-3, 1.0e-3, 1.45e-3]
     p = AdaptiveSpeculation(
         tiers, measure=lambda b, t: seconds[t], explore_every=10**6, max_explore_gap=10**6
     )
@@ -361,20 +361,20 @@ def test_a_tier_learnt_on_hard_text_is_carried_to_the_easier_text_served_now():
         if easy:  # the chain of 3 emits 3 a request, the tree 4.5
             reach = [3] * 32 + [1] * 32
             tree_emits = [4, 5] * 32
-        else:  # the chain of 3 emits 2.31, the tree 3
+        else:  # the chain of 3 emits 2.31, the tree 3.3
             reach = [3] * 7 + [2] * 6 + [1] * 51
-            tree_emits = [3] * 64
+            tree_emits = [3] * 45 + [4] * 19
         emitted = tree_emits if t == tree else [1 + min(tiers[t].max_depth, r) for r in reach]
         p.observe(t, batch, emitted, seconds[t], chain_reach=reach)
         return t
 
     easy = [step(True) for _ in range(40)]
-    assert easy[-10:] == [tree] * 10  # 4.5 / 1.38 ms against the chain's 3 / 1.0 ms
+    assert easy[-10:] == [tree] * 10  # 4.5 / 1.45 ms against the chain's 3 / 1.0 ms
     hard = [step(False) for _ in range(40)]
-    assert hard[-10:] == [chain] * 10  # 3 / 1.38 ms against 2.31 / 1.0 ms
+    assert hard[-10:] == [chain] * 10  # 3.3 / 1.45 ms against 2.31 / 1.0 ms
     again = [step(True) for _ in range(40)]
-    # the tree's 3 carried by the chain's 2.31 -> 3: 4.05 a request, 2% short of the chain's
-    # score and emitting more a step (EMIT_MORE_MARGIN); not carried, 28% short
+    # the tree's 3.3 carried by the chain's 2.31 -> 3: 4.5 a request, 4% ahead of the
+    # chain's score; not carried, 24% behind
     assert again[-10:] == [tree] * 10, again
     assert p.accept[tree] == pytest.approx(4.5, rel=0.03)  # (served: learnt again)
 
@@ -597,15 +597,18 @@ def test_where_the_host_sets_the_pace_the_tier_emitting_most_per_step_is_picked(
 def test_a_tier_emitting_more_wins_a_near_score_but_not_a_clear_loss():
     """SmolLM2 at batch 128 on an H100: a chain of 3 and the 4/4/16 tree scored within 1% of
     one another, and the chain served most steps, while a batch served by the tree ran
-    faster (its batches end in fewer steps). Within EMIT_MORE_MARGIN of the best score the
-    tier emitting more a step serves; a tier scoring clearly more still wins."""
+    faster (its batches end in fewer steps). Where the host's time is close to the device's
+    (1.7 ms a step against the chain's 1.86), within EMIT_MORE_MARGIN of the best score the
+    tier emitting more a step serves; a tier scoring clearly more still wins, and so does
+    one scoring a little more where the host's time is short of the device's."""
     tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(4, 4, 16)]
     accept = (1, 2.21, 3.17)
-    for tree_ms, served in ((2.75, 2), (2.95, 1)):  # the chain ahead by 1.4%, then by 8.7%
+    # the chain ahead by 1.4%, then by 8.7%; then by 1.4% with the host's 1.2 ms
+    for tree_ms, host_us, served in ((2.75, 1700, 2), (2.95, 1700, 1), (2.75, 1200, 1)):
         device_ms = (1.5, 1.86, tree_ms)
         p = AdaptiveSpeculation(tiers, measure=lambda b, t, ms=device_ms: ms[t] / 1e3)
-        picks = serve_host_bound(p, device_ms, accept, 0.0, 300, batch=128)
-        assert picks[-100:].count(served) > 90, (tree_ms, picks[-100:])
+        picks = serve_host_bound(p, device_ms, accept, 0.0, 300, batch=128, host_us=host_us)
+        assert picks[-100:].count(served) > 90, (tree_ms, host_us, picks[-100:])
 
 
 def test_near_scores_do_not_chain_below_the_margin():
@@ -616,7 +619,8 @@ def test_near_scores_do_not_chain_below_the_margin():
     accept = (1, 2.0, 2.5, 3.0)
     device_ms = (5.0, 2.0 / 100, 2.5 / 97, 3.0 / 94)  # (ms per step for one request)
     p = AdaptiveSpeculation(tiers, measure=lambda b, t: device_ms[t] / 1e3)
-    picks = serve_host_bound(p, device_ms, accept, 0.0, 300, batch=1)
+    # (the host's 18 us a step: close to the leading chain's 20 us of device time)
+    picks = serve_host_bound(p, device_ms, accept, 0.0, 300, batch=1, host_us=18.0)
     assert picks[-100:].count(2) > 90, picks[-100:]
 
 
@@ -1226,9 +1230,9 @@ def test_a_tier_underrated_on_earlier_text_is_explored_until_it_wins():
     p.arrived(16)
     picks = serve(128)
     explored = [i for i, t in enumerate(picks) if t == 1][:3]
-    # explorations 32 steps apart, each raising the estimate, the third finding it best
-    # (doubling the wait after the second would have put the third at 127)
-    assert explored[1] - explored[0] == explored[2] - explored[1] == 32, explored
+    # explorations at most 32 steps apart, each raising the estimate, until one finds it
+    # best (doubling the wait after the second would have put the third at 127)
+    assert explored[1] - explored[0] <= 32 and explored[2] - explored[1] <= 32, explored
     assert picks[96:].count(1) >= 31, picks
 
 

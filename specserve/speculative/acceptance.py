@@ -59,12 +59,12 @@ CARRY_MAX_FACTOR = 2.0
 
 
 class AcceptanceEstimates:
-    def __init__(self, upper: list[float], references: list[int] = ()):
+    def __init__(self, upper: list[float], references: dict[int, int] | None = None):
         """upper: what each tier emits per request were all its drafted tokens accepted (the
         optimistic start; a tier's depth is one less); references: the chain tiers the text's
-        difficulty is read from (none: estimates are not carried)."""
+        difficulty is read from, and their depths (none: estimates are not carried)."""
         self.upper = list(upper)
-        self.references = {r: round(upper[r]) - 1 for r in references}  # tier: depth
+        self.references = dict(references or {})  # tier: depth
         self.learnt = list(upper)  # per tier: what its steps emitted (a decayed mean)
         self.mean = list(upper)  # per tier: that, carried to the text now (updated in place)
         # per reference, per tier: what the reference emitted over the requests `learnt` is
@@ -84,31 +84,30 @@ class AcceptanceEstimates:
         self._steps += 1
 
     def learn(
-        self, tier: int, accepted: float, requests: int, chain_reach: list[int] | None = None
+        self,
+        tier: int,
+        accepted: float,
+        requests: int,
+        chain_reach: list[int] | None = None,
+        chains: list[tuple[int, int]] = (),
     ) -> None:
-        """Fold a step of `tier` into its estimate: its speculating `requests` emitted
-        `accepted` tokens in all; chain_reach: per request, its accepted draft tokens on the
+        """Fold a step of `tier` into the estimates: its speculating `requests` emitted
+        `accepted` tokens in all. chain_reach: per request, its accepted draft tokens on the
         draft's greedy chain, where the step tells (not a ragged one's: its pruning may have
-        cut the chain)."""
-        depth = self.upper[tier] - 1
-        reaches = Counter(chain_reach) if chain_reach is not None else None
+        cut the chain); then also the `chains` (tier, depth) no deeper than the step's tree
+        learn from it: a chain of depth d would have emitted 1 + min(d, reach)."""
+        if requests <= 0:
+            return
         told = {r: accepted for r in self.references if r == tier}
-        if reaches is not None:
+        if chain_reach is not None:
+            reaches = Counter(chain_reach)  # (few distinct values in a large batch)
+            depth = self.upper[tier] - 1
             told.update(
                 {r: self._emitted(d, reaches) for r, d in self.references.items() if d <= depth}
             )
+            for chain, d in chains:
+                self._learn(chain, self._emitted(d, reaches), len(chain_reach), told)
         self._learn(tier, accepted, requests, told)
-        self._carry()
-
-    def learn_chains(self, chains: list[tuple[int, int]], chain_reach: list[int]) -> None:
-        """Fold a tree's step into the estimates of the chains (tier, depth) no deeper than
-        it: per speculating request, `chain_reach` of its accepted draft tokens lay on the
-        draft's greedy chain, so a chain of depth d would have emitted 1 + min(d, reach)."""
-        reaches = Counter(chain_reach)  # (few distinct values in a large batch)
-        deepest = max((d for _, d in chains), default=0)  # (the step is at least this deep)
-        told = {r: self._emitted(d, reaches) for r, d in self.references.items() if d <= deepest}
-        for tier, depth in chains:
-            self._learn(tier, self._emitted(depth, reaches), len(chain_reach), told)
         self._carry()
 
     @staticmethod
@@ -118,7 +117,7 @@ class AcceptanceEstimates:
 
     def _learn(self, tier: int, accepted: float, requests: int, told: dict[int, float]):
         """told: what each reference would have emitted over the step's requests, where the
-        step tells; the others are taken as they are estimated now."""
+        step tells."""
         # older requests weigh less by every request served since, at any tier: a tier
         # explored rarely is judged on what it does now, not on a regime long gone
         decay = (1.0 - ACCEPT_DECAY) ** (self.requests_seen - self._clock[tier])
@@ -128,41 +127,40 @@ class AcceptanceEstimates:
         weight = self.weight[tier]
         kept = max(weight * decay, min(weight, ACCEPT_MIN_WEIGHT))
         total = kept + requests
-        self.learnt[tier] = (self.learnt[tier] * kept + accepted) / total
+        before = self.learnt[tier]
+        self.learnt[tier] = (before * kept + accepted) / total
         first = self._learnt_at[tier] < 0  # (the prior has no text to pair with: left out)
         for r, then in self.reference_then.items():
-            if r in told:
-                emitted = told[r]
-            elif self._learnt_at[r] >= 0:
-                emitted = self.mean[r] * requests
-            else:  # (nor has a reference never learnt: the pairing is unknown from here on)
+            if r not in told:
+                # (a ragged step, or a chain shallower than the reference: not known. Paired
+                # with the reference as last seen, a text that changed while the tier served
+                # would count twice when it is carried)
                 then[tier] = None
-                continue
-            if first or then[tier] is None:
-                then[tier] = emitted / requests
+            elif first or then[tier] is None:
+                then[tier] = told[r] / requests
             else:
-                then[tier] = (then[tier] * kept + emitted) / total
+                then[tier] = (then[tier] * kept + told[r]) / total
         self.weight[tier] = min(total, ACCEPT_MAX_WEIGHT)  # (past it: the same means)
         self._learnt_at[tier] = self._steps
 
     def _carry(self) -> None:
         """Every tier's estimate for the text now: its tokens beyond the root scaled by the
-        reference's now against the reference's over the requests it was learnt on; the
-        reference is the deepest of those learnt last."""
+        reference's now against the reference's over the requests it was learnt on. The
+        reference is the deepest of those learnt last (the deeper, the more it moves with the
+        text); a tier learnt with it or since is of the text now."""
         if not self.references:
             self.mean[:] = self.learnt
             return
         ref = max(self.references, key=lambda r: (self._learnt_at[r], self.references[r]))
-        now = self.learnt[ref] - 1.0
+        now, ref_at = self.learnt[ref] - 1.0, self._learnt_at[ref]
         for t, learnt in enumerate(self.learnt):
             then = self.reference_then[ref][t]
             if (
-                self._learnt_at[t] in (-1, self._learnt_at[ref])
-                or then is None
+                then is None
+                or not 0 <= self._learnt_at[t] < ref_at
                 or then - 1.0 < CARRY_MIN_SIGNAL
             ):
-                # (a tier never learnt keeps its optimistic start: it is to be tried; one
-                # learnt with the reference is of the text now)
+                # (a tier never learnt keeps its optimistic start: it is to be tried)
                 self.mean[t] = learnt
                 continue
             factor = min(max(now / (then - 1.0), 1.0 / CARRY_MAX_FACTOR), CARRY_MAX_FACTOR)

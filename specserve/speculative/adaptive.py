@@ -8,9 +8,10 @@ when drafts are rejected. So every step picks one of a few tiers, plain decoding
     pick argmax over tiers t of  tokens[t] / max(step_seconds[t, bucket], host_seconds(tokens[t]))
     where tokens[t] = batch_size * accept_length[t] and
           host_seconds(n) = host_per_step[bucket] + host_per_token[bucket] * n
-    (among the tiers scoring within EMIT_MORE_MARGIN of that, the one emitting the most per
-    step: it pays the per-step costs least often and leaves the shortest tail, which a
-    step's score does not see; so also among ties, where the host sets the pace)
+    (among the tiers scoring within EMIT_MORE_MARGIN of that where the host's time is close
+    to the device's, the one emitting the most per step: it pays the per-step costs least
+    often and leaves the shortest tail, which a step's score does not see; so also among
+    ties, where the host sets the pace)
 
 - host_seconds: the host's own time per step at the bucket (its stop checks, detokenizing,
   streaming and the next launch), measured as steps are served; under overlap the host works
@@ -104,6 +105,11 @@ SCORE_TIE = 1e-9
 # and a batch served by the 4/4/16 tree alone ran 4% faster than by the chain of 3 alone at
 # 64, where the chain scored within 4% of the tree at 28% of the policy's picks.
 EMIT_MORE_MARGIN = 0.04
+# ... where the leading tier's host time is at least this share of its device time: only
+# there does a step take longer than the longer of the two. (Elsewhere the margin only
+# costs: in the policy's simulation of static batches of 16, the 6/8/64 tree emitting more
+# served within 4% of the 4/4/16 tree, 0.95 of the best fixed tier against 0.99.)
+HOST_CLOSE = 0.8
 # The deepest chain the text's difficulty is read from: the policy's own chains go this deep
 # (the deeper the chain the more its acceptance moves with the text: a chain of 1 sees the
 # first draft token only).
@@ -149,14 +155,14 @@ def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
     return tiers
 
 
-def reference_chains(tiers: list[TreeShape]) -> list[int]:
-    """The tiers the text's difficulty is read from (speculative/acceptance.py): the chains
-    of at most REFERENCE_MAX_DEPTH steps, each learnt on its own steps and on every deeper
-    tier's that is not ragged."""
-    return [
-        t for t, s in enumerate(tiers)
+def reference_chains(tiers: list[TreeShape]) -> dict[int, int]:
+    """The tiers the text's difficulty is read from (speculative/acceptance.py), and their
+    depths: the chains of at most REFERENCE_MAX_DEPTH steps, each learnt on its own steps and
+    on every deeper tier's that is not ragged."""
+    return {
+        t: s.max_depth for t, s in enumerate(tiers)
         if s.topk == 1 and s.tokens > 1 and not s.ragged and s.max_depth <= REFERENCE_MAX_DEPTH
-    ]  # fmt: skip
+    }  # fmt: skip
 
 
 def _even(a: float, b: float) -> bool:
@@ -328,16 +334,19 @@ class AdaptiveSpeculation:
         return scores
 
     def _best_of(self, tiers, scores: list[float], batch_size: int) -> int:
-        """Among the tiers scoring within EMIT_MORE_MARGIN of the highest score, the one
-        emitting the most per step, then the highest scoring, then among even scores (the
-        host sets the pace) the one of least device time. (Measured from the highest score,
+        """Among the tiers scoring within EMIT_MORE_MARGIN of the highest score (where the
+        host's time is close to the device's, else even with it), the one emitting the most
+        per step, then the highest scoring, then among even scores (the host sets the pace)
+        the one of least device time. (Measured from the highest score,
         not tier by tier, so that a run of near scores does not drift below the margin.)"""
         tiers = list(tiers)
         if not tiers:
             raise ValueError("no tier to choose from")
         accept = self.accept
-        top = max(scores[t] for t in tiers)
-        near = [t for t in tiers if scores[t] >= (1.0 - EMIT_MORE_MARGIN) * top]
+        leader = max(tiers, key=lambda t: scores[t])
+        top = scores[leader]
+        margin = EMIT_MORE_MARGIN if self._host_close(leader, batch_size) else 0.0
+        near = [t for t in tiers if scores[t] >= (1.0 - margin) * top or _even(scores[t], top)]
         most = max(accept[t] for t in near)
         best = max((t for t in near if accept[t] == most), key=lambda t: scores[t])
         even = [t for t in near if accept[t] == most and _even(scores[t], scores[best])]
@@ -345,6 +354,15 @@ class AdaptiveSpeculation:
             seconds = self._seconds_at(batch_bucket(batch_size))
             best = min(even, key=lambda t: (float("inf") if seconds[t] is None else seconds[t], t))
         return best
+
+    def _host_close(self, tier: int, batch_size: int) -> bool:
+        """Whether the host's time for a step of `tier` is at least HOST_CLOSE of its device
+        time: where EMIT_MORE_MARGIN applies (see there)."""
+        bucket = batch_bucket(batch_size)
+        device = self.seconds(tier, bucket)
+        per_step, per_token = self.host.cost_at(bucket)
+        host = per_step + per_token * batch_size * self.accept[tier]
+        return device is None or host >= HOST_CLOSE * device
 
     def _upper_scores(self, batch_size: int) -> list[float]:
         """Each tier's score were all its drafted tokens accepted."""
@@ -523,12 +541,10 @@ class AdaptiveSpeculation:
         if tier > 0 and accept_lens:
             # (a ragged step may have pruned the chain's nodes: its reach is no measure)
             reach = chain_reach if chain_reach and not self._ragged[tier] else None
-            acceptance.learn(tier, sum(accept_lens), len(accept_lens), reach)
-            chains = self._chains_within[tier]
-            if reach and chains:
-                acceptance.learn_chains(chains, reach)
-                for c, _ in chains:
-                    self.inferred[c] = self.picks
+            chains = self._chains_within[tier] if reach else []
+            acceptance.learn(tier, sum(accept_lens), len(accept_lens), reach, chains)
+            for c, _ in chains:
+                self.inferred[c] = self.picks
         bucket = batch_bucket(batch_size)
         if tier == self._explored:
             self._explored = None
