@@ -28,9 +28,10 @@ speculation off neither report nor age the estimates).
 - Estimates are carried to the text served now (`mean`, what the policy weighs): the text's
   difficulty moves every tier alike, and the short chains (the references) are learnt on
   every speculative step at least as deep that is not ragged. Each tier keeps, beside what
-  it was seen to emit (`learnt`), what each reference emitted over the same requests; its
-  estimate is its tokens beyond the root scaled by how those of the reference learnt last
-  (the deepest such: it moves most with the text) moved since. (SmolLM2 on an H100 at batch
+  it was seen to emit (`learnt`), what each reference emitted over the same requests (where
+  its steps tell: a ragged step's do not, nor a shallower chain's); its estimate is its
+  tokens beyond the root scaled by how those of the reference learnt last (the deepest
+  such: it moves most with the text) moved since, unless it was learnt with it or since. (SmolLM2 on an H100 at batch
   64 and 128: the 4/4/16 tree, learnt on a batch's tail of slow requests at 2.70 tokens,
   emitted 3.17 on the next batch, and a chain of 3 served instead, 4% slower.)
 """
