@@ -40,6 +40,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from specserve.speculative.tree import TreeShape
+
 ACCEPT_DECAY = 0.02  # how much less an accept length weighs per request observed after it
 ACCEPT_MIN_WEIGHT = 8.0  # the least weight decay leaves a tier's observed acceptance
 # The most weight a tier's observed acceptance carries: what a stream of single requests
@@ -57,6 +59,20 @@ CARRY_MIN_SIGNAL = 0.05
 # The most a tier's estimate (its tokens beyond the root) is scaled up, or down, by how the
 # reference moved: one step of a few requests moves the reference a lot.
 CARRY_MAX_FACTOR = 2.0
+# The deepest chain the text's difficulty is read from: adaptive.py's own chains go this deep
+# (the deeper the chain the more its acceptance moves with the text: a chain of 1 sees the
+# first draft token only).
+REFERENCE_MAX_DEPTH = 3
+
+
+def reference_chains(tiers: list[TreeShape]) -> dict[int, int]:
+    """The tiers the text's difficulty is read from (`AcceptanceEstimates`), and their
+    depths: the chains of at most REFERENCE_MAX_DEPTH steps, each learnt on its own steps and
+    on every deeper tier's that is not ragged."""
+    return {
+        t: s.max_depth for t, s in enumerate(tiers)
+        if s.topk == 1 and s.tokens > 1 and not s.ragged and s.max_depth <= REFERENCE_MAX_DEPTH
+    }  # fmt: skip
 
 
 class AcceptanceEstimates:

@@ -75,7 +75,7 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from specserve.config.speculative import small_tree
-from specserve.speculative.acceptance import AcceptanceEstimates
+from specserve.speculative.acceptance import AcceptanceEstimates, reference_chains
 from specserve.speculative.decision_hold import DECIDE_EVERY, HOLD_DRIFT, DecisionHold
 from specserve.speculative.host_cost import HostCost
 from specserve.speculative.tree import PLAIN, TreeShape
@@ -111,10 +111,6 @@ EMIT_MORE_MARGIN = 0.04
 # the device's, the 6/8/64 tree emitting more served within 4% of the 4/4/16 tree: 0.958 of
 # the best fixed tier, 0.968 with this, ten seeds.)
 HOST_CLOSE = 0.8
-# The deepest chain the text's difficulty is read from: the policy's own chains go this deep
-# (the deeper the chain the more its acceptance moves with the text: a chain of 1 sees the
-# first draft token only).
-REFERENCE_MAX_DEPTH = 3
 # The most of the decode time explorations may cost (see the module's docstring).
 EXPLORE_BUDGET = 0.01
 # A change of the best tier brings the next exploration this share of `explore_every` picks on
@@ -154,16 +150,6 @@ def speculation_tiers(shape: TreeShape) -> list[TreeShape]:
         if t not in tiers and t.tokens <= shape.tokens:
             tiers.append(t)
     return tiers
-
-
-def reference_chains(tiers: list[TreeShape]) -> dict[int, int]:
-    """The tiers the text's difficulty is read from (speculative/acceptance.py), and their
-    depths: the chains of at most REFERENCE_MAX_DEPTH steps, each learnt on its own steps and
-    on every deeper tier's that is not ragged."""
-    return {
-        t: s.max_depth for t, s in enumerate(tiers)
-        if s.topk == 1 and s.tokens > 1 and not s.ragged and s.max_depth <= REFERENCE_MAX_DEPTH
-    }  # fmt: skip
 
 
 def _even(a: float, b: float) -> bool:
