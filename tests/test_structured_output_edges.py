@@ -146,3 +146,17 @@ def test_a_schema_number_past_a_doubles_range_is_refused_naming_it(engine):
     schema = '{"type": "number", "minimum": 1e-400, "maximum": 2.5e3}'  # (tiny: 0.0)
     out = engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": schema})
     assert 0 <= float(out["text"]) <= 2500
+
+
+def test_a_regex_pythons_re_refuses_is_refused_naming_why(engine):
+    """The grammar compiler served \\e, \\cA and [\\d-z] with meanings of its own; read as
+    Python's re (as structured output promises) they are errors."""
+    for regex in (r"\e", r"a\cA", r"[\d-z]+", "a{2,1}"):
+        with pytest.raises(InvalidArgument) as info:
+            engine.generate(prompt="hi", sampling_params={**GREEDY, "regex": regex})
+        assert info.value.field == "regex", str(info.value)
+        assert "not a valid regular expression" in str(info.value), str(info.value)
+    schema = {"type": "string", "pattern": r"^[\d-z]+$"}
+    with pytest.raises(InvalidArgument) as info:
+        engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": schema})
+    assert "pattern (not a valid regular expression: bad character range" in str(info.value)

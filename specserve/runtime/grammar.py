@@ -22,7 +22,7 @@ import torch
 
 from specserve.errors import InvalidArgument
 from specserve.runtime.json_schema_support import SUPPORTED, unenforced
-from specserve.runtime.regex_support import REGEX_ESCAPES, python_regex, unread
+from specserve.runtime.regex_support import REGEX_ESCAPES, python_error, python_regex, unread
 from specserve.sampling_params import GRAMMAR_PARAMS
 
 # xgrammar's error text starts with its log prefix: "[18:30:28] /project/cpp/x.cc:94: ", and
@@ -106,6 +106,10 @@ class GrammarCompiler:
                     field,
                     f"uses what structured output cannot enforce ({shown}); supported: {SUPPORTED}",
                 )
+        if field == "regex" and (error := python_error(spec)) is not None:
+            raise InvalidArgument(
+                field, f"is not a valid regular expression (read as Python's re): {error}"
+            )
         if field == "regex" and (what := unread(spec, spaces_translated=True)) is not None:
             raise InvalidArgument(
                 field,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specserve.runtime.regex_support import json_unsafe, unread
+from specserve.runtime.regex_support import json_unsafe, python_error, unread
 
 # keywords whose constraint the compiled grammar does not enforce (`allOf` of one subschema
 # it does: pydantic wraps a described reference so, {"allOf": [{"$ref": ...}]})
@@ -166,7 +166,9 @@ def _walk(schema: Any, path: str, found: list[str]) -> None:
     if "multipleOf" in schema and "type" in schema and not _integer_multiple(schema):
         found.append(f"multipleOf (enforced only on an integer type, by an integer) at {where}")
     pattern = schema.get("pattern")
-    if isinstance(pattern, str) and (what := unread(pattern) or json_unsafe(pattern)):
+    if isinstance(pattern, str) and (error := python_error(pattern)):
+        found.append(f"pattern (not a valid regular expression: {error}) at {where}")
+    elif isinstance(pattern, str) and (what := unread(pattern) or json_unsafe(pattern)):
         found.append(f"pattern ({what}) at {where}")
     for length in ("minLength", "maxLength"):  # (the compiler logs that it ignores them)
         beside = next((k for k in ("pattern", "format") if k in schema), None)

@@ -7,6 +7,8 @@ xgrammar takes an escaped letter it does not know as that letter, \\A[a-z]+\\Z a
 
 from __future__ import annotations
 
+import re
+
 # Letters xgrammar reads as escapes (or refuses itself: \b outside a class, \k, \p). Any
 # other escaped letter it takes as that letter, where Python's re (the regex dialect of SGLang
 # and vLLM) gives it a meaning or refuses it: \A[a-z]+\Z allowed "AabZ".
@@ -17,6 +19,18 @@ REGEX_ESCAPES = r"\d \s \w \n \r \t \f \v \a \e \0 \xHH \uHHHH \cX"
 PYTHON_SPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 # escapes of control characters: a JSON string may not hold them raw
 _CONTROL_ESCAPES = frozenset("nrtfvae0c")
+
+
+def python_error(regex: str) -> str | None:
+    """Why Python's re refuses `regex` (None: it compiles). The grammar compiler serves some
+    of those (\\e, \\cA, [\\d-z]) with a meaning of its own."""
+    try:
+        re.compile(regex)
+    except re.error as e:
+        return str(e)
+    except (RecursionError, OverflowError) as e:  # (nested or repeated past re's limits)
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def unread(regex: str, spaces_translated: bool = False) -> str | None:
