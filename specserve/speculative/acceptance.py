@@ -31,7 +31,8 @@ speculation off neither report nor age the estimates).
   it was seen to emit (`learnt`), what each reference emitted over the same requests (where
   its steps tell: a ragged step's do not, nor a shallower chain's); its estimate is its
   tokens beyond the root scaled by how those of the reference learnt last (the deepest
-  such: it moves most with the text) moved since, unless it was learnt with it or since. (SmolLM2 on an H100 at batch
+  such: it moves most with the text) moved since, unless it was learnt with it or since, or
+  is much deeper than it (`CARRY_MAX_DEPTH_RATIO`). (SmolLM2 on an H100 at batch
   64 and 128: the 4/4/16 tree, learnt on a batch's tail of slow requests at 2.70 tokens,
   emitted 3.17 on the next batch, and a chain of 3 served instead, 4% slower.)
 """
@@ -59,6 +60,12 @@ CARRY_MIN_SIGNAL = 0.05
 # The most a tier's estimate (its tokens beyond the root) is scaled up, or down, by how the
 # reference moved: one step of a few requests moves the reference a lot.
 CARRY_MAX_FACTOR = 2.0
+# A tier deeper than this many times the reference is not carried: its acceptance, compounded
+# over more draft steps, moves with the text more than in proportion to a short chain's. (In
+# the policy's simulation the 6/8/64 tree, 6 deep, carried by the chain of 3 stayed
+# overrated in static batches' tails: static batches of 16 ran 0.966 of the best fixed tier,
+# 0.981 with this; twenty seeds.)
+CARRY_MAX_DEPTH_RATIO = 1.5
 # The deepest chain the text's difficulty is read from: adaptive.py's own chains go this deep
 # (the deeper the chain the more its acceptance moves with the text: a chain of 1 sees the
 # first draft token only).
@@ -176,6 +183,7 @@ class AcceptanceEstimates:
                 then is None
                 or not 0 <= self._learnt_at[t] < ref_at
                 or then - 1.0 < CARRY_MIN_SIGNAL
+                or self.upper[t] - 1.0 > CARRY_MAX_DEPTH_RATIO * self.references[ref]
             ):
                 # (a tier never learnt keeps its optimistic start: it is to be tried)
                 self.mean[t] = learnt
