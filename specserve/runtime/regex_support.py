@@ -13,7 +13,7 @@ import re
 # other escaped letter it takes as that letter, where Python's re (the regex dialect of SGLang
 # and vLLM) gives it a meaning or refuses it: \A[a-z]+\Z allowed "AabZ".
 _ESCAPE_LETTERS = frozenset("aefnrtvdDsSwWbBxucpPk")
-REGEX_ESCAPES = r"\d \s \w \n \r \t \f \v \a \e \0 \xHH \uHHHH \cX"
+REGEX_ESCAPES = r"\d \s \w \n \r \t \f \v \a \0 \xHH \uHHHH"
 # what Python's re takes for \s in a str pattern (str.isspace's characters), as a class's
 # members: xgrammar's \s is ASCII alone, so its \S let in a no-break space
 PYTHON_SPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"

@@ -122,7 +122,7 @@ class AcceptanceEstimates:
         learn from it: a chain of depth d would have emitted 1 + min(d, reach)."""
         if requests <= 0:
             return
-        told = {r: accepted for r in self.references if r == tier}
+        told = {tier: accepted} if tier in self.references else {}
         if chain_reach is not None:
             reaches = Counter(chain_reach)  # (few distinct values in a large batch)
             depth = self.upper[tier] - 1
@@ -151,16 +151,14 @@ class AcceptanceEstimates:
         weight = self.weight[tier]
         kept = max(weight * decay, min(weight, ACCEPT_MIN_WEIGHT))
         total = kept + requests
-        before = self.learnt[tier]
-        self.learnt[tier] = (before * kept + accepted) / total
-        first = self._learnt_at[tier] < 0  # (the prior has no text to pair with: left out)
+        self.learnt[tier] = (self.learnt[tier] * kept + accepted) / total
         for r, then in self.reference_then.items():
             if r not in told:
                 # (a ragged step, or a chain shallower than the reference: not known. Paired
                 # with the reference as last seen, a text that changed while the tier served
                 # would count twice when it is carried)
                 then[tier] = None
-            elif first or then[tier] is None:
+            elif then[tier] is None:  # (also the first learning: the prior has no text)
                 then[tier] = told[r] / requests
             else:
                 then[tier] = (then[tier] * kept + told[r]) / total

@@ -345,11 +345,14 @@ class AdaptiveSpeculation:
     def _host_close(self, tier: int, batch_size: int) -> bool:
         """Whether the host's time for a step of `tier` is at least HOST_CLOSE of its device
         time: where EMIT_MORE_MARGIN applies (see there)."""
-        bucket = batch_bucket(batch_size)
-        device = self.seconds(tier, bucket)
-        per_step, per_token = self.host.cost_at(bucket)
-        host = per_step + per_token * batch_size * self.accept[tier]
-        return device is None or host >= HOST_CLOSE * device
+        device = self.seconds(tier, batch_bucket(batch_size))
+        return device is None or self._host_seconds(tier, batch_size) >= HOST_CLOSE * device
+
+    def _host_seconds(self, tier: int, batch_size: int) -> float:
+        """The host's expected time for a step of `tier`: its cost per step and per token
+        for the tokens the tier is expected to emit."""
+        per_step, per_token = self.host.cost_at(batch_bucket(batch_size))
+        return per_step + per_token * batch_size * self.accept[tier]
 
     def _upper_scores(self, batch_size: int) -> list[float]:
         """Each tier's score were all its drafted tokens accepted."""
@@ -456,10 +459,8 @@ class AdaptiveSpeculation:
     def _step_wall(self, tier: int, batch_size: int) -> float:
         """A step's expected seconds: the longer of its device time and the host's for the
         tokens it is expected to emit (also for a dominated ragged tier, which scores 0)."""
-        bucket = batch_bucket(batch_size)
-        per_step, per_token = self.host.cost_at(bucket)
-        host = per_step + per_token * batch_size * self.accept[tier]
-        return max(self.seconds(tier, bucket) or 0.0, host)
+        device = self.seconds(tier, batch_bucket(batch_size))
+        return max(device or 0.0, self._host_seconds(tier, batch_size))
 
     def _exploring_cost(self, batch_size: int, explored: int, served: int) -> float:
         """Seconds a step of `explored` takes beyond the served tier's time for the tokens it
