@@ -195,6 +195,30 @@ def test_llama3_rope_without_original_context_defaults_to_max_positions(tmp_path
     assert_logits_close(*ours_vs_hf(folder, load_hf_model(folder)))
 
 
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        {"rope_type": "yarn", "factor": 4.0},
+    ],
+    ids=["llama3", "yarn"],
+)
+def test_a_top_level_original_context_wins_as_in_transformers(tmp_path, rope):
+    """Phi-3-style configs keep original_max_position_embeddings beside rope_parameters, not
+    in it: transformers rotates with that value, not with max_position_embeddings."""
+    folder, _ = write_model(tmp_path, rope_parameters={**rope, "rope_theta": T})
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["rope_parameters"]["original_max_position_embeddings"] = cfg["max_position_embeddings"]
+    cfg["original_max_position_embeddings"] = 16
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    hf = load_hf_model(folder)
+    assert hf.config.rope_parameters["original_max_position_embeddings"] == 16
+    assert_logits_close(*ours_vs_hf(folder, hf))
+
+
 def test_keys_config_json_omits_take_transformers_defaults(tmp_path):
     """rms_norm_eps absent: transformers' 1e-6 for these models."""
     folder, hf = write_model(tmp_path, rms_norm_eps=1e-6, drop=("rms_norm_eps",))

@@ -154,8 +154,14 @@ def _rope(cfg: dict[str, Any], head_dim: int, positions: int) -> tuple[RopeScali
     if kind is None and any(isinstance(v, dict) for v in rs.values()):
         # (per-layer-type parameters: these architectures rotate every layer alike)
         raise ValueError(f"{key} per layer type ({', '.join(rs)}) is not supported")
-    if kind in ("llama3", "yarn"):  # (transformers' default for both)
-        rs = {"original_max_position_embeddings": positions, **rs}
+    if kind in ("llama3", "yarn"):
+        # transformers' rule for both: a top-level original_max_position_embeddings (as
+        # Phi-3-style configs save it) wins over the nested one; absent, the model's positions
+        top_level = cfg.get("original_max_position_embeddings")
+        if top_level is not None:
+            rs = {**rs, "original_max_position_embeddings": top_level}
+        else:
+            rs = {"original_max_position_embeddings": positions, **rs}
     scaling = None
     if kind == "llama3":
         absent = [k for k in _LLAMA3_ROPE_KEYS if k not in rs]
