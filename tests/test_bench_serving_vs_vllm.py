@@ -22,7 +22,7 @@ from bench.serving_vs_vllm import (
 from bench.vllm_bench_inputs import packaged_prompts, write_prompt_file, write_tokenizer_folder
 from specserve.engine import Engine
 from specserve.server.app import create_app
-from specserve.server.state import ServerConfig
+from specserve.server.server_config import ServerConfig
 from tests.test_server import TINY, ServerThread
 
 

@@ -67,7 +67,7 @@ def test_the_switch_on_every_route():
     from fastapi.testclient import TestClient
 
     from specserve.server.app import create_app
-    from specserve.server.state import ServerConfig
+    from specserve.server.server_config import ServerConfig
 
     engine = Engine(**TINY, **spec_args("tiny", 2, 3, 6))
     with TestClient(create_app(engine, ServerConfig())) as client:

@@ -321,7 +321,7 @@ def test_server_reports_cached_tokens_flushes_and_counts_hits():
     from fastapi.testclient import TestClient
 
     from specserve.server.app import create_app
-    from specserve.server.state import ServerConfig
+    from specserve.server.server_config import ServerConfig
 
     with Engine(**TINY, page_size=2) as e, TestClient(create_app(e, ServerConfig())) as client:
         history = list(range(3, 60))

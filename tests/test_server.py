@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.engine import Engine
 from specserve.server.app import create_app
-from specserve.server.state import ServerConfig
+from specserve.server.server_config import ServerConfig
 
 TINY = dict(model_path="tiny", load_format="dummy", skip_tokenizer_init=True)
 

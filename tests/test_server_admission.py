@@ -17,7 +17,8 @@ import pytest
 
 from specserve.engine import Engine
 from specserve.server.app import create_app
-from specserve.server.state import ServerConfig, ServerState
+from specserve.server.server_config import ServerConfig
+from specserve.server.state import ServerState
 from tests.test_server import Served, ServerThread
 from tests.test_server_hardening import error_of
 
@@ -134,6 +135,29 @@ def test_a_rid_still_running_gets_400_naming_it(served):
     served.wait_idle()
 
 
+@pytest.mark.parametrize(
+    "second",
+    [{"rid": "many"}, {"rid": "many-1"}, {"rid": "many", "n": 2}, {"rid": "many-0", "n": 3}],
+    ids=["its_rid", "a_sample_name", "its_rid_sampled", "a_sample_name_sampled"],
+)
+def test_a_sampled_prompt_still_running_holds_its_rid_and_its_samples_names(served, second):
+    """A prompt sampled n times runs as rid-0 .. rid-(n-1), and the rid itself is taken too:
+    a request reusing it would answer under the same id as the one running."""
+    sp = {"max_new_tokens": 120, "ignore_eos": True, "n": 4}
+    first = {"input_ids": [5, 6], "rid": "many", "stream": True, "sampling_params": sp}
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        with http.stream("POST", "/generate", json=first) as resp:
+            next(resp.iter_lines())  # admitted and running
+            body = {"input_ids": [5, 6], "rid": second["rid"]}
+            body["sampling_params"] = {"max_new_tokens": 1, "n": second.get("n", 1)}
+            r = served.http.post("/generate", json=body)
+            assert r.status_code == 400 and error_of(r)["param"] == "rid", r.text
+            assert "still running" in error_of(r)["message"]
+    served.wait_idle()
+    r = served.http.post("/generate", json=body)  # free once the first has finished
+    assert r.status_code == 200, r.text
+
+
 def test_a_disconnect_aborts_only_its_own_request_though_its_rid_was_reused(engine):
     """Client A's request finished, but A's handler has not read its outputs when client B
     starts a request under the same rid; then A disconnects, and its handler aborts what it
@@ -200,6 +224,13 @@ def test_a_batch_larger_than_the_admission_limit_gets_400_before_tokenizing(serv
         assert r.status_code == 400 and err["param"] == param, (route, param, r.text)
         assert err["message"].startswith(param) and f"max_queued_requests={LIMIT}" in err["message"]
     assert tokenized["texts"] == []
+    # each prompt's own n: the message counts the samples asked, not the largest n per prompt
+    n = [64, 64, 64, 64, 20]  # (64: the most one prompt may ask for)
+    body = {"input_ids": [[5, 6]] * len(n), "sampling_params": [{"n": k} for k in n]}
+    err = error_of(served.http.post("/generate", json=body))
+    assert err["param"] == "sampling_params[0].n", err
+    assert f"add up to {sum(n)} requests" in err["message"], err
+    assert f"at most {LIMIT}" in err["message"], err
     # n = 64 fits for one prompt (the most each prompt may ask for), and 5 prompts take n = 51
     r = served.http.post(
         "/v1/completions", json={"prompt": ["hello"] * 5, "n": 51, "max_tokens": 1}
@@ -324,6 +355,18 @@ def test_max_tokens_past_what_the_kv_cache_holds_is_a_400_naming_the_room(tmp_pa
             native["sampling_params"]["max_new_tokens"] = 30
             r = served.http.post("/generate", json=native)
             assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 30
+            # a prompt the cache cannot hold is the prompt's fault, whatever max_tokens says
+            for max_tokens in (None, 0, 1):
+                body = {"prompt": [5] * 60}
+                if max_tokens is not None:
+                    body["max_tokens"] = max_tokens
+                r = served.http.post("/v1/completions", json=body)
+                err = error_of(r)
+                assert r.status_code == 400 and err["param"] == "prompt", (max_tokens, r.text)
+                assert "60 tokens" in err["message"], err
+            native = {"input_ids": [5] * 60, "sampling_params": {"max_new_tokens": 0}}
+            r = served.http.post("/generate", json=native)
+            assert r.status_code == 400 and error_of(r)["param"] == "input_ids", r.text
             served.http.close()
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from specserve.engine import Engine
 from specserve.server.app import create_app
-from specserve.server.state import ServerConfig
+from specserve.server.server_config import ServerConfig
 from tests.test_server import ServerThread
 
 

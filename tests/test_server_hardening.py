@@ -16,7 +16,7 @@ import pytest
 
 from specserve.engine import Engine
 from specserve.server.app import create_app
-from specserve.server.state import ServerConfig
+from specserve.server.server_config import ServerConfig
 from tests.test_server import Served, ServerThread
 
 MIB = 1024 * 1024
@@ -486,6 +486,13 @@ def test_openapi_describes_every_body_and_response(hard):
         comps["CompletionRequest"]["properties"]
     )
     assert "NativeSamplingParams" in comps and "ChatMessage" in comps
+    # the bounds the routes enforce: a completion may score (0 tokens), a chat answers
+    for model, least in (("CompletionRequest", 0), ("ChatCompletionRequest", 1)):
+        assert comps[model]["properties"]["max_tokens"]["minimum"] == least, model
+        body = {"max_tokens": least - 1}
+        body |= {"prompt": [5]} if least == 0 else {"messages": [{"role": "user", "content": "a"}]}
+        route = "/v1/completions" if least == 0 else "/v1/chat/completions"
+        assert error_of(hard.http.post(route, json=body))["param"] == "max_tokens"
     for path in ("/v1/models", "/health", "/get_model_info"):
         assert spec["paths"][path]["get"]["responses"]["200"]["content"]
 
@@ -574,6 +581,42 @@ def test_slow_grammar_compiles_do_not_stall_other_clients_prompts(hard, monkeypa
     assert r.status_code == 200, r.text
     assert waited < 2.0, f"a plain chat waited {waited:.1f} s behind grammar compiles"
     assert results == {0: 200, 1: 200}
+
+
+def test_large_prompts_tokenize_beside_other_clients_prompts(hard, monkeypatch):
+    """Texts past LARGE_TEXT_CHARS tokenize on a pool of their own: two slow ones leave a
+    short prompt's tokenizing free (on the shared pool of two threads, a one-word prompt
+    waited 9 s behind two 2 MB ones)."""
+    import specserve.server.state as state_module
+
+    monkeypatch.setattr(state_module, "LARGE_TEXT_CHARS", 500)
+    tokenizer = hard.engine.tokenizer
+    encode = tokenizer.encode
+
+    def slow_for_large(text, *args, **kwargs):
+        if len(text) > 500:
+            time.sleep(2.5)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_for_large)
+    results = {}
+
+    def large(i: int) -> None:
+        r = hard.http.post("/v1/completions", json={"prompt": "a b " * 150, "max_tokens": 1})
+        results[i] = r.status_code
+
+    threads = [threading.Thread(target=large, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # (the first large prompt tokenizing, the second waiting for it)
+    start = time.perf_counter()
+    r = hard.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    waited = time.perf_counter() - start
+    for t in threads:
+        t.join()
+    assert r.status_code == 200, r.text
+    assert waited < 2.0, f"a short prompt waited {waited:.1f} s behind large ones"
+    assert set(results) == {0, 1} and all(code in (200, 400) for code in results.values())
 
 
 def test_a_grammar_compile_holds_its_place_in_the_queue(engine, monkeypatch):

@@ -16,7 +16,7 @@ import torch
 
 from specserve.engine import Engine
 from specserve.server.app import create_app
-from specserve.server.state import ServerConfig
+from specserve.server.server_config import ServerConfig
 from tests.model_factory import hf_logits, load_hf_model, write_hf_model
 from tests.test_server import ServerThread
 

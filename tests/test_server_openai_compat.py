@@ -13,7 +13,7 @@ import pytest
 from specserve.engine import Engine
 from specserve.errors import InvalidArgument
 from specserve.server.app import create_app
-from specserve.server.state import ServerConfig
+from specserve.server.server_config import ServerConfig
 from tests.test_server import Served, ServerThread
 from tests.test_server_hardening import error_of
 

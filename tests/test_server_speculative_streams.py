@@ -13,7 +13,7 @@ import pytest
 
 from specserve.engine import Engine
 from specserve.server.app import create_app
-from specserve.server.state import ServerConfig
+from specserve.server.server_config import ServerConfig
 from tests.engine_utils import spec_args
 from tests.model_factory import EOS_ID, write_hf_model
 from tests.test_server import Served, ServerThread

@@ -31,7 +31,7 @@ from specserve.server.logprobs import TokenStrings
 from specserve.server.openai_api import _chat_chunks
 from specserve.server.openai_protocol import ChatCompletionRequest
 from specserve.server.protocol import parse
-from specserve.server.state import ServerConfig
+from specserve.server.server_config import ServerConfig
 from tests.model_factory import write_hf_model
 from tests.test_server import ServerThread
 

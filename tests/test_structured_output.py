@@ -16,7 +16,7 @@ from specserve.model.hf_loader import load_hf_config
 from specserve.ops.token_bitmask import apply_token_bitmask, apply_token_bitmask_reference
 from specserve.runtime.grammar import BatchGrammar, GrammarCompiler, RequestGrammar, new_bitmask
 from specserve.server.app import create_app
-from specserve.server.state import ServerConfig
+from specserve.server.server_config import ServerConfig
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 from tests.model_factory import build_tokenizer, write_hf_model
 from tests.test_server import Served, ServerThread

@@ -24,7 +24,8 @@ from specserve.server.guard import RequestGuard
 from specserve.server.metrics import CONTENT_TYPE
 from specserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.protocol import APIError, GenerateRequest
-from specserve.server.state import ServerConfig, ServerState, prompt_param
+from specserve.server.server_config import ServerConfig
+from specserve.server.state import ServerState, prompt_param
 from specserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
         # cancelled and aborted once graceful_shutdown_timeout passed).
         state.shutting_down = True
         state.pool.shutdown(wait=False, cancel_futures=True)
+        state.large_pool.shutdown(wait=False, cancel_futures=True)
         state.grammar_pool.shutdown(wait=False, cancel_futures=True)
         if owns_engine:
             await asyncio.to_thread(engine.shutdown)

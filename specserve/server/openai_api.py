@@ -165,7 +165,7 @@ def _json(content: Any) -> str:
 async def parse_body(request: Request, state: ServerState, model):
     body = await request.body()
     if len(body) > PARSE_OFF_LOOP_BYTES:
-        return await state.off_loop(parse, model, body)
+        return await state.off_loop(parse, model, body, chars=len(body))
     return parse(model, body)
 
 

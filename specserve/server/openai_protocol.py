@@ -383,6 +383,8 @@ MAX_TEMPLATE_KWARGS_CHARS = 4096
 
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    # (a chat answers at least one token: 0, which completions take for scoring, is refused)
+    max_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
     max_completion_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
     logprobs: bool = False
     top_logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 20})

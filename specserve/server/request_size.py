@@ -56,6 +56,13 @@ class RequestSize:
                 f"({name}={limit}); send at most {limit} prompts per request",
                 param=prompt_param,
             )
+        if samples is not None and samples != prompts * n:  # (each prompt's own n)
+            raise APIError(
+                f"{n_param}: the {prompts} prompts' n add up to {samples} requests, more than "
+                f"this server admits at once ({name}={limit}); their n may add up to at most "
+                f"{limit}",
+                param=n_param,
+            )
         raise APIError(
             f"{n_param}: {prompts} prompt(s) sampled n={n} times are {prompts * n} requests, "
             f"more than this server admits at once ({name}={limit}); with "

@@ -14,7 +14,8 @@ import socket
 import sys
 
 from specserve.errors import InvalidArgument
-from specserve.server.state import ServerConfig, ServerState
+from specserve.server.server_config import ServerConfig
+from specserve.server.state import ServerState
 
 # After a forced exit is requested, how long open responses get to write their error event.
 _FLUSH_SECONDS = 0.3

@@ -8,9 +8,9 @@ the loop's `LoopOutbox` (one event-loop wake-up per burst of outputs). Text held
 it could begin a stop string is the engine's business (`request_output`): what arrives here
 can be sent as is.
 
-Tokenization runs on a small thread pool, never on the event loop: one large prompt must not
-stall other clients or /health; what cannot fit is rejected before it gets there
-(`request_size`).
+Tokenization runs on small thread pools, never on the event loop: one large prompt must not
+stall other clients or /health. Large texts tokenize on a pool of their own, so the shared one
+is never held by them; what cannot fit is rejected before it gets there (`request_size`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from specserve.errors import InvalidArgument
@@ -36,52 +35,9 @@ from specserve.server.metrics import ServerMetrics
 from specserve.server.outbox import LoopOutbox
 from specserve.server.protocol import APIError
 from specserve.server.request_size import RequestSize
+from specserve.server.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    served_model_name: str | None = None
-    max_queued_requests: int | None = None  # None: no limit
-    # prompts x n of one HTTP request: admitting and answering it runs on the event loop
-    # (about 0.1 ms per sample), so a larger one would stall every other client and /health
-    max_samples_per_request: int = 2048
-    default_max_tokens: int | None = 128  # None: the rest of the context
-    graceful_shutdown_timeout: float = 30.0
-    api_key: str | None = None  # required as "Authorization: Bearer <key>" (not on /health)
-    max_request_bytes: int = 8 * 1024 * 1024
-    request_body_timeout: float = 30.0  # seconds to receive a whole request body
-
-    def validate(self) -> None:
-        if not (0 <= self.port <= 65535):
-            raise InvalidArgument("port", f"must be in [0, 65535], got {self.port}")
-        if self.max_queued_requests is not None and self.max_queued_requests < 1:
-            raise InvalidArgument(
-                "max_queued_requests", f"must be >= 1, got {self.max_queued_requests}"
-            )
-        if self.max_samples_per_request < 1:
-            raise InvalidArgument(
-                "max_samples_per_request", f"must be >= 1, got {self.max_samples_per_request}"
-            )
-        if self.default_max_tokens is not None and self.default_max_tokens < 1:
-            raise InvalidArgument(
-                "default_max_tokens", f"must be >= 1, got {self.default_max_tokens}"
-            )
-        if self.graceful_shutdown_timeout < 0:
-            raise InvalidArgument("graceful_shutdown_timeout", "must be >= 0")
-        if self.max_request_bytes < 1:
-            raise InvalidArgument(
-                "max_request_bytes", f"must be >= 1, got {self.max_request_bytes}"
-            )
-        if not self.request_body_timeout > 0:
-            raise InvalidArgument(
-                "request_body_timeout", f"must be > 0 seconds, got {self.request_body_timeout}"
-            )
-        if self.api_key is not None and not self.api_key.strip():
-            raise InvalidArgument("api_key", "must not be empty")
 
 
 def engine_error(e: InvalidArgument, rename: dict[str, str], prefix: str = "") -> APIError:
@@ -104,6 +60,10 @@ PROMPT_FIELDS = ("input_ids", "prompt")
 # Prompts of more tokens than this, in all, are checked (and echoed) off the event loop:
 # 2,000 prompts of 500 ids held it for half a second.
 OFF_LOOP_PROMPT_TOKENS = 100_000
+# Texts (a prompt, a chat's content, a request body) of more characters than this tokenize or
+# parse on a pool of their own: a 2 MB prompt takes 6-14 s to tokenize before it can be found
+# too long, and two of them on the shared pool kept a one-word request waiting 9 s.
+LARGE_TEXT_CHARS = 64 * 1024
 
 T = TypeVar("T")
 
@@ -122,9 +82,15 @@ class ServerState:
         # -> its engine request id, made up for every submission, so that a rid is free for
         # reuse as soon as its request finished, and an abort reaches only its own request.
         self.active_rids: dict[str, str] = {}
+        # the rid of each prompt in flight sampled n > 1 times (its samples are rid-0 ..):
+        # -> its samples not yet finished; the rid itself is taken while any runs
+        self.active_prompts: dict[str, int] = {}
         self.runs: weakref.WeakSet[Run] = weakref.WeakSet()
         self.metrics = ServerMetrics(engine, self._server_state)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specserve-tokenize")
+        self.large_pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="specserve-tokenize-large"
+        )
         # structured-output grammars compile on a pool of their own: a large JSON schema
         # compiles for seconds, and on the tokenizing pool two such requests kept every other
         # client's text prompt waiting (a one-token chat took 31 s behind two 3,000-property
@@ -159,9 +125,11 @@ class ServerState:
                 self._outbox = LoopOutbox(loop)
             return self._outbox
 
-    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) on the server's thread pool (tokenizing, parsing large bodies)."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+    async def off_loop(self, fn: Callable[..., T], *args: Any, chars: int = 0) -> T:
+        """fn(*args) on the server's thread pool (tokenizing, parsing large bodies); on the
+        large texts' pool where it works on more than LARGE_TEXT_CHARS characters."""
+        pool = self.large_pool if chars > LARGE_TEXT_CHARS else self.pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def unhealthy(self) -> str | None:
         """Why the server cannot serve (shutting down, or the engine's step failed)."""
@@ -207,9 +175,11 @@ class ServerState:
         with self._lock:
             self.inflight -= n
 
-    def _finished(self, name: str, out: dict[str, Any]) -> None:
+    def _finished(self, name: str, out: dict[str, Any], prompt: str | None = None) -> None:
         with self._lock:
             self.active_rids.pop(name, None)
+            if prompt is not None:
+                self._prompt_done(prompt)
         self.release(1)
         try:
             self.metrics.observe_finished(out)
@@ -225,7 +195,7 @@ class ServerState:
                 param=param,
             )
         self.size.check_text(len(text), param)
-        return await self.off_loop(self._encode, text, special)
+        return await self.off_loop(self._encode, text, special, chars=len(text))
 
     def _encode(self, text: str, special: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=special))
@@ -240,7 +210,8 @@ class ServerState:
             self.size.check_chat(messages)
         try:
             return await self.off_loop(
-                functools.partial(self.engine.tokenize_chat, messages, **(options or {}))
+                functools.partial(self.engine.tokenize_chat, messages, **(options or {})),
+                chars=sum(len(m.get("content") or "") for m in messages),
             )
         except InvalidArgument as e:  # no tokenizer/template, or the template refused them
             raise engine_error(e, {"template_kwargs": "chat_template_kwargs"}) from None
@@ -274,6 +245,12 @@ class ServerState:
             raise APIError(
                 f"{prompt_param}: the prompt has {n} tokens but the model's context length is "
                 f"{self.context_len} (the prompt must be shorter)",
+                param=prompt_param,
+            )
+        if n >= self.kv_tokens:  # (no max_tokens could make it fit: the prompt is at fault)
+            raise APIError(
+                f"{prompt_param}: the prompt has {n} tokens but the KV cache holds at most "
+                f"{self.kv_tokens - 1} for one request (the prompt must be shorter)",
                 param=prompt_param,
             )
         room = self.context_len - n
@@ -415,11 +392,37 @@ class ServerState:
                 name = rids[i] if rids else None
                 if name:
                     with self._lock:
-                        _check_ids_free(self.active_rids, sample_rids(name, len(reqs)))
+                        self.check_ids_free(name, sample_rids(name, len(reqs)))
                 made.append((reqs, name))
         except InvalidArgument as e:
             raise engine_error(e, rename, prefix) from None
         return made
+
+    def check_ids_free(self, rid: str, names: list[str]) -> None:
+        """That neither a prompt's rid nor its samples' names are those of a request or a
+        sampled prompt still running (called holding the state's lock)."""
+        taken = next(
+            (
+                r
+                for r in dict.fromkeys([rid, *names])
+                if r in self.active_rids or r in self.active_prompts
+            ),
+            None,
+        )
+        if taken is not None:
+            raise InvalidArgument(
+                "rid",
+                f"request id {taken!r} is in use by a request still running; choose another "
+                "id, or reuse it once that request has finished",
+            )
+
+    def _prompt_done(self, prompt: str, samples: int = 1) -> None:
+        """(called holding the state's lock)"""
+        left = self.active_prompts.get(prompt, 0) - samples
+        if left > 0:
+            self.active_prompts[prompt] = left
+        else:
+            self.active_prompts.pop(prompt, None)
 
     def _submit(
         self, made: list[tuple[list, str | None]], total: int, rename: dict[str, str], prefix: str
@@ -464,17 +467,6 @@ def _schema_as_text(sp: dict[str, Any], texts: dict[int, str]) -> dict[str, Any]
     return {**sp, "json_schema": texts[id(schema)]}
 
 
-def _check_ids_free(active_rids: dict[str, str], names: list[str]) -> None:
-    """(called holding the state's lock)"""
-    taken = next((r for r in names if r in active_rids), None)
-    if taken is not None:
-        raise InvalidArgument(
-            "rid",
-            f"request id {taken!r} is in use by a request still running; choose another id, "
-            "or reuse it once that request has finished",
-        )
-
-
 class Run:
     def __init__(
         self,
@@ -500,11 +492,12 @@ class Run:
         base, n = len(self.rids), len(reqs)
         rids = [r.name for r in reqs]
         names = sample_rids(rid, n) if rid else rids
+        prompt = rid if rid and n > 1 else None
 
         def on_output(j: int, out: dict[str, Any]) -> None:  # runs on the engine's thread
             try:
                 if out.get("finished"):
-                    state._finished(names[j], out)
+                    state._finished(names[j], out, prompt)
                 out["meta_info"]["id"] = names[j]
                 outbox.post(queue, (base + j, out))
             except RuntimeError:  # the event loop is gone (server stopped)
@@ -513,14 +506,19 @@ class Run:
                 log.exception("output delivery failed")
 
         with state._lock:  # (checked again: another request may have taken the id since)
-            _check_ids_free(state.active_rids, names)
+            if rid:
+                state.check_ids_free(rid, names)
             state.active_rids.update(zip(names, rids))
+            if prompt is not None:
+                state.active_prompts[prompt] = n
         try:
             state.engine.submit_made(reqs, on_output)
         except BaseException:
             with state._lock:
                 for name in names:
                     state.active_rids.pop(name, None)
+                if prompt is not None:
+                    state._prompt_done(prompt, n)
             raise
         if not self.names:
             self.id = prompt_rid(names)
