@@ -160,3 +160,63 @@ def test_a_regex_pythons_re_refuses_is_refused_naming_why(engine):
     with pytest.raises(InvalidArgument) as info:
         engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": schema})
     assert "pattern (not a valid regular expression: bad character range" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "enum": ["a", 1]},
+        {"type": "string", "const": 1},
+        {"type": "string", "anyOf": [{"type": "integer"}, {"type": "string"}]},
+        {"type": "integer", "allOf": [{"type": "string"}]},
+        {"type": ["string", "integer"], "enum": ["a", 1, True]},
+        {"$defs": {"n": {"type": "number"}}, "type": "integer", "$ref": "#/$defs/n"},
+    ],
+    ids=["enum", "const", "anyOf", "allOf", "type_list", "ref"],
+)
+def test_a_type_beside_what_the_grammar_takes_whole_is_refused_where_it_would_be_dropped(
+    engine, schema
+):
+    """The grammar takes enum, const, anyOf, oneOf, allOf and $ref whole and drops a type
+    beside them: {"type": "string", "enum": ["a", 1]} produced 1, finishing "stop"."""
+    with pytest.raises(InvalidArgument) as info:
+        engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": schema})
+    whole = next(k for k in ("enum", "const", "anyOf", "allOf", "$ref") if k in schema)
+    assert f"type beside {whole} at /" in str(info.value), str(info.value)
+
+
+def test_a_type_that_holds_every_value_beside_it_serves(engine):
+    cases = [
+        ({"type": "string", "enum": ["yes", "no"]}, lambda v: v in ("yes", "no")),
+        ({"type": "number", "enum": [1, 2.5]}, lambda v: v in (1, 2.5)),
+        ({"type": ["integer", "null"], "anyOf": [{"type": "integer"}, {"type": "null"}]},
+         lambda v: v is None or type(v) is int),
+    ]  # fmt: skip
+    for schema, allowed in cases:
+        sp = {**GREEDY, "max_new_tokens": 24, "json_schema": schema}
+        out = engine.generate(prompt="hi", sampling_params=sp)
+        finish = out["meta_info"]["finish_reason"]["type"]
+        if "enum" in schema:  # (a few tokens: it always ends)
+            assert finish == "stop", out
+        if finish == "stop":
+            assert allowed(json.loads(out["text"])), (schema, out["text"])
+
+
+@pytest.mark.parametrize(
+    "keyword, value, what",
+    [
+        ("pattern", 5, "a string"),
+        ("format", 5, "a string"),
+        ("minimum", "5", "a number"),
+        ("exclusiveMinimum", True, "a number"),
+    ],
+)
+def test_a_keyword_value_of_the_wrong_type_is_refused_naming_the_keyword(
+    engine, keyword, value, what
+):
+    """The compiler's own errors for these named no keyword ("pattern": 5 gave the text of
+    a C++ assertion)."""
+    schema = {"type": "integer" if what == "a number" else "string", keyword: value}
+    with pytest.raises(InvalidArgument) as info:
+        engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": schema})
+    assert f"{keyword} ({json.dumps(value)}, not {what}) at /" in str(info.value)

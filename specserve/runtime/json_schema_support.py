@@ -20,6 +20,7 @@ the features its xgrammar backend does not support).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from specserve.runtime.regex_support import json_unsafe, python_error, unread
@@ -63,7 +64,7 @@ SUPPORTED = (
     "maxLength (not beside pattern or format), pattern (read as Python's re; ^ and $ at its "
     "ends; no lookarounds, quote, backslash or control character), format, minProperties, "
     "maxProperties (where the schema gives a type, and not beside $ref, allOf, anyOf, oneOf, "
-    "enum or const)"
+    "enum or const; a type beside those only where every value they allow is of that type)"
 )
 # keywords holding one subschema, a list of them, or a map of names to them (the rest hold
 # data, e.g. enum and const, or numbers)
@@ -76,6 +77,15 @@ BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 # counts the JSON Schema spec makes non-negative integers: the compiler read a negative one
 # as no limit (maxLength -1 allowed any string)
 COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+# keywords whose value must be of one JSON type: the compiler's error for another named no
+# keyword ("pattern": 5 gave a C++ assertion's text, "minimum": "5" "Value must be a number";
+# draft 4's boolean exclusiveMinimum is no number either)
+KEYWORD_VALUES = (
+    *((k, (int, float), "a number") for k in BOUNDS),
+    ("multipleOf", (int, float), "a number"),
+    ("pattern", str, "a string"),
+    ("format", str, "a string"),
+)
 
 
 def unenforced(schema: Any) -> list[str]:
@@ -84,7 +94,7 @@ def unenforced(schema: Any) -> list[str]:
     `$ref`'s target is checked too, wherever it lies (the compiler follows any pointer into
     the schema: an allOf under "#/components" compiled to nothing)."""
     found: list[str] = []
-    _walk(schema, "", found)
+    _walk(schema, "", found, schema)
     refs = _local_refs(schema)
     seen = {""}
     while refs:
@@ -95,7 +105,7 @@ def unenforced(schema: Any) -> list[str]:
         seen.add(pointer)
         target = _resolve(schema, pointer)
         if target is not None:
-            _walk(target, pointer, found)
+            _walk(target, pointer, found, schema)
             refs.extend(_local_refs(target))
     return list(dict.fromkeys(found))  # (a target under $defs is walked twice)
 
@@ -129,7 +139,7 @@ def _resolve(schema: Any, pointer: str) -> Any:
     return node
 
 
-def _walk(schema: Any, path: str, found: list[str]) -> None:
+def _walk(schema: Any, path: str, found: list[str], root: Any) -> None:
     if not isinstance(schema, dict):
         return  # (true / false, or not a schema: the compiler judges)
     where = path or "/"
@@ -141,6 +151,11 @@ def _walk(schema: Any, path: str, found: list[str]) -> None:
         for key in BESIDE_WHOLE:
             if key in schema:
                 found.append(f"{key} beside {whole[0]} at {where}")
+        if "type" in schema and not _within_type(schema, root):
+            found.append(
+                f"type beside {whole[0]} at {where} (enforced only where every value "
+                f"{whole[0]} allows is of that type)"
+            )
     elif "type" not in schema:
         for key in TYPED:
             if key in schema:
@@ -159,6 +174,9 @@ def _walk(schema: Any, path: str, found: list[str]) -> None:
         )
     if schema.get("type") == []:
         found.append(f"type (an empty array, which no value satisfies) at {where}")
+    for key, kinds, what in KEYWORD_VALUES:
+        if key in schema and (isinstance(schema[key], bool) or not isinstance(schema[key], kinds)):
+            found.append(f"{key} ({json.dumps(schema[key])[:40]}, not {what}) at {where}")
     for key in COUNTS:
         value = schema.get(key)
         if key in schema and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -188,15 +206,72 @@ def _walk(schema: Any, path: str, found: list[str]) -> None:
                 found.append(f"required {name!r} (not in properties) at {where}")
     for key in _ONE:
         if key in schema and not isinstance(schema[key], list):
-            _walk(schema[key], f"{path}/{key}", found)
+            _walk(schema[key], f"{path}/{key}", found, root)
     for key in _MANY:
         if isinstance(schema.get(key), list):
             for i, sub in enumerate(schema[key]):
-                _walk(sub, f"{path}/{key}/{i}", found)
+                _walk(sub, f"{path}/{key}/{i}", found, root)
     for key in _NAMED:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
-                _walk(sub, f"{path}/{key}/{_pointer(name)}", found)
+                _walk(sub, f"{path}/{key}/{_pointer(name)}", found, root)
+
+
+def _within_type(schema: dict, root: Any) -> bool:
+    """Whether every value the rest of `schema` allows (its enum, const, branches or $ref
+    target, which the grammar takes whole) is of the `type` beside them: the grammar drops
+    that type ({"type": "string", "enum": ["a", 1]} allowed 1)."""
+    outer = _type_set(schema["type"])
+    inner = _types_of({k: v for k, v in schema.items() if k != "type"}, root, 0)
+    if outer is None or inner is None:
+        return False
+    return all(t in outer or (t == "integer" and "number" in outer) for t in inner)
+
+
+def _type_set(value: Any) -> set[str] | None:
+    if isinstance(value, str):
+        return {value}
+    if isinstance(value, list) and all(isinstance(t, str) for t in value):
+        return set(value)
+    return None
+
+
+def _types_of(schema: Any, root: Any, depth: int) -> set[str] | None:
+    """The JSON types of the values `schema` allows, where it says (None: not known)."""
+    if not isinstance(schema, dict) or depth > 16:
+        return None
+    if "type" in schema:
+        return _type_set(schema["type"])
+    if "const" in schema:
+        return {_json_type(schema["const"])}
+    if isinstance(schema.get("enum"), list):
+        return {_json_type(v) for v in schema["enum"]}
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        target = root if ref == "#" else _resolve(root, ref[1:]) if ref.startswith("#/") else None
+        return _types_of(target, root, depth + 1)
+    for key in ("anyOf", "oneOf", "allOf"):
+        branches = schema.get(key)
+        if isinstance(branches, list) and branches:
+            kinds = [_types_of(b, root, depth + 1) for b in branches]
+            if any(k is None for k in kinds):
+                return None
+            return set().union(*kinds) if key != "allOf" else set.intersection(*kinds)
+    return None
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"  # (JSON Schema: 1.0 is an integer)
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
 
 
 def _integer_multiple(schema: dict) -> bool:
