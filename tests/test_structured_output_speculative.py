@@ -70,3 +70,17 @@ def test_a_raw_newline_in_a_regex_class_is_served(engine):
         out = engine.generate(prompt="hi", sampling_params={**sp, "regex": regex})
         assert out["meta_info"]["finish_reason"]["type"] == "stop", (regex, out)
         assert re.fullmatch(regex, out["text"]), (regex, out["text"])
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["tree", "plain"])
+def test_a_stop_token_waits_for_a_repeated_negated_class_or_dot_to_match(engine, speculative):
+    """xgrammar allowed the stop token where a trailing `[^a]+`, `.+`, `\\S+` or
+    `[^,]{1,4}` had matched nothing yet (and `x[^a]+` after the x): with EOS favoured, ""
+    and "x" finished "stop", which Python's re refuses."""
+    eos = engine.tokenizer.eos_token_id
+    sp = {"temperature": 0, "max_new_tokens": 8, "logit_bias": {str(eos): 100.0}}
+    sp["speculative"] = speculative
+    for regex in (".+", "[^a]+", r"\S+", "[^,]{1,4}", "x[^a]+", "[^a]{2,}"):
+        out = engine.generate(prompt="hi", sampling_params={**sp, "regex": regex})
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", (regex, out)
+        assert re.fullmatch(regex, out["text"]), (regex, out["text"])

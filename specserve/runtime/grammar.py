@@ -228,15 +228,67 @@ class RequestGrammar:
     def fill_next(self, bitmask: torch.Tensor, index: int) -> None:
         """bitmask[index]: the tokens allowed after what has been emitted."""
         self.matcher.fill_next_token_bitmask(bitmask, index)
+        if not self.matcher.is_completed():
+            _forbid(bitmask[index], self.matcher.stop_token_ids)
 
     def fill_tree(self, tokens: torch.Tensor, parents: torch.Tensor, bitmask: torch.Tensor):
         """bitmask[i] for each node i of one draft tree (node 0: the root, the last emitted
         token): the tokens allowed after the path to node i. A node whose own token the grammar
         forbids is never accepted; its row comes back empty (see `allow_where_empty`)."""
-        first_child, next_sibling = _child_links(parents.tolist())
+        parent_list = parents.tolist()
+        first_child, next_sibling = _child_links(parent_list)
         self.matcher.traverse_draft_tree(
             torch.tensor(first_child), torch.tensor(next_sibling), tokens, bitmask
         )
+        self._forbid_early_stops(tokens.tolist(), parent_list, bitmask)
+
+    def _forbid_early_stops(self, tokens: list[int], parents: list[int], bitmask) -> None:
+        """Clear the stop tokens from each row whose path leaves the grammar incomplete.
+        xgrammar (0.2.9) allows a stop token where a repeated negated class or `.` ends the
+        grammar before it has matched enough (`[^a]+` allowed EOS first: "" finished "stop"),
+        though its matcher knows the grammar is not complete there. Only rows allowing a
+        stop token are walked (few: near a grammar's end)."""
+        stops = self.matcher.stop_token_ids
+        for node in torch.nonzero(_allows_any(bitmask, stops)).flatten().tolist():
+            path, j = [], node
+            while j > 0:  # (node 0, the root, is what has been emitted)
+                path.append(tokens[j])
+                j = parents[j]
+            matcher = self.matcher.fork()
+            if _walks(matcher, reversed(path)) and not matcher.is_completed():
+                _forbid(bitmask[node], stops)
+
+
+def _walks(matcher, tokens) -> bool:
+    """Whether the matcher takes every token, none past the grammar's end."""
+    for t in tokens:
+        if matcher.is_terminated() or not matcher.accept_token(t):
+            return False
+    return True
+
+
+def _bit(token: int) -> tuple[int, int]:
+    """(word, int32 value with only the token's bit set) of a token in a bitmask row."""
+    value = 1 << (token % 32)
+    return token // 32, value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _allows_any(bitmask: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """[rows] bool: whether each row allows any of `tokens`."""
+    allowed = torch.zeros(bitmask.shape[0], dtype=torch.bool)
+    for t in tokens:
+        word, value = _bit(t)
+        if word < bitmask.shape[1]:
+            allowed |= (bitmask[:, word] & value) != 0
+    return allowed
+
+
+def _forbid(row: torch.Tensor, tokens: list[int]) -> None:
+    """Clear `tokens` from one bitmask row, in place."""
+    for t in tokens:
+        word, value = _bit(t)
+        if word < row.shape[0]:
+            row[word] &= ~value
 
 
 def refuse_by_grammar(req) -> None:
