@@ -102,20 +102,26 @@ def json_unsafe(pattern: str) -> str | None:
     return None
 
 
+# UTF-16 surrogates: no text holds them, but xgrammar's '.' and negated classes took their
+# three-byte forms ("a.b" finished "stop" as bytes no UTF-8 decoder reads: 'a\ufffd...b')
+SURROGATES = "\\ud800-\\udfff"
+
+
 def python_regex(regex: str) -> str:
     """`regex` as xgrammar reads it with Python's re meaning: each unescaped '.' outside a
     character class as `[^\\n]` (xgrammar's dot takes a newline, Python's, without the DOTALL
     flag xgrammar refuses, does not: "a.{3}" finished with "a\\n\\n\\n", an output the
     client's re.fullmatch rejects), and each newline character as the escape `\\n` (xgrammar
     refuses one inside a class, Python's re takes it), and \\S, and \\s in a negated class,
-    as Python's whitespace (`PYTHON_SPACE`; \\S in a positive class `unread` refuses)."""
+    as Python's whitespace (`PYTHON_SPACE`; \\S in a positive class `unread` refuses); and
+    '.', \\S and negated classes without the surrogates (`SURROGATES`)."""
     out, i, in_class, negated = [], 0, False, False
     while i < len(regex):
         c = regex[i]
         if c == "\\":
             escape = regex[i : i + 2]
             if escape == "\\S" and not in_class:
-                escape = f"[^{PYTHON_SPACE}]"
+                escape = f"[^{PYTHON_SPACE}{SURROGATES}]"
             elif escape == "\\s" and in_class and negated:
                 escape = PYTHON_SPACE
             out.append(escape)
@@ -127,15 +133,19 @@ def python_regex(regex: str) -> str:
             in_class = c != "]"
         elif c == "[":
             in_class, negated = True, regex[i + 1 : i + 2] == "^"
+            close = i + 1 + negated
+            opening = "[^" + SURROGATES if negated else "["
             # (a ']' first in a class, after an optional '^', is a literal bracket: escaped,
             # since xgrammar closes the class there)
-            close = i + 1 + (regex[i + 1 : i + 2] == "^")
             if regex[close : close + 1] == "]":
-                out.append(regex[i:close] + "\\]")
+                out.append(opening + "\\]")
                 i = close + 1
                 continue
+            out.append(opening)
+            i = close
+            continue
         elif c == ".":
-            c = "[^\\n]"
+            c = "[^\\n" + SURROGATES + "]"
         out.append(c)
         i += 1
     return "".join(out)
