@@ -220,3 +220,25 @@ def test_a_keyword_value_of_the_wrong_type_is_refused_naming_the_keyword(
     with pytest.raises(InvalidArgument) as info:
         engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": schema})
     assert f"{keyword} ({json.dumps(value)}, not {what}) at /" in str(info.value)
+
+
+def test_only_a_schemas_own_pattern_keyword_is_rewritten():
+    """Patterns are read as Python's re by rewriting them; data that happens to hold a
+    "pattern" key (a const, an enum, a default) must keep it as written."""
+    from specserve.runtime.json_schema_support import with_patterns
+
+    schema = {
+        "type": "object",
+        "properties": {"pattern": {"type": "string", "pattern": "a."}},
+        "items": [{"pattern": "b."}],
+        "$defs": {"d": {"anyOf": [{"type": "string", "pattern": "c."}]}},
+        "const": {"pattern": "kept."},
+        "enum": [{"pattern": "kept."}],
+        "default": {"pattern": "kept."},
+    }
+    out = with_patterns(schema, str.upper)
+    assert out["properties"]["pattern"]["pattern"] == "A."
+    assert out["items"][0]["pattern"] == "B."
+    assert out["$defs"]["d"]["anyOf"][0]["pattern"] == "C."
+    assert out["const"] == out["enum"][0] == out["default"] == {"pattern": "kept."}
+    assert schema["properties"]["pattern"]["pattern"] == "a."  # (the caller's is left alone)

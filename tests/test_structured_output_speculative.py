@@ -87,7 +87,7 @@ def test_a_stop_token_waits_for_a_repeated_negated_class_or_dot_to_match(engine,
 
 
 def test_a_dot_or_negated_class_takes_no_surrogate_bytes(engine):
-    """xgrammar's '.' and negated classes took the three UTF-8-style bytes of a surrogate
+    """xgrammar's '.' and negated classes (of a regex, and of a schema's pattern) took the three UTF-8-style bytes of a surrogate
     (ED A0 80), which no text holds: "a.b" finished "stop" as 'a\\ufffd\\ufffd\\ufffdb'."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -100,3 +100,10 @@ def test_a_dot_or_negated_class_takes_no_surrogate_bytes(engine):
         sp = {"regex": regex, "temperature": 0, "max_new_tokens": 8, "logit_bias": bias}
         out = engine.generate(prompt="hi", sampling_params=sp)
         assert "\ufffd" not in out["text"] and re.fullmatch(regex, out["text"]), out["text"]
+    for pattern in ("^a.b$", "^a[^x]b$"):  # (a schema's pattern likewise)
+        schema = {"type": "string", "pattern": pattern}
+        sp = {"json_schema": schema, "temperature": 0, "max_new_tokens": 10, "logit_bias": bias}
+        out = engine.generate(prompt="hi", sampling_params=sp)
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        value = json.loads(out["text"])
+        assert "\ufffd" not in value and re.search(pattern, value), out["text"]

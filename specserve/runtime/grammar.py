@@ -21,7 +21,7 @@ from collections import OrderedDict
 import torch
 
 from specserve.errors import InvalidArgument
-from specserve.runtime.json_schema_support import SUPPORTED, unenforced
+from specserve.runtime.json_schema_support import SUPPORTED, unenforced, with_patterns
 from specserve.runtime.regex_support import REGEX_ESCAPES, python_error, python_regex, unread
 from specserve.sampling_params import GRAMMAR_PARAMS
 
@@ -106,6 +106,10 @@ class GrammarCompiler:
                     field,
                     f"uses what structured output cannot enforce ({shown}); supported: {SUPPORTED}",
                 )
+            # (a pattern read as a regex is: no newline for '.', no surrogate anywhere)
+            patterned = with_patterns(schema, python_regex)
+            if patterned != schema:
+                spec = json.dumps(patterned)
         if field == "regex" and (error := python_error(spec)) is not None:
             raise InvalidArgument(
                 field, f"is not a valid regular expression (read as Python's re): {error}"

@@ -21,6 +21,7 @@ the features its xgrammar backend does not support).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from specserve.runtime.regex_support import json_unsafe, python_error, unread
@@ -284,3 +285,24 @@ def _integer_multiple(schema: dict) -> bool:
 
 def _pointer(name: str) -> str:
     return str(name).replace("~", "~0").replace("/", "~1")
+
+
+def with_patterns(schema: Any, rewrite: Callable[[str], str]) -> Any:
+    """`schema` with every subschema's `pattern` rewritten (a new object where one changed).
+    Only a schema's own keyword is: data under enum, const or default keeps any "pattern"
+    key it holds."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(schema.get("pattern"), str):
+        out["pattern"] = rewrite(schema["pattern"])
+    for key in _ONE:
+        if key in schema and not isinstance(schema[key], list):
+            out[key] = with_patterns(schema[key], rewrite)
+    for key in _MANY:
+        if isinstance(schema.get(key), list):
+            out[key] = [with_patterns(sub, rewrite) for sub in schema[key]]
+    for key in _NAMED:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: with_patterns(sub, rewrite) for name, sub in schema[key].items()}
+    return out
