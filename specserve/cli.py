@@ -66,7 +66,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         help_text = ENGINE_HELP.get(f.name, "") + (
-            f" (default: {default})" if default not in (None, False) else ""
+            # (`0 in (None, False)` is true: a default of 0 is shown too)
+            f" (default: {default})" if default is not None and default is not False else ""
         )
         if isinstance(default, bool):
             g.add_argument(flag, action="store_true", help=help_text)

@@ -143,3 +143,16 @@ def test_sglangs_dtype_spellings_are_taken(given, runs):
     assert any(f == "dtype" and given in reason for f, _, reason in cfg.decisions)
     with pytest.raises(ValueError, match="half, float"):
         EngineConfig.from_kwargs(model_path="tiny", load_format="dummy", dtype="fp4").resolve()
+
+
+def test_engine_flags_show_a_default_of_zero_and_list_load_formats_plainly(capsys):
+    """A default of 0 was left out of the help (`0 in (None, False)` is true), and the load
+    format's error printed a Python tuple."""
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "own seed. (default: 0)" in help_text
+    argv = ["generate", "--model-path", "tiny", "--load-format", "bin", "hi"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "load_format: 'bin' is not one of auto, gguf, safetensors, dummy" in err, err

@@ -31,7 +31,9 @@ class ModelSource:
 def locate(model_path: str, load_format: str, field: str = "model_path") -> ModelSource:
     """field: the user's argument that named this path (errors point at it)."""
     if load_format not in LOAD_FORMATS:
-        raise InvalidArgument("load_format", f"{load_format!r} is not one of {LOAD_FORMATS}")
+        raise InvalidArgument(
+            "load_format", f"{load_format!r} is not one of {', '.join(LOAD_FORMATS)}"
+        )
     if load_format == "dummy" and model_path.lower() in PRESETS:
         return ModelSource(model_path.lower(), "preset")
     packaged = resolve_packaged(model_path)
