@@ -68,6 +68,23 @@ def test_own_arguments_override_the_bundled_settings_one_by_one(bundled):
     assert any("exceeds" in r for f, _, r in c.decisions if f == "speculative_num_draft_tokens")
 
 
+def test_a_deeper_chain_than_the_bundled_one_fits_its_size_without_a_warning(bundled, caplog):
+    """On the CPU the bundled draft is a 3-step chain of 4 tokens: 5 steps asked for need 6,
+    and the size was the bundled one, not the user's, so nothing warns about it."""
+    cpu = served(bundled, False)
+    assert cpu["speculative_eagle_topk"] == 1
+    with caplog.at_level("WARNING"):
+        c = resolved(False, speculative_num_steps=5)
+    assert c.speculative_num_steps == 5 and c.speculative_num_draft_tokens == 6
+    assert not [r for r in caplog.records if "speculative_num_draft_tokens" in r.getMessage()]
+    reasons = [r for f, _, r in c.decisions if f == "speculative_num_draft_tokens"]
+    assert any("short of a chain of 5 steps" in r for r in reasons), reasons
+    with caplog.at_level("WARNING"):  # a size the user gave is still raised, with a warning
+        c = resolved(False, speculative_num_steps=5, speculative_num_draft_tokens=3)
+    assert c.speculative_num_draft_tokens == 6
+    assert [r for r in caplog.records if "speculative_num_draft_tokens" in r.getMessage()]
+
+
 def test_another_draft_or_algorithm_is_not_mixed_with_the_bundled_one(bundled):
     c = resolved(speculative_algorithm="STANDALONE", speculative_draft_model_path=DEFAULT)
     assert c.speculative_draft_model_path == DEFAULT and c.speculative_token_map is None

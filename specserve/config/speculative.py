@@ -118,6 +118,15 @@ def resolve_bundled_draft(c, on_gpu: bool) -> tuple[Any, list[tuple[str, Any, st
                     f"the bundled {ndt} exceeds the largest tree of {steps} steps, topk {topk}",
                 )
             )
+        elif topk == 1 and ndt < steps + 1:  # (not the user's size: no warning about it)
+            c = replace(c, speculative_num_draft_tokens=steps + 1)
+            decisions.append(
+                (
+                    "speculative_num_draft_tokens",
+                    steps + 1,
+                    f"the bundled {ndt} is short of a chain of {steps} steps: num_steps + 1",
+                )
+            )
     return c, decisions
 
 
