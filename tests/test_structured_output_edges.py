@@ -242,3 +242,15 @@ def test_only_a_schemas_own_pattern_keyword_is_rewritten():
     assert out["$defs"]["d"]["anyOf"][0]["pattern"] == "C."
     assert out["const"] == out["enum"][0] == out["default"] == {"pattern": "kept."}
     assert schema["properties"]["pattern"]["pattern"] == "a."  # (the caller's is left alone)
+
+
+def test_a_definition_no_ref_names_is_not_refused_for_what_it_holds(engine):
+    """$defs are checked where a $ref leads: an unused one with `not` constrains nothing
+    (it was refused), a used one is still refused."""
+    unused = {"enum": ["ok"], "$defs": {"u": {"not": {"type": "integer"}}}}
+    out = engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": unused})
+    assert json.loads(out["text"]) == "ok"
+    used = {"$ref": "#/$defs/u", "$defs": {"u": {"not": {"type": "integer"}}}}
+    with pytest.raises(InvalidArgument) as info:
+        engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": used})
+    assert "not at /$defs/u" in str(info.value)

@@ -74,6 +74,7 @@ _ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedItems",
         "propertyNames")  # fmt: skip
 _MANY = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _NAMED = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
+DEFINITIONS = ("$defs", "definitions")
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 # counts the JSON Schema spec makes non-negative integers: the compiler read a negative one
 # as no limit (maxLength -1 allowed any string)
@@ -213,6 +214,8 @@ def _walk(schema: Any, path: str, found: list[str], root: Any) -> None:
             for i, sub in enumerate(schema[key]):
                 _walk(sub, f"{path}/{key}/{i}", found, root)
     for key in _NAMED:
+        if key in DEFINITIONS:  # (walked where a $ref leads: one no $ref names constrains
+            continue  # nothing, whatever keywords it holds)
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
                 _walk(sub, f"{path}/{key}/{_pointer(name)}", found, root)
