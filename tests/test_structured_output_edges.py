@@ -254,3 +254,29 @@ def test_a_definition_no_ref_names_is_not_refused_for_what_it_holds(engine):
     with pytest.raises(InvalidArgument) as info:
         engine.generate(prompt="hi", sampling_params={**GREEDY, "json_schema": used})
     assert "not at /$defs/u" in str(info.value)
+
+
+def test_an_ipv4_format_takes_no_octet_with_a_leading_zero(engine):
+    """The compiler's ipv4 rule took "44.189.010.67" (a greedy output finished "stop" so),
+    which Python's ipaddress refuses; the format is given to the grammar as its pattern."""
+    import ipaddress
+
+    from specserve.runtime.grammar import GrammarCompiler, RequestGrammar
+
+    tok = engine.tokenizer
+    compiler = GrammarCompiler(tok, 300)
+    schema = json.dumps({"type": "object", "properties": {"ip": {"type": "string", "format": "ipv4"}},
+                         "required": ["ip"]})  # fmt: skip
+
+    def complete(address: str) -> bool:
+        grammar = RequestGrammar(compiler.compile("json_schema", schema), "json_schema")
+        ids = tok.encode(json.dumps({"ip": address}), add_special_tokens=False)
+        return grammar.accept(ids) and grammar.accept([tok.eos_token_id]) and grammar.terminated
+
+    for address in ("44.189.10.67", "0.0.0.0", "255.255.255.255", "44.189.010.67", "00.0.0.0",
+                    "256.1.1.1", "1.2.3"):  # fmt: skip
+        try:
+            valid = ipaddress.IPv4Address(address) is not None
+        except ValueError:
+            valid = False
+        assert complete(address) == valid, address

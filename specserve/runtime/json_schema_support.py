@@ -290,15 +290,26 @@ def _pointer(name: str) -> str:
     return str(name).replace("~", "~0").replace("/", "~1")
 
 
+# formats whose compiled rule is wider than the format, as the pattern they mean: the
+# compiler's ipv4 took octets with leading zeros ("44.189.010.67"), which Python's ipaddress
+# and the JSON Schema test suite refuse
+OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+FORMAT_PATTERNS = {"ipv4": f"^(?:{OCTET}\\.){{3}}{OCTET}$"}
+
+
 def with_patterns(schema: Any, rewrite: Callable[[str], str]) -> Any:
-    """`schema` with every subschema's `pattern` rewritten (a new object where one changed).
-    Only a schema's own keyword is: data under enum, const or default keeps any "pattern"
-    key it holds."""
+    """`schema` with every subschema's `pattern` rewritten, and each format of
+    FORMAT_PATTERNS given as its pattern (a new object). Only a schema's own keywords are:
+    data under enum, const or default keeps any "pattern" key it holds."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    if isinstance(schema.get("pattern"), str):
-        out["pattern"] = rewrite(schema["pattern"])
+    format_pattern = FORMAT_PATTERNS.get(schema.get("format"))
+    if format_pattern is not None and "pattern" not in schema:
+        del out["format"]
+        out["pattern"] = format_pattern
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = rewrite(out["pattern"])
     for key in _ONE:
         if key in schema and not isinstance(schema[key], list):
             out[key] = with_patterns(schema[key], rewrite)
