@@ -280,3 +280,24 @@ def test_an_ipv4_format_takes_no_octet_with_a_leading_zero(engine):
         except ValueError:
             valid = False
         assert complete(address) == valid, address
+
+
+def test_the_regex_given_to_the_grammar_means_what_the_clients_regex_means():
+    """`python_regex` rewrites '.', \\S, negated classes and ranges (no newline for '.', no
+    surrogates): on any text without surrogates, Python's re must read both alike."""
+    import random
+
+    from specserve.runtime.regex_support import python_regex
+
+    regexes = [r"a.b", r"a\Sb", r"[^\s,]{2,5}", r"[a-z\u0080-\uffff]+", r"[\x41-\x5a]x",
+               r"[^]x]+", r"[]a]", r"x[\--/]y", r"(?:ab|c.)+", r"[^\u00e9]\.", "a\nb",
+               r"\d{2}[\u00e0-\u00ff]?"]  # fmt: skip
+    alphabet = "ab xyzAZ,.-/]\n\t\u00a0\u00e9\u2003\u4e2d\U0001f600c12"
+    rng = random.Random(0)
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6))) for _ in range(3000)]
+    texts += ["ab", "a\u00e9b", "axb", "a\nb", "ZZx", "x-y", "x/y", "é.", "12é", "ab", "c\u4e2d"]
+    for regex in regexes:
+        given = re.compile(python_regex(regex))
+        meant = re.compile(regex)
+        for text in texts:
+            assert bool(given.fullmatch(text)) == bool(meant.fullmatch(text)), (regex, text)

@@ -87,7 +87,8 @@ def test_a_stop_token_waits_for_a_repeated_negated_class_or_dot_to_match(engine,
 
 
 def test_a_dot_or_negated_class_takes_no_surrogate_bytes(engine):
-    """xgrammar's '.' and negated classes (of a regex, and of a schema's pattern) took the three UTF-8-style bytes of a surrogate
+    """xgrammar's '.', negated classes and ranges spanning surrogates (of a regex, and of a
+    schema's pattern) took the three UTF-8-style bytes of a surrogate
     (ED A0 80), which no text holds: "a.b" finished "stop" as 'a\\ufffd\\ufffd\\ufffdb'."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -96,7 +97,7 @@ def test_a_dot_or_negated_class_takes_no_surrogate_bytes(engine):
     ids = [tok.convert_tokens_to_ids(as_char[b]) for b in (0xED, 0xA0, 0x80)]
     bias = {str(t): w for t, w in zip(ids, (50.0, 45.0, 40.0))}
     bias[str(tok.encode("b", add_special_tokens=False)[0])] = 30.0
-    for regex in ("a.b", "a[^x]b", r"a\Sb"):
+    for regex in ("a.b", "a[^x]b", r"a\Sb", r"a[\u0080-\uffff]b"):
         sp = {"regex": regex, "temperature": 0, "max_new_tokens": 8, "logit_bias": bias}
         out = engine.generate(prompt="hi", sampling_params=sp)
         assert "\ufffd" not in out["text"] and re.fullmatch(regex, out["text"]), out["text"]

@@ -107,6 +107,45 @@ def json_unsafe(pattern: str) -> str | None:
 SURROGATES = "\\ud800-\\udfff"
 
 
+def _class_atom(regex: str, i: int) -> tuple[int | None, int]:
+    """(code point, end) of the class member at i: a character, \\xHH, \\uHHHH or an
+    escaped punctuation mark; None for anything else (\\d, ...)."""
+    if regex[i] != "\\":
+        return ord(regex[i]), i + 1
+    kind = regex[i + 1 : i + 2]
+    digits = {"x": 2, "u": 4}.get(kind)
+    if digits:
+        hex_digits = regex[i + 2 : i + 2 + digits]
+        if len(hex_digits) == digits and all(d in "0123456789abcdefABCDEF" for d in hex_digits):
+            return int(hex_digits, 16), i + 2 + digits
+        return None, i + 2
+    if kind and not kind.isalnum():
+        return ord(kind), i + 2
+    return None, i + 2
+
+
+def _range_without_surrogates(regex: str, i: int) -> tuple[str, int] | None:
+    """A positive class's range at i that spans surrogates, as the ranges either side of
+    them, and where it ends; None for anything else (or a range of surrogates alone)."""
+    if regex[i] == "]":
+        return None
+    low, end = _class_atom(regex, i)
+    if low is None or regex[end : end + 1] != "-" or regex[end + 1 : end + 2] in ("", "]"):
+        return None
+    high, end = _class_atom(regex, end + 1)
+    if high is None or not (low <= 0xDFFF and high >= 0xD800):
+        return None
+    parts = [(low, 0xD7FF)] if low <= 0xD7FF else []
+    parts += [(0xE000, high)] if high >= 0xE000 else []
+    if not parts:
+        return None
+    return "".join(f"{_class_char(a)}-{_class_char(b)}" for a, b in parts), end
+
+
+def _class_char(code: int) -> str:
+    return f"\\u{code:04x}" if code <= 0xFFFF else chr(code)
+
+
 def python_regex(regex: str) -> str:
     """`regex` as xgrammar reads it with Python's re meaning: each unescaped '.' outside a
     character class as `[^\\n]` (xgrammar's dot takes a newline, Python's, without the DOTALL
@@ -114,18 +153,26 @@ def python_regex(regex: str) -> str:
     client's re.fullmatch rejects), and each newline character as the escape `\\n` (xgrammar
     refuses one inside a class, Python's re takes it), and \\S, and \\s in a negated class,
     as Python's whitespace (`PYTHON_SPACE`; \\S in a positive class `unread` refuses); and
-    '.', \\S and negated classes without the surrogates (`SURROGATES`)."""
+    '.', \\S, negated classes and ranges that span them without the surrogates
+    (`SURROGATES`)."""
     out, i, in_class, negated = [], 0, False, False
     while i < len(regex):
         c = regex[i]
+        if in_class and not negated and (split := _range_without_surrogates(regex, i)):
+            out.append(split[0])
+            i = split[1]
+            continue
         if c == "\\":
-            escape = regex[i : i + 2]
+            end = i + 2
+            if in_class and regex[i + 1 : i + 2] in ("x", "u"):  # (its digits with it: no
+                end = _class_atom(regex, i)[1]  # range starts part-way through it)
+            escape = regex[i:end]
             if escape == "\\S" and not in_class:
                 escape = f"[^{PYTHON_SPACE}{SURROGATES}]"
             elif escape == "\\s" and in_class and negated:
                 escape = PYTHON_SPACE
             out.append(escape)
-            i += 2
+            i = end
             continue
         if c == "\n":
             c = "\\n"
