@@ -186,7 +186,12 @@ def test_a_type_beside_what_the_grammar_takes_whole_is_refused_where_it_would_be
 
 
 def test_a_type_that_holds_every_value_beside_it_serves(engine):
+    union = {"type": "object", "oneOf": [
+        {"properties": {"a": {"type": "string"}}, "required": ["a"]},
+        {"properties": {"b": {"type": "integer"}}, "required": ["b"]},
+    ]}  # fmt: skip
     cases = [
+        (union, lambda v: isinstance(v, dict) and set(v) in ({"a"}, {"b"})),
         ({"type": "string", "enum": ["yes", "no"]}, lambda v: v in ("yes", "no")),
         ({"type": "number", "enum": [1, 2.5]}, lambda v: v in (1, 2.5)),
         ({"type": ["integer", "null"], "anyOf": [{"type": "integer"}, {"type": "null"}]},
@@ -291,8 +296,8 @@ def test_the_regex_given_to_the_grammar_means_what_the_clients_regex_means():
 
     regexes = [r"a.b", r"a\Sb", r"[^\s,]{2,5}", r"[a-z\u0080-\uffff]+", r"[\x41-\x5a]x",
                r"[^]x]+", r"[]a]", r"x[\--/]y", r"(?:ab|c.)+", r"[^\u00e9]\.", "a\nb",
-               r"\d{2}[\u00e0-\u00ff]?"]  # fmt: skip
-    alphabet = "ab xyzAZ,.-/]\n\t\u00a0\u00e9\u2003\u4e2d\U0001f600c12"
+               r"\d{2}[\u00e0-\u00ff]?", r"[a-c-\uffff]+", "[\n-\r]x"]  # fmt: skip
+    alphabet = "ab xyzAZ,.-/]\n\t\r\u00a0\u00e9\u2003\u4e2d\ue000\U0001f600c12"
     rng = random.Random(0)
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6))) for _ in range(3000)]
     texts += ["ab", "a\u00e9b", "axb", "a\nb", "ZZx", "x-y", "x/y", "é.", "12é", "ab", "c\u4e2d"]

@@ -75,6 +75,12 @@ _ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedItems",
 _MANY = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _NAMED = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
 DEFINITIONS = ("$defs", "definitions")
+IMPLIED_TYPES = (
+    (("properties", "required", "additionalProperties", "minProperties", "maxProperties"),
+     "object"),
+    (("items", "prefixItems", "minItems", "maxItems"), "array"),
+    (("minLength", "maxLength", "pattern"), "string"),
+)  # fmt: skip
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 # counts the JSON Schema spec makes non-negative integers: the compiler read a negative one
 # as no limit (maxLength -1 allowed any string)
@@ -261,7 +267,10 @@ def _types_of(schema: Any, root: Any, depth: int) -> set[str] | None:
             if any(k is None for k in kinds):
                 return None
             return set().union(*kinds) if key != "allOf" else set.intersection(*kinds)
-    return None
+    # keywords of one type, from which the grammar takes it ({"properties": ...} is an
+    # object: a tagged union's branches say no more)
+    implied = {t for keys, t in IMPLIED_TYPES if any(k in schema for k in keys)}
+    return implied if len(implied) == 1 else None
 
 
 def _json_type(value: Any) -> str:

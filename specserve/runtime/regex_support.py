@@ -124,25 +124,29 @@ def _class_atom(regex: str, i: int) -> tuple[int | None, int]:
     return None, i + 2
 
 
-def _range_without_surrogates(regex: str, i: int) -> tuple[str, int] | None:
-    """A positive class's range at i that spans surrogates, as the ranges either side of
-    them, and where it ends; None for anything else (or a range of surrogates alone)."""
+def _class_range(regex: str, i: int) -> tuple[str, int] | None:
+    """The range of a positive class at i, as the grammar is given it (one that spans the
+    surrogates as the ranges either side of them), and where it ends; None where no range
+    starts at i."""
     if regex[i] == "]":
         return None
     low, end = _class_atom(regex, i)
     if low is None or regex[end : end + 1] != "-" or regex[end + 1 : end + 2] in ("", "]"):
         return None
     high, end = _class_atom(regex, end + 1)
-    if high is None or not (low <= 0xDFFF and high >= 0xD800):
+    if high is None:
         return None
-    parts = [(low, 0xD7FF)] if low <= 0xD7FF else []
-    parts += [(0xE000, high)] if high >= 0xE000 else []
-    if not parts:
-        return None
+    parts = [(low, high)]
+    if low <= 0xDFFF and high >= 0xD800:
+        parts = [(low, 0xD7FF)] if low <= 0xD7FF else []
+        parts += [(0xE000, high)] if high >= 0xE000 else []
+    if not parts:  # (surrogates alone: left as written)
+        parts = [(low, high)]
     return "".join(f"{_class_char(a)}-{_class_char(b)}" for a, b in parts), end
 
 
 def _class_char(code: int) -> str:
+    """A class member as an escape the grammar reads (astral characters as themselves)."""
     return f"\\u{code:04x}" if code <= 0xFFFF else chr(code)
 
 
@@ -158,9 +162,9 @@ def python_regex(regex: str) -> str:
     out, i, in_class, negated = [], 0, False, False
     while i < len(regex):
         c = regex[i]
-        if in_class and not negated and (split := _range_without_surrogates(regex, i)):
-            out.append(split[0])
-            i = split[1]
+        if in_class and not negated and (span := _class_range(regex, i)):
+            out.append(span[0])  # (a range whole: its last character starts no other)
+            i = span[1]
             continue
         if c == "\\":
             end = i + 2
