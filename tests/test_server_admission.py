@@ -44,6 +44,27 @@ def served(engine):
         s.http.close()
 
 
+LONG_CONTEXT = 8192  # (a request of thousands of tokens runs for seconds: no race to win)
+
+
+@pytest.fixture(scope="module")
+def long_served(tmp_path_factory):
+    from tests.model_factory import write_hf_model
+
+    folder = write_hf_model(
+        tmp_path_factory.mktemp("long"),
+        vocab_size=101,
+        with_tokenizer=True,
+        max_position_embeddings=LONG_CONTEXT,
+    )
+    with Engine(model_path=folder, dtype="float32", device="cpu", context_length=LONG_CONTEXT) as e:
+        app = create_app(e, ServerConfig(), owns_engine=False)
+        with ServerThread(app) as srv:
+            s = Served(e, srv, "m")
+            yield s
+            s.http.close()
+
+
 # ---- request ids ------------------------------------------------------------------------------
 @contextmanager
 def engine_slow_after_each_finish(engine):
@@ -140,20 +161,21 @@ def test_a_rid_still_running_gets_400_naming_it(served):
     [{"rid": "many"}, {"rid": "many-1"}, {"rid": "many", "n": 2}, {"rid": "many-0", "n": 3}],
     ids=["its_rid", "a_sample_name", "its_rid_sampled", "a_sample_name_sampled"],
 )
-def test_a_sampled_prompt_still_running_holds_its_rid_and_its_samples_names(served, second):
+def test_a_sampled_prompt_still_running_holds_its_rid_and_its_samples_names(long_served, second):
     """A prompt sampled n times runs as rid-0 .. rid-(n-1), and the rid itself is taken too:
     a request reusing it would answer under the same id as the one running."""
-    sp = {"max_new_tokens": 120, "ignore_eos": True, "n": 4}
+    served = long_served
+    sp = {"max_new_tokens": LONG_CONTEXT - 8, "ignore_eos": True, "n": 4}
     first = {"input_ids": [5, 6], "rid": "many", "stream": True, "sampling_params": sp}
+    body = {"input_ids": [5, 6], "rid": second["rid"]}
+    body["sampling_params"] = {"max_new_tokens": 1, "n": second.get("n", 1)}
     with httpx.Client(base_url=served.url, timeout=30) as http:
         with http.stream("POST", "/generate", json=first) as resp:
-            next(resp.iter_lines())  # admitted and running
-            body = {"input_ids": [5, 6], "rid": second["rid"]}
-            body["sampling_params"] = {"max_new_tokens": 1, "n": second.get("n", 1)}
+            next(resp.iter_lines())  # admitted, and running for seconds yet
             r = served.http.post("/generate", json=body)
             assert r.status_code == 400 and error_of(r)["param"] == "rid", r.text
             assert "still running" in error_of(r)["message"]
-    served.wait_idle()
+    served.wait_idle()  # (closing the stream aborted the first)
     r = served.http.post("/generate", json=body)  # free once the first has finished
     assert r.status_code == 200, r.text
 
