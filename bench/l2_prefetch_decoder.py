@@ -89,40 +89,35 @@ class Layer:
 
 
 def step(x, layers, final_norm, lm_head, prefetch_bytes: int | None, matmuls_only=False):
-    """One decode step at M = 1; returns float32 logits."""
+    """One decode step at M = 1; returns float32 logits. Each small kernel is preceded by a
+    prefetch of the weight after it (prefetch_bytes); matmuls_only leaves the small kernels
+    out."""
+
+    def prefetch(weight: torch.Tensor) -> None:
+        if prefetch_bytes:
+            l2_prefetch(weight, prefetch_bytes)
+
+    def norm(x, residual, weight):  # -> (residual, normed)
+        return (residual, x) if matmuls_only else add_rmsnorm(x, residual, weight, 1e-5)
+
     residual = torch.zeros_like(x)
     h = x
     for layer in layers:
-        pf = prefetch_bytes
-        if pf:
-            l2_prefetch(layer.qkv, pf)
-        if matmuls_only:
-            normed = h
-        else:
-            residual, normed = add_rmsnorm(h, residual, layer.norm1, 1e-5)
-        qkv = F.linear(normed, layer.qkv)
-        if matmuls_only:
-            attn = qkv[:, : HEADS * HEAD_DIM]
-        else:
-            if pf:
-                l2_prefetch(layer.o, pf)
-            q = qkv[:, : HEADS * HEAD_DIM].view(1, HEADS, 1, HEAD_DIM)
-            attn = F.scaled_dot_product_attention(q, layer.k, layer.v, enable_gqa=True)
-            attn = attn.reshape(1, HEADS * HEAD_DIM)
-        o = F.linear(attn, layer.o)
-        if pf:
-            l2_prefetch(layer.gate_up, pf)
-        if matmuls_only:
-            normed = o
-        else:
-            residual, normed = add_rmsnorm(o, residual, layer.norm2, 1e-5)
+        prefetch(layer.qkv)
+        residual, normed = norm(h, residual, layer.norm1)
+        q = F.linear(normed, layer.qkv)[:, : HEADS * HEAD_DIM]
+        if not matmuls_only:
+            prefetch(layer.o)
+            q = q.reshape(1, HEADS, 1, HEAD_DIM)
+            q = F.scaled_dot_product_attention(q, layer.k, layer.v, enable_gqa=True)
+        o = F.linear(q.reshape(1, HEADS * HEAD_DIM), layer.o)
+        prefetch(layer.gate_up)
+        residual, normed = norm(o, residual, layer.norm2)
         gu = F.linear(normed, layer.gate_up)
-        if pf:
-            l2_prefetch(layer.down, pf)
+        prefetch(layer.down)
         act = gu[:, :FFN].contiguous() if matmuls_only else silu_and_mul(gu)
         h = F.linear(act, layer.down)
-    if prefetch_bytes:
-        l2_prefetch(lm_head, prefetch_bytes)
+    prefetch(lm_head)
     if not matmuls_only:
         _, h = add_rmsnorm(h, residual, final_norm, 1e-5)
     return torch.mm(h, lm_head.t(), torch.float32)
