@@ -171,7 +171,8 @@ def test_a_sampled_prompt_still_running_holds_its_rid_and_its_samples_names(long
     body["sampling_params"] = {"max_new_tokens": 1, "n": second.get("n", 1)}
     with httpx.Client(base_url=served.url, timeout=30) as http:
         with http.stream("POST", "/generate", json=first) as resp:
-            next(resp.iter_lines())  # admitted, and running for seconds yet
+            lines = resp.iter_lines()  # (kept: a dropped iterator closes the connection)
+            next(lines)  # admitted, and running for seconds yet
             r = served.http.post("/generate", json=body)
             assert r.status_code == 400 and error_of(r)["param"] == "rid", r.text
             assert "still running" in error_of(r)["message"]
