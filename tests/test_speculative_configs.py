@@ -21,6 +21,9 @@ from specserve.speculative.token_map import save_token_map
 from tests.engine_utils import TINY, mixed_prompts
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+# the prefill's token and whole verify runs of 2, 3, 4 or 6 tokens (the acceptance statistics
+# count what a request keeps, and max_new_tokens would cut its last run short)
+WHOLE_RUNS = dict(GREEDY, max_new_tokens=13)
 
 
 def resolved(**kw) -> EngineConfig:
@@ -81,6 +84,44 @@ def test_adjusted_chain_decodes_as_plain():
     assert [o["output_ids"] for o in outs] == plain
     # the target is its own draft: every verify accepts the whole 3-token chain
     assert all(o["meta_info"]["spec_accept_histogram"] == [0, 0, 0, 3] for o in outs)
+
+
+SELF_DRAFT_CHAIN = dict(  # the target is its own draft: every verify accepts all 4 tokens
+    speculative_algorithm="STANDALONE",
+    speculative_draft_model_path="tiny",
+    speculative_num_steps=3,
+    speculative_eagle_topk=1,
+    speculative_num_draft_tokens=4,
+)
+
+
+def test_acceptance_statistics_count_the_tokens_a_request_kept():
+    """A request ending inside a verify step (max_new_tokens, a stop token) keeps part of its
+    accepted run: its statistics and the engine's count what it kept, so
+    1 + sum((i + 1) * histogram[i]) is its completion_tokens."""
+    with Engine(**TINY) as e:  # a prompt whose output has a new token inside the 2nd verify
+        for seed in range(100):
+            prompt = mixed_prompts(1, 512, seed=seed, min_len=4, max_len=4)[0]
+            sp = dict(GREEDY, max_new_tokens=12)
+            ids = e.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+            stop = next((t for i, t in enumerate(ids) if 6 <= i < 8 and t not in ids[:i]), None)
+            if stop is not None:
+                break
+    cut = {
+        "max_new_tokens": dict(GREEDY, max_new_tokens=7),  # 1 + 4 + 2
+        "stop_token_ids": dict(GREEDY, stop_token_ids=[stop]),
+    }
+    with Engine(**TINY, **SELF_DRAFT_CHAIN) as e:
+        outs = {name: e.generate(input_ids=prompt, sampling_params=sp) for name, sp in cut.items()}
+        stats = e.stats()
+    for name, o in outs.items():
+        meta, kept = o["meta_info"], len(o["output_ids"])
+        assert o["output_ids"] == ids[:kept], name
+        hist = meta["spec_accept_histogram"]
+        assert 1 + sum((i + 1) * c for i, c in enumerate(hist)) == kept, (name, hist)
+        assert hist[3] == 1 and sum(hist) == meta["spec_verify_ct"] == 2, (name, hist)
+        assert meta["spec_accept_length"] == (kept - 1) / 2, name
+    assert stats["spec_accept_length"] == (7 - 1 + len(outs["stop_token_ids"]["output_ids"]) - 1) / 4
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +248,7 @@ def test_simulated_length_is_clipped_to_what_the_tree_can_accept(eagle):
     sim = dict(simulate_acc_len=3.0, simulate_acc_method="match-expected")
     with Engine(**TINY, **spec(eagle, steps=4, topk=8, ndt=3), **sim) as e:
         assert e.resolved_args()["simulate_acc_len"] == 3.0
-        e.generate(input_ids=mixed_prompts(2, 512, seed=4), sampling_params=GREEDY)
+        e.generate(input_ids=mixed_prompts(2, 512, seed=4), sampling_params=WHOLE_RUNS)
         assert e.stats()["spec_accept_length"] == 3.0
     with Engine(**TINY, **spec(eagle, steps=4, topk=8, ndt=2), **sim) as e:
         assert e.resolved_args()["simulate_acc_len"] == 2.0
@@ -221,7 +262,8 @@ def test_a_wide_tree_of_few_nodes_drafts_only_what_it_can_verify():
         plain = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
     wide = spec("tiny", "STANDALONE", steps=16, topk=16, ndt=2)
     with Engine(**TINY, **wide, max_total_tokens=150, debug_check_invariants=True) as e:
-        outs = [o["output_ids"] for o in e.generate(input_ids=prompts, sampling_params=GREEDY)]
+        outs = e.generate(input_ids=prompts, sampling_params=WHOLE_RUNS)
+        outs = [o["output_ids"][: GREEDY["max_new_tokens"]] for o in outs]
         assert e.stats()["spec_accept_length"] == 2.0  # the target is its own draft
     assert outs == plain
 

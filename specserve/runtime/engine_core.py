@@ -310,11 +310,11 @@ class EngineCore:
 
     def _append_tokens(
         self, req: Request, tokens: list[int], logprobs: TokenLogprobs | None = None
-    ) -> None:
+    ) -> int:
         """The host-side work on one request's new tokens (detokenizing, stop checks; the
-        log-probs of the tokens kept). A failure there fails that request alone; finishing
-        it is enough, since its pages are reaped only once no launched step can still write
-        them."""
+        log-probs of the tokens kept); returns how many were kept. A failure there fails that
+        request alone; finishing it is enough, since its pages are reaped only once no
+        launched step can still write them."""
         try:
             # the grammar first: it keeps the tokens up to the one completing it, or before
             # one it refuses (a draw at a node past its completion is unconstrained)
@@ -326,9 +326,11 @@ class EngineCore:
                 req.logprobs.output.extend(logprobs, limit=kept)
             if ended == "refused" and not req.finished:
                 refuse_by_grammar(req)
+            return kept
         except Exception as e:
             log.exception("request %s: processing its new tokens failed", req.rid)
             req.finish("abort", message=f"internal error: {type(e).__name__}: {e}")
+            return 0
 
     def describe_adaptive(self) -> dict | None:
         """The adaptive policy's view, and how often drafts caught up or were let go."""
@@ -427,19 +429,21 @@ class EngineCore:
                 continue
             if lagged is not None:
                 DraftLag.applied(lagged, req, n)
-            self._append_tokens(req, tokens, lp)
+            kept = self._append_tokens(req, tokens, lp)
             decode_done(req, n)  # (after: a request just finished keeps less)
             if observes:
                 emitted[req.rid] = tokens
             touched.append(req)
-            if speculative:
+            if speculative and kept:
+                # (the tokens kept, not accepted: a stop or max_new_tokens inside the run
+                # drops the rest, and the statistics count what the client received)
                 req.spec_verify_ct += 1
                 hist = req.spec_accept_histogram
-                if len(hist) < n:
-                    hist.extend([0] * (n - len(hist)))
-                hist[n - 1] += 1
+                if len(hist) < kept:
+                    hist.extend([0] * (kept - len(hist)))
+                hist[kept - 1] += 1
                 verified += 1
-                accepted += n
+                accepted += kept
         self.spec_totals["verify_ct"] += verified
         self.spec_totals["accepted"] += accepted
         limits = self.scheduler.limits  # (after running out of memory: climbs back slowly)
