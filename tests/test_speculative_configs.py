@@ -121,7 +121,9 @@ def test_acceptance_statistics_count_the_tokens_a_request_kept():
         assert 1 + sum((i + 1) * c for i, c in enumerate(hist)) == kept, (name, hist)
         assert hist[3] == 1 and sum(hist) == meta["spec_verify_ct"] == 2, (name, hist)
         assert meta["spec_accept_length"] == (kept - 1) / 2, name
-    assert stats["spec_accept_length"] == (7 - 1 + len(outs["stop_token_ids"]["output_ids"]) - 1) / 4
+    assert (
+        stats["spec_accept_length"] == (7 - 1 + len(outs["stop_token_ids"]["output_ids"]) - 1) / 4
+    )
 
 
 @pytest.fixture(scope="module")
