@@ -30,12 +30,14 @@ from specserve.runtime.penalties import check_penalties
 from specserve.runtime.request import Request
 from specserve.runtime.request_inputs import (
     check_rid,
+    entry_error,
     normalize_logprob_options,
     normalize_params,
     normalize_prompts,
     normalize_rids,
 )
 from specserve.runtime.tensor_parallel import start_engine_core
+from specserve.sampling_params import FIELDS as SAMPLING_FIELDS
 from specserve.sampling_params import INT64_MAX, SamplingParams, check_field, noise_seed
 
 log = logging.getLogger(__name__)
@@ -111,10 +113,14 @@ class Engine:
             logprob_start_len=logprob_start_len,
             return_text_in_logprobs=return_text_in_logprobs,
         )
-        groups = [
-            self._make_requests(p, sp, r, field, opt)
-            for (p, field), sp, r, opt in zip(prompts, params, rids, options)
-        ]
+        groups = []
+        for i, ((p, field), sp, r, opt) in enumerate(zip(prompts, params, rids, options)):
+            try:
+                groups.append(self._make_requests(p, sp, r, field, opt))
+            except InvalidArgument as e:
+                if isinstance(sampling_params, list) and e.field in SAMPLING_FIELDS:
+                    raise entry_error(e, i) from None
+                raise
         reqs = [r for g in groups for r in g]
         names = [r.name for r in reqs]
         if len(set(names)) < len(names):  # (one would be refused as in use by the other)

@@ -260,6 +260,28 @@ def test_a_request_id_that_is_not_a_string_is_refused_and_the_loop_lives(engine,
     assert engine._thread.is_alive() and engine.failure is None
 
 
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (dict(sampling_params=[{}, {"temperature": -1}]), "sampling_params[1].temperature"),
+        (
+            dict(sampling_params=[{}, {"stop_token_ids": [10**6]}]),
+            "sampling_params[1].stop_token_ids",
+        ),
+        (dict(sampling_params=[5, {}]), "sampling_params[0]"),
+        (dict(input_ids=[[5, 6], [5, 10**6]]), "input_ids[1]"),
+        (dict(sampling_params={"stop_token_ids": [10**6]}), "stop_token_ids"),  # (one for all)
+    ],
+)
+def test_a_batch_entry_at_fault_is_named_by_its_index(engine, args, field):
+    """A batch's bad entry is named as /generate names it: which prompt, which parameter."""
+    args = {"input_ids": [[5, 6], [5, 7]], **args}
+    with pytest.raises(InvalidArgument) as exc:
+        engine.generate(**args)
+    assert exc.value.field == field and str(exc.value).startswith(field + ": ")
+    assert engine._thread.is_alive() and engine.failure is None
+
+
 @pytest.mark.parametrize("ids", [[5, True], [5, 6.0], "abc", {5: 6}, (i for i in [5, 6])])
 def test_a_low_level_prompt_that_is_not_token_ids_is_refused_naming_input_ids(engine, ids):
     """submit / make_samples take the prompt's ids as they are: the same rule as generate's

@@ -49,11 +49,11 @@ def test_a_well_formed_chat_still_renders(engine):
     assert ids == engine.tokenize_chat(HI)
 
 
-@pytest.mark.parametrize("prompt", ["a\ud800b", ["ok", "\udfff"]])
-def test_a_prompt_that_is_not_unicode_text_is_refused_naming_prompt(engine, prompt):
+@pytest.mark.parametrize("prompt, field", [("a\ud800b", "prompt"), (["ok", "\udfff"], "prompt[1]")])
+def test_a_prompt_that_is_not_unicode_text_is_refused_naming_prompt(engine, prompt, field):
     with pytest.raises(InvalidArgument, match="surrogate") as exc:
         engine.generate(prompt, {"max_new_tokens": 2})
-    assert exc.value.field == "prompt"
+    assert exc.value.field == field
     out = engine.generate("ok", {"max_new_tokens": 2, "ignore_eos": True})
     assert len(out["output_ids"]) == 2
 

@@ -33,14 +33,16 @@ def normalize_prompts(
             why = no_tokenizer()
             raise InvalidArgument("prompt", f"text needs a tokenizer ({why}); pass input_ids")
         if isinstance(prompt, str):
-            return True, [(_encode(tokenizer, prompt), "prompt")]
+            return True, [(_encode(tokenizer, prompt, "prompt"), "prompt")]
         if (
             not isinstance(prompt, list)
             or not prompt
             or not all(isinstance(p, str) for p in prompt)
         ):
             raise InvalidArgument("prompt", "must be a string or a non-empty list of strings")
-        return False, [(_encode(tokenizer, p), "prompt") for p in prompt]
+        return False, [
+            (_encode(tokenizer, p, f"prompt[{i}]"), f"prompt[{i}]") for i, p in enumerate(prompt)
+        ]
     if not isinstance(input_ids, list) or not input_ids:
         raise InvalidArgument(
             "input_ids", "must be a non-empty list of token ids or of lists of token ids"
@@ -48,23 +50,37 @@ def normalize_prompts(
     if all(is_int(t) for t in input_ids):
         return True, [(list(input_ids), "input_ids")]
     if all(isinstance(x, list) and all(is_int(t) for t in x) for x in input_ids):
-        return False, [(list(x), "input_ids") for x in input_ids]
+        return False, [(list(x), f"input_ids[{i}]") for i, x in enumerate(input_ids)]
     raise InvalidArgument("input_ids", "must be a list of ints or a list of lists of ints")
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    check_text("prompt", text)
+def _encode(tokenizer, text: str, field: str) -> list[int]:
+    check_text(field, text)
     return list(tokenizer.encode(text, add_special_tokens=True))
 
 
 def normalize_params(sp, n: int) -> list[SamplingParams]:
-    """One SamplingParams per prompt: one for all, or a list of n."""
+    """One SamplingParams per prompt: one for all, or a list of n (an entry's error names
+    it: `sampling_params[i].field`)."""
     if isinstance(sp, list):
         if len(sp) != n:
             raise InvalidArgument("sampling_params", f"has {len(sp)} entries for {n} prompts")
-        return [SamplingParams.from_any(x) for x in sp]
+        out = []
+        for i, x in enumerate(sp):
+            try:
+                out.append(SamplingParams.from_any(x))
+            except InvalidArgument as e:
+                raise entry_error(e, i) from None
+        return out
     one = SamplingParams.from_any(sp)
     return [one] * n
+
+
+def entry_error(e: InvalidArgument, i: int) -> InvalidArgument:
+    """e, raised by entry i of a list of sampling parameters, naming that entry."""
+    message = str(e)[len(e.field) + 2 :]  # (without its "field: ")
+    field = "sampling_params" if e.field == "sampling_params" else f"sampling_params.{e.field}"
+    return InvalidArgument(field.replace("sampling_params", f"sampling_params[{i}]", 1), message)
 
 
 def normalize_rids(rid, n: int) -> list[str | None]:
