@@ -142,11 +142,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             final = chunk
         meta = final["meta_info"] if final else {}
-        summary = f"\n\n[{meta.get('completion_tokens')} tokens, {meta.get('e2e_latency', 0):.2f}s, finish: {meta.get('finish_reason')}"
+        summary = (
+            f"\n\n[{meta.get('completion_tokens')} tokens, {meta.get('e2e_latency', 0):.2f}s, "
+            f"finish: {describe_finish(meta.get('finish_reason'))}"
+        )
         if "spec_accept_length" in meta:
             summary += f", accept length {meta['spec_accept_length']:.2f}"
         print(summary + "]")
     return 0
+
+
+def describe_finish(reason: dict | None) -> str:
+    """'stop (token 2)', 'stop ("\\n\\n")', 'length (128)', 'abort: <message>'."""
+    if not reason:
+        return "none"
+    kind = reason.get("type", "?")
+    if "message" in reason:
+        return f"{kind}: {reason['message']}"
+    if "matched" in reason:
+        matched = reason["matched"]
+        what = f"token {matched}" if isinstance(matched, int) else json.dumps(matched)
+        return f"{kind} ({what})"
+    if "length" in reason:
+        return f"{kind} ({reason['length']})"
+    return kind
 
 
 def main(argv: list[str] | None = None) -> int:

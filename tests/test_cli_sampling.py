@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from specserve import InvalidArgument
 from specserve.cli import main
 from tests.model_factory import write_hf_model
 
@@ -25,3 +26,23 @@ def test_the_cli_passes_penalties_and_refuses_bad_ones(folder, capsys):
     assert json.loads(capsys.readouterr().out)["output_ids"] != free
     assert main([*common, "--repetition-penalty", "0"]) == 2
     assert "repetition_penalty" in capsys.readouterr().err
+
+
+def test_the_streamed_summary_says_how_the_output_ended_in_words(folder, capsys):
+    args = ["generate", "hello", "--model-path", folder, "--dtype", "float32",
+            "--device", "cpu", "--max-new-tokens", "5", "--ignore-eos"]  # fmt: skip
+    assert main(args) == 0
+    summary = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert summary.startswith("[5 tokens, ") and summary.endswith("finish: length (5)]"), summary
+
+
+def test_a_bad_default_max_tokens_names_every_allowed_value():
+    from specserve.server.server_config import ServerConfig
+
+    for whole_context in (0, -1, None):
+        config = ServerConfig(default_max_tokens=whole_context)
+        config.validate()
+        assert config.default_max_tokens is None
+    with pytest.raises(InvalidArgument) as info:
+        ServerConfig(default_max_tokens=-2).validate()
+    assert info.value.field == "default_max_tokens" and "0 or -1" in str(info.value)

@@ -33,9 +33,13 @@ class ServerConfig:
             raise InvalidArgument(
                 "max_samples_per_request", f"must be >= 1, got {self.max_samples_per_request}"
             )
+        if self.default_max_tokens in (0, -1):  # (the command line's words for None)
+            self.default_max_tokens = None
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise InvalidArgument(
-                "default_max_tokens", f"must be >= 1, got {self.default_max_tokens}"
+                "default_max_tokens",
+                f"must be >= 1, or 0 or -1 for the rest of the context, got "
+                f"{self.default_max_tokens}",
             )
         if self.graceful_shutdown_timeout < 0:
             raise InvalidArgument("graceful_shutdown_timeout", "must be >= 0")
