@@ -469,7 +469,8 @@ def test_client_disconnect_mid_stream_frees_kv(tiny_engine, tiny):
             with http.stream("POST", "/v1/completions", json=LONG_STREAM) as resp:
                 assert resp.status_code == 200
                 n = 0
-                for line in resp.iter_lines():
+                lines = resp.iter_lines()  # (kept: a dropped iterator closes the connection)
+                for line in lines:
                     n += line.startswith("data: ")
                     if n >= 5:
                         break

@@ -180,7 +180,8 @@ def test_a_client_leaving_a_speculative_stream_aborts_every_choice(spec_served):
             with http.stream("POST", COMPLETIONS, json=body) as resp:
                 assert resp.status_code == 200
                 seen = 0
-                for line in resp.iter_lines():
+                lines = resp.iter_lines()  # (kept: a dropped iterator closes the connection)
+                for line in lines:
                     seen += line.startswith("data: ")
                     if seen >= 3:
                         break
