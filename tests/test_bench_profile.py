@@ -1,12 +1,9 @@
 """`specserve bench profile-step`: step counting and the interval arithmetic behind its numbers
-(the kernel columns need CUDA; on the CPU they are empty and say so)."""
+(the command needs CUDA and refuses a CPU: tests/test_bench_arguments.py)."""
 
 from __future__ import annotations
 
-import json
-
 from specserve.bench.profile_step import _busy_time, kernel_class
-from specserve.cli import main
 from specserve.model.config import PRESETS
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
 
@@ -27,24 +24,22 @@ def test_kernel_classes():
     assert kernel_class("_rope_write_kernel") == "rope/kv"
 
 
-def test_profile_step_counts_speculative_steps(tmp_path, capsys):
+def test_profile_step_counts_speculative_steps(tmp_path):
+    """(The command itself needs CUDA; its step counting runs on any engine.)"""
+    from specserve import Engine
+    from specserve.bench.profile_step import profile_decode
+
     draft = write_random_eagle_checkpoint(str(tmp_path / "draft"), PRESETS["tiny"], "EAGLE")
-    out = tmp_path / "profile.json"
-    rc = main(
-        [
-            "bench", "profile-step", "--model-path", "tiny", "--load-format", "dummy",
-            "--device", "cpu", "--input-len", "8", "--output-len", "13",
-            "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", draft,
-            "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
-            "--speculative-num-draft-tokens", "4", "--simulate-acc-len", "3",
-            "--simulate-acc-method", "match-expected", "--output-json", str(out),
-        ]
+    engine_args = dict(
+        model_path="tiny", load_format="dummy", device="cpu",
+        speculative_algorithm="EAGLE", speculative_draft_model_path=draft,
+        speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4,
+        simulate_acc_len=3, simulate_acc_method="match-expected",
     )  # fmt: skip
-    assert rc == 0
-    result = json.loads(out.read_text())
+    with Engine(**engine_args) as engine:
+        result = profile_decode(engine, 1, 8, 13, 15)
     s = result["summary"]
     # 12 tokens after the prefill's first, 3 per step (accept length forced to 3)
     assert s["decode_steps"] == 4 and abs(s["accept_length"] - 3.0) < 1e-6  # tokens per verify
     assert s["wall_us_per_step"] > 0 and s["decode_tok_s"] > 0
     assert s["kernels_per_step"] == 0 and s["idle_fraction"] is None  # no CUDA kernels here
-    assert "decode_steps" in capsys.readouterr().out

@@ -43,6 +43,49 @@ def parse_config(text: str) -> tuple[str, int, int, int]:
     return name, steps, topk, tokens
 
 
+def draft_and_algorithm(target: str, draft: str | None, algorithm: str | None) -> tuple[str, str]:
+    """The draft (default: the target's bundled one) and its algorithm (default: what its
+    checkpoint is for); an algorithm the draft is not for is refused, naming the flag."""
+    from specserve.errors import InvalidArgument
+    from specserve.model.registry import bundled_draft_folder
+    from specserve.speculative.eagle_checkpoint import draft_algorithm
+
+    if draft is None:
+        draft = bundled_draft_folder(target)
+        if draft is None:
+            raise InvalidArgument("--draft", f"no bundled draft for {target}: pass one")
+    detected = draft_algorithm(draft)
+    if algorithm is not None and algorithm != detected:
+        raise InvalidArgument(
+            "--algorithm",
+            f"{draft} is a draft for {detected}, not {algorithm}: pass --algorithm {detected} "
+            "(or leave it out), or a --draft for it",
+        )
+    return draft, detected
+
+
+def config_kwargs(
+    target: str,
+    draft: str,
+    algorithm: str,
+    config: tuple[str, int, int, int],
+    engine_overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The Engine arguments of one configuration."""
+    from specserve.train.generate import engine_kwargs_known
+
+    _, steps, topk, tokens = config
+    return dict(
+        model_path=target,
+        speculative_algorithm=algorithm,
+        speculative_draft_model_path=draft,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=tokens,
+        **engine_kwargs_known(engine_overrides or {}),
+    )
+
+
 def run_config(
     target: str,
     draft: str,
@@ -55,18 +98,7 @@ def run_config(
     from specserve.engine import Engine
 
     name, steps, topk, tokens = config
-    kw: dict[str, Any] = dict(
-        model_path=target,
-        speculative_algorithm=algorithm,
-        speculative_draft_model_path=draft,
-        speculative_num_steps=steps,
-        speculative_eagle_topk=topk,
-        speculative_num_draft_tokens=tokens,
-    )
-    from specserve.train.generate import engine_kwargs_known
-
-    kw.update(engine_kwargs_known(engine_overrides or {}))
-    with Engine(**kw) as engine:
+    with Engine(**config_kwargs(target, draft, algorithm, config, engine_overrides)) as engine:
         ids = [engine.tokenize_chat([{"role": "user", "content": p}]) for p in prompts]
         t0 = time.perf_counter()
         outs = engine.generate(
@@ -134,6 +166,15 @@ def run_acceptance(
     return rows
 
 
+def engine_overrides(args) -> dict[str, Any]:
+    """--engine-arg values, with --dtype and --device when given."""
+    from specserve.train.generate import parse_engine_args
+
+    overrides = parse_engine_args(args.engine_arg)
+    overrides.update({k: v for k, v in (("dtype", args.dtype), ("device", args.device)) if v})
+    return overrides
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     cols = ["config", "num_steps", "topk", "num_draft_tokens", "accept_length", "seconds"]
     print(" | ".join(cols + ["histogram"]))
@@ -182,23 +223,9 @@ def add_acceptance_parser(bsub) -> None:
     def run(args) -> int:
         import sys
 
-        draft = args.draft
-        if draft is None:
-            from specserve.model.registry import bundled_draft_folder
-
-            draft = bundled_draft_folder(args.target)
-            if draft is None:
-                print(f"error: no bundled draft for {args.target}; pass --draft", file=sys.stderr)
-                return 2
-        if args.algorithm is None:
-            from specserve.speculative.eagle_checkpoint import draft_algorithm
-
-            args.algorithm = draft_algorithm(draft)
+        draft, args.algorithm = draft_and_algorithm(args.target, args.draft, args.algorithm)
         configs = [parse_config(c) for c in args.configs] if args.configs else None
-        from specserve.train.generate import parse_engine_args
-
-        overrides = parse_engine_args(args.engine_arg)
-        overrides.update({k: v for k, v in (("dtype", args.dtype), ("device", args.device)) if v})
+        overrides = engine_overrides(args)
 
         def save(rows) -> None:  # after every configuration: a timeout keeps what was measured
             if args.output:
@@ -223,6 +250,9 @@ def add_acceptance_parser(bsub) -> None:
         print(json.dumps(result, indent=2))
         save(rows)
         print_table(rows)
+        if not rows:  # (each one's reason is logged above)
+            print("error: every configuration failed", file=sys.stderr)
+            return 1
         return 0
 
     p.set_defaults(func=run)

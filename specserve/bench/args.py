@@ -57,42 +57,136 @@ def _existing(flag: str, path: str | None) -> None:
         _fail(flag, f"{path} does not exist")
 
 
-def _engine_args(items: list[str]) -> None:
+def _model(flag: str, path: str) -> None:
+    """A packaged model, a preset (random weights) or an existing file or folder."""
+    from specserve.model.config import PRESETS
+    from specserve.model.registry import packaged_model_names
+
+    names = sorted({*PRESETS, *packaged_model_names()})
+    if path.lower() not in names and not os.path.exists(path):
+        _fail(flag, f"{path} does not exist (and is not one of {', '.join(names)})")
+
+
+def _engine_args(items: list[str]) -> dict:
     from specserve.train.generate import parse_engine_args
 
     try:
-        parse_engine_args(items)
+        return parse_engine_args(items)
     except ValueError as e:
         _fail("--engine-arg", str(e))
 
 
+def _resolves(kwargs: dict, flags: dict[str, str], what: str = "") -> object:
+    """EngineConfig's own checks (no model is read) of `kwargs`, a refusal naming the flag
+    that set the field (`flags`; any other field came from --engine-arg). `what` prefixes a
+    refusal of --configs. Returns the resolved config."""
+    from specserve.config import EngineConfig
+    from specserve.errors import InvalidArgument
+
+    try:
+        return EngineConfig.from_kwargs(**kwargs).resolve()
+    except InvalidArgument as e:
+        message = str(e).removeprefix(f"{e.field}: ")
+        if e.field in flags:  # (`what`: which of the --configs)
+            prefix = what if flags[e.field] == "--configs" else ""
+            _fail(flags[e.field], f"{prefix}{message} ({e.field})")
+        _fail("--engine-arg", f"{e.field}: {message}")
+
+
+# the engine fields `bench acceptance` sets from its own flags
+ACCEPTANCE_FLAGS = {
+    "model_path": "--target",
+    "speculative_draft_model_path": "--draft",
+    "speculative_algorithm": "--algorithm",
+    "speculative_num_steps": "--configs",
+    "speculative_eagle_topk": "--configs",
+    "speculative_num_draft_tokens": "--configs",
+}
+
+
 def check_acceptance(args) -> None:
-    from specserve.bench.acceptance import parse_config
+    from specserve.bench.acceptance import (
+        DEFAULT_CONFIGS,
+        config_kwargs,
+        draft_and_algorithm,
+        engine_overrides,
+        parse_config,
+    )
 
     check_output_files(args)
+    _model("--target", args.target)
     _existing("--draft", args.draft)
     _prompt_set("--prompts", args.prompts)
     _engine_args(args.engine_arg)
+    configs = []
     for text in args.configs or ():
         try:
-            _, steps, topk, tokens = parse_config(text)
+            configs.append(parse_config(text))
         except ValueError as e:
             _fail("--configs", f"{e}, e.g. 5,1,6 or 6,8,64")
-        if min(steps, topk, tokens) < 1:
+        if min(configs[-1][1:]) < 1:
             _fail("--configs", f"{text!r}: STEPS, TOPK and TOKENS must be >= 1")
+    draft, algorithm = draft_and_algorithm(args.target, args.draft, args.algorithm)
+    flags = {**ACCEPTANCE_FLAGS, "dtype": "--dtype", "device": "--device"}
+    for config in configs or DEFAULT_CONFIGS:
+        kwargs = config_kwargs(args.target, draft, algorithm, config, engine_overrides(args))
+        what = f"{config[0]} ({','.join(map(str, config[1:]))}): " if args.configs else ""
+        _resolves(kwargs, flags, what)
 
 
 def check_compare(args) -> None:
+    from specserve.config.speculative import MAX_STEPS, MAX_TOPK
+
     check_output_files(args)
+    _model("--model-path", args.model_path)
     _existing("--draft", args.draft)
     if args.draft_vocab_size < 1:
         _fail("--draft-vocab-size", f"must be >= 1, got {args.draft_vocab_size}")
+    if not 1 <= args.num_steps <= MAX_STEPS:
+        _fail("--num-steps", f"must be in [1, {MAX_STEPS}], got {args.num_steps}")
+    if not 1 <= args.topk <= MAX_TOPK:
+        _fail("--topk", f"must be in [1, {MAX_TOPK}], got {args.topk}")
     if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
         _fail("--num-draft-tokens", f"must be >= 1, got {args.num_draft_tokens}")
+    # the speculative rows' configuration, checked as their engines will check it
+    flags = {
+        "model_path": "--model-path",
+        "load_format": "--load-format",
+        "device": "--device",
+        "dtype": "--dtype",
+        "speculative_draft_model_path": "--draft",
+        "speculative_num_steps": "--num-steps",
+        "speculative_eagle_topk": "--topk",
+        "speculative_num_draft_tokens": "--num-draft-tokens",
+    }
+    cfg = _resolves(
+        dict(
+            model_path=args.model_path,
+            load_format=args.load_format,
+            device=args.device,
+            dtype=args.dtype,
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=args.draft or "random",  # (written later)
+            speculative_num_steps=args.num_steps,
+            speculative_eagle_topk=args.topk,
+            speculative_num_draft_tokens=args.num_draft_tokens or 1 + args.num_steps * args.topk,
+        ),
+        flags,
+    )
+    # the engine clips a longer accept length, which would mislabel its row
+    longest = min(cfg.speculative_num_steps, cfg.speculative_num_draft_tokens - 1) + 1
+    for length in args.accept_lengths:
+        if not 1 <= length <= longest:
+            _fail(
+                "--accept-lengths",
+                f"each must be in [1, {longest}] (1 + min(--num-steps, --num-draft-tokens - 1)),"
+                f" got {length}",
+            )
 
 
 def check_e2e(args) -> None:
     check_output_files(args)
+    _model("--model-path", args.model_path)
     _existing("--draft", args.draft)
     _prompt_set("--prompts", args.prompts)
     if args.rounds < 1:
@@ -126,6 +220,23 @@ def check_serving(args) -> None:
         _fail("--vocab-size", f"must be >= 1, got {args.vocab_size}")
 
 
+def check_profile(args) -> None:
+    import torch
+
+    check_output_files(args)
+    # it profiles CUDA kernels: on a CPU its profile would be empty
+    if not torch.cuda.is_available():
+        _fail(
+            "--device",
+            "bench profile-step profiles CUDA kernels and needs a CUDA device; none is available",
+        )
+    if args.device is not None and not args.device.startswith(("cuda", "auto")):
+        _fail(
+            "--device",
+            f"bench profile-step profiles CUDA kernels: use cuda or cuda:N, not {args.device!r}",
+        )
+
+
 CHECKS = {
     "acceptance": check_acceptance,
     "compare": check_compare,
@@ -133,5 +244,5 @@ CHECKS = {
     "multiturn": check_multiturn,
     "serving": check_serving,
     "one-batch": check_output_files,
-    "profile-step": check_output_files,
+    "profile-step": check_profile,
 }

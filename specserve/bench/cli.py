@@ -60,16 +60,23 @@ def add_bench_parser(sub, add_engine_args, engine_kwargs) -> None:
     add_engine_args(ob)
 
     def run_one_batch_cmd(args):
-        from specserve.bench.one_batch import dump, run_one_batch
+        from specserve.bench.one_batch import check_static_batches, dump, run_one_batch
         from specserve.engine import Engine
         from specserve.errors import InvalidArgument
 
         rows = []
-        with Engine(**engine_kwargs(args)) as engine:
+        kwargs = engine_kwargs(args)
+        # one static batch: every request of the largest batch runs at once (SGLang's
+        # bench_one_batch sizes its engine so too); a user's limit is checked instead
+        kwargs.setdefault("max_running_requests", max(args.batch_size))
+        with Engine(**kwargs) as engine:
             if args.chat and engine.tokenizer is None:
                 raise InvalidArgument(
                     "--chat", "the chat prompts need a tokenizer; this model has none"
                 )
+            check_static_batches(
+                engine, args.batch_size, args.input_len, args.output_len, chat=args.chat
+            )
             for bs in args.batch_size:
                 rows.append(
                     run_one_batch(

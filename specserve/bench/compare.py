@@ -21,22 +21,43 @@ from specserve.bench.one_batch import dump, free_device_memory, run_one_batch
 
 
 def add_compare_parser(bsub) -> argparse.ArgumentParser:
-    p = bsub.add_parser("compare", help="this engine (plain, speculative, overlap on/off) vs HF")
-    p.add_argument("--model-path", default="llama3-8b")
-    p.add_argument("--load-format", default="dummy")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--batch-size", type=positive_int, default=1)
-    p.add_argument("--input-len", type=positive_int, default=128)
-    p.add_argument("--output-len", type=positive_int, default=256)
-    p.add_argument("--draft", default=None, help="EAGLE3 checkpoint (default: a random head)")
-    p.add_argument("--draft-vocab-size", type=int, default=32000)
-    p.add_argument("--accept-lengths", type=float, nargs="+", default=[1.0, 2.0, 3.0, 4.0])
-    p.add_argument("--num-steps", type=positive_int, default=3)
-    p.add_argument("--topk", type=positive_int, default=1)
-    p.add_argument("--num-draft-tokens", type=int, default=None)
+    p = bsub.add_parser(
+        "compare",
+        help="this engine (plain, speculative, overlap on/off) vs HF",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every option's default
+    )
+    p.add_argument(
+        "--model-path", default="llama3-8b", help="target model: preset, packaged or path"
+    )
+    p.add_argument("--load-format", default="dummy", help="dummy: random weights; auto: real ones")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="requests per batch")
+    p.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens each")
+    p.add_argument("--output-len", type=positive_int, default=256, help="new tokens each")
+    p.add_argument("--draft", default=None, help="EAGLE3 checkpoint; unset: a random head")
+    p.add_argument(
+        "--draft-vocab-size", type=int, default=32000, help="the random head's draft vocabulary"
+    )
+    p.add_argument(
+        "--accept-lengths",
+        type=float,
+        nargs="+",
+        default=[1.0, 2.0, 3.0, 4.0],
+        help="simulated accept lengths, one speculative row pair each; each in "
+        "[1, 1 + min(num-steps, num-draft-tokens - 1)]",
+    )
+    p.add_argument("--num-steps", type=positive_int, default=3, help="draft steps, 1 to 16")
+    p.add_argument("--topk", type=positive_int, default=1, help="draft tree branching, 1 to 16")
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help="tokens verified per step; unset: 1 + num-steps x topk",
+    )
     p.add_argument("--skip-hf", action="store_true", help="do not run HF transformers")
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--output-json", default=None, help="also write the rows to this file")
     p.add_argument("--plot", default=None, help="PNG path: decode tok/s against accept length")
     p.set_defaults(func=cmd_compare)
     return p

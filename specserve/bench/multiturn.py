@@ -80,14 +80,36 @@ def _output_ids(engine, sp: dict, prompts: list[list[int]]) -> list[list[int]]:
     return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=sp)]
 
 
+def plain_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` without speculative decoding: its settings and simulated acceptance (which
+    needs it) dropped, and no bundled draft."""
+    drop = ("speculative_", "simulate_acc_")
+    return {k: v for k, v in kwargs.items() if not k.startswith(drop)} | {"no_default_draft": True}
+
+
+def check_spec_variants(variants: list[str], kwargs: dict[str, Any]) -> None:
+    """A `spec` variant needs a draft (the speculative flags', or a packaged model's bundled
+    one): without one it would run plain decoding under the label "spec"."""
+    from specserve.config import EngineConfig
+    from specserve.errors import InvalidArgument
+
+    spec = [v for v in variants if v.startswith("spec")]
+    if spec and EngineConfig.from_kwargs(**kwargs).resolve().speculative_algorithm is None:
+        raise InvalidArgument(
+            "--variants",
+            f"{', '.join(spec)} needs a draft: pass --speculative-algorithm and "
+            "--speculative-draft-model-path, or use a packaged model with its bundled draft "
+            "(not --load-format dummy or --no-default-draft), or run only plain variants",
+        )
+
+
 def run_variant(variant: str, kwargs: dict[str, Any], args) -> dict[str, Any]:
     from specserve.engine import Engine
 
     speculative, _, nocache = variant.partition("-")
     kw = dict(kwargs, disable_radix_cache=bool(nocache))
     if speculative == "plain":
-        kw = {k: v for k, v in kw.items() if not k.startswith("speculative_")}
-        kw["no_default_draft"] = True
+        kw = plain_kwargs(kw)
     sp = {"temperature": 0.0, "max_new_tokens": args.answer_len, "ignore_eos": True}
     ttft = {"first": [], "later": []}
     tokens, seconds, accept = 0, 0.0, None
@@ -129,6 +151,7 @@ def run_variant(variant: str, kwargs: dict[str, Any], args) -> dict[str, Any]:
 
 
 def cmd_multiturn(args, kwargs: dict[str, Any]) -> int:
+    check_spec_variants(args.variants, kwargs)
     rows = [run_variant(v, kwargs, args) for v in args.variants]
     dump(rows, args.output_json)
     return 0

@@ -134,6 +134,47 @@ def timed_run(engine, prompts: list[list[int]], sp: dict) -> dict[str, Any]:
     }
 
 
+def check_static_batch(engine, batch_size: int, prompt_len: int, output_len: int) -> None:
+    """Refuse a batch the engine cannot run as one static batch, before anything is timed:
+    with more requests than max_running_requests, or more KV than max_total_tokens holds,
+    the rest would queue (or be retracted) and their decode would be timed as prefill.
+    prompt_len: the batch's longest prompt."""
+    from specserve.errors import InvalidArgument
+
+    resolved = engine.resolved_args()
+    running = resolved["max_running_requests"]
+    if batch_size > running:
+        raise InvalidArgument(
+            "--batch-size",
+            f"{batch_size} requests cannot run as one batch: max_running_requests is "
+            f"{running} (raise --max-running-requests to at least {batch_size})",
+        )
+    # each request holds its prompt and output, plus what a decode step writes past its KV
+    # and the step launched ahead reserves (the speculative window), in whole pages
+    limits = engine.core.scheduler.limits
+    window = limits.decode_window + limits.kv_lookahead + limits.max_accept
+    page = resolved["page_size"]
+    per_request = -(-(prompt_len + output_len + window) // page) * page
+    kv = resolved["max_total_tokens"]
+    if batch_size * per_request > kv:
+        raise InvalidArgument(
+            "--batch-size",
+            f"{batch_size} requests of {prompt_len} + {output_len} tokens (+ {window} for "
+            f"the decode window, in pages of {page}) need {batch_size * per_request} KV "
+            f"tokens; max_total_tokens is {kv} (raise --max-total-tokens, or lower "
+            "--batch-size, --input-len or --output-len)",
+        )
+
+
+def check_static_batches(
+    engine, batch_sizes: list[int], input_len: int, output_len: int, chat: bool = False
+) -> None:
+    """`check_static_batch` for every batch size, before the first one runs."""
+    for bs in batch_sizes:
+        prompts, _, _ = timed_batch(engine, bs, None if chat else input_len, output_len)
+        check_static_batch(engine, bs, max(map(len, prompts)), output_len)
+
+
 def run_one_batch(
     engine,
     batch_size: int,

@@ -211,6 +211,17 @@ def run_train(args) -> int:
     from specserve.train.arg_checks import check_target, check_train_args
 
     check_train_args(args)  # (before generating data: the head is built only when training starts)
+    if args.engine_arg:  # the engine workers' arguments, as their engines would check them
+        from specserve.train.generate import check_engine_args, parse_engine_args
+
+        check_engine_args(
+            parse_engine_args(args.engine_arg),
+            model_path=args.target,
+            load_format=args.load_format,
+            device=args.device,
+            skip_tokenizer_init=True,
+            no_default_draft=True,
+        )
     from specserve.train.checkpoint import write_training_args
     from specserve.train.data import DataArgs, build_dataset, load_target, refuse_other_data
     from specserve.train.generate import parse_engine_args

@@ -27,7 +27,6 @@ import json
 import os
 import queue
 import random
-import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -97,21 +96,47 @@ class _ListSource:
         return self.chunks.pop(0) if self.chunks else None
 
 
-def engine_kwargs_known(kwargs: dict) -> dict:
-    """`kwargs` without the keys this version of EngineConfig does not have (so a script can
-    pass e.g. disable_cuda_graph to any version); unknown keys are reported on stderr."""
+def _unknown_engine_args(keys) -> str | None:
+    """Why `keys` are refused, or None: each must be an EngineConfig field (a typo would
+    otherwise run another configuration than the one asked for)."""
     from specserve.config import EngineConfig
 
-    known = set(EngineConfig.field_names())
-    dropped = sorted(k for k in kwargs if k not in known)
-    if dropped:
-        print(f"engine arguments unknown to this engine, ignored: {dropped}", file=sys.stderr)
-    return {k: v for k, v in kwargs.items() if k in known}
+    known = EngineConfig.field_names()
+    unknown = sorted(k for k in keys if k not in known)
+    if not unknown:
+        return None
+    return f"unknown engine argument {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
+
+
+def engine_kwargs_known(kwargs: dict) -> dict:
+    """`kwargs`, each key an engine argument; an unknown one is refused naming the allowed."""
+    from specserve.errors import InvalidArgument
+
+    why = _unknown_engine_args(kwargs)
+    if why:
+        raise InvalidArgument("--engine-arg", why)
+    return dict(kwargs)
+
+
+def check_engine_args(kwargs: dict, **base) -> None:
+    """Refuse before anything loads what the engine would refuse once loading: `kwargs`
+    (the --engine-arg values) over `base` (what the caller passes the engine itself),
+    through EngineConfig's own checks, which read no model."""
+    from specserve.config import EngineConfig
+    from specserve.errors import InvalidArgument
+
+    try:
+        EngineConfig.from_kwargs(**{**base, **engine_kwargs_known(kwargs)}).resolve()
+    except InvalidArgument as e:
+        if e.field == "--engine-arg":
+            raise
+        raise InvalidArgument("--engine-arg", str(e)) from None
 
 
 def parse_engine_args(items: list[str]) -> dict:
     """['KEY=VALUE', ...] -> {key: value}; a VALUE that parses as JSON is taken as such
-    (true, 65536, 0.8), otherwise as a string; '-' in keys becomes '_'."""
+    (true, 65536, 0.8), otherwise as a string; '-' in keys becomes '_'. A KEY that is no
+    engine argument is refused (ValueError)."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -121,6 +146,9 @@ def parse_engine_args(items: list[str]) -> dict:
             out[key.replace("-", "_")] = json.loads(value)
         except json.JSONDecodeError:
             out[key.replace("-", "_")] = value
+    why = _unknown_engine_args(out)
+    if why:
+        raise ValueError(why)
     return out
 
 
