@@ -29,6 +29,7 @@ The bench's own JSON goes where --output-json says (its table is printed as usua
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import os
@@ -423,25 +424,53 @@ def busy_threads(min_seconds: float = 0.5) -> None:
         print(f"  {tid} {name}: {cpu:.1f} s")
 
 
-def main() -> int:
-    if len(sys.argv) < 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    out, flags = Path(sys.argv[1]), sys.argv[2:]
-    time_calls = "--time-calls" in flags
-    if time_calls:
-        flags.remove("--time-calls")
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """This script's own arguments, and the flags it hands to one-batch (or in-turns)."""
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        usage="%(prog)s [-h] OUT.json [--time-calls] [--in-turns] [flags ...]",
+        epilog="Any other flags go to `specserve bench one-batch` (with --in-turns, to "
+        "bench/one_batch_in_turns.py; a `--` and what follows it are passed as they are).",
+        allow_abbrev=False,  # a one-batch flag must never be taken for an abbreviation of ours
+    )
+    p.add_argument("output", metavar="OUT.json", help="where the trace JSON is written")
+    p.add_argument(
+        "--time-calls",
+        action="store_true",
+        help="also sum host functions' time per step and time every engine's steps",
+    )
+    p.add_argument(
+        "--in-turns", action="store_true", help="run bench/one_batch_in_turns.py's configurations"
+    )
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, flags = p.parse_known_args(argv[:cut])
+    flags += argv[cut:]
+    # The output path comes first; otherwise a flag's value (`--batch-size 8`) would be taken
+    # for it and the trace written to a file named "8".
+    if argv[0] != args.output:
+        p.error(f"OUT.json must be the first argument, got {argv[0]!r} first")
+    out = Path(args.output)
+    if out.is_dir():
+        p.error(f"argument OUT.json: {out} is a folder; a file path is needed")
+    if not out.resolve().parent.is_dir():
+        p.error(f"argument OUT.json: its folder {out.resolve().parent} does not exist")
+    return args, flags
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, flags = parse_args(sys.argv[1:] if argv is None else argv)
+    out, time_calls = Path(args.output), args.time_calls
     log: list[dict] = []
     steps: list[dict] = []
     compiles: list[dict] = []
     record_picks(log)
     record_steps(steps, time_calls)
     logs_compiles = record_compiles(steps, compiles)
-    if flags and flags[0] == "--in-turns":  # bench/one_batch_in_turns.py and its flags
+    if args.in_turns:  # bench/one_batch_in_turns.py and its flags
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from one_batch_in_turns import main as in_turns_main
 
-        rc = in_turns_main(flags[1:])
+        rc = in_turns_main(flags)
     else:
         from specserve.cli import main as cli_main
 

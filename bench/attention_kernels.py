@@ -26,7 +26,7 @@ import torch
 
 # Runnable as a plain script from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.script_checks import require_cuda  # noqa: E402
 from specserve.bench.gpu_timing import graph_ms, warm_up_clocks  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
@@ -135,8 +135,7 @@ def main() -> None:
         help="with --tune: only these shapes",
     )
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/attention_kernels.py needs a CUDA GPU (Triton kernels); none found.")
+    require_cuda(__file__, "Triton kernels")
     warm_up_clocks()
     if args.tune:
         tune(

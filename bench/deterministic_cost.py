@@ -23,6 +23,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.script_checks import require_cuda  # noqa: E402
+
 SMOL = ["--input-len", "128", "--output-len", "256"]
 CASES = {  # name: (one-batch flags, batch sizes)
     "smol-plain": (SMOL + ["--no-default-draft"], ["1"]),
@@ -69,6 +73,8 @@ def main() -> int:
     p.add_argument("--only", choices=["smol", "8b"], help="run only these cases")
     p.add_argument("--out", default="/tmp/deterministic_cost")
     args = p.parse_args()
+    # --enable-deterministic-inference's kernels are CUDA-only: a CPU run measures nothing
+    require_cuda(__file__, "deterministic inference's kernels are CUDA-only")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -22,6 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.script_checks import check_output_file, engine_errors  # noqa: E402
+
 DRAFT = Path(__file__).resolve().parents[1] / "specserve/data/drafts/smollm2-135m-eagle"
 MODES = {
     "greedy": {"temperature": 0.0},
@@ -50,19 +52,21 @@ def bundled_tree_engine(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64, 200])
-    ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--output-json")
     from specserve import Engine
+    from specserve.bench.args import positive_int
     from specserve.cli import add_engine_args
 
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-size", type=positive_int, nargs="+", default=[1, 8, 64, 200])
+    ap.add_argument("--output-len", type=positive_int, default=32)
+    ap.add_argument("--output-json")
     add_engine_args(ap)
     args = ap.parse_args()
+    check_output_file(ap, "--output-json", args.output_json)
 
     start = time.perf_counter()
     rows = []
-    with Engine(**bundled_tree_engine(args)) as engine:
+    with engine_errors(), Engine(**bundled_tree_engine(args)) as engine:
         up = time.perf_counter() - start
         stats = engine.stats()
         kv = next(

@@ -20,7 +20,7 @@ import torch
 
 # Runnable as a plain script from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.script_checks import require_cuda  # noqa: E402
 from specserve.device import to_device  # noqa: E402
 
 
@@ -84,9 +84,7 @@ def main() -> int:
     args = p.parse_args()
     if args.calls < 1:
         p.error("--calls must be at least 1")
-    if not torch.cuda.is_available():
-        print("needs CUDA: these are the costs of CUDA calls", file=sys.stderr)
-        return 2
+    require_cuda(__file__, "these are the costs of CUDA calls")
     out = {"device": torch.cuda.get_device_name(), "us_per_call": measure(args.calls)}
     text = json.dumps(out, indent=2)
     print(text)

@@ -19,7 +19,14 @@ import argparse
 import cProfile
 import json
 import pstats
+import sys
 import time
+from pathlib import Path
+
+# Runnable as a plain script from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.script_checks import check_output_file, engine_errors  # noqa: E402
 
 
 def profile_batch(
@@ -102,13 +109,16 @@ def print_table(result: dict) -> None:
 
 
 def main() -> None:
+    from specserve.bench.args import positive_int
     from specserve.cli import add_engine_args, engine_kwargs
     from specserve.engine import Engine
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--top", type=int, default=30, help="functions to list per table")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="(default: %(default)s)")
+    p.add_argument("--output-len", type=positive_int, default=128, help="(default: %(default)s)")
+    p.add_argument(
+        "--top", type=positive_int, default=30, help="functions to list per table (default: 30)"
+    )
     p.add_argument("--output-json", default=None)
     p.add_argument(
         "--without-step-compute",
@@ -118,7 +128,15 @@ def main() -> None:
     )
     add_engine_args(p)
     args = p.parse_args()
-    with Engine(**engine_kwargs(args)) as engine:
+    check_output_file(p, "--output-json", args.output_json)
+    with engine_errors(), Engine(**engine_kwargs(args)) as engine:
+        if engine.tokenizer is None:
+            # the profiled batch is chat prompts, as `bench one-batch --chat` sends
+            p.error(
+                f"argument --model-path: {args.model_path} has no tokenizer here "
+                f"({engine._no_tokenizer()}); chat prompts need one (a GGUF or an HF folder "
+                "with tokenizer files, without --skip-tokenizer-init)"
+            )
         result = profile_batch(
             engine, args.batch_size, args.output_len, args.top, args.without_step_compute
         )

@@ -17,9 +17,16 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+# Runnable as a plain script from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.script_checks import require_cuda  # noqa: E402
 
 
 def python_work(items: list[int]) -> int:
@@ -97,8 +104,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("host_speed_under_overlap.py needs a CUDA device")
+    require_cuda(__file__)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     items = list(range(args.items))

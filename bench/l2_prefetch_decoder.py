@@ -37,6 +37,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.script_checks import NOT_HERE_EXIT, require_cuda  # noqa: E402
 from specserve.ops.triton_norm import add_rmsnorm, silu_and_mul  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, LAYERS = 4096, 32, 8, 128, 14336, 128256, 32
@@ -157,8 +158,13 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20, help="graph replays per timing")
     ap.add_argument("--json", help="also write the JSON here")
     args = ap.parse_args()
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        sys.exit("needs an sm_90 GPU (bulk L2 prefetch)")
+    require_cuda(__file__, "an sm_90 GPU: bulk L2 prefetch")
+    if torch.cuda.get_device_capability()[0] < 9:
+        print(
+            "error: bench/l2_prefetch_decoder.py needs an sm_90 GPU (bulk L2 prefetch)",
+            file=sys.stderr,
+        )
+        sys.exit(NOT_HERE_EXIT)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = [Layer(args.context, gen) for _ in range(LAYERS)]

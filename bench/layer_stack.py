@@ -30,7 +30,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from linear_kernels import (  # noqa: E402
     DTYPE,
     _StubContext,
@@ -40,6 +39,7 @@ from linear_kernels import (  # noqa: E402
     mode_kernels,
 )
 
+from bench.script_checks import require_cuda  # noqa: E402
 from specserve.bench.gpu_timing import captured  # noqa: E402
 
 
@@ -176,9 +176,7 @@ def main() -> int:
     p.add_argument("--json", help="also write the JSON lines here")
     p.add_argument("--out", help="folder for linear_tuned.json (per-shape winners)")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/layer_stack.py needs CUDA; nothing to do here")
-        return 0
+    require_cuda(__file__)
     from specserve.ops.triton_linear import LinearConfig, m_bucket
 
     ms = [int(v) for v in args.ms.split(",")]

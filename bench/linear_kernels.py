@@ -31,7 +31,7 @@ import torch
 
 # Runnable as a plain script from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.script_checks import require_cuda  # noqa: E402
 from specserve.bench.gpu_timing import captured  # noqa: E402
 
 SHAPES = [  # (name, N, K)
@@ -440,9 +440,7 @@ def main() -> int:
     args.tune_shapes = args.tune_shapes.split(",")
     if args.quick:
         args.ms, args.rep = [1, 16], 20
-    if not torch.cuda.is_available():
-        print("bench/linear_kernels.py needs CUDA; nothing to do here")
-        return 0
+    require_cuda(__file__)
     import triton
 
     props = torch.cuda.get_device_properties(0)

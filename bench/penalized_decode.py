@@ -22,6 +22,8 @@ from pathlib import Path
 # (appended: a checkout named on PYTHONPATH comes first, so another version can be timed)
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
+from bench.script_checks import check_output_file, engine_errors  # noqa: E402
+
 PENALTIES = {"repetition_penalty": 1.1, "frequency_penalty": 0.2}
 
 
@@ -38,16 +40,18 @@ def best_tok_s(engine, prompts: list[list[int]], params: dict, repeats: int) -> 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--output-json", default=None)
     from specserve import Engine
+    from specserve.bench.args import positive_int
     from specserve.cli import add_engine_args, engine_kwargs
 
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-size", type=positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--repeats", type=positive_int, default=2)
+    p.add_argument("--output-json", default=None)
     add_engine_args(p)
     args = p.parse_args()
+    check_output_file(p, "--output-json", args.output_json)
     kwargs = {
         "model_path": "smollm2-135m",
         "load_format": "dummy",
@@ -56,7 +60,7 @@ def main() -> None:
         **engine_kwargs(args),
     }
     rows = []
-    with Engine(**kwargs) as engine:
+    with engine_errors(), Engine(**kwargs) as engine:
         for bs in args.batch_size:
             # (distinct prompts with repeats in them: a repetition penalty has work to do)
             prompts = [[100 + i, 200 + i, 300 + i] * 10 for i in range(bs)]

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import sys
 
 
 def load(folder: str) -> dict[str, dict[int, float]]:
@@ -23,7 +24,10 @@ def load(folder: str) -> dict[str, dict[int, float]]:
         if not name.endswith(".json"):
             continue
         with open(os.path.join(folder, name)) as f:
-            rows = json.load(f)
+            try:
+                rows = json.load(f)
+            except ValueError:
+                continue  # another tool's file, not a bench result
         if isinstance(rows, list) and rows and "decode_throughput_tok_s" in rows[0]:
             runs[name[:-5]] = {r["batch_size"]: r["decode_throughput_tok_s"] for r in rows}
     return runs
@@ -89,12 +93,14 @@ def plot(runs, grouped: dict[str, list[str]], path: str, title: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("folder")
-    p.add_argument("--title", default="decode throughput")
+    p.add_argument("folder", metavar="OUT_DIR", help="folder of one-batch JSON files")
+    p.add_argument("--title", default="decode throughput", help="(default: %(default)s)")
     args = p.parse_args()
+    if not os.path.isdir(args.folder):
+        p.error(f"argument OUT_DIR: {args.folder} is not a folder")
     runs = load(args.folder)
     if not runs:
-        print(f"no one-batch JSON in {args.folder}")
+        print(f"error: no one-batch JSON in {args.folder}", file=sys.stderr)
         return 1
     grouped = groups(runs)
     for accept, names in grouped.items():

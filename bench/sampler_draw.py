@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.script_checks import require_cuda  # noqa: E402
 from specserve.bench.gpu_timing import graph_ms, warm_up_clocks  # noqa: E402
 from specserve.config.kernels import REFERENCE, Kernels  # noqa: E402
 from specserve.ops.sampling import (  # noqa: E402
@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, nargs="+", default=VOCABS)
     ap.add_argument("--filters", nargs="+", default=list(FILTERS), choices=list(FILTERS))
     args = ap.parse_args()
+    require_cuda(__file__)
     warm_up_clocks()
     results = []
     for filters in args.filters:

@@ -25,7 +25,9 @@ import torch
 # Runnable as a plain script from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.script_checks import check_output_file, require_cuda  # noqa: E402
 from specserve import Engine  # noqa: E402
+from specserve.bench.args import positive_int  # noqa: E402
 from specserve.speculative.tree import TreeShape  # noqa: E402
 
 REPLAYS = 50
@@ -58,16 +60,33 @@ def kernel_times(engine, batch_size: int, tier: int, replays: int = 20) -> dict[
     return dict(out)
 
 
+def tree_shape(value: str) -> tuple[int, int, int]:
+    """--tree: three integers >= 1, steps,topk,num_draft_tokens."""
+    parts = value.split(",")
+    if len(parts) != 3 or not all(v.strip().isdigit() and int(v) >= 1 for v in parts):
+        raise argparse.ArgumentTypeError(
+            f"must be steps,topk,num_draft_tokens (three integers >= 1), got {value!r}"
+        )
+    steps, topk, tokens = (int(v) for v in parts)
+    return steps, topk, tokens
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model-path", default="smollm2-135m")
-    p.add_argument("--tree", default="4,4,16", help="steps,topk,num_draft_tokens")
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 16, 64, 128])
-    p.add_argument("--max-total-tokens", type=int, default=100_000, help="each engine's KV")
-    p.add_argument("--top", type=int, default=25, help="kernel names to list")
+    p.add_argument("--tree", type=tree_shape, default="4,4,16", help="steps,topk,num_draft_tokens")
+    p.add_argument("--batch-size", type=positive_int, nargs="+", default=[1, 16, 64, 128])
+    p.add_argument(
+        "--max-total-tokens", type=positive_int, default=100_000, help="each engine's KV"
+    )
+    p.add_argument("--top", type=positive_int, default=25, help="kernel names to list")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    steps, topk, tokens = (int(v) for v in args.tree.split(","))
+    check_output_file(p, "--json", args.json)
+    # Replayed CUDA graphs are what it times; a CPU's adaptive chain has no such tiers either.
+    require_cuda(__file__, "it times replayed CUDA graphs")
+    steps, topk, tokens = args.tree
+    tree = f"{steps},{topk},{tokens}"
     base = dict(
         model_path=args.model_path, dtype="bfloat16", max_total_tokens=args.max_total_tokens
     )
@@ -80,6 +99,11 @@ def main() -> int:
     adaptive = Engine(**base, speculative_adaptive=True)
     try:
         tiers = adaptive.core.adaptive.tiers
+        if TreeShape(steps, topk, tokens) not in tiers:
+            p.error(
+                f"argument --tree: {tree} is not one of the adaptive tiers here: "
+                + ", ".join(f"{t.steps},{t.topk},{t.tokens}" for t in tiers)
+            )
         tier = tiers.index(TreeShape(steps, topk, tokens))
         rows = []
         for bs in args.batch_size:
@@ -90,12 +114,12 @@ def main() -> int:
     finally:
         fixed.shutdown()
         adaptive.shutdown()
-    result = {"tree": args.tree, "tiers": [str(t) for t in tiers], "replays": rows,
+    result = {"tree": tree, "tiers": [str(t) for t in tiers], "replays": rows,
               "kernels_batch": mid, "kernels_fixed": kf, "kernels_tier": ka}  # fmt: skip
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"\ntree {args.tree}: fixed configuration vs adaptive tier (ms per replayed step)")
+    print(f"\ntree {tree}: fixed configuration vs adaptive tier (ms per replayed step)")
     print("batch | fixed | tier | tier / fixed")
     for r in rows:
         print(f"{r['batch_size']} | {r['fixed_ms']:.3f} | {r['tier_ms']:.3f} | {r['ratio']:.3f}")

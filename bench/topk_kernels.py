@@ -24,7 +24,7 @@ import torch
 
 # Runnable as a plain script from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.script_checks import require_cuda  # noqa: E402
 from specserve.bench.gpu_timing import graph_ms, warm_up_clocks  # noqa: E402
 
 ROWS, VOCABS, KS = [1, 8, 64, 512], [49152, 128256], [1, 4, 8]
@@ -148,8 +148,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=KS, help="k values")
     ap.add_argument("--sweep", action="store_true", help="graph-time chunk/block plans instead")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/topk_kernels.py needs a CUDA GPU (Triton kernels); none found.")
+    require_cuda(__file__, "Triton kernels")
     import specserve.ops.triton_topk  # noqa: F401  (fail early if the module does not import)
 
     warm_up_clocks()

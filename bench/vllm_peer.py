@@ -32,7 +32,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.vllm_folders import vllm_draft_folder, write_hf_folder, write_json  # noqa: E402
+from bench.script_checks import check_output_file, require_module  # noqa: E402
+from bench.vllm_folders import gguf_path, vllm_draft_folder, write_hf_folder, write_json  # noqa: E402
+from specserve.bench.args import positive_int  # noqa: E402
 from specserve.bench.one_batch import chat_prompt_ids, dump, same_lengths  # noqa: E402
 
 
@@ -269,37 +271,44 @@ def cmd_eagle_draft(args) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from specserve.model.config import PRESETS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("one-batch", "multiturn"):
         s = sub.add_parser(name)
-        s.add_argument("--preset", default="llama3-8b", help="a specserve model shape")
+        s.add_argument(
+            "--preset",
+            default="llama3-8b",
+            choices=sorted(PRESETS),
+            help="a specserve model shape (default: llama3-8b)",
+        )
         s.add_argument(
             "--model-folder", default=None, help="real weights: an HF folder (see hf-folder)"
         )
         s.add_argument("--eagle3", default=None, help="EAGLE3 draft folder")
         s.add_argument("--eagle", default=None, help="EAGLE draft folder")
-        s.add_argument("--num-speculative-tokens", type=int, default=3)
+        s.add_argument("--num-speculative-tokens", type=positive_int, default=3)
         s.add_argument("--synthetic-acceptance", type=float, default=None)
-        s.add_argument("--max-model-len", type=int, default=4096)
+        s.add_argument("--max-model-len", type=positive_int, default=4096)
         s.add_argument("--gpu-memory-utilization", type=float, default=0.8)
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--work", default="/tmp/vllm-peer")
         s.add_argument("--output-json", default=None)
     one = sub.choices["one-batch"]
-    one.add_argument("--batch-size", type=int, nargs="+", default=[1, 16, 64])
-    one.add_argument("--input-len", type=int, default=512)
-    one.add_argument("--output-len", type=int, default=256)
+    one.add_argument("--batch-size", type=positive_int, nargs="+", default=[1, 16, 64])
+    one.add_argument("--input-len", type=positive_int, default=512)
+    one.add_argument("--output-len", type=positive_int, default=256)
     one.add_argument("--chat", action="store_true", help="specserve's packaged chat prompts")
     one.add_argument(
         "--model", default="smollm2-135m", help="--chat: the GGUF whose tokenizer makes the ids"
     )
     multi = sub.choices["multiturn"]  # the defaults of `specserve bench multiturn`
-    multi.add_argument("--conversations", type=int, default=32)
-    multi.add_argument("--turns", type=int, default=4)
-    multi.add_argument("--system-len", type=int, default=512)
-    multi.add_argument("--user-len", type=int, default=64)
-    multi.add_argument("--answer-len", type=int, default=128)
+    multi.add_argument("--conversations", type=positive_int, default=32)
+    multi.add_argument("--turns", type=positive_int, default=4)
+    multi.add_argument("--system-len", type=positive_int, default=512)
+    multi.add_argument("--user-len", type=positive_int, default=64)
+    multi.add_argument("--answer-len", type=positive_int, default=128)
     hf = sub.add_parser("hf-folder", help="a GGUF as an HF Llama folder (no vLLM needed)")
     hf.add_argument("dst")
     hf.add_argument("--model", default="smollm2-135m", help="a packaged name or a .gguf file")
@@ -310,14 +319,45 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main() -> int:
-    args = parser().parse_args()
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every path and value checked before anything is written or vLLM is imported, so a
+    mistake costs one line, not a traceback after a model load."""
+    model = getattr(args, "model", None)
+    if model is not None and (args.cmd == "hf-folder" or getattr(args, "chat", False)):
+        try:
+            gguf_path(model)
+        except FileNotFoundError as e:
+            p.error(f"argument --model: {e}")
+    if args.cmd == "eagle-draft":
+        if not os.path.isdir(args.src):
+            p.error(f"argument src: {args.src} is not a draft folder")
+        return
+    if args.cmd == "hf-folder":
+        return
+    if args.model_folder and not os.path.isfile(os.path.join(args.model_folder, "config.json")):
+        p.error(f"argument --model-folder: {args.model_folder} has no config.json")
+    for flag in ("eagle", "eagle3"):
+        folder = getattr(args, flag)
+        if folder and not os.path.isdir(folder):
+            p.error(f"argument --{flag}: {folder} is not a draft folder")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        p.error("argument --gpu-memory-utilization: must be in (0, 1]")
+    check_output_file(p, "--output-json", args.output_json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
     if args.cmd == "hf-folder":
         cmd_hf_folder(args)
         return 0
     if args.cmd == "eagle-draft":
         cmd_eagle_draft(args)
         return 0
+    require_module(
+        __file__, "vllm", "vLLM installed (see ../shared/peers/README.md or docs/PERFORMANCE.md)"
+    )
     rows = cmd_one_batch(args) if args.cmd == "one-batch" else cmd_multiturn(args)
     dump(rows, args.output_json)
     return 0

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 # Runnable as a plain script from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.script_checks import require_cuda  # noqa: E402
 from specserve.bench.gpu_timing import warm_up_clocks  # noqa: E402
 from specserve.ops.triton_invariant_linear import InvariantConfig, invariant_linear  # noqa: E402
 from specserve.ops.triton_linear import skinny_linear  # noqa: E402
@@ -302,9 +302,7 @@ def main() -> int:
     p.add_argument("--tune", action="store_true", help="sweep the batch-invariant GEMM's tiles")
     p.add_argument("--tune-ms", default="1,16,64", help="rows the tile must serve (--tune)")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
-        return 2
+    require_cuda(__file__)
     ms = [int(v) for v in args.ms.split(",")]
     wanted = set(args.shapes.split(","))
     warm_up_clocks()

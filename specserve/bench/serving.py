@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import re
 import sys
@@ -60,15 +61,19 @@ def load_prompt_file(path: str | None) -> list[str]:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     prompts = []
+    where = f"--dataset {path}" if path else "bench_prompts.jsonl"
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{where}, line {n}: not JSON ({e.msg}); expected JSONL") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f"{path or 'bench_prompts.jsonl'}:{n}: expected {{'prompt': str}}")
+            raise ValueError(f'{where}, line {n}: expected {{"prompt": str}} per line')
         prompts.append(row["prompt"])
     if not prompts:
-        raise ValueError(f"{path}: no prompts")
+        raise ValueError(f"{where}: no prompts")
     return prompts
 
 
@@ -163,6 +168,11 @@ def _chunk_has_output(endpoint: str, obj: dict[str, Any], state: dict[str, Any])
     return False
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """What a server started with --api-key wants on every request."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def send_request(client, args, spec: RequestSpec, model: str | None, t0: float):
     res = RequestResult()
     url = ENDPOINTS[args.endpoint]
@@ -223,14 +233,30 @@ async def scrape_spec_counters(client) -> dict[str, float] | None:
     return found if len(found) == 2 else None
 
 
-async def server_info(client) -> dict[str, Any]:
+async def server_info(client, base_url: str) -> dict[str, Any]:
+    """The served model's name and shape. An unreachable server or a refused key is an error
+    here, before any request: later it would surface as a misleading one (a missing
+    vocabulary size) or as every request failing."""
+    import httpx
+
     info: dict[str, Any] = {}
     try:
         r = await client.get("/v1/models", timeout=10)
+    except httpx.HTTPError as e:
+        raise RuntimeError(
+            f"could not reach the server at {base_url} ({type(e).__name__}: {e}); "
+            "is it running? (--base-url, or --host and --port)"
+        ) from None
+    if r.status_code in (401, 403):
+        raise RuntimeError(
+            f"the server at {base_url} refused the API key (HTTP {r.status_code}): pass the "
+            "key it was started with as --api-key (or in OPENAI_API_KEY)"
+        )
+    try:
         if r.status_code == 200 and r.json().get("data"):
             info["model"] = r.json()["data"][0]["id"]
     except Exception:
-        pass
+        pass  # another server's /v1/models: the model name is optional
     try:
         r = await client.get("/get_model_info", timeout=10)
         if r.status_code == 200:
@@ -273,7 +299,8 @@ def summarize(
         "model": info.get("model"),
         "dataset": args.dataset,
         "num_prompts": len(results),
-        "request_rate": args.request_rate,
+        # JSON has no Infinity: vLLM's result files write the default rate as "inf" too
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "max_concurrency": args.max_concurrency,
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -304,8 +331,13 @@ async def run_benchmark(args) -> tuple[dict[str, Any], list[RequestResult]]:
         max_keepalive_connections=(args.max_concurrency or args.num_prompts) + 4,
     )
     timeout = httpx.Timeout(args.timeout, connect=30)
-    async with httpx.AsyncClient(base_url=args.base_url, limits=limits, timeout=timeout) as client:
-        info = await server_info(client)
+    async with httpx.AsyncClient(
+        base_url=args.base_url,
+        limits=limits,
+        timeout=timeout,
+        headers=auth_headers(args.api_key),
+    ) as client:
+        info = await server_info(client, args.base_url)
         model = args.model or info.get("model")
         specs = build_requests(args, args.vocab_size or info.get("vocab_size"))
         t0 = time.perf_counter()
@@ -380,62 +412,6 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[RequestResult], summary: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in results if r.ok]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    ax = axes[0][0]
-    ax.hist([1000 * r.ttft for r in ok], bins=30, color="tab:blue")
-    ax.set_title("time to first token")
-    ax.set_xlabel("ms")
-    ax.set_ylabel("requests")
-
-    ax = axes[0][1]
-    itl = sorted(1000 * x for r in ok for x in r.itl)
-    if itl:
-        ax.plot(itl, [(i + 1) / len(itl) for i in range(len(itl))], color="tab:orange")
-    ax.set_title("inter-token latency (CDF)")
-    ax.set_xlabel("ms")
-    ax.set_ylabel("fraction of gaps")
-
-    ax = axes[1][0]
-    ax.scatter([r.start for r in ok], [r.e2e for r in ok], s=10, color="tab:green")
-    ax.set_title("end-to-end latency by arrival time")
-    ax.set_xlabel("arrival (s since start)")
-    ax.set_ylabel("latency (s)")
-
-    ax = axes[1][1]
-    ends = sorted((r.start + r.e2e, r.output_tokens) for r in ok)
-    total, xs, ys = 0, [0.0], [0]
-    for t, n in ends:
-        total += n
-        xs.append(t)
-        ys.append(total)
-    ax.step(xs, ys, where="post", color="tab:red")
-    ax.set_title("output tokens completed")
-    ax.set_xlabel("time (s since start)")
-    ax.set_ylabel("tokens")
-
-    def fmt(key: str, unit: str = "") -> str:
-        v = summary.get(key)
-        return "n/a" if v is None else f"{v:.3g}{unit}"
-
-    fig.suptitle(
-        f"{summary.get('model')} via {summary['endpoint']}: {summary['completed']} requests, "
-        f"rate {summary['request_rate']}, concurrency {summary['max_concurrency']} | "
-        f"{fmt('request_throughput_req_s', ' req/s')}, "
-        f"{fmt('output_token_throughput_tok_s', ' tok/s')}, "
-        f"accept length {fmt('spec_accept_length')}"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 # ---- CLI --------------------------------------------------------------------------------------
 def _rate(value: str) -> float:
     v = float(value)
@@ -444,57 +420,89 @@ def _rate(value: str) -> float:
     return v
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module's description as written, an option's default after its help (where it
+    has one to tell: unset options say what they fall back to themselves)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_serving_parser(bsub) -> argparse.ArgumentParser:
     p = bsub.add_parser(
         "serving",
         help="load-test a running server (Poisson arrivals or fixed concurrency)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
-    p.add_argument("--base-url", default=None, help="server URL (default: http://HOST:PORT)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="chat")
-    p.add_argument("--model", default=None, help="model name to send (default: from /v1/models)")
+    p.add_argument(
+        "--base-url", default=None, help="server URL; unset: http://HOST:PORT from the next two"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="server host (without --base-url)")
+    p.add_argument("--port", type=int, default=30000, help="server port (without --base-url)")
+    p.add_argument(
+        "--api-key",
+        default=None,  # (read in cmd_serving: --help must not print a key from the environment)
+        help="the key of a server started with --api-key, sent as 'Authorization: Bearer "
+        "KEY'; unset: the OPENAI_API_KEY environment variable, as `vllm bench serve` reads it",
+    )
+    p.add_argument(
+        "--endpoint", choices=sorted(ENDPOINTS), default="chat", help="API the requests go to"
+    )
+    p.add_argument("--model", default=None, help="model name to send; unset: from /v1/models")
     p.add_argument(
         "--dataset",
         default="bundled",
         help="bundled (~100 short instructions), random (random token ids; completions or "
         "generate), or a JSONL file with {'prompt': ...} per line",
     )
-    p.add_argument("--num-prompts", type=positive_int, default=100)
+    p.add_argument("--num-prompts", type=positive_int, default=100, help="requests to send")
     p.add_argument(
         "--request-rate",
         type=_rate,
         default=float("inf"),
-        help="requests per second, Poisson arrivals (default: inf, all at once)",
+        help="requests per second, Poisson arrivals (inf: all at once)",
     )
     p.add_argument(
-        "--max-concurrency", type=positive_int, default=None, help="most requests in flight at once"
+        "--max-concurrency",
+        type=positive_int,
+        default=None,
+        help="most requests in flight at once (unset: no cap)",
     )
     p.add_argument(
         "--input-len",
         type=positive_int,
         default=None,
-        help="prompt tokens: random dataset (default 128); text datasets join instructions "
-        "up to about this many tokens (default: the instructions as they are)",
+        help="prompt tokens: random dataset (unset: 128); text datasets join instructions "
+        "up to about this many tokens (unset: the instructions as they are)",
     )
     p.add_argument("--output-len", type=positive_int, default=128, help="max tokens per request")
     p.add_argument(
         "--range-ratio",
         type=float,
         default=1.0,
-        help="lengths are uniform in [len * ratio, len] (1.0: fixed lengths)",
+        help="lengths are uniform in [len * ratio, len], ratio in (0, 1] (1.0: fixed lengths)",
     )
     p.add_argument(
         "--ignore-eos", action="store_true", help="generate exactly the sampled output lengths"
     )
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--vocab-size", type=int, default=None, help="random dataset (default: server)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=1, help="warm-up requests (not measured)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    p.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        default=None,
+        help="random dataset: ids are drawn below this (unset: the server's /get_model_info)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths, arrivals")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="warm-up requests before the run (not measured)"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    p.add_argument("--output-json", default=None, help="also write the summary JSON here")
+    p.add_argument(
+        "--output-json", default=None, help="also write the summary and every request here"
+    )
     p.add_argument("--plot", default=None, help="draw a PNG with latency distributions here")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_serving)
@@ -508,6 +516,31 @@ def cmd_serving(args) -> int:
     if not 0.0 < args.range_ratio <= 1.0:
         print("error: --range-ratio must be in (0, 1]", file=sys.stderr)
         return 2
+    if args.dataset not in ("bundled", "random") and not os.path.isfile(args.dataset):
+        print(
+            f"error: --dataset {args.dataset}: no such file; pass bundled, random or a JSONL "
+            'file with {"prompt": ...} per line',
+            file=sys.stderr,
+        )
+        return 2
+    if args.dataset not in ("bundled", "random"):
+        try:  # a broken file is named before the server is asked anything
+            load_prompt_file(args.dataset)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if args.api_key is None:
+        from specserve.config.environment import openai_api_key
+
+        args.api_key = openai_api_key()
+    if args.api_key is not None and not args.api_key.strip():
+        print("error: --api-key must not be empty", file=sys.stderr)
+        return 2
+    for flag, path in (("--output-json", args.output_json), ("--plot", args.plot)):
+        # written after the run: a missing folder must not cost the whole measurement
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            print(f"error: {flag}: the folder of {path} does not exist", file=sys.stderr)
+            return 2
     if args.dataset == "random" and args.endpoint == "chat":
         print(
             "error: --dataset random sends token ids: use --endpoint completions or generate",
@@ -525,6 +558,8 @@ def cmd_serving(args) -> int:
         with open(args.output_json, "w") as f:
             json.dump({"summary": summary, "requests": [r.__dict__ for r in results]}, f, indent=1)
     if args.plot:
+        from specserve.bench.serving_plot import plot
+
         plot(results, summary, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
     return 0 if summary["completed"] else 1

@@ -3,7 +3,9 @@
 Only aliases of engine arguments live here: `SPECSERVE_SIMULATE_ACC_*` for the simulated-
 acceptance fields (as SGLang's `SGLANG_SIMULATE_ACC_*`), so a benchmark harness can force
 acceptance lengths without changing its command line. An explicit argument always wins.
-Besides them, one fact the resolver checks: whether Triton runs its interpreter.
+Besides them, one fact the resolver checks: whether Triton runs its interpreter; and one
+credential, `OPENAI_API_KEY`, which `bench serving` sends when no `--api-key` is given (as
+`vllm bench serve` does).
 """
 
 from __future__ import annotations
@@ -38,3 +40,9 @@ def triton_interpreting() -> bool:
     if knobs is not None:
         return bool(knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+def openai_api_key() -> str | None:
+    """The API key a benchmark client sends when given none (OPENAI_API_KEY; unset or empty:
+    none)."""
+    return os.environ.get("OPENAI_API_KEY") or None
