@@ -85,10 +85,15 @@ def test_abort_right_after_a_prompt_sampled_n_times_is_submitted_aborts_every_sa
     with Engine(**TINY) as e:
         put = e._inbox.put
 
+        first_queued = threading.Event()
+
         def slow_put(item, *args, **kwargs):  # (widens the window between two submissions)
-            if item[0] == "add":
-                time.sleep(0.2)
-            return put(item, *args, **kwargs)
+            if item[0] != "add":
+                return put(item, *args, **kwargs)
+            if first_queued.is_set():
+                time.sleep(0.5)
+            put(item, *args, **kwargs)
+            first_queued.set()
 
         e._inbox.put = slow_put
         outs: list[dict] = []
@@ -98,7 +103,7 @@ def test_abort_right_after_a_prompt_sampled_n_times_is_submitted_aborts_every_sa
             daemon=True,
         )
         t.start()
-        time.sleep(0.3)  # (the first sample is queued, the others not yet)
+        assert first_queued.wait(30)  # (the first sample is queued, the others not yet)
         e.abort("x")
         t.join(30)
         assert not t.is_alive(), "a sample the abort missed is still running"

@@ -89,18 +89,24 @@ class Served:
                 out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
         return out
 
-    def wait_idle(self, timeout: float = 15.0) -> dict[str, float]:
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """The metrics once nothing runs, waits or holds KV (a failure after `timeout`)."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = (
-                m["specserve_num_running_requests"] == 0
-                and m["specserve_num_queued_requests"] == 0
-                and m["specserve_num_inflight_requests"] == 0
-                and m["specserve_kv_used_tokens"] == 0
-            )
-            if idle or time.monotonic() > deadline:
+            busy = {
+                k: m[k]
+                for k in (
+                    "specserve_num_running_requests",
+                    "specserve_num_queued_requests",
+                    "specserve_num_inflight_requests",
+                    "specserve_kv_used_tokens",
+                )
+                if m[k]
+            }
+            if not busy:
                 return m
+            assert time.monotonic() < deadline, f"not idle after {timeout} s: {busy}"
             time.sleep(0.05)
 
 

@@ -654,7 +654,11 @@ def test_a_generate_batch_compiling_its_grammar_holds_a_place_per_prompt(engine,
             target=lambda: statuses.update(batch=http.post("/generate", json=batch).status_code)
         )
         first.start()
-        time.sleep(0.5)  # (its compile under way, holding 4 places)
+        state = app.state.server
+        deadline = time.monotonic() + 30
+        while state.inflight < 4:  # (its compile under way, holding 4 places)
+            assert time.monotonic() < deadline, "the batch never took its places"
+            time.sleep(0.01)
         one = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "regex": "[ab]+"}}
         statuses["one"] = http.post("/generate", json=one).status_code
         first.join()
