@@ -7,6 +7,18 @@ import math
 import os
 
 
+class HelpWithDefaults(
+    argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter
+):
+    """The description as written, an option's default after its help where it has one to
+    tell (an unset option's help says what it falls back to)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def positive_int(value: str) -> int:
     """An integer >= 1 (counts and lengths: zero would measure nothing)."""
     try:

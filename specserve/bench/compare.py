@@ -16,7 +16,7 @@ import tempfile
 import time
 from typing import Any
 
-from specserve.bench.args import positive_int
+from specserve.bench.args import HelpWithDefaults, positive_int
 from specserve.bench.one_batch import dump, free_device_memory, run_one_batch
 
 
@@ -25,7 +25,7 @@ def add_compare_parser(bsub) -> argparse.ArgumentParser:
         "compare",
         help="this engine (plain, speculative, overlap on/off) vs HF",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # every option's default
+        formatter_class=HelpWithDefaults,
     )
     p.add_argument(
         "--model-path", default="llama3-8b", help="target model: preset, packaged or path"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from specserve.bench.args import positive_int
+from specserve.bench.args import HelpWithDefaults, positive_int
 
 ENDPOINTS = {
     "chat": "/v1/chat/completions",
@@ -420,22 +420,12 @@ def _rate(value: str) -> float:
     return v
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module's description as written, an option's default after its help (where it
-    has one to tell: unset options say what they fall back to themselves)."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def add_serving_parser(bsub) -> argparse.ArgumentParser:
     p = bsub.add_parser(
         "serving",
         help="load-test a running server (Poisson arrivals or fixed concurrency)",
         description=__doc__,
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpWithDefaults,
     )
     p.add_argument(
         "--base-url", default=None, help="server URL; unset: http://HOST:PORT from the next two"
