@@ -41,13 +41,19 @@ class ServerThread:
 
     def __init__(self, app):
         self.app = app
-        self.port = free_port()
+        # (bound here and handed to uvicorn: a port found free and closed again could be taken
+        # by another test process before uvicorn bound it)
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
             app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
         )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True
+        )
 
     def __enter__(self) -> ServerThread:
         self.thread.start()
@@ -61,6 +67,7 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        self.socket.close()
 
 
 class Served:
