@@ -1,9 +1,12 @@
-"""Checkpoints as users get them: every quantization type a GGUF may hold, and weight or
-tokenizer files that are truncated, corrupt or not there at all (a Git LFS pointer)."""
+"""Checkpoints as users get them: every quantization type a GGUF may hold, weight or
+tokenizer files that are truncated, corrupt or not there at all (a Git LFS pointer), and
+checkpoints this engine cannot compute (quantized safetensors, values out of range), each
+refused naming what the user wrote."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -143,3 +146,76 @@ def test_a_gguf_token_list_missing_a_merged_token_is_refused_naming_the_file(
 def _offset_of(reader, part: np.ndarray) -> int:
     """Byte offset in the file of a view `GGUFReader` returned into its memory map."""
     return part.__array_interface__["data"][0] - reader.data.__array_interface__["data"][0]
+
+
+# ---- checkpoints this engine cannot compute, named as the user wrote them ---------------------
+def _edit_config(folder: str, **values) -> str:
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(values)
+    with open(path, "w") as f:
+        json.dump(cfg, f)  # (json writes float("inf") as Infinity, as it reads it)
+    return folder
+
+
+def _edit_tensors(folder: str, edit) -> str:
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    edit(state)
+    save_file(state, path, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float8_e4m3fn", "int8"])
+def test_a_quantized_or_integer_weight_is_refused_naming_the_tensor_and_its_dtype(tmp_path, dtype):
+    """Cast to float, such a tensor would run as garbage weights (its scales elsewhere)."""
+    import torch
+
+    def quantize(state):
+        for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.up_proj.weight"):
+            state[name] = state[name].to(getattr(torch, dtype))
+
+    message = _refused(model_path=_edit_tensors(write_hf_model(tmp_path / "m"), quantize))
+    assert "mlp." in message and dtype in message and "quantized" in message, message
+
+
+def test_a_quantization_config_is_refused_naming_it(tmp_path):
+    folder = _edit_config(
+        write_hf_model(tmp_path / "m"), quantization_config={"quant_method": "fp8"}
+    )
+    message = _refused(model_path=folder)
+    assert "quantization_config" in message and "fp8" in message, message
+
+
+def test_an_extra_projection_tensor_is_named_as_the_checkpoint_names_it(tmp_path):
+    """Not as the engine's fused q/k/v parameter, which is in no file the user has."""
+    import torch
+
+    def add_bias(state):
+        state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+
+    message = _refused(model_path=_edit_tensors(write_hf_model(tmp_path / "m"), add_bias))
+    assert "'model.layers.0.self_attn.q_proj.bias'" in message and "qkv_proj" not in message
+
+
+@pytest.mark.parametrize("key", ["rms_norm_eps", "rope_theta"])
+def test_an_infinite_norm_epsilon_or_rope_base_is_refused_naming_it(tmp_path, key):
+    message = _refused(model_path=_edit_config(write_hf_model(tmp_path / "m"), **{key: math.inf}))
+    assert f"{key} must be a positive finite number" in message, message
+
+
+def test_a_vocabulary_too_large_to_allocate_is_refused_naming_the_model_path(tmp_path):
+    folder = _edit_config(write_hf_model(tmp_path / "m"), vocab_size=10**13)
+    message = _refused(model_path=folder)
+    assert "parameters" in message and "could allocate" in message, message
+
+
+@pytest.mark.parametrize(
+    "key, value", [("eos_token_id", 256), ("eos_token_id", [2, 999]), ("bos_token_id", 300)]
+)
+def test_a_special_token_id_outside_the_vocabulary_is_refused_naming_it(tmp_path, key, value):
+    message = _refused(model_path=_edit_config(write_hf_model(tmp_path / "m"), **{key: value}))
+    assert key in message and "vocab_size = 256" in message, message

@@ -81,8 +81,8 @@ class ModelConfig:
         for key in ("tie_word_embeddings", "attention_bias"):
             if key in cfg and not isinstance(cfg[key], bool):
                 raise ValueError(f"{key} must be true or false, got {cfg[key]!r}")
-        eos_ids = token_ids(cfg, "eos_token_id")
-        bos_ids = token_ids(cfg, "bos_token_id", allow_list=False)
+        eos_ids = token_ids(cfg, "eos_token_id", vocab_size=cfg["vocab_size"])
+        bos_ids = token_ids(cfg, "bos_token_id", allow_list=False, vocab_size=cfg["vocab_size"])
         return ModelConfig(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -134,8 +134,9 @@ def check_positive_int(key: str, value: Any) -> None:
 
 
 def check_positive_number(key: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ValueError(f"{key} must be a positive number, got {value!r}")
+    """A positive, finite number (json reads `Infinity` and `NaN` as floats)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ValueError(f"{key} must be a positive finite number, got {value!r}")
 
 
 def _rope(cfg: dict[str, Any], head_dim: int, positions: int) -> tuple[RopeScaling | None, Any]:
@@ -246,14 +247,19 @@ def _yarn(key: str, rs: dict[str, Any], dim: int, base: float, positions: int) -
     )
 
 
-def token_ids(cfg: dict[str, Any], key: str, allow_list: bool = True) -> tuple[int, ...]:
+def token_ids(
+    cfg: dict[str, Any], key: str, allow_list: bool = True, vocab_size: int | None = None
+) -> tuple[int, ...]:
     """config.json's id field (one id, a list of them, or null) as a tuple, refused unless
-    every one is a token id."""
+    every one is a token id (below vocab_size where given: an end-of-text id the model can
+    never emit would never end a request)."""
     value = cfg.get(key)
     ids = [] if value is None else value if isinstance(value, list) and allow_list else [value]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    limit = math.inf if vocab_size is None else vocab_size
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < limit for i in ids):
         allowed = "a token id, a list of them, or null" if allow_list else "a token id or null"
-        raise ValueError(f"{key} must be {allowed}, got {value!r}")
+        within = "" if vocab_size is None else f" (ids in [0, vocab_size = {vocab_size}))"
+        raise ValueError(f"{key} must be {allowed}{within}, got {value!r}")
     return tuple(ids)
 
 
@@ -333,6 +339,13 @@ def _check_supported(cfg: dict[str, Any], model_type: str) -> None:
         raise ValueError(
             f"model_type {model_type!r} is not supported (allowed: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    quantization = cfg.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(
+            f"quantization_config ({method or quantization!r}) is not supported: this engine "
+            "loads float32, float16 or bfloat16 weights (or a GGUF file)"
         )
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # (the same function in transformers)

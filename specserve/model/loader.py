@@ -115,8 +115,20 @@ def build_model(
 
             model = ShardedLlamaForCausalLM(cfg, tp)
             shard = CheckpointShard(cfg, tp)
-    # (RotaryEmbedding recomputes its float32 frequencies on the new device itself)
-    model = model.to_empty(device=device).to(dtype)
+    # (cast on the meta device, then allocated once in `dtype`; RotaryEmbedding recomputes its
+    # float32 frequencies on the new device itself)
+    model = model.to(dtype)
+    try:
+        model = model.to_empty(device=device)
+    except RuntimeError as e:  # (torch.OutOfMemoryError on CUDA, the CPU allocator's error)
+        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+            raise
+        count = sum(p.numel() for p in model.parameters())
+        size = count * dtype.itemsize / 2**30
+        raise ValueError(
+            f"its config's shape has {count:,} parameters ({size:,.1f} GiB in "
+            f"{str(dtype).removeprefix('torch.')}), more than {device} could allocate"
+        ) from None
     if load_format == "dummy" or src.kind == "preset":
         if shard is None:
             random_init_(model, seed)

@@ -44,8 +44,9 @@ def load_hf_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.
         _copy(params[name], tensor, name)
         written.add(name)
     for target_name, shards in parts.items():
-        if target_name not in params:
-            raise KeyError(f"checkpoint tensors for {target_name!r} have no place in the model")
+        if target_name not in params:  # (named as the checkpoint names them, not as fused)
+            names = ", ".join(repr(name) for name, _ in shards.values())
+            raise KeyError(f"checkpoint tensor {names} has no place in the model")
         _copy_stacked(params[target_name], shards, _piece_shapes(module, target_name))
         written.add(target_name)
     missing = sorted(set(params) - written)
@@ -101,6 +102,7 @@ def _copy_stacked(
         if i not in shards:
             raise KeyError(f"checkpoint lacks {hf_name!r}")
         name, tensor = shards[i]
+        _check_dtype(name, tensor)
         expected = (rows, *param.shape[1:])
         if tuple(tensor.shape) != expected:
             raise ValueError(
@@ -115,7 +117,23 @@ def _copy_stacked(
             offset += s.shape[0]
 
 
+# Weight types a checkpoint's tensors may have: the floats it is computed in, converted on
+# load. Others are quantized (integers, float8) and would be cast, not dequantized: garbage.
+LOADABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check_dtype(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in LOADABLE_DTYPES:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in LOADABLE_DTYPES)
+        raise ValueError(
+            f"{name}: checkpoint dtype {str(tensor.dtype).removeprefix('torch.')} is not a "
+            f"weight type this engine loads ({allowed}); quantized checkpoints are not "
+            "supported (a GGUF file is)"
+        )
+
+
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    _check_dtype(name, tensor)
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(
             f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}"
