@@ -128,8 +128,9 @@ class SamplingParams:
         if self.min_new_tokens and grammar is not None:
             # (a grammar complete before it would leave no token to draw: EOS held back, and
             # nothing else allowed)
+            # (not naming the engine's field: a server request may have set it by another name)
             raise InvalidArgument(
-                "min_new_tokens", f"cannot be combined with structured output ({grammar}): only 0"
+                "min_new_tokens", "cannot be combined with structured output: only 0"
             )
         if self.min_new_tokens > self.max_new_tokens:
             raise InvalidArgument(

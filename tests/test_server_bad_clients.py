@@ -235,3 +235,33 @@ def test_min_tokens_refused_by_the_engine_names_the_field_as_written(http, name,
     err = error_of(r)
     assert r.status_code == 400 and err["param"] == name, r.text
     assert err["message"].startswith(f"{name}: "), err
+
+
+def _rejected(http: httpx.Client, status: int) -> float:
+    key = f'specserve_rejected_requests_total{{status="{status}"}}'
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(key):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_an_unknown_route_or_method_is_a_json_error_counted_as_rejected(http):
+    before = {s: _rejected(http, s) for s in (404, 405)}
+    r = http.get("/v1/nope")
+    assert r.status_code == 404 and error_of(r)["type"] == "not_found_error"
+    r = http.put("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 405 and "PUT /v1/completions" in error_of(r)["message"]
+    assert _rejected(http, 404) == before[404] + 1
+    assert _rejected(http, 405) == before[405] + 1
+
+
+def test_a_body_nested_too_deeply_is_refused_saying_so(http):
+    deep = "[" * 300 + "]" * 300
+    r = http.post(
+        "/v1/completions",
+        content='{"prompt": "x", "max_tokens": 1, "metadata": ' + deep + "}",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400
+    message = error_of(r)["message"]
+    assert "200 levels deep" in message and "not valid JSON" not in message, message

@@ -78,3 +78,42 @@ def test_echo_of_token_ids_outside_the_vocabulary_is_a_400_naming_the_prompt(ser
     err = r.json()["error"]
     assert err["param"] == "prompt[1]" and str(bad) in err["message"], err
     assert "[0, 101)" in err["message"], err
+
+
+def test_an_assistant_message_with_tool_calls_is_refused_naming_it(served):
+    """Tools are not supported; a history carrying tool calls was answered with the calls
+    silently dropped from it."""
+    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    messages = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": call}]
+    r = served.http.post(CHAT, json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == f"messages[{len(MESSAGES)}].tool_calls", err
+    ok = [*MESSAGES, {"role": "assistant", "content": "x", "tool_calls": None}]
+    assert served.http.post(CHAT, json={"messages": ok, "max_tokens": 2}).status_code == 200
+
+
+def test_a_message_name_reaches_the_chat_template():
+    # (templates that render a speaker's name read it; vLLM passes it through likewise)
+    from specserve.server.openai_protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "user", "content": "hi", "name": "ann"},
+                {"role": "user", "content": "yo"},
+            ]
+        }
+    )
+    assert req.chat_messages() == [
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "user", "content": "yo"},
+    ]
+
+
+def test_min_tokens_with_a_response_format_names_no_field_the_client_did_not_send(served):
+    body = {"messages": MESSAGES, "max_tokens": 4, "min_tokens": 2}
+    r = served.http.post(CHAT, json={**body, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "min_tokens" and "json_schema" not in err["message"], err

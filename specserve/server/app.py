@@ -81,6 +81,8 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        # (an unknown route or a method a route does not take: refused like any other request)
+        state.count_rejected(exc.status_code)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         err = APIError(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
         err.type = kind

@@ -341,6 +341,18 @@ class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] = Field(...)
     name: str | None = None
+    # (an assistant's tool calls: refused, as tools are, rather than dropped from the history)
+    tool_calls: Any = None
+    function_call: Any = None
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _no_tool_calls(cls, v, info):
+        if v is not None:
+            raise field_error(
+                info.field_name, "tool calls are not supported (nor is tools): only null"
+            )
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
@@ -505,5 +517,8 @@ class ChatCompletionRequest(_CommonRequest):
         for m in self.messages:
             # The chat templates of small models know "system" but not OpenAI's "developer".
             role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.content})
+            message = {"role": role, "content": m.content}
+            if m.name is not None:  # (for the templates that render a speaker's name)
+                message["name"] = m.name
+            out.append(message)
         return out

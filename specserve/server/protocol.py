@@ -297,6 +297,8 @@ def validation_error_to_api_error(err: ValidationError) -> APIError:
         if loc == ("sampling_params",) and kind == "model_type":
             msg = "must be an object of sampling parameters, or a list of one per prompt"
     if kind == "json_invalid":
+        if "recursion limit" in msg:  # (pydantic's parser stops nesting at 200 levels)
+            return APIError("request body nests arrays or objects more than 200 levels deep")
         return APIError(f"request body is not valid JSON: {msg}")
     if kind == "extra_forbidden":
         param = _loc_to_param(loc)
