@@ -75,6 +75,7 @@ class Served:
         self.engine = engine
         self.url = srv.url
         self.model = model
+        self.loop_thread = srv.thread  # (the server's event loop runs there)
         self.client = openai.OpenAI(
             base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60
         )

@@ -321,12 +321,21 @@ class HealthProbe:
         self._stop.set()
         self._thread.join(timeout=10)
 
-    def p99(self) -> float:
-        xs = sorted(self.latencies)
-        return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
+def test_health_stays_fast_while_huge_bodies_arrive(hard, monkeypatch):
+    """Bodies past the limit are refused as they arrive; one just under it is parsed on a
+    worker thread. /health is polled throughout (loosely timed: on a loaded machine the GIL
+    alone slows it; which thread parsed is what tells the loop was left free)."""
+    from specserve.server import openai_api
 
-def test_health_stays_fast_while_huge_bodies_arrive(hard):
+    parsed_on = []
+    parse = openai_api.parse
+
+    def recorded(model, body):
+        parsed_on.append((len(body), threading.current_thread()))
+        return parse(model, body)
+
+    monkeypatch.setattr(openai_api, "parse", recorded)
     with HealthProbe(hard.url) as probe, httpx.Client(base_url=hard.url, timeout=60) as http:
         t = time.perf_counter()
         r = http.post("/v1/chat/completions", content=b"x" * (20 * MIB), headers=JSON)
@@ -344,8 +353,9 @@ def test_health_stays_fast_while_huge_bodies_arrive(hard):
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and error_of(r)["param"] == "messages", r.text[:300]
         elapsed = time.perf_counter() - t
-    assert len(probe.latencies) >= 5
-    assert probe.p99() < 0.3, (probe.p99(), elapsed)
+    size, thread = max(parsed_on, key=lambda p: p[0])
+    assert size > 8 * MIB - 1000 and thread is not hard.loop_thread, "parsed on the event loop"
+    assert probe.latencies and max(probe.latencies) < 2.0, (max(probe.latencies), elapsed)
 
 
 JSON = {"content-type": "application/json"}
