@@ -298,13 +298,12 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
                 "speculative_adaptive",
                 False,
                 "every step drafts the configured shape (the default: with the bundled draft "
-                "on chat prompts on an H200 adaptive speculation ran 0.99x the served tree "
-                "at batch 1 and 1.06-1.61x it at 16-128, but 0.95-0.97x the best fixed "
-                "tier at 16, 0.92x at 64 and 0.90x at 128, where steps wait on the "
-                "host and adaptive's host work per step is longer than a fixed tier's; and it "
-                "captures and "
-                "times every tier at start-up, 84-115 s for SmolLM2-135M and 87 s at a "
-                "Llama-3-8B shape on a fresh machine): speculative_adaptive turns it on",
+                "on chat prompts on an H100 adaptive speculation ran 1.00x the served tree "
+                "at batch 1 and 1.15-1.99x it at 16-128, but 0.99x the best fixed tier at "
+                "16, 0.96x at 64 and 0.91x at 128, where steps wait on the host; and it "
+                "captures and times every tier at start-up, 84-115 s for SmolLM2-135M and "
+                "87 s at a Llama-3-8B shape on a fresh machine): speculative_adaptive turns "
+                "it on",
             )
         )
     return c, decisions
