@@ -6,6 +6,7 @@ queues, so `generate` may be called from several threads at once (the HTTP serve
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import queue
@@ -13,6 +14,7 @@ import random
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,6 +43,12 @@ from specserve.sampling_params import FIELDS as SAMPLING_FIELDS
 from specserve.sampling_params import INT64_MAX, SamplingParams, check_field, noise_seed
 
 log = logging.getLogger(__name__)
+
+# Engines not shut down when the interpreter exits (an `Engine(...)` never closed, as vLLM's
+# `LLM` is used): shut down first, so their loop threads end and the device and Triton's
+# objects are released in order, not torn down under a running thread.
+_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
+atexit.register(lambda: [engine.shutdown() for engine in list(_LIVE)])
 
 
 class Engine:
@@ -72,6 +80,7 @@ class Engine:
         self._close_at_exit = False  # shut down from the loop's own thread
         self._thread = threading.Thread(target=self._loop, name="specserve-loop", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # ---- public API ---------------------------------------------------------------------------
     def resolved_args(self) -> dict[str, Any]:

@@ -3,8 +3,11 @@ each end (finished, aborted or failed with a reason), and outputs at the edges."
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -294,3 +297,27 @@ def test_requests_submitted_twice_are_refused_and_the_first_submission_runs_on(e
     assert done.wait(60)
     assert outs[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert sum(len(o["output_ids"]) for o in outs) == 40
+
+
+def test_an_engine_never_shut_down_is_shut_down_when_the_interpreter_exits(tmp_path):
+    """vLLM's `LLM` is used without closing it: an engine left so ended the process under its
+    running loop thread (on a CPU Triton then printed dozens of leaked-object lines)."""
+    script = tmp_path / "left_open.py"
+    script.write_text(
+        "import atexit\n"
+        "engines = []\n"
+        "# (registered first, so run last: after specserve's own exit hook)\n"
+        "atexit.register(lambda: print('loop alive at exit:', engines[0]._thread.is_alive()))\n"
+        "from specserve import Engine\n"
+        "engines.append(Engine(model_path='tiny', load_format='dummy', device='cpu',\n"
+        "                      max_total_tokens=256))\n"
+        "print(engines[0].generate(input_ids=[[5, 6]], sampling_params={'max_new_tokens': 2})\n"
+        "      [0]['output_ids'])\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loop alive at exit: False" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "leaked" not in done.stderr, done.stderr[-2000:]
