@@ -43,7 +43,7 @@ from specserve.model.sharding import check_shardable
 from specserve.ops.collectives import TensorParallel, connect_rendezvous, serve_rendezvous
 from specserve.runtime.capacity import context_length
 from specserve.runtime.engine_core import EngineCore
-from specserve.runtime.gc_heap import freeze_startup_heap
+from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import PrefillChunk, Request
 
@@ -417,6 +417,9 @@ def _rank_main(
             reply = follower.apply(message)
             if reply is not None:
                 conn.send(("state", reply))
+        # (a frozen heap is never freed: the process would end with Triton's objects alive,
+        # each reported as leaked)
+        unfreeze_heap()
     except EOFError:  # rank 0 is gone
         os._exit(1)
     except BaseException as e:
