@@ -48,7 +48,12 @@ log = logging.getLogger(__name__)
 # `LLM` is used): shut down first, so their loop threads end and the device and Triton's
 # objects are released in order, not torn down under a running thread.
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
-atexit.register(lambda: [engine.shutdown() for engine in list(_LIVE)])
+
+
+@atexit.register
+def _shut_down_live_engines() -> None:
+    for engine in list(_LIVE):
+        engine.shutdown()
 
 
 class Engine:

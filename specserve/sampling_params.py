@@ -127,8 +127,8 @@ class SamplingParams:
         grammar = next((n for n in GRAMMAR_PARAMS if getattr(self, n) is not None), None)
         if self.min_new_tokens and grammar is not None:
             # (a grammar complete before it would leave no token to draw: EOS held back, and
-            # nothing else allowed)
-            # (not naming the engine's field: a server request may have set it by another name)
+            # nothing else allowed. The grammar's field is not named: a server request may
+            # have set it by another name, e.g. response_format)
             raise InvalidArgument(
                 "min_new_tokens", "cannot be combined with structured output: only 0"
             )
