@@ -263,7 +263,7 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Abort the running request submitted as `rid` (with n > 1, all its samples)."""
-        check_rid(rid)
+        check_rid(rid, made_if_none=False)
         with self._accepting:  # (never between the requests of one submission)
             self._inbox.put(("abort", rid))
         self._wake.set()

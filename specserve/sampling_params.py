@@ -192,7 +192,7 @@ def _temperature(v: Any, max_temperature: float) -> float:
     t = _number("temperature", v)
     if not 0.0 <= t <= max_temperature:
         raise InvalidArgument(
-            "temperature", f"must be in [0, {max_temperature:g}] (0 = greedy), got {t:g}"
+            "temperature", f"must be in [0, {max_temperature:g}] (0 = greedy), got {_short(v)}"
         )
     return 0.0 if t < GREEDY_BELOW else t
 
@@ -200,14 +200,14 @@ def _temperature(v: Any, max_temperature: float) -> float:
 def _top_p(v: Any) -> float:
     p = _number("top_p", v)
     if not 0.0 < p <= 1.0:
-        raise InvalidArgument("top_p", f"must be in (0, 1], got {p:g}")
+        raise InvalidArgument("top_p", f"must be in (0, 1], got {_short(v)}")
     return p
 
 
 def _min_p(v: Any) -> float:
     p = _number("min_p", v)
     if not 0.0 <= p <= 1.0:
-        raise InvalidArgument("min_p", f"must be in [0, 1], got {p:g}")
+        raise InvalidArgument("min_p", f"must be in [0, 1], got {_short(v)}")
     return p
 
 
@@ -285,7 +285,9 @@ def _n(v: Any) -> int:
 def _penalty(name: str, v: Any) -> float:
     x = _number(name, v)
     if not -MAX_PENALTY <= x <= MAX_PENALTY:
-        raise InvalidArgument(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {x:g}")
+        raise InvalidArgument(
+            name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {_short(v)}"
+        )
     return x
 
 
@@ -294,7 +296,7 @@ def _repetition_penalty(v: Any) -> float:
     if not 0.0 < x <= MAX_REPETITION_PENALTY:
         raise InvalidArgument(
             "repetition_penalty",
-            f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1: no penalty), got {x:g}",
+            f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1: no penalty), got {_short(v)}",
         )
     return x
 

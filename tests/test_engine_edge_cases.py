@@ -321,3 +321,10 @@ def test_an_engine_never_shut_down_is_shut_down_when_the_interpreter_exits(tmp_p
     assert done.returncode == 0, done.stderr[-2000:]
     assert "loop alive at exit: False" in done.stdout, (done.stdout, done.stderr[-2000:])
     assert "leaked" not in done.stderr, done.stderr[-2000:]
+
+
+def test_abort_without_a_request_id_is_refused_naming_rid(engine):
+    # (None makes an id when submitting; there is nothing it could name to abort)
+    with pytest.raises(InvalidArgument) as info:
+        engine.abort(None)
+    assert info.value.field == "rid"

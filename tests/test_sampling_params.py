@@ -130,3 +130,21 @@ def test_sampler_gives_the_greedy_token_for_tiny_temperatures(temperature):
     )
     got = sample(logits, st, torch.arange(4))
     assert got.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_p", 1.0000001),
+        ("temperature", 100.0001),
+        ("min_p", 1.0000001),
+        ("frequency_penalty", 2.0000001),
+        ("presence_penalty", -2.0000001),
+        ("repetition_penalty", 2.0000001),
+    ],
+)
+def test_a_value_just_past_its_range_is_shown_as_sent(field, value):
+    # (shown rounded, "got 1" beside "must be in (0, 1]" contradicted itself)
+    with pytest.raises(InvalidArgument) as info:
+        SamplingParams.from_any({field: value})
+    assert info.value.field == field and str(info.value).endswith(f"got {value!r}"), info.value

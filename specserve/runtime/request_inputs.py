@@ -12,9 +12,12 @@ from specserve.model.tokenizer import check_text
 from specserve.sampling_params import LOGPROB_FIELDS, SamplingParams, check_logprob_field, is_int
 
 
-def check_rid(rid: Any) -> None:
+def check_rid(rid: Any, made_if_none: bool = True) -> None:
     """A request id is a non-empty string (the loop files requests by id, and an unhashable
-    one raised there, ending the loop; an empty one could not be aborted by it)."""
+    one raised there, ending the loop; an empty one could not be aborted by it). None asks
+    for an id to be made, where one is (`made_if_none`: a submission, not an abort)."""
+    if rid is None and not made_if_none:
+        raise InvalidArgument("rid", "must be the id of a submitted request (a string), got None")
     if rid is not None and not isinstance(rid, str):
         raise InvalidArgument("rid", f"must be a string, got {type(rid).__name__}")
     if rid == "":
