@@ -664,6 +664,11 @@ def test_a_wide_tier_whose_steps_emit_more_is_not_free_because_the_host_is_busy(
     assert picks[-100:].count(1) > 90, picks[-100:]
 
 
+def host_us(p: AdaptiveSpeculation, bucket: int) -> list[float]:
+    """The host's (us per step, us per token) the policy weighs tiers by at `bucket` now."""
+    return [round(v * 1e6, 3) for v in p.host.cost_at(bucket)]
+
+
 def test_a_tiers_old_host_time_does_not_tilt_the_line_through_fresh_ones():
     """The host's speed moves with the machine's load. A tier not run for HOST_POINT_AGE steps
     at a bucket no longer weighs in the host's cost (beside a fresh point, its old one tilted
@@ -675,14 +680,14 @@ def test_a_tiers_old_host_time_does_not_tilt_the_line_through_fresh_ones():
     for _ in range(15):  # 1.5 ms a step, whatever the step emits
         p.observe_host(1, 16, 1.5e-3, 32)
         p.observe_host(2, 16, 1.5e-3, 64)
-    assert p.describe()["host_us_per_step_and_token"][16] == [1500.0, 0.0]
+    assert host_us(p, 16) == [1500.0, 0.0]
     for _ in range(HOST_POINT_AGE + 1):  # then only the chain, the host twice as fast
         p.observe_host(1, 16, 0.75e-3, 32)
     # one fresh tier alone cannot tell the two costs apart: per token, as measured now
-    assert p.describe()["host_us_per_step_and_token"][16] == [0.0, 23.438]
+    assert host_us(p, 16) == [0.0, 23.438]
     for _ in range(3):  # the tree again, the host as fast: its new steps alone count
         p.observe_host(2, 16, 0.75e-3, 64)
-    assert p.describe()["host_us_per_step_and_token"][16] == [750.0, 0.0]
+    assert host_us(p, 16) == [750.0, 0.0]
 
 
 def test_a_replay_timed_too_slow_is_corrected_by_the_first_step_served_at_that_tier():
@@ -1472,3 +1477,20 @@ def test_a_best_tier_demoted_by_one_unlucky_step_is_looked_at_again_within_a_few
     assert picks[0] == 2, picks  # (the wide tree now scores best)
     assert 1 in picks[:8], picks
     assert picks[-20:].count(1) >= 19, picks  # (the wide tree explored at most once)
+
+
+def test_describing_the_policy_from_another_thread_leaves_its_state_alone():
+    """Engine.stats() (the server's /metrics) describes the policy from another thread while
+    the loop's thread updates it: describing refitted the host's line there, iterating the
+    deques and dicts the loop was appending to."""
+    tiers = [PLAIN, TreeShape(3, 1, 4), TreeShape(6, 8, 64)]
+    p = AdaptiveSpeculation(tiers, measure=lambda b, t: 1e-3)
+    for _ in range(5):
+        p.observe_host(1, 16, 1.5e-3, 32)
+    before = host_us(p, 16)  # (the loop's own refit, at its next pick)
+    for _ in range(5):
+        p.observe_host(2, 16, 2.0e-3, 64)
+    described = p.describe()["host_us_per_step_and_token"][16]
+    assert described == before  # what tiers were last weighed by: no refit here
+    assert 16 in p.host._stale  # (the loop's next pick refits it)
+    assert host_us(p, 16) != before

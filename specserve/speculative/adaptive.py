@@ -574,7 +574,11 @@ class AdaptiveSpeculation:
         """What the policy has seen: steps run per tier, acceptance per tier, and step time
         in ms per tier and batch bucket (the device's, and the host's where measured: a
         moving average per tier), and the host's time per step and per emitted token that
-        tiers are weighed by (per bucket, in microseconds)."""
+        tiers were last weighed by (per bucket, in microseconds). Read from other threads
+        (`Engine.stats`) while the loop's thread updates the policy: every dict is copied
+        whole first (one step under the GIL, where iterating it is not), and nothing is
+        refitted here."""
+        host_mean, host_cost = dict(self.host.mean), dict(self.host.cost)
         return {
             "tiers": [str(t) for t in self.tiers],
             "steps": list(self.counts),
@@ -584,9 +588,9 @@ class AdaptiveSpeculation:
                 for t, b in sorted(set(self.replayed) | set(self.observed))
             },
             "host_ms": {
-                f"{self.tiers[t]}@{b}": round(v * 1e3, 3) for (t, b), v in self.host.mean.items()
+                f"{self.tiers[t]}@{b}": round(v * 1e3, 3) for (t, b), v in host_mean.items()
             },
             "host_us_per_step_and_token": {
-                b: [round(v * 1e6, 3) for v in self.host.cost_at(b)] for b in self.host.buckets()
+                b: [round(v * 1e6, 3) for v in cost] for b, cost in sorted(host_cost.items())
             },
         }

@@ -84,9 +84,6 @@ class HostCost:
         self._medians.pop(key, None)
         self._stale.add(bucket)
 
-    def buckets(self) -> list[int]:
-        return sorted(self.cost.keys() | self._stale)
-
     def cost_at(self, bucket: int) -> tuple[float, float]:
         """(seconds per step, seconds per emitted token) at `bucket`, fitted again if steps
         were observed there since it last was (once per pick, not once per observation: the
