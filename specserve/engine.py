@@ -6,7 +6,6 @@ queues, so `generate` may be called from several threads at once (the HTTP serve
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
 import queue
@@ -14,7 +13,6 @@ import random
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +22,7 @@ from specserve.config import EngineConfig
 from specserve.errors import InvalidArgument
 from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.engine_stats import engine_stats
+from specserve.runtime.exit_hook import track
 from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 from specserve.runtime.grammar import RequestGrammar, grammar_spec
 from specserve.runtime.logprobs import add_logprobs
@@ -43,17 +42,6 @@ from specserve.sampling_params import FIELDS as SAMPLING_FIELDS
 from specserve.sampling_params import INT64_MAX, SamplingParams, check_field, noise_seed
 
 log = logging.getLogger(__name__)
-
-# Engines not shut down when the interpreter exits (an `Engine(...)` never closed, as vLLM's
-# `LLM` is used): shut down first, so their loop threads end and the device and Triton's
-# objects are released in order, not torn down under a running thread.
-_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
-
-
-@atexit.register
-def _shut_down_live_engines() -> None:
-    for engine in list(_LIVE):
-        engine.shutdown()
 
 
 class Engine:
@@ -85,7 +73,7 @@ class Engine:
         self._close_at_exit = False  # shut down from the loop's own thread
         self._thread = threading.Thread(target=self._loop, name="specserve-loop", daemon=True)
         self._thread.start()
-        _LIVE.add(self)
+        track(self)  # (shut down at interpreter exit if still running then)
 
     # ---- public API ---------------------------------------------------------------------------
     def resolved_args(self) -> dict[str, Any]:
@@ -268,7 +256,9 @@ class Engine:
             self._inbox.put(("abort", rid))
         self._wake.set()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop (requests in flight fail with a reason), wait up to `timeout` seconds
+        for it to end, release the core. Again, or from an output callback: only stops it."""
         with self._accepting:
             if self._stop.is_set():
                 return
@@ -279,8 +269,14 @@ class Engine:
             # closes the core itself; it cannot wait for itself)
             self._close_at_exit = True
             return
-        self._thread.join(timeout=30)  # (its last look at the inbox answers what was queued)
+        self._thread.join(timeout=timeout)  # (its last look at the inbox answers the queue)
         self._close()
+
+    def wait_closed(self, timeout: float | None = None) -> None:
+        """Wait for the loop to end after a shutdown (one from an output callback returns at
+        once: the loop then fails what is in flight and closes the core itself)."""
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout)
 
     def _close(self) -> None:
         self.core.close()

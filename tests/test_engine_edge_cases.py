@@ -299,12 +299,30 @@ def test_requests_submitted_twice_are_refused_and_the_first_submission_runs_on(e
     assert sum(len(o["output_ids"]) for o in outs) == 40
 
 
-def test_an_engine_never_shut_down_is_shut_down_when_the_interpreter_exits(tmp_path):
+LEFT_RUNNING = {
+    "never shut down": "",
+    # (shut down from its own callback, whose shutdown cannot wait for the loop it runs on)
+    "shut down from its callback": (
+        "import time\n"
+        "done = threading.Event()\n"
+        "def on_output(out):\n"
+        "    if not done.is_set():\n"
+        "        done.set()\n"
+        "        engines[0].shutdown()\n"
+        "        time.sleep(2)  # (the loop still busy when the main thread exits)\n"
+        "engines[0].submit([5, 6], {'max_new_tokens': 50, 'ignore_eos': True}, on_output)\n"
+        "done.wait(30)\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("how", list(LEFT_RUNNING))
+def test_an_engine_left_running_is_shut_down_when_the_interpreter_exits(tmp_path, how):
     """vLLM's `LLM` is used without closing it: an engine left so ended the process under its
     running loop thread (on a CPU Triton then printed dozens of leaked-object lines)."""
-    script = tmp_path / "left_open.py"
+    script = tmp_path / "left_running.py"
     script.write_text(
-        "import atexit\n"
+        "import atexit, threading\n"
         "engines = []\n"
         "# (registered first, so run last: after specserve's own exit hook)\n"
         "atexit.register(lambda: print('loop alive at exit:', engines[0]._thread.is_alive()))\n"
@@ -312,7 +330,7 @@ def test_an_engine_never_shut_down_is_shut_down_when_the_interpreter_exits(tmp_p
         "engines.append(Engine(model_path='tiny', load_format='dummy', device='cpu',\n"
         "                      max_total_tokens=256))\n"
         "print(engines[0].generate(input_ids=[[5, 6]], sampling_params={'max_new_tokens': 2})\n"
-        "      [0]['output_ids'])\n"
+        "      [0]['output_ids'])\n" + LEFT_RUNNING[how]
     )
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
