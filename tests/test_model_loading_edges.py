@@ -175,11 +175,23 @@ def test_a_quantized_or_integer_weight_is_refused_naming_the_tensor_and_its_dtyp
     import torch
 
     def quantize(state):
-        for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.up_proj.weight"):
-            state[name] = state[name].to(getattr(torch, dtype))
+        name = "model.layers.0.mlp.down_proj.weight"
+        state[name] = state[name].to(getattr(torch, dtype))
 
     message = _refused(model_path=_edit_tensors(write_hf_model(tmp_path / "m"), quantize))
-    assert "mlp." in message and dtype in message and "quantized" in message, message
+    assert "down_proj" in message and dtype in message and "quantized" in message, message
+
+
+def test_a_quantized_piece_of_a_fused_weight_is_refused_naming_it(tmp_path):
+    """q/k/v and gate/up are stacked into one parameter on load: each piece is checked."""
+    import torch
+
+    def quantize(state):
+        name = "model.layers.1.mlp.up_proj.weight"
+        state[name] = state[name].to(torch.int8)
+
+    message = _refused(model_path=_edit_tensors(write_hf_model(tmp_path / "m"), quantize))
+    assert "up_proj" in message and "int8" in message, message
 
 
 def test_a_quantization_config_is_refused_naming_it(tmp_path):
@@ -213,9 +225,17 @@ def test_a_vocabulary_too_large_to_allocate_is_refused_naming_the_model_path(tmp
     assert "parameters" in message and "could allocate" in message, message
 
 
-@pytest.mark.parametrize(
-    "key, value", [("eos_token_id", 256), ("eos_token_id", [2, 999]), ("bos_token_id", 300)]
-)
-def test_a_special_token_id_outside_the_vocabulary_is_refused_naming_it(tmp_path, key, value):
-    message = _refused(model_path=_edit_config(write_hf_model(tmp_path / "m"), **{key: value}))
-    assert key in message and "vocab_size = 256" in message, message
+@pytest.mark.parametrize("value", [256, [2, 999]])
+def test_an_end_of_text_id_outside_the_vocabulary_is_refused_naming_it(tmp_path, value):
+    # (a token the model can never emit would never end a request)
+    folder = _edit_config(write_hf_model(tmp_path / "m"), eos_token_id=value)
+    message = _refused(model_path=folder)
+    assert "eos_token_id" in message and "vocab_size = 256" in message, message
+
+
+def test_an_end_of_text_id_of_generation_config_outside_the_vocabulary_names_that_file(tmp_path):
+    folder = write_hf_model(tmp_path / "m")
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, 300]}, f)
+    message = _refused(model_path=folder)
+    assert "generation_config.json" in message and "vocab_size = 256" in message, message

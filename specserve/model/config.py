@@ -82,7 +82,7 @@ class ModelConfig:
             if key in cfg and not isinstance(cfg[key], bool):
                 raise ValueError(f"{key} must be true or false, got {cfg[key]!r}")
         eos_ids = token_ids(cfg, "eos_token_id", vocab_size=cfg["vocab_size"])
-        bos_ids = token_ids(cfg, "bos_token_id", allow_list=False, vocab_size=cfg["vocab_size"])
+        bos_ids = token_ids(cfg, "bos_token_id", allow_list=False)  # (not used to decode)
         return ModelConfig(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -345,7 +345,7 @@ def _check_supported(cfg: dict[str, Any], model_type: str) -> None:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
         raise ValueError(
             f"quantization_config ({method or quantization!r}) is not supported: this engine "
-            "loads float32, float16 or bfloat16 weights (or a GGUF file)"
+            "loads float32, float16, bfloat16 or float64 weights (or a GGUF file)"
         )
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # (the same function in transformers)

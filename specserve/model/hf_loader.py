@@ -6,6 +6,7 @@ import glob
 import json
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -37,10 +38,11 @@ def _id_list(value) -> list:
     return [] if value is None else value if isinstance(value, list) else [value]
 
 
-def _generation_eos_ids(folder: str) -> list[int]:
+def _generation_eos_ids(folder: str, vocab_size: Any) -> list[int]:
     """The end-of-sequence ids of the folder's generation_config.json, if any: instruct
     models often list their end-of-turn token there alone (Qwen2.5: 151645 beside
-    config.json's 151643), and transformers, vLLM and SGLang stop at those too."""
+    config.json's 151643), and transformers, vLLM and SGLang stop at those too. Refused
+    naming that file, not config.json's key they are merged into."""
     path = os.path.join(folder, "generation_config.json")
     if not os.path.isfile(path):
         return []
@@ -50,6 +52,10 @@ def _generation_eos_ids(folder: str) -> list[int]:
         raise ValueError(
             f"{path}: eos_token_id must be an integer or a list of integers, got {eos!r}"
         )
+    if isinstance(vocab_size, int) and not all(0 <= i < vocab_size for i in ids):
+        raise ValueError(
+            f"{path}: eos_token_id must be token ids in [0, vocab_size = {vocab_size}), got {eos!r}"
+        )
     return ids
 
 
@@ -57,7 +63,7 @@ def load_hf_config(folder: str) -> ModelConfig:
     """The model's shape and special ids: config.json's, with generation_config.json's
     end-of-sequence ids added to its own."""
     cfg = read_hf_config(folder)
-    extra = _generation_eos_ids(folder)
+    extra = _generation_eos_ids(folder, cfg.get("vocab_size"))
     if extra:
         own = list(token_ids(cfg, "eos_token_id"))
         cfg = {**cfg, "eos_token_id": list(dict.fromkeys(own + extra))}

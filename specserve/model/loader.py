@@ -125,8 +125,9 @@ def build_model(
             raise
         count = sum(p.numel() for p in model.parameters())
         size = count * dtype.itemsize / 2**30
+        whose = "its config's shape" if tp is None else "this rank's shard of its config's shape"
         raise ValueError(
-            f"its config's shape has {count:,} parameters ({size:,.1f} GiB in "
+            f"{whose} has {count:,} parameters ({size:,.1f} GiB in "
             f"{str(dtype).removeprefix('torch.')}), more than {device} could allocate"
         ) from None
     if load_format == "dummy" or src.kind == "preset":

@@ -348,9 +348,9 @@ class ChatMessage(StrictModel):
     @field_validator("tool_calls", "function_call")
     @classmethod
     def _no_tool_calls(cls, v, info):
-        if v is not None:
+        if v:  # (null or [] carries no call: clients copy histories with "tool_calls": [])
             raise field_error(
-                info.field_name, "tool calls are not supported (nor is tools): only null"
+                info.field_name, "tool calls are not supported, as tools are not: only null or []"
             )
         return v
 
