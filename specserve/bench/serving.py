@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import re
 import sys
@@ -506,17 +505,12 @@ def cmd_serving(args) -> int:
     if not 0.0 < args.range_ratio <= 1.0:
         print("error: --range-ratio must be in (0, 1]", file=sys.stderr)
         return 2
-    if args.dataset not in ("bundled", "random") and not os.path.isfile(args.dataset):
-        print(
-            f"error: --dataset {args.dataset}: no such file; pass bundled, random or a JSONL "
-            'file with {"prompt": ...} per line',
-            file=sys.stderr,
-        )
-        return 2
+    # (the file's existence, like the result files' folders, is checked before this runs:
+    # bench/args.py's check_serving)
     if args.dataset not in ("bundled", "random"):
         try:  # a broken file is named before the server is asked anything
             load_prompt_file(args.dataset)
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     if args.api_key is None:
@@ -526,11 +520,6 @@ def cmd_serving(args) -> int:
     if args.api_key is not None and not args.api_key.strip():
         print("error: --api-key must not be empty", file=sys.stderr)
         return 2
-    for flag, path in (("--output-json", args.output_json), ("--plot", args.plot)):
-        # written after the run: a missing folder must not cost the whole measurement
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            print(f"error: {flag}: the folder of {path} does not exist", file=sys.stderr)
-            return 2
     if args.dataset == "random" and args.endpoint == "chat":
         print(
             "error: --dataset random sends token ids: use --endpoint completions or generate",
