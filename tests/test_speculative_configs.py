@@ -52,7 +52,7 @@ def test_steps_alone_or_nothing_fill_a_chain():
     assert tree_of(resolved(speculative_num_steps=5, speculative_eagle_topk=4)) == (5, 4, 21)
 
 
-@pytest.mark.parametrize("ndt", [-1, 1, 2, 3])
+@pytest.mark.parametrize("ndt", [-1, 1, 2, 3, 6, 64])
 def test_a_chain_verifies_every_step_as_in_sglang(ndt):
     c = resolved(
         speculative_num_steps=4, speculative_eagle_topk=1, speculative_num_draft_tokens=ndt
@@ -61,10 +61,10 @@ def test_a_chain_verifies_every_step_as_in_sglang(ndt):
     assert any(f == "speculative_num_draft_tokens" and v == 5 for f, v, _ in c.decisions)
 
 
-def test_a_chain_larger_than_its_steps_is_refused_with_the_allowed_range():
+def test_a_tree_larger_than_its_candidates_is_refused_with_the_allowed_range():
     with pytest.raises(InvalidArgument) as info:
-        resolved(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=8)
-    assert info.value.field == "speculative_num_draft_tokens" and "[2, 4]" in str(info.value)
+        resolved(speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=8)
+    assert info.value.field == "speculative_num_draft_tokens" and "[2, 7]" in str(info.value)
 
 
 def test_adjusted_chain_decodes_as_plain():

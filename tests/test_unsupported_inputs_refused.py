@@ -256,8 +256,14 @@ def test_the_bundled_draft_takes_lower_case_names_and_leaves_a_users_tree_size_t
     assert lower.speculative_algorithm == "EAGLE"
     assert lower.speculative_draft_model_path is not None  # the bundled draft, not refused
     with pytest.raises(InvalidArgument) as info:
-        EngineConfig(speculative_num_draft_tokens=1000).resolve(cuda_available=False)
-    assert info.value.field == "speculative_num_draft_tokens"
+        EngineConfig(
+            speculative_num_steps=2, speculative_eagle_topk=4, speculative_num_draft_tokens=1000
+        ).resolve(cuda_available=False)
+    assert info.value.field == "speculative_num_draft_tokens" and "[2, 21]" in str(info.value)
+    # a chain's size is num_steps + 1, whatever is given (as in SGLang)
+    chain = EngineConfig(speculative_num_draft_tokens=1000).resolve(cuda_available=False)
+    assert chain.speculative_eagle_topk == 1
+    assert chain.speculative_num_draft_tokens == chain.speculative_num_steps + 1
 
 
 def test_a_context_longer_than_the_model_is_refused_and_resolved_args_report_what_runs():

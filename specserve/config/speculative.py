@@ -205,9 +205,9 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
             value,
             f"not given: 1 + num_steps * topk, at most 64 -> {value}",
         )
-    if topk == 1 and c.speculative_num_draft_tokens < steps + 1:
-        # as SGLang does: a chain verifies its root and every drafted token (a size above
-        # what the chain holds is refused below, as for a tree)
+    if topk == 1 and c.speculative_num_draft_tokens != steps + 1:
+        # as SGLang does: a chain verifies its root and every drafted token, no fewer (it
+        # would draft tokens nothing verifies) and no more (there are none)
         reason = (
             f"{c.speculative_num_draft_tokens} adjusted to num_steps + 1 = {steps + 1}, "
             "as SGLang does when speculative_eagle_topk == 1 (a chain of num_steps tokens)"
@@ -219,9 +219,7 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         2 <= ndt <= max_tree,
         "speculative_num_draft_tokens",
         f"must be in [2, {max_tree}] (1 + topk + (num_steps - 1) * topk^2: the draft "
-        f"candidates with num_steps={steps}, topk={topk}"
-        + (": a chain verifies num_steps + 1, smaller sizes are raised to it" if topk == 1 else "")
-        + f"), got {ndt}",
+        f"candidates with num_steps={steps}, topk={topk}), got {ndt}",
     )
     if c.speculative_token_map is not None:
         # the file itself is read and checked against the vocabulary when the draft is built

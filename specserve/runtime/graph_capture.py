@@ -39,7 +39,10 @@ def capture_graph(fn, pool, device: torch.device):
     current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: only this thread's CUDA calls may break the capture. In the default
+        # global mode another engine's loop thread in the same process, calling the allocator
+        # or synchronizing while this one captures, breaks the capture.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = fn()
     finally:  # (torch leaves its capture stream current if ending the capture raises)
         torch.cuda.set_stream(current)
