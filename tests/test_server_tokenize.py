@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from specserve import Engine
+from specserve.server.app import create_app
+from specserve.server.server_config import ServerConfig
+from tests.test_server import ServerThread
 from tests.test_server_openai_compat import CHAT, COMPLETIONS, served  # noqa: F401
 
 TEXT = "paged kv cache and trees"
@@ -26,7 +30,8 @@ def test_a_text_counts_as_the_completion_route_counts_it(served):  # noqa: F811
     plain = post(served, "/tokenize", {"prompt": TEXT, "add_special_tokens": False})
     assert plain["tokens"] == served.engine.tokenizer.encode(TEXT, add_special_tokens=False)
     named = post(served, "/tokenize", {"prompt": TEXT, "return_token_strs": True})
-    assert len(named["token_strs"]) == named["count"]
+    # the vocabulary's strings, as vLLM's are (not each id decoded alone)
+    assert named["token_strs"] == served.engine.tokenizer.convert_ids_to_tokens(named["tokens"])
     back = post(served, "/detokenize", {"tokens": plain["tokens"]})
     assert back["prompt"] == served.engine.tokenizer.decode(plain["tokens"])
 
@@ -59,3 +64,20 @@ def test_bad_requests_name_the_field(served, route, body, param):  # noqa: F811
     err = post(served, route, body, status)["error"]
     assert err["param"] == param or err["message"].startswith(param), err
     assert post(served, "/tokenize", {"prompt": TEXT})["count"] > 0  # (still serving)
+
+
+def test_token_strs_are_the_byte_level_vocabulary_strings_as_in_vllm(tmp_path):
+    """With a byte-level vocabulary a token is 'Ġword' or a piece of a character's bytes:
+    decoded alone it would be ' word' or U+FFFD (and several ids would read the same)."""
+    import httpx
+
+    from tests.model_factory import write_hf_model
+
+    folder = write_hf_model(tmp_path / "m", vocab_size=300, with_tokenizer=True)
+    with Engine(model_path=folder, dtype="float32", device="cpu", context_length=64) as engine:
+        with ServerThread(create_app(engine, ServerConfig(), owns_engine=False)) as srv:
+            body = {"prompt": "naïve kv 北", "return_token_strs": True}
+            out = httpx.post(srv.url + "/tokenize", json=body).json()
+    tok = engine.tokenizer
+    assert out["token_strs"] == tok.convert_ids_to_tokens(out["tokens"])
+    assert out["token_strs"] != [tok.decode([t]) for t in out["tokens"]]

@@ -857,7 +857,9 @@ def test_a_work_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
 
     work = tmp_path / "d.work"
     work.mkdir()
-    argv = ["train-eagle", "--out", str(tmp_path / "d"), "--target", str(tmp_path / "t")]
+    target = _write_target(tmp_path / "t", with_tokenizer=True)
+    argv = ["train-eagle", "--out", str(tmp_path / "d"), "--target", target]
+    capsys.readouterr()  # (what writing the target printed)
     with open(work / "lock", "w") as held:  # (another run holds it)
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert cli.main(argv) == 2

@@ -427,7 +427,10 @@ def _rank_main(
             conn.send(("error", f"{type(e).__name__}: {e}"))
         except OSError:
             pass
-        log.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
+        if isinstance(e, InvalidArgument):  # (rank 0 refuses the same, and says so)
+            log.error("tensor-parallel rank %d: %s", rank, e)
+        else:
+            log.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         os._exit(1)
 
 

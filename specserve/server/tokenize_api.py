@@ -60,12 +60,13 @@ async def tokenize(request: Request, state: ServerState) -> dict[str, Any]:
         except ValidationError as e:
             raise validation_error_to_api_error(e) from None
         ids = await state.encode_chat(chat.chat_messages(), chat.template_options())
-    strings = state.token_strings() if req.return_token_strs else None
     return {
         "count": len(ids),
         "max_model_len": state.context_len,
         "tokens": ids,
-        "token_strs": [strings(t) for t in ids] if strings is not None else None,
+        # the vocabulary's own strings, as vLLM gives them (byte-level: 'Ġword', a piece of a
+        # character as its byte symbols), not each id decoded alone
+        "token_strs": state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None,
     }
 
 

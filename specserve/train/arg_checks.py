@@ -4,13 +4,16 @@ error), not a traceback minutes later or a Python slice taken from a negative co
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import tempfile
 
 from specserve.errors import InvalidArgument
 from specserve.model.loader import LOAD_FORMATS
 from specserve.train.data import DTYPES
 from specserve.train.generate import parse_engine_args, parse_workers
+from specserve.train.prompts import load_prompts
 
 AUTOCAST = ("bfloat16", "float16", "float32")
 SEED_MAX = 2**63 - 1  # torch generators take a signed 64-bit seed
@@ -55,8 +58,64 @@ def _one_of(args, name: str, allowed) -> None:
 
 
 def _folder_flag(flag: str, path: str | None) -> None:
-    if path and os.path.isfile(path):
+    """A folder the run will create or write into: not a file, and creatable where it does not
+    exist yet (checked by making and removing a folder beside it), so that a path no one can
+    write is refused now, not after hours of data generation."""
+    if not path:
+        return
+    if os.path.isfile(path):
         raise InvalidArgument(flag, f"{path} is a file; a folder is needed")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise InvalidArgument(flag, f"{path} cannot be created: {existing} is a file")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".specserve-write-check-", dir=existing))
+    except OSError as e:
+        raise InvalidArgument(
+            flag, f"{path} cannot be written: {e.strerror} in {existing}"
+        ) from None
+
+
+def _draft_out(args) -> None:
+    """--out receives config.json and model.safetensors: never the target's own folder or
+    another model's (they would be overwritten), only a new, empty or draft folder."""
+    out = os.path.realpath(args.out)
+    if os.path.isdir(args.target) and out == os.path.realpath(args.target):
+        raise InvalidArgument("--out", f"{args.out} is the target's folder; give a new folder")
+    config = os.path.join(out, "config.json")
+    if not os.path.isfile(config):
+        return
+    from specserve.train.checkpoint import ARCHITECTURE, ARCHITECTURE_EAGLE3
+
+    try:
+        with open(config, encoding="utf-8") as f:
+            architectures = json.load(f).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        architectures = None
+    if architectures not in ([ARCHITECTURE], [ARCHITECTURE_EAGLE3]):
+        raise InvalidArgument(
+            "--out",
+            f"{args.out} holds a model that is not a draft this command wrote (config.json "
+            f"architectures {architectures!r}); give a new folder or an earlier draft's",
+        )
+
+
+def _prompt_file(args) -> None:
+    """A JSONL prompt file is read now: a malformed line fails the run before anything loads."""
+    if args.prompts in BUNDLED_PROMPTS:
+        return
+    if not os.path.isfile(args.prompts):
+        raise InvalidArgument(
+            "--prompts",
+            f"{args.prompts!r} is neither a bundled set ({', '.join(BUNDLED_PROMPTS)}) nor a "
+            "JSONL file",
+        )
+    try:
+        load_prompts(args.prompts)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InvalidArgument("--prompts", str(e)) from None
 
 
 def _generation(args) -> None:
@@ -65,12 +124,7 @@ def _generation(args) -> None:
         raise InvalidArgument("--out", "must be a path, got ''")
     _device(args)
     _one_of(args, "load_format", LOAD_FORMATS)
-    if args.prompts not in BUNDLED_PROMPTS and not os.path.isfile(args.prompts):
-        raise InvalidArgument(
-            "--prompts",
-            f"{args.prompts!r} is neither a bundled set ({', '.join(BUNDLED_PROMPTS)}) nor a "
-            "JSONL file",
-        )
+    _prompt_file(args)
     _at_least(args, "num_prompts", 1)
     _at_least(args, "max_new_tokens", 1)
     _at_least(args, "gen_batch_size", 1)
@@ -88,6 +142,15 @@ def _generation(args) -> None:
     if args.engine_arg and "engine" not in workers:
         raise InvalidArgument(
             "--engine-arg", f"configures engine workers; --generator {args.generator} has none"
+        )
+    tp_size = parse_engine_args(args.engine_arg).get("tp_size", 1)
+    if tp_size != 1 and len(workers) > 1:
+        # (the workers are daemon processes, which cannot start a tensor-parallel engine's
+        # ranks; one engine spans the devices)
+        raise InvalidArgument(
+            "--generator",
+            f"with --engine-arg tp_size={tp_size} takes one engine worker and no other, got "
+            f"{args.generator!r}",
         )
 
 
@@ -125,6 +188,13 @@ def check_train_args(args) -> None:
     _in_range(args, "warmup", 0, 1)
     for name in ("weight_decay", "ttt_decay", "feature_weight", "token_weight"):
         _at_least(args, name, 0)
+    if args.token_weight == 0 and (args.feature_weight == 0 or args.head == "eagle3"):
+        raise InvalidArgument(
+            "--token-weight",
+            "must be > 0"
+            + (" (an EAGLE3 head has no feature loss)" if args.head == "eagle3" else "")
+            + ", or --feature-weight > 0: with no loss nothing is trained",
+        )
     if not 0 <= args.val_fraction < 1:
         raise InvalidArgument("--val-fraction", f"must be in [0, 1), got {args.val_fraction}")
     if args.token_map_size < 0:
@@ -160,6 +230,7 @@ def check_train_args(args) -> None:
         )
     for flag, path in (("--out", args.out), ("--work-dir", args.work_dir)):
         _folder_flag(flag, path)
+    _draft_out(args)
     if args.curve_file:
         parent = os.path.dirname(os.path.abspath(args.curve_file))
         if not os.path.isdir(parent):
@@ -199,12 +270,26 @@ def _has_tokenizer(src) -> bool:
         return False
 
 
-def check_target(args, generates: bool) -> None:
+def check_target(args, generates: bool, data_dir: str | None = None) -> None:
     """The target's config and, when answers are generated, its tokenizer (the prompts are
-    chats): read, not loaded, before anything is generated."""
+    chats): read, not loaded, before anything is generated. A finished `data_dir` given must
+    have been made by a model of the target's shape."""
     from specserve.model.loader import locate, read_model_config
 
     config = read_model_config(args.target, args.load_format, field="--target")
+    if data_dir:
+        with open(os.path.join(data_dir, "manifest.json"), encoding="utf-8") as f:
+            manifest = json.load(f)
+        for key, value in (
+            ("hidden_size", config.hidden_size),
+            ("vocab_size", config.vocab_size),
+        ):
+            if manifest.get(key, value) != value:
+                raise InvalidArgument(
+                    "--data-dir",
+                    f"{data_dir} was made by a target with {key} {manifest[key]}; --target "
+                    f"{args.target} has {value}",
+                )
     if getattr(args, "init_layer", None) is not None and args.init_layer >= config.num_layers:
         raise InvalidArgument(
             "--init-layer",

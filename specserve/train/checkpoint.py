@@ -16,6 +16,7 @@ from specserve.train.train_args import TrainArgs
 
 ARCHITECTURE = "LlamaForCausalLMEagle"
 ARCHITECTURE_EAGLE3 = "LlamaForCausalLMEagle3"
+TRAINING_ARGS = "training_args.json"  # the run's summary, beside the draft it describes
 # A resumed run must build the same head as the checkpoint's, and see the same split and batch
 # order: its position is an index into the epoch's batches, and another held-back set would
 # score the draft on sequences it trained on. (setting: its flag)
@@ -88,11 +89,15 @@ def save_draft(
     tmp = folder.rstrip("/") + ".tmp"
     save_eagle_checkpoint(tmp, out.cpu(), cfg, extra)
     os.makedirs(folder, exist_ok=True)
+    # an earlier run's summary describes other weights (a run writes its own once it ends)
+    stale = os.path.join(folder, TRAINING_ARGS)
+    if os.path.isfile(stale):
+        os.remove(stale)
     for name in os.listdir(tmp):  # each file replaced whole: a reader never sees a torn one
         os.replace(os.path.join(tmp, name), os.path.join(folder, name))
     os.rmdir(tmp)
 
 
 def write_training_args(out_dir: str, summary: dict) -> None:
-    with open(os.path.join(out_dir, "training_args.json"), "w") as f:
+    with open(os.path.join(out_dir, TRAINING_ARGS), "w") as f:
         json.dump(summary, f, indent=2)

@@ -254,9 +254,9 @@ def run_train(args) -> int:
     )
     if not args.data_dir:  # (a folder given is used as it is)
         refuse_other_data(data_args)
-    lock = _hold_work_dir(work)  # noqa: F841 (held until the run returns)
     answered = any(os.path.isfile(os.path.join(data_dir, n)) for n in _DATA_FILES)
-    check_target(args, generates=not answered)
+    check_target(args, generates=not answered, data_dir=args.data_dir)
+    lock = _hold_work_dir(work)  # noqa: F841 (held until the run returns)
     _log(f"train-eagle: target {args.target}, work folder {work}, draft to {args.out}")
     manifest = build_dataset(data_args)
     _log(

@@ -202,6 +202,7 @@ def build_dataset(args: DataArgs, prompt_ids: list[list[int]] | None = None) -> 
         "num_answer_tokens": sum(len(a) for a in answers),
         "num_ended": sum(bool(a) and a[-1] in eos for a in answers),
         "hidden_size": loaded.config.hidden_size,
+        "vocab_size": loaded.config.vocab_size,
         "capture_layers": list(capture),
         "shards": shards,
         "generate_seconds": round(gen_seconds, 1),
@@ -230,7 +231,7 @@ def generate_answer_set(args: DataArgs, prompt_ids):
         if loaded.tokenizer is None:
             raise ValueError(f"{args.target}: no tokenizer; pass prompt_ids")
         prompt_ids = chat_ids(loaded.tokenizer, select_prompts(args))
-    prompt_ids = [list(p) for p in prompt_ids]
+    prompt_ids = _fitting_prompts([list(p) for p in prompt_ids], loaded.config, args)
     eos = sorted(eos_ids_of(loaded))
     del loaded
     passes = 1 + max(args.sampled_passes, 1 if args.sampled_pass else 0)
@@ -267,6 +268,27 @@ def generate_answer_set(args: DataArgs, prompt_ids):
     answers = [r["ids"] for r in results]
     seq_prompts = [prompt_ids[jobs[r["job"]][0]] for r in results]
     return answers, seq_prompts, None
+
+
+def _fitting_prompts(prompt_ids: list[list[int]], config, args: DataArgs) -> list[list[int]]:
+    """The prompts whose answer of max_new_tokens fits the target's context, whichever worker
+    generates it (the engine refuses a longer one; the dense generator would run past the
+    positions the model was trained for). The others are left out, and said so."""
+    room = config.max_position_embeddings - args.max_new_tokens
+    kept = [p for p in prompt_ids if len(p) <= room]
+    if not kept:
+        raise InvalidArgument(
+            "--prompts",
+            f"no prompt fits the target's context of {config.max_position_embeddings} tokens "
+            f"with --max-new-tokens {args.max_new_tokens} (the shortest has "
+            f"{min(map(len, prompt_ids), default=0)} tokens)",
+        )
+    if len(kept) < len(prompt_ids):
+        _log(
+            f"generate: {len(prompt_ids) - len(kept)} of {len(prompt_ids)} prompts left out: "
+            f"longer than {room} tokens, the context less --max-new-tokens"
+        )
+    return kept
 
 
 def _write_features(args, model, seqs, prompt_ids, answers, eos, capture) -> list[str]:

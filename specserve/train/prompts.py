@@ -8,6 +8,27 @@ import json
 from importlib import resources
 
 
+def parse_prompt_lines(text: str, source: str) -> list[str]:
+    """The prompts of a JSONL text, one {"prompt": str, ...} object per non-blank line; a
+    line that is not one raises ValueError naming `source` and the line."""
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source} line {number} is not JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(
+                f'{source} line {number} is not an object with a "prompt" string: {line[:80]!r}'
+            )
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise ValueError(f"{source} holds no prompt (one JSON object per line expected)")
+    return prompts
+
+
 def load_prompts(name_or_path: str = "train") -> list[str]:
     """Prompts of a bundled set ('train' or 'heldout') or of a JSONL file ({"prompt": ...})."""
     if name_or_path in ("train", "heldout"):
@@ -19,4 +40,4 @@ def load_prompts(name_or_path: str = "train") -> list[str]:
     else:
         with open(name_or_path, encoding="utf-8") as f:
             text = f.read()
-    return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    return parse_prompt_lines(text, name_or_path)

@@ -25,7 +25,7 @@ class SeqData:
         residual streams of three target layers, recorded with `DataArgs.eagle3`)."""
         self.device = torch.device(device)
         ids, features, top_ids, top_probs = [], [], [], []
-        starts, lens, pls, ended, groups = [], [], [], [], []
+        starts, lens, pls, ended, groups, fulls = [], [], [], [], [], []
         base = 0
         for sh in shards:
             offs = sh["offsets"].numpy()
@@ -39,6 +39,7 @@ class SeqData:
                 )
             )
             full = offs[1:] - offs[:-1]
+            fulls.append(full)
             n = np.minimum(full, max_len)
             starts.append(offs[:-1] + base)
             lens.append(n)
@@ -66,6 +67,10 @@ class SeqData:
         lo = pl - 1
         hi = np.where(en, n - 2, n - 1)
         keep = hi > lo  # at least one position with a loss
+        # (those with one were it not for max_len: `max_len` cut the others' answers away)
+        full = cat(fulls)
+        whole_ended = cat([sh["ended"].numpy() for sh in shards]).astype(bool)
+        self.num_with_answer = int((np.where(whole_ended, full - 2, full - 1) > lo).sum())
         self.start, self.n, self.lo, self.hi = start[keep], n[keep], lo[keep], hi[keep]
         self.group = group[keep]
         self.num_loss_positions = int((self.hi - self.lo).sum())

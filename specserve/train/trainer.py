@@ -9,6 +9,7 @@ draft plus a resumable checkpoint (`checkpoint.py`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
+from specserve.errors import InvalidArgument
 from specserve.train.checkpoint import load_state, save_draft, save_state, write_curve
 from specserve.train.evaluate import evaluate
 from specserve.train.head_init import ce_vocabulary, make_head, scale_fc_init_, vocab_lookup
@@ -38,6 +40,18 @@ def _check_args(args: TrainArgs) -> None:
         raise ValueError("init_layer applies to EAGLE heads only (an EAGLE3 layer reads 2H)")
     if args.draft_vocab < 0 or args.ce_vocab < 0:
         raise ValueError("draft_vocab and ce_vocab must be >= 0 (0: the whole vocabulary)")
+
+
+def _refuse_diverged(head, step: int, lr: float, loss: float | None = None) -> None:
+    """Training that diverged stops before it writes a draft (an earlier checkpoint's draft
+    stays): a head of non-finite weights would be served as a draft that is never accepted."""
+    if loss is None and all(bool(torch.isfinite(p).all()) for p in head.parameters()):
+        return
+    what = f"the loss is {loss}" if loss is not None else "the head's weights are not finite"
+    raise InvalidArgument(
+        "--lr",
+        f"training diverged at step {step}: {what} (lr {lr:g}); lower --lr, or lengthen --warmup",
+    )
 
 
 def _capture_layers(data_dir: str) -> list[int]:
@@ -121,7 +135,6 @@ def train(
     t_start = time.time()
     device = torch.device(args.device)
     _check_args(args)
-    os.makedirs(out_dir, exist_ok=True)
     eagle3 = args.head == "eagle3"
     capture = _capture_layers(data_dir)
     if eagle3 and (args.ce_vocab or args.feature_weight != TrainArgs.feature_weight):
@@ -131,7 +144,13 @@ def train(
     data = SeqData(shards, args.max_len, device, feature)
     del shards
     if len(data) == 0:
-        raise ValueError(f"{data_dir}: no sequence with an answer")
+        raise InvalidArgument(
+            "--max-len",
+            f"no sequence of {data_dir} has an answer token within its first {args.max_len} "
+            "tokens: raise --max-len above the prompts' lengths"
+            if data.num_with_answer
+            else f"{data_dir} holds no sequence with an answer",
+        )
     val_idx, train_idx = split_by_prompt(data, args.val_fraction, args.seed)
     if len(train_idx) == 0:
         raise ValueError(f"{data_dir}: no training sequence left after holding back prompts")
@@ -178,6 +197,7 @@ def train(
     clock = RunClock(args, total_steps, trained)
 
     def checkpoint(final: bool = False) -> dict:
+        _refuse_diverged(head, step, args.lr)
         metrics = evaluate(head, h.eval_w, data, val_idx, args, device, h.eval_lookup)
         evals.append({"step": step, "elapsed": round(clock.elapsed(), 1), **metrics})
         log(_stamp(f"step {step}, {clock.elapsed():.0f}s: held-back {metrics}"))
@@ -229,6 +249,8 @@ def train(
             window.add(losses, batch["tokens"])
             if step % args.log_every == 0:
                 row = window.row(step, clock.elapsed(), loss, losses, lr, args.log_every)
+                if not math.isfinite(row["loss"]):
+                    _refuse_diverged(head, step, args.lr, row["loss"])
                 history.append(row)
                 bar.set_postfix(loss=row["loss"], acc0=row["acc"][0], accN=row["acc"][-1])
                 if device.type != "cpu" or step % (args.log_every * 10) == 0:
