@@ -78,7 +78,7 @@ ACCEPTANCE = ["bench", "acceptance", "--num-prompts", "1", "--max-new-tokens", "
         (["--engine-arg", "max_total_tokens=abc"], ["--engine-arg", "max_total_tokens"]),
         (["--engine-arg", "page_size=-3"], ["--engine-arg", "page_size"]),
         (["--engine-arg", "foo=1"], ["--engine-arg", "foo", "allowed: ", "page_size"]),
-        (["--configs", "3,1,4", "3,1,99"], ["--configs", "3,1,99", "[2, 4]"]),
+        (["--configs", "3,1,4", "3,2,99"], ["--configs", "3,2,99", "[2, 11]"]),
         (["--target", "/nope"], ["--target", "/nope does not exist"]),
     ],
 )
@@ -150,7 +150,7 @@ COMPARE = ["bench", "compare", *TINY, "--batch-size", "1", "--skip-hf"]
     [
         (["--accept-lengths", "0.5"], ["--accept-lengths", "[1, 4]", "0.5"]),
         (["--accept-lengths", "2", "9"], ["--accept-lengths", "[1, 4]"]),
-        (["--num-draft-tokens", "99"], ["--num-draft-tokens", "[2, 4]"]),
+        (["--topk", "2", "--num-draft-tokens", "99"], ["--num-draft-tokens", "[2, 11]"]),
         (["--num-steps", "99"], ["--num-steps", "[1, 16]"]),
         (["--model-path", "/nope/model"], ["--model-path", "does not exist"]),
     ],
