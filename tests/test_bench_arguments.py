@@ -165,3 +165,10 @@ def test_compare_help_describes_options_with_defaults(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for text in ("--num-steps NUM_STEPS draft steps", "(default: 3)", "(default: llama3-8b)"):
         assert text in out
+
+
+def test_acceptance_rows_of_a_chain_report_the_size_the_engine_runs():
+    from specserve.bench.acceptance import parse_config
+
+    assert parse_config("3,1,99") == ("chain-3", 3, 1, 4)
+    assert parse_config("3,2,9") == ("tree-k2-n9-s3", 3, 2, 9)

@@ -26,6 +26,9 @@ def test_spec_values_map_to_engine_arguments():
     _, kw = parse_spec("5,4,16:/maps/a+b.json", "EAGLE", None)  # '+' inside a file name
     assert kw["speculative_token_map"] == "/maps/a+b.json"
     assert "speculative_token_map_growth" not in kw
+    # a chain's label and arguments say the size the engine runs: num_steps + 1
+    label, kw = parse_spec("3,1,99", "EAGLE", None)
+    assert label.endswith("n=4") and kw["speculative_num_draft_tokens"] == 4
     for bad in ("8,8", "8,x,48", ""):
         with pytest.raises(InvalidArgument, match="--spec.*steps,topk,num_draft_tokens"):
             parse_spec(bad, "EAGLE", None)

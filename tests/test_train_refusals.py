@@ -171,3 +171,28 @@ def test_prompts_whose_answer_would_not_fit_the_context_are_left_out():
     with pytest.raises(InvalidArgument) as info:
         _fitting_prompts([[1] * 30], config, args)
     assert info.value.field == "--prompts" and "32" in str(info.value)
+
+
+def test_the_default_work_folder_and_a_dangling_link_are_checked_like_given_folders(
+    tmp_path, capsys
+):
+    (tmp_path / "a_file.work").write_text("")  # where the default work folder would go
+    err = _refused(["--out", str(tmp_path / "a_file")], capsys, "--work-dir")
+    assert "a_file.work is a file" in err
+    os.symlink(tmp_path / "nowhere", tmp_path / "link")
+    err = _refused(["--out", str(tmp_path / "link")], capsys, "--out")
+    assert "link to nothing" in err
+
+
+def test_eagle3_zero_token_weight_is_refused_without_pointing_at_the_feature_loss(tmp_path, capsys):
+    argv = ["--out", str(tmp_path / "d"), "--head", "eagle3", "--token-weight", "0"]
+    err = _refused(argv, capsys, "--token-weight")
+    assert "--feature-weight" not in err
+
+
+def test_an_answer_length_the_context_cannot_hold_is_refused_naming_it(tmp_path, capsys):
+    target = write_hf_model(tmp_path / "t", vocab_size=VOCAB, with_tokenizer=True)
+    context = json.load(open(os.path.join(target, "config.json")))["max_position_embeddings"]
+    argv = ["--target", target, "--out", str(tmp_path / "d"), "--max-new-tokens", str(context)]
+    assert str(context) in _refused(argv, capsys, "--max-new-tokens")
+    assert not os.path.exists(tmp_path / "d.work")

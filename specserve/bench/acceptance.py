@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from specserve.bench.args import positive_int
+from specserve.config.speculative import chain_sized
 
 # name, num_steps, topk, num_draft_tokens
 DEFAULT_CONFIGS: list[tuple[str, int, int, int]] = [
@@ -39,6 +40,7 @@ def parse_config(text: str) -> tuple[str, int, int, int]:
         steps, topk, tokens = (int(x) for x in text.split(","))
     except ValueError as e:
         raise ValueError(f"config {text!r}: expected STEPS,TOPK,TOKENS") from e
+    tokens = chain_sized(steps, topk, tokens)  # (the size the engine runs, so the row says)
     name = f"chain-{steps}" if topk == 1 else f"tree-k{topk}-n{tokens}-s{steps}"
     return name, steps, topk, tokens
 

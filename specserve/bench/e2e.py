@@ -22,6 +22,7 @@ from typing import Any
 
 from specserve.bench.args import positive_int
 from specserve.bench.one_batch import dump, free_device_memory
+from specserve.config.speculative import chain_sized
 from specserve.errors import InvalidArgument
 
 
@@ -95,6 +96,7 @@ def parse_spec(spec: str, algorithm: str, draft: str | None) -> tuple[str, dict]
         steps, topk, ndt = (int(x) for x in shape.split(","))
     except ValueError:
         raise InvalidArgument("--spec", f"{spec!r}: expected {SPEC_SYNTAX}, e.g. 8,8,48") from None
+    ndt = chain_sized(steps, topk, ndt)  # (the size the engine runs, so the label says)
     label = f"specserve-{algorithm.lower()} steps={steps} topk={topk} n={ndt}"
     kw: dict = dict(
         speculative_algorithm=algorithm,

@@ -38,6 +38,12 @@ DRAFT_LAG_TOKENS = 32
 MAX_DRAFT_LAG_TOKENS = 1024
 
 
+def chain_sized(steps: int, topk: int, num_draft_tokens: int) -> int:
+    """The tree size that runs: a chain (topk 1) verifies its root and every drafted token,
+    num_steps + 1, whatever size was given (as SGLang sets it); a tree, the size given."""
+    return steps + 1 if topk == 1 else num_draft_tokens
+
+
 def small_tree(steps: int, topk: int, tokens: int) -> tuple[int, int, int] | None:
     """(steps, topk, tokens) of the small tree load-adaptive speculation adds to a configured
     tree: at most 4 steps of topk 4 verifying 16 nodes, no more than those steps and topk
@@ -205,7 +211,7 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
             value,
             f"not given: 1 + num_steps * topk, at most 64 -> {value}",
         )
-    if topk == 1 and c.speculative_num_draft_tokens != steps + 1:
+    if c.speculative_num_draft_tokens != chain_sized(steps, topk, c.speculative_num_draft_tokens):
         # as SGLang does: a chain verifies its root and every drafted token, no fewer (it
         # would draft tokens nothing verifies) and no more (there are none)
         reason = (

@@ -65,8 +65,10 @@ def _folder_flag(flag: str, path: str | None) -> None:
         return
     if os.path.isfile(path):
         raise InvalidArgument(flag, f"{path} is a file; a folder is needed")
+    if os.path.islink(path) and not os.path.exists(path):
+        raise InvalidArgument(flag, f"{path} is a link to nothing; give a folder")
     existing = os.path.abspath(path)
-    while not os.path.exists(existing):
+    while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise InvalidArgument(flag, f"{path} cannot be created: {existing} is a file")
@@ -191,9 +193,9 @@ def check_train_args(args) -> None:
     if args.token_weight == 0 and (args.feature_weight == 0 or args.head == "eagle3"):
         raise InvalidArgument(
             "--token-weight",
-            "must be > 0"
-            + (" (an EAGLE3 head has no feature loss)" if args.head == "eagle3" else "")
-            + ", or --feature-weight > 0: with no loss nothing is trained",
+            "must be > 0: an EAGLE3 head has no other loss"
+            if args.head == "eagle3"
+            else "must be > 0, or --feature-weight > 0: with no loss nothing is trained",
         )
     if not 0 <= args.val_fraction < 1:
         raise InvalidArgument("--val-fraction", f"must be in [0, 1), got {args.val_fraction}")
@@ -228,7 +230,8 @@ def check_train_args(args) -> None:
         raise InvalidArgument(
             "--data-dir", f"{args.data_dir} is not a finished dataset (no manifest.json in it)"
         )
-    for flag, path in (("--out", args.out), ("--work-dir", args.work_dir)):
+    work_dir = args.work_dir or args.out.rstrip("/") + ".work"  # (train-eagle's default)
+    for flag, path in (("--out", args.out), ("--work-dir", work_dir)):
         _folder_flag(flag, path)
     _draft_out(args)
     if args.curve_file:
@@ -277,6 +280,12 @@ def check_target(args, generates: bool, data_dir: str | None = None) -> None:
     from specserve.model.loader import locate, read_model_config
 
     config = read_model_config(args.target, args.load_format, field="--target")
+    if generates and args.max_new_tokens >= config.max_position_embeddings:
+        raise InvalidArgument(
+            "--max-new-tokens",
+            f"must be < {config.max_position_embeddings} (the target's context, which also "
+            f"holds the prompt), got {args.max_new_tokens}",
+        )
     if data_dir:
         with open(os.path.join(data_dir, "manifest.json"), encoding="utf-8") as f:
             manifest = json.load(f)

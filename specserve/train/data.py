@@ -271,9 +271,10 @@ def generate_answer_set(args: DataArgs, prompt_ids):
 
 
 def _fitting_prompts(prompt_ids: list[list[int]], config, args: DataArgs) -> list[list[int]]:
-    """The prompts whose answer of max_new_tokens fits the target's context, whichever worker
-    generates it (the engine refuses a longer one; the dense generator would run past the
-    positions the model was trained for). The others are left out, and said so."""
+    """The prompts whose answer of max_new_tokens fits the target's context. The others are
+    left out, and said so, whichever worker would answer them: the engine would cut their
+    answers at the context, and the dense generator would run past the positions the model
+    was trained for."""
     room = config.max_position_embeddings - args.max_new_tokens
     kept = [p for p in prompt_ids if len(p) <= room]
     if not kept:
