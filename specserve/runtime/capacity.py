@@ -11,6 +11,7 @@ from specserve.config import EngineConfig
 from specserve.errors import InvalidArgument
 from specserve.model.config import ModelConfig
 from specserve.ops.sampling import SAMPLE_BLOCK_ELEMENTS
+from specserve.runtime.graph_capture import release_cached_memory
 
 CPU_DEFAULT_KV_TOKENS = 16384
 # Bytes per (verified node, vocabulary entry) that a decode step holds at its peak outside
@@ -80,7 +81,7 @@ def _tokens_in_free_memory(
 ) -> int:
     # (memory this process freed but torch's allocator still caches counts as used: an
     # engine started after others in one process found no room for its KV cache)
-    torch.cuda.empty_cache()
+    release_cached_memory()
     free, total = torch.cuda.mem_get_info(device)
     budget = free - (1.0 - cfg.mem_fraction_static) * total - step_reserve
     if budget <= bytes_per_token * 1024:

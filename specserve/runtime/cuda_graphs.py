@@ -51,6 +51,7 @@ from specserve.runtime.graph_capture import (
     capture_unless_out_of_memory,
     copy_from_host,
     pow2_bucket,
+    synchronize_device,
 )
 from specserve.speculative.step import StepOutputs
 
@@ -416,7 +417,7 @@ class DecodeGraphs:
         if not self._stale():
             return
         if self.capture:
-            torch.cuda.synchronize(self.worker.device)
+            synchronize_device(self.worker.device)
         everything = rows.version != self._rows_version
 
         def stale(key: tuple) -> bool:

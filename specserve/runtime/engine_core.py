@@ -13,6 +13,7 @@ from specserve.errors import InvalidArgument
 from specserve.runtime.draft_lag import DraftLag
 from specserve.runtime.engine_parts import build_engine_parts
 from specserve.runtime.grammar import grammar_spec, refuse_by_grammar
+from specserve.runtime.graph_capture import release_cached_memory
 from specserve.runtime.host_clock import HostClock
 from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import ReqState, Request
@@ -278,7 +279,7 @@ class EngineCore:
                 error,
             )
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # (what the failed step's allocator cached)
+            release_cached_memory()  # (what the failed step's allocator cached)
         self.host_clock.interrupt()
         return self._reap_finished()  # (the one that failed, and those that had finished)
 

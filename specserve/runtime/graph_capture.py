@@ -4,6 +4,7 @@ written from the host without a sync, and shape buckets."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -11,6 +12,25 @@ import torch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# Engines of one process take turns at what involves the whole device: a capture, and the
+# calls that synchronize every stream. One engine's device-wide synchronize (torch.cuda.graph
+# makes one before each capture; empty_cache does too) while another engine's thread
+# captures breaks that capture, and torch then leaves the graph pool recording, so every
+# later capture on it fails. (Seen on an H100: two engines serving from two threads.)
+DEVICE_WIDE = threading.RLock()
+
+
+def synchronize_device(device: torch.device) -> None:
+    """Wait for every stream of the device, never while another thread captures."""
+    with DEVICE_WIDE:
+        torch.cuda.synchronize(device)
+
+
+def release_cached_memory() -> None:
+    """torch's cached blocks back to the device, never while another thread captures."""
+    with DEVICE_WIDE:
+        torch.cuda.empty_cache()
 
 
 def pow2_bucket(n: int, minimum: int) -> int:
@@ -39,10 +59,9 @@ def capture_graph(fn, pool, device: torch.device):
     current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
-        # thread_local: only this thread's CUDA calls may break the capture. In the default
-        # global mode another engine's loop thread in the same process, calling the allocator
-        # or synchronizing while this one captures, breaks the capture.
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        # thread_local: another thread's allocations (another engine's steps) may go on while
+        # this one captures; what would still break it is device-wide, hence the lock
+        with DEVICE_WIDE, torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = fn()
     finally:  # (torch leaves its capture stream current if ending the capture raises)
         torch.cuda.set_stream(current)
@@ -68,5 +87,5 @@ def capture_unless_out_of_memory(capture: Callable[[], T], what: str, fallback: 
         if not fallback:
             raise
     log.warning("no device memory to capture %s: its steps run eagerly", what)
-    torch.cuda.empty_cache()  # (what the failed capture's warm-up left cached)
+    release_cached_memory()  # (what the failed capture's warm-up left cached)
     return None

@@ -41,6 +41,7 @@ from specserve.runtime.graph_capture import (
     capture_unless_out_of_memory,
     copy_from_host,
     pow2_bucket,
+    synchronize_device,
 )
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class PrefillGraphs:
         if rows.version != self._rows_version:
             # row tensors were reallocated: graphs captured the old addresses
             if self.capture:
-                torch.cuda.synchronize(self.worker.device)
+                synchronize_device(self.worker.device)
             self.graphs.clear()
             self._no_memory.clear()
             self._rows_version = rows.version
