@@ -15,7 +15,7 @@ from specserve import cli
 from specserve.errors import InvalidArgument
 from specserve.train.arg_checks import check_target
 from specserve.train.checkpoint import TRAINING_ARGS, save_draft
-from specserve.train.data import DataArgs, _fitting_prompts, build_dataset, load_target
+from specserve.train.data import DataArgs, fitting_prompts, build_dataset, load_target
 from specserve.train.head_init import make_head
 from specserve.train.train_args import TrainArgs
 from specserve.train.trainer import train
@@ -167,9 +167,9 @@ def test_prompts_whose_answer_would_not_fit_the_context_are_left_out():
     config = Namespace(max_position_embeddings=32)
     args = DataArgs(max_new_tokens=8)
     prompts = [[1] * 10, [1] * 24, [1] * 25, [1] * 40]
-    assert _fitting_prompts(prompts, config, args) == prompts[:2]
+    assert fitting_prompts(prompts, config, args) == prompts[:2]
     with pytest.raises(InvalidArgument) as info:
-        _fitting_prompts([[1] * 30], config, args)
+        fitting_prompts([[1] * 30], config, args)
     assert info.value.field == "--prompts" and "32" in str(info.value)
 
 

@@ -231,7 +231,7 @@ def generate_answer_set(args: DataArgs, prompt_ids):
         if loaded.tokenizer is None:
             raise ValueError(f"{args.target}: no tokenizer; pass prompt_ids")
         prompt_ids = chat_ids(loaded.tokenizer, select_prompts(args))
-    prompt_ids = _fitting_prompts([list(p) for p in prompt_ids], loaded.config, args)
+    prompt_ids = fitting_prompts([list(p) for p in prompt_ids], loaded.config, args)
     eos = sorted(eos_ids_of(loaded))
     del loaded
     passes = 1 + max(args.sampled_passes, 1 if args.sampled_pass else 0)
@@ -270,7 +270,7 @@ def generate_answer_set(args: DataArgs, prompt_ids):
     return answers, seq_prompts, None
 
 
-def _fitting_prompts(prompt_ids: list[list[int]], config, args: DataArgs) -> list[list[int]]:
+def fitting_prompts(prompt_ids: list[list[int]], config, args: DataArgs) -> list[list[int]]:
     """The prompts whose answer of max_new_tokens fits the target's context. The others are
     left out, and said so, whichever worker would answer them: the engine would cut their
     answers at the context, and the dense generator would run past the positions the model

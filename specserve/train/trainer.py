@@ -143,14 +143,14 @@ def train(
     shards = load_shards(data_dir, device, drop=("hidden",) if eagle3 else ("aux",))
     data = SeqData(shards, args.max_len, device, feature)
     del shards
-    if len(data) == 0:
+    if len(data) == 0 and data.num_with_answer:
         raise InvalidArgument(
             "--max-len",
             f"no sequence of {data_dir} has an answer token within its first {args.max_len} "
-            "tokens: raise --max-len above the prompts' lengths"
-            if data.num_with_answer
-            else f"{data_dir} holds no sequence with an answer",
+            "tokens: raise --max-len above the prompts' lengths",
         )
+    if len(data) == 0:
+        raise ValueError(f"{data_dir}: no sequence with an answer")
     val_idx, train_idx = split_by_prompt(data, args.val_fraction, args.seed)
     if len(train_idx) == 0:
         raise ValueError(f"{data_dir}: no training sequence left after holding back prompts")
