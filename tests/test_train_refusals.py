@@ -15,7 +15,7 @@ from specserve import cli
 from specserve.errors import InvalidArgument
 from specserve.train.arg_checks import check_target
 from specserve.train.checkpoint import TRAINING_ARGS, save_draft
-from specserve.train.data import DataArgs, fitting_prompts, build_dataset, load_target
+from specserve.train.data import DataArgs, build_dataset, fitting_prompts, load_target
 from specserve.train.head_init import make_head
 from specserve.train.train_args import TrainArgs
 from specserve.train.trainer import train
