@@ -10,20 +10,14 @@ import pytest
 import torch
 
 from specserve import Engine
-from tests.engine_utils import GPU_TINY
+from tests.engine_utils import GPU_TINY, spec_args
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-SPEC = dict(
-    speculative_algorithm="STANDALONE",
-    speculative_draft_model_path="tiny",
-    speculative_num_steps=3,
-    speculative_eagle_topk=4,
-    speculative_num_draft_tokens=8,
-)
+SPEC = spec_args("tiny", topk=4, steps=3, ndt=8)  # the target as its own draft, a tree
 
 
 def serve_varied_batches(engine: Engine, seed: int, rounds: int, failures: list):

@@ -45,8 +45,10 @@ def _check_args(args: TrainArgs) -> None:
 def _refuse_diverged(head, step: int, lr: float, loss: float | None = None) -> None:
     """Training that diverged stops before it writes a draft (an earlier checkpoint's draft
     stays): a head of non-finite weights would be served as a draft that is never accepted."""
-    if loss is None and all(bool(torch.isfinite(p).all()) for p in head.parameters()):
-        return
+    if loss is None and bool(
+        torch.stack([torch.isfinite(p).all() for p in head.parameters()]).all()
+    ):
+        return  # (one read of the device for every parameter)
     what = f"the loss is {loss}" if loss is not None else "the head's weights are not finite"
     raise InvalidArgument(
         "--lr",
