@@ -101,6 +101,26 @@ def test_an_unreadable_model_is_refused_as_with_tp_size_1(tmp_path, config):
     assert errors[0][0] == "model_path" and errors[1] == errors[0]
 
 
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE"])
+def test_a_missing_draft_is_refused_before_any_rank_starts(models, tmp_path, monkeypatch, algorithm):
+    # refused as with tp_size 1, from the draft's config, not once every rank has loaded its shard
+    from specserve.runtime import tensor_parallel
+
+    missing = str(tmp_path / "no-such-draft")
+    draft = dict(speculative_algorithm=algorithm, speculative_draft_model_path=missing)
+    with pytest.raises(InvalidArgument) as alone:
+        Engine(model_path=models["llama"], tp_size=1, **draft, **CPU)
+
+    def spawn(*args):
+        raise AssertionError("a rank was started for a draft that cannot be read")
+
+    monkeypatch.setattr(tensor_parallel.Peers, "spawn", spawn)
+    with pytest.raises(InvalidArgument) as split:
+        Engine(model_path=models["llama"], tp_size=2, **draft, **CPU)
+    assert split.value.field == alone.value.field == "speculative_draft_model_path"
+    assert str(split.value) == str(alone.value) and "no-such-draft" in str(split.value)
+
+
 def test_tp_size_is_a_resolved_decision():
     cfg = EngineConfig(tp_size=2, device="cpu").resolve(cuda_available=False)
     assert any(f == "tp_size" and "gloo" in why for f, _, why in cfg.decisions)

@@ -46,6 +46,7 @@ from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import PrefillChunk, Request
+from specserve.speculative.eagle_checkpoint import read_draft_config
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +81,29 @@ def start_engine_core(cfg: EngineConfig) -> EngineCore:
 
 
 def _model_config(cfg: EngineConfig):
-    """The model's shape, read before any rank starts; an unreadable model, or a
-    context_length past its positions, is refused as with tp_size 1 (EngineCore would refuse
-    the latter seconds later, once every rank had started)."""
+    """The model's shape, read before any rank starts; an unreadable model or draft, or a
+    context_length past the model's positions, is refused as with tp_size 1 (EngineCore
+    would refuse them seconds later, once every rank had started)."""
     model = read_model_config(cfg.model_path, cfg.load_format)
     context_length(cfg, model)
+    _read_draft_config(cfg)
     return model
+
+
+def _read_draft_config(cfg: EngineConfig) -> None:
+    """Reads the draft's config as building the drafter would, refusing what it cannot read
+    with the same field (speculative/factory.py)."""
+    path = cfg.speculative_draft_model_path
+    if cfg.speculative_algorithm is None or path is None:
+        return
+    if cfg.speculative_algorithm == "STANDALONE":
+        fmt = "dummy" if cfg.load_format == "dummy" else "auto"
+        read_model_config(path, fmt, field="speculative_draft_model_path")
+        return
+    try:
+        read_draft_config(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise InvalidArgument("speculative_draft_model_path", str(e)) from e
 
 
 def _rank_device(cfg: EngineConfig, rank: int) -> torch.device:
