@@ -102,7 +102,9 @@ def test_an_unreadable_model_is_refused_as_with_tp_size_1(tmp_path, config):
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE"])
-def test_a_missing_draft_is_refused_before_any_rank_starts(models, tmp_path, monkeypatch, algorithm):
+def test_a_missing_draft_is_refused_before_any_rank_starts(
+    models, tmp_path, monkeypatch, algorithm
+):
     # refused as with tp_size 1, from the draft's config, not once every rank has loaded its shard
     from specserve.runtime import tensor_parallel
 
