@@ -1,7 +1,7 @@
 """The HTTP server: FastAPI app over one `Engine`, run by uvicorn.
 
-Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /generate (SGLang's native
-API), /health, /metrics. See docs/SERVER.md.
+Endpoints: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /generate
+(SGLang's native API), /health, /metrics. See docs/SERVER.md.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.runtime.logprobs import add_logprobs
-from specserve.server import openai_api, tokenize_api
+from specserve.server import openai_api, responses_api, tokenize_api
 from specserve.server import schemas as s
 from specserve.server.guard import RequestGuard
 from specserve.server.metrics import CONTENT_TYPE
 from specserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.protocol import APIError, GenerateRequest
+from specserve.server.responses_protocol import ResponseObject, ResponsesRequest
 from specserve.server.server_config import ServerConfig
 from specserve.server.state import ServerState, prompt_param
 from specserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest
@@ -108,6 +109,15 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
     )
     async def v1_chat_completions(request: Request):
         return await openai_api.chat_completions(request, state)
+
+    @app.post(
+        "/v1/responses",
+        response_model=ResponseObject,
+        openapi_extra=s.body(ResponsesRequest),
+        responses=responses_api.STREAMED_EVENTS,
+    )
+    async def v1_responses(request: Request):
+        return await responses_api.responses(request, state)
 
     def model_card() -> dict[str, Any]:
         return {
@@ -202,8 +212,8 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
 
     s.install_openapi(
         app,
-        [CompletionRequest, ChatCompletionRequest, GenerateRequest, TokenizeRequest,
-         DetokenizeRequest],
+        [CompletionRequest, ChatCompletionRequest, ResponsesRequest, GenerateRequest,
+         TokenizeRequest, DetokenizeRequest],
     )  # fmt: skip
     return app
 
@@ -299,12 +309,12 @@ async def _generate(request: Request, state: ServerState):
     )
     if req.stream:
         return StreamingResponse(
-            openai_api._streamed(request, run, _generate_chunks(run)),
+            openai_api.streamed(request, run, _generate_chunks(run)),
             media_type="text/event-stream",
             headers=openai_api.SSE_HEADERS,
         )
-    outs = await openai_api._collect_or_abort(request, run)
-    openai_api._raise_abort(run, outs)
+    outs = await openai_api.collect_or_abort(request, run)
+    openai_api.raise_abort(run, outs)
     # one prompt sampled n > 1 times answers a list of n outputs, as SGLang
     answer = outs[0] if single and len(outs) == 1 else outs
     entries = openai_api.answer_entries(outs, req.most_alternatives())

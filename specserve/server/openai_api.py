@@ -89,7 +89,7 @@ def usage(metas: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
     return out
 
 
-def _max_new_tokens(state: ServerState, req, prompts: list[list[int]], param: str):
+def max_new_tokens_per_prompt(state: ServerState, req, prompts: list[list[int]], param: str):
     """Each prompt's max_new_tokens, the prompts cut first as truncate_prompt_tokens asks."""
     for i, ids in enumerate(prompts):
         where = prompt_param(param, i, len(prompts))
@@ -102,7 +102,7 @@ def _max_new_tokens(state: ServerState, req, prompts: list[list[int]], param: st
     ]
 
 
-def _rename(req, prompt_param: str) -> dict[str, str]:
+def client_field_names(req, prompt_param: str) -> dict[str, str]:
     """The engine's field names as this request wrote them (its errors name those)."""
     _, max_param = req.requested_max_tokens()
     return {
@@ -169,7 +169,7 @@ async def parse_body(request: Request, state: ServerState, model):
     return parse(model, body)
 
 
-async def _collect_or_abort(request: Request, run: Run) -> list[dict[str, Any]]:
+async def collect_or_abort(request: Request, run: Run) -> list[dict[str, Any]]:
     """Wait for the run's final outputs; abort it if the client disconnects meanwhile."""
     watcher = asyncio.create_task(watch_disconnect(request, run.abort))
     try:
@@ -194,7 +194,7 @@ def _check_common(state: ServerState, req) -> None:
     req.check_stream_options()
 
 
-async def _streamed(request: Request, run: Run, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+async def streamed(request: Request, run: Run, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """Wrap an SSE generator: abort the run when the client disconnects or on any exit."""
     watcher = asyncio.create_task(watch_disconnect(request, run.abort))
     try:
@@ -222,7 +222,7 @@ async def completions(request: Request, state: ServerState):
         for i, p in enumerate(given)
     ]
     lengths = [len(p) for p in prompts]  # (before truncate_prompt_tokens cuts them)
-    max_new = _max_new_tokens(state, req, prompts, "prompt")
+    max_new = max_new_tokens_per_prompt(state, req, prompts, "prompt")
     params = [req.sampling_params(m) for m in max_new]
     # echo: each choice starts with its prompt's text (as given, or decoded from its ids; a
     # prompt truncate_prompt_tokens cut: the part kept). Decoded before the run starts: no
@@ -234,7 +234,7 @@ async def completions(request: Request, state: ServerState):
                 check_token_ids(state, p, prompt_param("prompt", i, len(given)))
     echoes = await _echo_texts(state, shown) if req.echo else None
     run = await state.start(
-        prompts, params, _rename(req, "prompt"), logprob_options=req.logprob_options()
+        prompts, params, client_field_names(req, "prompt"), logprob_options=req.logprob_options()
     )
     created = int(time.time())
     cid = f"cmpl-{run.id}"
@@ -244,11 +244,11 @@ async def completions(request: Request, state: ServerState):
     if req.stream:
         chunks = _completion_chunks(run, req, state, cid, created, with_ids, echoes)
         return StreamingResponse(
-            _streamed(request, run, chunks), media_type="text/event-stream", headers=SSE_HEADERS
+            streamed(request, run, chunks), media_type="text/event-stream", headers=SSE_HEADERS
         )
 
-    outs = await _collect_or_abort(request, run)
-    _raise_abort(run, outs)
+    outs = await collect_or_abort(request, run)
+    raise_abort(run, outs)
     strings = state.token_strings()
 
     def answer() -> dict[str, Any]:
@@ -287,7 +287,7 @@ def check_token_ids(state: ServerState, ids: list[int], where: str) -> None:
         raise engine_error(e, {}) from None
 
 
-def _raise_abort(run: Run, outs: list[dict[str, Any]]) -> None:
+def raise_abort(run: Run, outs: list[dict[str, Any]]) -> None:
     """The error of the first choice the engine aborted, if any."""
     for out in outs:
         if finish_reason(out["meta_info"]) == "abort":
@@ -417,12 +417,12 @@ async def chat_completions(request: Request, state: ServerState):
     req.check_logprobs()
     state.size.check_batch(1, _n(req), "messages", "n")
     ids = await state.encode_chat(req.chat_messages(), req.template_options())
-    max_new = _max_new_tokens(state, req, [ids], "messages")
+    max_new = max_new_tokens_per_prompt(state, req, [ids], "messages")
     params = [req.sampling_params(max_new[0])]
     run = await state.start(
         [ids],
         params,
-        _rename(req, "messages"),
+        client_field_names(req, "messages"),
         logprob_options=req.logprob_options(),
     )
     created = int(time.time())
@@ -431,13 +431,13 @@ async def chat_completions(request: Request, state: ServerState):
 
     if req.stream:
         return StreamingResponse(
-            _streamed(request, run, _chat_chunks(run, req, state, cid, created, with_ids)),
+            streamed(request, run, _chat_chunks(run, req, state, cid, created, with_ids)),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
 
-    outs = await _collect_or_abort(request, run)
-    _raise_abort(run, outs)
+    outs = await collect_or_abort(request, run)
+    raise_abort(run, outs)
     strings = state.token_strings()
 
     def answer() -> dict[str, Any]:

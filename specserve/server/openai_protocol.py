@@ -54,7 +54,7 @@ CHAT_MAX_TOP_LOGPROBS = 20
 COMPLETION_MAX_LOGPROBS = 5
 
 # Features this server does not implement: accepted only at their neutral value (null always).
-_NEUTRAL: dict[str, tuple[Any, str]] = {
+NEUTRAL_FIELDS: dict[str, tuple[Any, str]] = {
     "suffix": (lambda v: not v, "is not supported"),
     "best_of": (lambda v: is_int(v) and v == 1, "only best_of=1 is supported"),
     "tools": (lambda v: not v, "tool calling is not supported (only null or [])"),
@@ -121,7 +121,7 @@ def _one_field(name: str, value: Any, other_name: str, other: Any) -> Any:
     return value if value is not None else other
 
 
-class _CommonRequest(StrictModel):
+class CommonRequest(StrictModel):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -209,10 +209,10 @@ class _CommonRequest(StrictModel):
     def _max_tokens_check(cls, v, info: ValidationInfo):
         return None if v is None else core_check("max_tokens", v, 0, "max_new_tokens")
 
-    @field_validator(*_NEUTRAL, check_fields=False)
+    @field_validator(*NEUTRAL_FIELDS, check_fields=False)
     @classmethod
     def _only_neutral(cls, v, info: ValidationInfo):
-        return only_neutral(_NEUTRAL, info.field_name, v)
+        return only_neutral(NEUTRAL_FIELDS, info.field_name, v)
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -280,7 +280,7 @@ class _CommonRequest(StrictModel):
         return {}
 
 
-class CompletionRequest(_CommonRequest):
+class CompletionRequest(CommonRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
     echo: bool = False
     suffix: str | None = None
@@ -393,7 +393,7 @@ _TEMPLATE_ARGUMENTS = frozenset(
 MAX_TEMPLATE_KWARGS_CHARS = 4096
 
 
-class ChatCompletionRequest(_CommonRequest):
+class ChatCompletionRequest(CommonRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     # (a chat answers at least one token: 0, which completions take for scoring, is refused)
     max_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
