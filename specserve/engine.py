@@ -6,7 +6,6 @@ queues, so `generate` may be called from several threads at once (the HTTP serve
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import random
@@ -63,7 +62,6 @@ class Engine:
         # held while checking the engine runs and queueing for its loop, and while stopping
         # it: nothing is queued after the loop's last look at the inbox, unanswered
         self._accepting = threading.Lock()
-        self._rid_counter = itertools.count()
         self._seed_rng = random.Random(self.config.random_seed)
         self._lock = threading.Lock()
         self.step_hooks: list[Callable[[EngineCore], None]] = []
@@ -149,13 +147,6 @@ class Engine:
                     self._inbox.put(("abort", req))  # (a finished one is left as it is)
                 self._wake.set()
         return outs[0] if single and len(outs) == 1 else outs
-
-    def generate_stream(
-        self, prompt=None, sampling_params=None, input_ids=None, rid=None, **logprob_options
-    ) -> Iterator[dict]:
-        return self.generate(
-            prompt, sampling_params, input_ids, stream=True, rid=rid, **logprob_options
-        )
 
     def submit(
         self,

@@ -166,7 +166,7 @@ def _finite(v: Any) -> float | None:
 
 def _number(name: str, v: Any) -> float:
     if not (isinstance(v, (int, float)) and not isinstance(v, bool)):
-        raise InvalidArgument(name, f"must be a number, got {_short(v)}")
+        raise InvalidArgument(name, f"must be a number, got {short(v)}")
     x = _finite(v)
     if x is None:
         shown = v if isinstance(v, float) else "an integer past a float's range"
@@ -176,7 +176,7 @@ def _number(name: str, v: Any) -> float:
 
 def _integer(name: str, v: Any, low: int, allowed: str) -> int:
     if not is_int(v):
-        raise InvalidArgument(name, f"must be an integer, got {_short(v)}")
+        raise InvalidArgument(name, f"must be an integer, got {short(v)}")
     if not low <= v <= INT64_MAX:
         raise InvalidArgument(name, f"must be {allowed}, got {v}")
     return v
@@ -184,7 +184,7 @@ def _integer(name: str, v: Any, low: int, allowed: str) -> int:
 
 def _boolean(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
-        raise InvalidArgument(name, f"must be true or false, got {_short(v)}")
+        raise InvalidArgument(name, f"must be true or false, got {short(v)}")
     return v
 
 
@@ -192,7 +192,7 @@ def _temperature(v: Any, max_temperature: float) -> float:
     t = _number("temperature", v)
     if not 0.0 <= t <= max_temperature:
         raise InvalidArgument(
-            "temperature", f"must be in [0, {max_temperature:g}] (0 = greedy), got {_short(v)}"
+            "temperature", f"must be in [0, {max_temperature:g}] (0 = greedy), got {short(v)}"
         )
     return 0.0 if t < GREEDY_BELOW else t
 
@@ -200,14 +200,14 @@ def _temperature(v: Any, max_temperature: float) -> float:
 def _top_p(v: Any) -> float:
     p = _number("top_p", v)
     if not 0.0 < p <= 1.0:
-        raise InvalidArgument("top_p", f"must be in (0, 1], got {_short(v)}")
+        raise InvalidArgument("top_p", f"must be in (0, 1], got {short(v)}")
     return p
 
 
 def _min_p(v: Any) -> float:
     p = _number("min_p", v)
     if not 0.0 <= p <= 1.0:
-        raise InvalidArgument("min_p", f"must be in [0, 1], got {_short(v)}")
+        raise InvalidArgument("min_p", f"must be in [0, 1], got {short(v)}")
     return p
 
 
@@ -286,7 +286,7 @@ def _penalty(name: str, v: Any) -> float:
     x = _number(name, v)
     if not -MAX_PENALTY <= x <= MAX_PENALTY:
         raise InvalidArgument(
-            name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {_short(v)}"
+            name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {short(v)}"
         )
     return x
 
@@ -296,7 +296,7 @@ def _repetition_penalty(v: Any) -> float:
     if not 0.0 < x <= MAX_REPETITION_PENALTY:
         raise InvalidArgument(
             "repetition_penalty",
-            f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1: no penalty), got {_short(v)}",
+            f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1: no penalty), got {short(v)}",
         )
     return x
 
@@ -308,7 +308,7 @@ def _logit_bias(v: Any) -> dict[int, float] | None:
         return None
     if not isinstance(v, dict):
         raise InvalidArgument(
-            "logit_bias", f"must be an object of token id -> bias, got {_short(v)}"
+            "logit_bias", f"must be an object of token id -> bias, got {short(v)}"
         )
     if len(v) > MAX_LOGIT_BIAS_TOKENS:
         raise InvalidArgument(
@@ -321,19 +321,19 @@ def _logit_bias(v: Any) -> dict[int, float] | None:
         token = int(key) if digits else key
         if not is_int(token) or not 0 <= token <= INT64_MAX:
             raise InvalidArgument(
-                "logit_bias", f"keys must be non-negative integer token ids, got {_short(key)}"
+                "logit_bias", f"keys must be non-negative integer token ids, got {short(key)}"
             )
         x = _finite(bias)
         if x is None or not -MAX_LOGIT_BIAS <= x <= MAX_LOGIT_BIAS:
             huge = x is None and is_int(bias)
-            shown = "an integer past a float's range" if huge else _short(bias)
+            shown = "an integer past a float's range" if huge else short(bias)
             raise InvalidArgument(
                 "logit_bias",
                 f"the bias of token {token} must be a number in [-{MAX_LOGIT_BIAS:g}, "
                 f"{MAX_LOGIT_BIAS:g}], got {shown}",
             )
         if token in out:  # ("5" and "05": one token twice, whose bias would be lost)
-            raise InvalidArgument("logit_bias", f"token {token} is given twice, as {_short(key)}")
+            raise InvalidArgument("logit_bias", f"token {token} is given twice, as {short(key)}")
         out[token] = x
     return out or None
 
@@ -354,7 +354,7 @@ def _truncate_prompt_tokens(v: Any) -> int | None:
         raise InvalidArgument(
             "truncate_prompt_tokens",
             f"must be null, -1 (the longest prompt the engine takes) or an integer >= 1, "
-            f"got {_short(v)}",
+            f"got {short(v)}",
         )
     return v
 
@@ -378,7 +378,7 @@ def _grammar_text(name: str, v: Any) -> str | None:
     if v is None:
         return None
     if not isinstance(v, str) or not v:
-        raise InvalidArgument(name, f"must be a non-empty string, got {_short(v)}")
+        raise InvalidArgument(name, f"must be a non-empty string, got {short(v)}")
     return v
 
 
@@ -422,7 +422,8 @@ def check_field(name: Any, value: Any, max_temperature: float = MAX_TEMPERATURE)
     return check(value)
 
 
-def _short(value: Any, limit: int = 60) -> str:
+def short(value: Any, limit: int = 60) -> str:
+    """`value`'s repr, cut to `limit` characters (an error quotes what it refuses)."""
     r = repr(value)
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
@@ -440,9 +441,7 @@ def _top_logprobs_num(v: Any) -> int:
 def _logprob_start_len(v: Any) -> int:
     allowed = "-1 (no prompt positions) or a prompt position >= 0"
     if not is_int(v):
-        raise InvalidArgument(
-            "logprob_start_len", f"must be an integer, {allowed}; got {_short(v)}"
-        )
+        raise InvalidArgument("logprob_start_len", f"must be an integer, {allowed}; got {short(v)}")
     if not -1 <= v <= INT64_MAX:
         raise InvalidArgument("logprob_start_len", f"must be {allowed}, got {v}")
     return v

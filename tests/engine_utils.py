@@ -154,8 +154,8 @@ def recorded_drafts():
     drafted: list[torch.Tensor] = []
     real_draft = TreeDrafter.draft
 
-    def recording_draft(self, batch, shape=None):
-        trees = real_draft(self, batch, shape)
+    def recording_draft(self, batch, shape=None, **kw):
+        trees = real_draft(self, batch, shape, **kw)
         drafted.append(trees.tokens[:, 1:].cpu())
         return trees
 

@@ -59,7 +59,7 @@ def test_own_arguments_override_the_bundled_settings_one_by_one(bundled):
     c = resolved(True, speculative_num_steps=5)
     assert c.speculative_draft_model_path == bundled and c.speculative_num_steps == 5
     assert c.speculative_eagle_topk == gpu["speculative_eagle_topk"]
-    # naming the algorithm alone uses the bundled draft (it used to need a path)
+    # naming the algorithm alone uses the bundled draft
     c = resolved(speculative_algorithm="EAGLE")
     assert c.speculative_draft_model_path == bundled
     # a chain asked for on the GPU: the bundled tree size is fitted to what a chain can hold

@@ -167,8 +167,8 @@ def test_a_grammar_completed_inside_a_step_ends_the_request_there(models):
         drafter, eos = engine.core.worker.step.drafter, engine.tokenizer.eos_token_id
         draft_trees = drafter.draft
 
-        def guessing_eos(batch, shape=None):
-            trees = draft_trees(batch, shape)
+        def guessing_eos(batch, shape=None, **kw):
+            trees = draft_trees(batch, shape, **kw)
             if trees.tokens.shape[1] > 1:
                 trees.tokens[:, 1] = eos
             return trees

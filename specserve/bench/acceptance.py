@@ -19,7 +19,8 @@ import time
 from typing import Any
 
 from specserve.bench.args import positive_int
-from specserve.config.speculative import chain_sized
+from specserve.config.speculative import ALGORITHMS, chain_sized
+from specserve.model.registry import DEFAULT_MODEL
 
 # name, num_steps, topk, num_draft_tokens
 DEFAULT_CONFIGS: list[tuple[str, int, int, int]] = [
@@ -190,14 +191,16 @@ def add_acceptance_parser(bsub) -> None:
     p = bsub.add_parser(
         "acceptance", help="greedy accept length of a draft on held-out prompts (chains, trees)"
     )
-    p.add_argument("--target", default="smollm2-135m", help="target model (default smollm2-135m)")
+    p.add_argument(
+        "--target", default=DEFAULT_MODEL, help=f"target model (default {DEFAULT_MODEL})"
+    )
     p.add_argument(
         "--draft", default=None, help="draft checkpoint (default: the bundled one for the target)"
     )
     p.add_argument(
         "--algorithm",
         default=None,
-        choices=["EAGLE", "EAGLE3", "STANDALONE"],
+        choices=ALGORITHMS,
         help="default: EAGLE or EAGLE3, as the draft's config.json says",
     )
     p.add_argument("--num-prompts", type=positive_int, default=50)

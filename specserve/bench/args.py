@@ -6,6 +6,8 @@ import argparse
 import math
 import os
 
+from specserve.train.prompts import BUNDLED_PROMPTS
+
 
 class HelpWithDefaults(
     argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter
@@ -36,7 +38,6 @@ def positive_int(value: str) -> int:
 # after minutes of measuring or a run that silently measures something else.
 
 MULTITURN_VARIANTS = ("plain", "plain-nocache", "spec", "spec-nocache")
-BUNDLED_PROMPTS = ("train", "heldout")
 
 
 def _fail(flag: str, message: str):

@@ -22,18 +22,19 @@ from typing import Any
 
 from specserve.bench.args import positive_int
 from specserve.bench.one_batch import dump, free_device_memory
-from specserve.config.speculative import chain_sized
+from specserve.config.speculative import ALGORITHMS, chain_sized
 from specserve.errors import InvalidArgument
+from specserve.model.registry import DEFAULT_MODEL
 
 
 def add_e2e_parser(bsub) -> argparse.ArgumentParser:
     p = bsub.add_parser("e2e", help="batch-1 chat: engine with/without draft vs HF transformers")
-    p.add_argument("--model-path", default="smollm2-135m")
+    p.add_argument("--model-path", default=DEFAULT_MODEL)
     p.add_argument("--draft", default=None, help="EAGLE draft folder (default: the bundled one)")
     p.add_argument(
         "--algorithm",
         default=None,
-        choices=["EAGLE", "EAGLE3", "STANDALONE"],
+        choices=ALGORITHMS,
         help="default: EAGLE or EAGLE3, as the draft's config.json says",
     )
     p.add_argument("--prompts", default="heldout", help="'heldout', 'train' or a JSONL path")

@@ -20,6 +20,7 @@ from specserve.config.speculative import (
     resolve_speculative,
 )
 from specserve.errors import InvalidArgument, require
+from specserve.model.registry import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,6 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # SGLang's and vLLM's other spellings of them
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-SPEC_ALGORITHMS = (None, "EAGLE", "EAGLE3", "STANDALONE")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_GRAPH_PREFILL_TOKENS = 512
 # Each running request holds a row of device tables (sampling, page table, draft state),
@@ -38,7 +38,7 @@ SEED_MAX = 2**63 - 1  # torch generators take a signed 64-bit seed
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_path: str = "smollm2-135m"
+    model_path: str = DEFAULT_MODEL
     tokenizer_path: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
@@ -52,7 +52,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     attention_backend: str = "auto"
     random_seed: int = 0
-    mem_fraction_static: float = 0.85  # CUDA: share of free memory for weights + KV
+    mem_fraction_static: float = 0.85  # CUDA: share of the device memory for weights + KV
     debug_check_invariants: bool = False  # walk the KV ownership after every step (tests)
     disable_overlap_schedule: bool = False  # overlap: launch step k+1 before applying step k
     disable_cuda_graph: bool = False  # CUDA: replay decode steps from captured graphs

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-_SIMULATE_FIELDS = (
+SIMULATE_FIELDS = (
     "simulate_acc_len",
     "simulate_acc_method",
     "simulate_acc_token_mode",
@@ -24,7 +24,7 @@ _SIMULATE_FIELDS = (
 def simulate_acc_aliases() -> dict[str, str]:
     """{field: value} of the simulated-acceptance aliases that are set."""
     out = {}
-    for name in _SIMULATE_FIELDS:
+    for name in SIMULATE_FIELDS:
         value = os.environ.get("SPECSERVE_" + name.upper())
         if value is not None:
             out[name] = value

@@ -7,7 +7,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from specserve.config.environment import simulate_acc_aliases
+from specserve.config.environment import SIMULATE_FIELDS, simulate_acc_aliases
 from specserve.errors import InvalidArgument, require
 from specserve.model.registry import bundled_draft, bundled_draft_folder, draft_serving_settings
 from specserve.sampling_params import is_int
@@ -313,15 +313,6 @@ def resolve_speculative(c) -> tuple[Any, list[tuple[str, Any, str]]]:
     return c, decisions
 
 
-SIM_FIELDS = (
-    "simulate_acc_len",
-    "simulate_acc_method",
-    "simulate_acc_token_mode",
-    "simulate_acc_fixed_token",
-    "simulate_acc_rates",
-)
-
-
 def resolve_simulation(c) -> tuple[Any, list[tuple[str, Any, str]]]:
     """Simulated acceptance: unset fields from their environment aliases
     (SPECSERVE_SIMULATE_ACC_*, as SGLang's SGLANG_SIMULATE_ACC_*), validate, clip."""
@@ -333,7 +324,7 @@ def resolve_simulation(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         decisions.append((name, value, reason))
 
     aliases = simulate_acc_aliases()
-    for name in SIM_FIELDS:
+    for name in SIMULATE_FIELDS:
         env = aliases.get(name)
         if getattr(c, name) is None and env not in (None, ""):
             try:
@@ -346,7 +337,7 @@ def resolve_simulation(c) -> tuple[Any, list[tuple[str, Any, str]]]:
                 raise InvalidArgument(name, f"environment value {env!r} is not a number") from e
             decide(name, value, "from the environment")
     if c.simulate_acc_len is None:
-        for name in SIM_FIELDS[1:]:
+        for name in SIMULATE_FIELDS[1:]:
             if getattr(c, name) is not None:
                 raise InvalidArgument(name, "is set but simulate_acc_len is not")
         return c, decisions

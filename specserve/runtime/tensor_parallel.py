@@ -46,7 +46,7 @@ from specserve.runtime.engine_core import EngineCore
 from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 from specserve.runtime.logprobs import TokenLogprobs
 from specserve.runtime.request import PrefillChunk, Request
-from specserve.speculative.eagle_checkpoint import read_draft_config
+from specserve.speculative.factory import check_draft_readable
 
 log = logging.getLogger(__name__)
 
@@ -86,24 +86,8 @@ def _model_config(cfg: EngineConfig):
     would refuse them seconds later, once every rank had started)."""
     model = read_model_config(cfg.model_path, cfg.load_format)
     context_length(cfg, model)
-    _read_draft_config(cfg)
+    check_draft_readable(cfg)
     return model
-
-
-def _read_draft_config(cfg: EngineConfig) -> None:
-    """Reads the draft's config as building the drafter would, refusing what it cannot read
-    with the same field (speculative/factory.py)."""
-    path = cfg.speculative_draft_model_path
-    if cfg.speculative_algorithm is None or path is None:
-        return
-    if cfg.speculative_algorithm == "STANDALONE":
-        fmt = "dummy" if cfg.load_format == "dummy" else "auto"
-        read_model_config(path, fmt, field="speculative_draft_model_path")
-        return
-    try:
-        read_draft_config(path)
-    except (OSError, ValueError, KeyError) as e:
-        raise InvalidArgument("speculative_draft_model_path", str(e)) from e
 
 
 def _rank_device(cfg: EngineConfig, rank: int) -> torch.device:

@@ -338,7 +338,7 @@ ROLES = ("system", "developer", "user", "assistant")
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal[ROLES]
     content: str | list[dict[str, Any]] = Field(...)
     name: str | None = None
     # (an assistant's tool calls: refused, as tools are, rather than dropped from the history)

@@ -25,7 +25,13 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from specserve.errors import InvalidArgument
-from specserve.sampling_params import MAX_TEMPERATURE, check_field, check_logprob_field, is_int
+from specserve.sampling_params import (
+    MAX_TEMPERATURE,
+    check_field,
+    check_logprob_field,
+    is_int,
+    short,
+)
 
 
 class APIError(Exception):
@@ -282,11 +288,6 @@ def _allowed(loc: tuple) -> str:
         names = ", ".join(NativeSamplingParams.model_fields)
         return f"sampling_params allows: {names}"
     return "see the API reference"
-
-
-def short(value: Any, limit: int = 60) -> str:
-    r = repr(value)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def validation_error_to_api_error(err: ValidationError) -> APIError:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic.json_schema import SkipJsonSchema
 
 from specserve.server.openai_protocol import NEUTRAL_FIELDS as _CHAT_NEUTRAL
-from specserve.server.openai_protocol import CommonRequest
+from specserve.server.openai_protocol import ROLES, CommonRequest
 from specserve.server.protocol import (
     APIError,
     StrictModel,
@@ -31,7 +31,6 @@ from specserve.server.protocol import (
 )
 from specserve.server.structured_output import ANY_JSON_OBJECT
 
-INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 # OpenAI's limits on `metadata`
 METADATA_MAX_PAIRS, METADATA_MAX_KEY, METADATA_MAX_VALUE = 16, 64, 512
@@ -150,7 +149,7 @@ _INPUT_SCHEMA = {
                 "required": ["role", "content"],
                 "properties": {
                     "type": {"enum": ["message"]},
-                    "role": {"enum": list(INPUT_ROLES)},
+                    "role": {"enum": list(ROLES)},
                     "content": {
                         "anyOf": [
                             {"type": "string"},
@@ -372,8 +371,8 @@ def _message(item: Any, where: str) -> dict[str, str]:
         )
     _only_keys(item, ("type", "role", "content", "id", "status"), where)
     role = item.get("role")
-    if role not in INPUT_ROLES:
-        allowed = ", ".join(repr(r) for r in INPUT_ROLES)
+    if role not in ROLES:
+        allowed = ", ".join(repr(r) for r in ROLES)
         raise APIError(
             f"{where}.role: must be one of {allowed}, got {short(role)}", param=f"{where}.role"
         )

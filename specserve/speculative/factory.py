@@ -5,12 +5,40 @@ from __future__ import annotations
 import torch
 
 from specserve.errors import InvalidArgument
-from specserve.model.loader import load_model
+from specserve.model.loader import load_model, read_model_config
 from specserve.speculative.draft_heads import StandaloneHead
 from specserve.speculative.drafter import TreeDrafter
-from specserve.speculative.eagle_checkpoint import eagle3_capture_layers, load_eagle_head
+from specserve.speculative.eagle_checkpoint import (
+    eagle3_capture_layers,
+    load_eagle_head,
+    read_draft_config,
+)
 from specserve.speculative.root_only import RootOnlyDrafter
 from specserve.speculative.token_map import load_token_map
+
+# what reading an EAGLE checkpoint raises on a missing or malformed folder (OSError:
+# FileNotFoundError and kin); refused as InvalidArgument naming the draft's path
+_UNREADABLE_HEAD = (OSError, ValueError, KeyError)
+
+
+def _draft_load_format(cfg) -> str:
+    """A dummy target pairs with a dummy draft of the same seed (the target as its own draft)."""
+    return "dummy" if cfg.load_format == "dummy" else "auto"
+
+
+def check_draft_readable(cfg) -> None:
+    """Reads the draft's config alone, refusing what `build_drafter` would refuse for it
+    (tensor parallelism checks it before any rank starts)."""
+    path = cfg.speculative_draft_model_path
+    if cfg.speculative_algorithm is None or path is None:
+        return
+    if cfg.speculative_algorithm == "STANDALONE":
+        read_model_config(path, _draft_load_format(cfg), field="speculative_draft_model_path")
+        return
+    try:
+        read_draft_config(path)
+    except _UNREADABLE_HEAD as e:
+        raise InvalidArgument("speculative_draft_model_path", str(e)) from e
 
 
 def build_drafter(
@@ -22,11 +50,9 @@ def build_drafter(
     path = cfg.speculative_draft_model_path
     capture: tuple[int, ...] = ()
     if algo == "STANDALONE":
-        # A dummy target pairs with a dummy draft of the same seed (the target as its own draft).
-        fmt = "dummy" if cfg.load_format == "dummy" else "auto"
         draft = load_model(
             path,
-            fmt,
+            _draft_load_format(cfg),
             dtype,
             device,
             skip_tokenizer_init=True,
@@ -44,7 +70,7 @@ def build_drafter(
             head, raw = load_eagle_head(path, algo, target.model)
             if algo == "EAGLE3":
                 capture = tuple(eagle3_capture_layers(raw, target.config.num_layers))
-        except (OSError, ValueError, KeyError) as e:  # (OSError: FileNotFoundError and kin)
+        except _UNREADABLE_HEAD as e:
             raise InvalidArgument("speculative_draft_model_path", str(e)) from e
     vocab = target.config.vocab_size if algo != "EAGLE3" else head.lm_head.out_features
     if cfg.speculative_token_map is not None:  # EAGLE only (resolve_speculative)

@@ -193,9 +193,7 @@ class DecodeStep:
         if catch_up:
             batch.root_g = self.drafter.catch_up(batch, rows)
         shape = self.tiers[tier]
-        # (wrappers keep the old calls)
-        drafts = {} if penalties is None else {"penalties": penalties}
-        trees = self.drafter.draft(batch, shape, **drafts)
+        trees = self.drafter.draft(batch, shape, penalties=penalties)
         extra = {k: v for k, v in (("grammar", grammar), ("penalties", penalties)) if v is not None}
         acc, target_out, logprobs, path_rows, reach = self.verify(
             batch, trees, shape.verified, **extra

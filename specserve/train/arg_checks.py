@@ -9,15 +9,14 @@ import math
 import os
 import tempfile
 
+from specserve.config.engine_config import SEED_MAX
 from specserve.errors import InvalidArgument
 from specserve.model.loader import LOAD_FORMATS
 from specserve.train.data import DTYPES
 from specserve.train.generate import parse_engine_args, parse_workers
-from specserve.train.prompts import load_prompts
+from specserve.train.prompts import BUNDLED_PROMPTS, load_prompts
 
 AUTOCAST = ("bfloat16", "float16", "float32")
-SEED_MAX = 2**63 - 1  # torch generators take a signed 64-bit seed
-BUNDLED_PROMPTS = ("train", "heldout")
 
 
 def _flag(name: str) -> str:
@@ -53,8 +52,7 @@ def _device(args) -> None:
 def _one_of(args, name: str, allowed) -> None:
     value = getattr(args, name)
     if value not in allowed:
-        flag = "--" + name.replace("_", "-")
-        raise InvalidArgument(flag, f"must be one of {', '.join(allowed)}, got {value!r}")
+        raise InvalidArgument(_flag(name), f"must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def _folder_flag(flag: str, path: str | None) -> None:

@@ -65,16 +65,14 @@ def write_curve(path: str, final: bool, history: list, evals: list) -> None:
     os.replace(path + ".tmp", path)
 
 
-def save_draft(
-    folder: str, head, extra: dict | None = None, capture_layers: list[int] | None = None
-) -> None:
+def save_draft(folder: str, head, capture_layers: list[int] | None = None) -> None:
     """The head in the published layout, float16, without the shared embedding (and for EAGLE
     the shared lm_head). EAGLE3: `capture_layers` (the target layers whose input residual
     stream the features are) go to config.json as the published ids (the layer before)."""
     if isinstance(head, Eagle3Head):
         out = Eagle3Head(head.config, head.lm_head.out_features, head._embed[0])
         arch = ARCHITECTURE_EAGLE3
-        extra = {"draft_vocab_size": head.lm_head.out_features, **(extra or {})}
+        extra = {"draft_vocab_size": head.lm_head.out_features}
         if capture_layers:
             ids = [int(i) - 1 for i in capture_layers]
             extra["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
@@ -82,7 +80,7 @@ def save_draft(
         out = EagleHead(
             head.config, head._embed[0], head._lm_head[0], fc_bias=head.fc.bias is not None
         )
-        arch = ARCHITECTURE
+        arch, extra = ARCHITECTURE, None
     out.load_state_dict(head.state_dict())
     out = out.half()
     cfg = hf_style_config(head.config, arch, torch_dtype="float16")

@@ -16,6 +16,9 @@ import sys
 import time
 from dataclasses import asdict
 
+from specserve.model.registry import DEFAULT_MODEL
+from specserve.train.progress_log import log
+
 # Off by default: on SmolLM2-135M a map from the training answers cost more acceptance than it
 # saved time (held-out answers use tokens the training answers never did; docs/TRAINING.md).
 TOKEN_MAP_SIZE = 0
@@ -30,7 +33,9 @@ def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
 
     d, t = DataArgs(), TrainArgs()
     p = sub.add_parser("train-eagle", help="train an EAGLE draft head by self-distillation")
-    p.add_argument("--target", default="smollm2-135m", help="target model (default smollm2-135m)")
+    p.add_argument(
+        "--target", default=DEFAULT_MODEL, help=f"target model (default {DEFAULT_MODEL})"
+    )
     p.add_argument("--out", required=True, help="folder for the trained draft")
     p.add_argument("--work-dir", default=None, help="data and checkpoints (default <out>.work)")
     p.add_argument("--device", default="cpu")
@@ -164,16 +169,12 @@ def add_train_parser(sub, add_engine_args=None, engine_kwargs=None) -> None:
     p.set_defaults(func=run_train)
 
 
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def _write_token_map(data_dir: str, out: str, size: int, vocab_size: int) -> None:
     from specserve.train.token_map_cli import write_token_maps
 
     path = os.path.join(data_dir, "answers.json")
     if not os.path.isfile(path):
-        _log(f"token map: {path} is missing (a dataset from elsewhere?): not written")
+        log(f"token map: {path} is missing (a dataset from elsewhere?): not written")
         return
     with open(path) as f:
         saved = json.load(f)
@@ -257,9 +258,9 @@ def run_train(args) -> int:
     answered = any(os.path.isfile(os.path.join(data_dir, n)) for n in _DATA_FILES)
     check_target(args, generates=not answered, data_dir=args.data_dir)
     lock = _hold_work_dir(work)  # noqa: F841 (held until the run returns)
-    _log(f"train-eagle: target {args.target}, work folder {work}, draft to {args.out}")
+    log(f"train-eagle: target {args.target}, work folder {work}, draft to {args.out}")
     manifest = build_dataset(data_args)
-    _log(
+    log(
         f"data: {manifest['num_sequences']} sequences, {manifest['num_answer_tokens']} answer "
         f"tokens (generate {manifest['generate_seconds']}s, features {manifest['feature_seconds']}s)"
     )
@@ -314,6 +315,6 @@ def run_train(args) -> int:
         "wall_seconds_this_run": round(time.perf_counter() - t0, 1),
     }
     write_training_args(args.out, summary)
-    _log(f"final held-back metrics {json.dumps(summary['train']['final'])}")
-    _log(f"draft written to {args.out}")
+    log(f"final held-back metrics {json.dumps(summary['train']['final'])}")
+    log(f"draft written to {args.out}")
     return 0

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -30,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.errors import InvalidArgument
+from specserve.train.progress_log import log
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,7 +47,7 @@ class DataArgs:
     gen_dtype: str = "bfloat16"  # dense generator's dtype (the engine uses `engine_kwargs`)
     feature_dtype: str = "bfloat16"
     batch_size: int = 128  # dense: rows generated together; engine: max_running_requests
-    sampled_pass: bool = False  # kept for old callers: one sampled pass (= sampled_passes 1)
+    sampled_pass: bool = False  # --sampled-pass: at least one sampled pass (as sampled_passes 1)
     sampled_passes: int = 0  # temperature-sampled passes after the greedy one
     temperature: float = 0.8
     temperatures: tuple[float, ...] = ()  # cycled by the sampled passes (default: temperature)
@@ -167,7 +167,7 @@ def build_dataset(args: DataArgs, prompt_ids: list[list[int]] | None = None) -> 
         if manifest.get("complete") and (manifest.get("capture_layers") or not args.eagle3):
             return manifest
         if manifest.get("complete"):  # EAGLE3 features wanted: redo the features only
-            _log(f"features: {args.out_dir} has no EAGLE3 features; recomputing them")
+            log(f"features: {args.out_dir} has no EAGLE3 features; recomputing them")
     t0 = time.perf_counter()
     answers_path = os.path.join(args.out_dir, "answers.json")
     if os.path.isfile(answers_path):  # generation finished in an earlier run
@@ -175,7 +175,7 @@ def build_dataset(args: DataArgs, prompt_ids: list[list[int]] | None = None) -> 
             saved = json.load(f)
         prompt_ids, answers = saved["prompt_ids"], saved["answers"]
         gen_seconds = saved["seconds"]
-        _log(f"generate: reusing {len(answers)} answers of {answers_path}")
+        log(f"generate: reusing {len(answers)} answers of {answers_path}")
     else:
         answers, prompt_ids, _ = generate_answer_set(args, prompt_ids)
         gen_seconds = time.perf_counter() - t0
@@ -192,7 +192,7 @@ def build_dataset(args: DataArgs, prompt_ids: list[list[int]] | None = None) -> 
         from specserve.speculative.eagle_checkpoint import eagle3_capture_layers
 
         capture = tuple(eagle3_capture_layers({}, loaded.config.num_layers))
-    _log(f"features: {len(seqs)} sequences, {sum(map(len, seqs))} tokens")
+    log(f"features: {len(seqs)} sequences, {sum(map(len, seqs))} tokens")
     shards = _write_features(args, loaded.model, seqs, prompt_ids, answers, eos, capture)
     manifest = {
         "complete": True,
@@ -208,16 +208,12 @@ def build_dataset(args: DataArgs, prompt_ids: list[list[int]] | None = None) -> 
         "generate_seconds": round(gen_seconds, 1),
         "feature_seconds": round(time.perf_counter() - t1, 1),
     }
-    _log(
+    log(
         f"features done in {manifest['feature_seconds']}s: {len(shards)} shards, "
         f"{manifest['num_answer_tokens']} answer tokens"
     )
     _write_json(manifest_path, manifest)
     return manifest
-
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def generate_answer_set(args: DataArgs, prompt_ids):
@@ -250,7 +246,7 @@ def generate_answer_set(args: DataArgs, prompt_ids):
         engine_kwargs={k: v for k, v in args.engine_kwargs.items() if k != "dtype"},
     )
     deadline = time.time() + args.time_budget if args.time_budget > 0 else None
-    _log(
+    log(
         f"generate: {len(prompt_ids)} prompts x {passes} passes (temperatures 0, {temps}), "
         f"workers {workers}, budget {f'{args.time_budget}s' if args.time_budget else 'none'}"
     )
@@ -261,7 +257,7 @@ def generate_answer_set(args: DataArgs, prompt_ids):
         workers,
         os.path.join(args.out_dir, "gen"),
         deadline=deadline,
-        log=_log,
+        log=log,
         poll_seconds=args.log_every,
     )
     results = [r for r in results if r["ids"]]
@@ -285,7 +281,7 @@ def fitting_prompts(prompt_ids: list[list[int]], config, args: DataArgs) -> list
             f"{min(map(len, prompt_ids), default=0)} tokens)",
         )
     if len(kept) < len(prompt_ids):
-        _log(
+        log(
             f"generate: {len(prompt_ids) - len(kept)} of {len(prompt_ids)} prompts left out: "
             f"longer than {room} tokens, the context less --max-new-tokens"
         )

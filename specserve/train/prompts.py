@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from importlib import resources
 
+BUNDLED_PROMPTS = ("train", "heldout")  # the prompt sets packaged in specserve/data
+
 
 def parse_prompt_lines(text: str, source: str) -> list[str]:
     """The prompts of a JSONL text, one {"prompt": str, ...} object per non-blank line; a
@@ -31,7 +33,7 @@ def parse_prompt_lines(text: str, source: str) -> list[str]:
 
 def load_prompts(name_or_path: str = "train") -> list[str]:
     """Prompts of a bundled set ('train' or 'heldout') or of a JSONL file ({"prompt": ...})."""
-    if name_or_path in ("train", "heldout"):
+    if name_or_path in BUNDLED_PROMPTS:
         text = (
             resources.files("specserve")
             .joinpath(f"data/{name_or_path}_prompts.jsonl")

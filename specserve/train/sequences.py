@@ -9,6 +9,8 @@ import zlib
 import numpy as np
 import torch
 
+from specserve.device import to_device
+
 
 class SeqData:
     """The sequences of a dataset folder as flat tensors on `device` (a GPU keeps all of it:
@@ -137,10 +139,7 @@ class SeqData:
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return to_device(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)), device)
 
 
 def split_by_prompt(data: SeqData, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from specserve.model.registry import DEFAULT_MODEL
+
 
 def add_token_map_parser(sub) -> None:
     from specserve.train.data import DataArgs
@@ -24,7 +26,9 @@ def add_token_map_parser(sub) -> None:
     p = sub.add_parser(
         "token-map", help="a draft's reduced vocabulary: the target's most frequent answer tokens"
     )
-    p.add_argument("--target", default="smollm2-135m", help="target model (default smollm2-135m)")
+    p.add_argument(
+        "--target", default=DEFAULT_MODEL, help=f"target model (default {DEFAULT_MODEL})"
+    )
     p.add_argument("--out", required=True, help="folder for token_map_<size>.json")
     p.add_argument(
         "--sizes", type=int, nargs="+", default=[8192], help="tokens kept (default 8192)"

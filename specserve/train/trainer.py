@@ -21,14 +21,11 @@ from specserve.errors import InvalidArgument
 from specserve.train.checkpoint import load_state, save_draft, save_state, write_curve
 from specserve.train.evaluate import evaluate
 from specserve.train.head_init import ce_vocabulary, make_head, scale_fc_init_, vocab_lookup
+from specserve.train.progress_log import stamp
 from specserve.train.schedule import RunClock
 from specserve.train.sequences import SeqData, split_by_prompt
 from specserve.train.train_args import TrainArgs, autocast_for, ce_chunk_for
 from specserve.train.unroll import total_loss, unrolled_losses
-
-
-def _stamp(msg: str) -> str:
-    return f"[{time.strftime('%H:%M:%S')}] {msg}"
 
 
 def _check_args(args: TrainArgs) -> None:
@@ -97,7 +94,7 @@ def _build_head(target, data: SeqData, args: TrainArgs, device, resume: bool, lo
         if 0 < args.draft_vocab < vocab:
             draft_ids, lookup, cover = vocabulary(args.draft_vocab)
             log(
-                _stamp(
+                stamp(
                     f"draft vocabulary: {len(draft_ids)} of {vocab} tokens, covering "
                     f"{100 * cover:.2f}% of the target's next tokens in the data"
                 )
@@ -105,7 +102,7 @@ def _build_head(target, data: SeqData, args: TrainArgs, device, resume: bool, lo
     elif 0 < args.ce_vocab < vocab:
         keep, lookup, cover = vocabulary(args.ce_vocab)
         ce_w = lm_head_w[keep.to(device)].contiguous()
-        log(_stamp(f"cross-entropy over {len(keep)} of {vocab} tokens ({100 * cover:.2f}%)"))
+        log(stamp(f"cross-entropy over {len(keep)} of {vocab} tokens ({100 * cover:.2f}%)"))
     head = make_head(target, args.seed, args.init_layer, args.head, draft_ids, args.draft_layers)
     head = head.to(device).float().train()
     if args.scale_init and not resume:
@@ -140,7 +137,7 @@ def train(
     eagle3 = args.head == "eagle3"
     capture = _capture_layers(data_dir)
     if eagle3 and (args.ce_vocab or args.feature_weight != TrainArgs.feature_weight):
-        log(_stamp("EAGLE3: --ce-vocab and --feature-weight do not apply (no feature loss)"))
+        log(stamp("EAGLE3: --ce-vocab and --feature-weight do not apply (no feature loss)"))
     feature = "aux" if eagle3 else "hidden"
     shards = load_shards(data_dir, device, drop=("hidden",) if eagle3 else ("aux",))
     data = SeqData(shards, args.max_len, device, feature)
@@ -162,7 +159,7 @@ def train(
     limits = [f"{total_steps} steps" if total_steps else "no step limit"]
     limits.append(f"{args.time_budget:.0f}s budget" if args.time_budget > 0 else "no time limit")
     log(
-        _stamp(
+        stamp(
             f"train: {len(train_idx)} sequences ({data.num_loss_positions} positions with a "
             f"loss), {len(val_idx)} held back; {len(first_epoch)} steps per epoch; "
             f"{', '.join(limits)}; device {device}"
@@ -175,7 +172,7 @@ def train(
     # (--resume with no checkpoint yet starts fresh, initialized as a run without it)
     resume = resume and os.path.isfile(ckpt_path)
     if not resume:
-        log(_stamp(f"no checkpoint at {ckpt_path}: starting fresh"))
+        log(stamp(f"no checkpoint at {ckpt_path}: starting fresh"))
     h = _build_head(target, data, args, device, resume, log)
     head = h.head
     opt_kw = {"fused": True} if device.type == "cuda" else {}
@@ -194,7 +191,7 @@ def train(
         step, history, trained = state["step"], state["history"], state["elapsed"]
         epoch, in_epoch = state.get("epoch", 0), state.get("in_epoch", 0)
         evals = state.get("evals", [])
-        log(_stamp(f"resumed from {ckpt_path} at step {step} ({trained:.0f}s trained)"))
+        log(stamp(f"resumed from {ckpt_path} at step {step} ({trained:.0f}s trained)"))
     ce_chunk = ce_chunk_for(args, device)
     clock = RunClock(args, total_steps, trained)
 
@@ -202,7 +199,7 @@ def train(
         _refuse_diverged(head, step, args.lr)
         metrics = evaluate(head, h.eval_w, data, val_idx, args, device, h.eval_lookup)
         evals.append({"step": step, "elapsed": round(clock.elapsed(), 1), **metrics})
-        log(_stamp(f"step {step}, {clock.elapsed():.0f}s: held-back {metrics}"))
+        log(stamp(f"step {step}, {clock.elapsed():.0f}s: held-back {metrics}"))
         progress = {
             "step": step,
             "epoch": epoch,
@@ -257,7 +254,7 @@ def train(
                 bar.set_postfix(loss=row["loss"], acc0=row["acc"][0], accN=row["acc"][-1])
                 if device.type != "cpu" or step % (args.log_every * 10) == 0:
                     log(
-                        _stamp(
+                        stamp(
                             f"step {step} {row['elapsed']:.0f}s loss {row['loss']} acc "
                             f"{row['acc']} lr {lr:.2e} {row['tokens_per_s']} tok/s"
                         )
@@ -278,7 +275,7 @@ def train(
     bar.close()
     metrics = checkpoint(final=True)
     epochs_done = epoch + in_epoch / max(1, len(first_epoch))
-    log(_stamp(f"trained {step} steps ({epochs_done:.2f} epochs) in {clock.elapsed():.0f}s"))
+    log(stamp(f"trained {step} steps ({epochs_done:.2f} epochs) in {clock.elapsed():.0f}s"))
     return {
         "args": asdict(args),
         "data_dir": os.path.abspath(data_dir),
