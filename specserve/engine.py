@@ -285,9 +285,12 @@ class Engine:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """The prompt ids of a chat through the model's template (see
-        `model.tokenizer.apply_chat_template` for the options, vLLM's names)."""
+        `model.tokenizer.apply_chat_template` for the options, vLLM's names); tools: function
+        definitions the template renders (OpenAI's `{"type": "function", "function": {...}}`,
+        as transformers passes them)."""
         from specserve.model.tokenizer import apply_chat_template, check_chat_arguments
 
         if self.tokenizer is None:
@@ -303,6 +306,12 @@ class Engine:
                 "continued or followed by the assistant's turn); set add_generation_prompt "
                 "to false",
             )
+        if tools is not None and not (
+            isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+        ):
+            raise InvalidArgument("tools", "must be a list of tool definitions (dicts) or None")
+        if tools:  # (apply_chat_template's own argument, passed beside the template's variables)
+            template_kwargs = {**(template_kwargs or {}), "tools": tools}
         try:
             return apply_chat_template(
                 self.tokenizer, messages, add_generation_prompt, continue_final_message,

@@ -25,6 +25,7 @@ from specserve.server.state import (
     watch_disconnect,
 )
 from specserve.server.structured_output import structured_output
+from specserve.server.tool_calls import ToolCallStream, template_chars
 
 # Bodies larger than this are parsed on the server's thread pool, not on the event loop.
 PARSE_OFF_LOOP_BYTES = 64 * 1024
@@ -416,15 +417,19 @@ async def chat_completions(request: Request, state: ServerState):
     _check_common(state, req)
     req.check_logprobs()
     state.size.check_batch(1, _n(req), "messages", "n")
+    tools = req.tool_plan()
+    history = [m.tool_calls for m in req.messages if m.tool_calls]
+    if state.tokenizer is not None and (req.tools or history):
+        # (what the template renders beside the messages' content, which is checked there)
+        field = "tools" if req.tools else "messages"
+        state.size.check_text(template_chars(req.tools, history), field)
     ids = await state.encode_chat(req.chat_messages(), req.template_options())
     max_new = max_new_tokens_per_prompt(state, req, [ids], "messages")
     params = [req.sampling_params(max_new[0])]
-    run = await state.start(
-        [ids],
-        params,
-        client_field_names(req, "messages"),
-        logprob_options=req.logprob_options(),
-    )
+    names = client_field_names(req, "messages")
+    if tools is not None:
+        names["json_schema"] = tools.source
+    run = await state.start([ids], params, names, logprob_options=req.logprob_options())
     created = int(time.time())
     cid = f"chatcmpl-{run.id}"
     with_ids = req.return_token_ids
@@ -444,11 +449,15 @@ async def chat_completions(request: Request, state: ServerState):
         choices = []
         for i, out in enumerate(outs):
             meta = out["meta_info"]
+            message = {"role": "assistant", "content": out["text"]}
+            reason = finish_reason(meta)
+            if tools is not None:
+                message, reason = tools.message(out["text"]), tools.finish_reason(reason)
             choice: dict[str, Any] = {
                 "index": i,
-                "message": {"role": "assistant", "content": out["text"]},
+                "message": message,
                 "logprobs": None,
-                "finish_reason": finish_reason(meta),
+                "finish_reason": reason,
                 **stop_fields(meta, req.stop_token_ids),
             }
             if req.logprobs:
@@ -478,8 +487,11 @@ async def _chat_chunks(
     with_ids: bool,
 ) -> AsyncIterator[str]:
     """Each choice opens with a role chunk, sent with its first output; choices interleave,
-    each chunk naming its index."""
+    each chunk naming its index. Tool calls: the text's deltas as `tool_calls` deltas (a step
+    may give several chunks, its tokens and log-probs on the last)."""
     include_usage = req.include_usage()
+    tools = req.tool_plan()
+    calls: dict[int, ToolCallStream] = {}
     strings = state.token_strings()
 
     continuous = req.continuous_usage()
@@ -509,21 +521,32 @@ async def _chat_chunks(
             # With the choice's first output, as vLLM: a client timing the first chunk
             # measures the time to the first token, not to the response headers.
             opened.add(index)
-            yield chunk(index, {"role": "assistant", "content": ""}, None, now=meta, done=0)
+            opening = {"role": "assistant", "content": ""}
+            if tools is not None:
+                opening = calls.setdefault(index, tools.stream()).opening()
+            yield chunk(index, opening, None, now=meta, done=0)
         logprobs = None
         if req.logprobs and finish_reason(meta) != "abort":
             content = chat_content(meta, strings)
             logprobs = {"content": content, "refusal": None} if content else None
         if text or ids or logprobs:  # as completions: a chunk for every step's tokens
             tokens = ids if with_ids else None
-            yield chunk(index, {"content": text}, None, tokens, logprobs, now=meta)
+            deltas = [{"content": text}]
+            if tools is not None:  # (an aborted choice's first output opens no calls)
+                stream = calls.get(index) or calls.setdefault(index, tools.stream())
+                deltas = stream.deltas(text) or [{}]
+            for delta in deltas[:-1]:
+                yield chunk(index, delta, None, now=meta)
+            yield chunk(index, deltas[-1], None, tokens, logprobs, now=meta)
         if out["finished"]:
             metas[index] = meta
             if finish_reason(meta) == "abort":
                 yield sse(run.abort_error(meta).body())
                 yield SSE_DONE
                 return
-            yield chunk(index, {}, finish_reason(meta), meta=meta, now=meta)
+            reason = finish_reason(meta)
+            reason = reason if tools is None else tools.finish_reason(reason)
+            yield chunk(index, {}, reason, meta=meta, now=meta)
     if include_usage:
         yield sse(
             {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from specserve.server.protocol import (
     APIError,
@@ -23,7 +23,17 @@ from specserve.server.protocol import (
     only_neutral,
     short,
 )
-from specserve.server.structured_output import structured_output
+from specserve.server.structured_output import constraint_fields, structured_output
+from specserve.server.tool_calls import (
+    HistoryToolCalls,
+    ToolCallId,
+    ToolChoice,
+    ToolPlan,
+    Tools,
+    check_alone,
+    plan,
+    template_tools,
+)
 
 OPENAI_MAX_TEMPERATURE = 2.0
 
@@ -57,15 +67,21 @@ COMPLETION_MAX_LOGPROBS = 5
 NEUTRAL_FIELDS: dict[str, tuple[Any, str]] = {
     "suffix": (lambda v: not v, "is not supported"),
     "best_of": (lambda v: is_int(v) and v == 1, "only best_of=1 is supported"),
+    # (chat takes tools: server/tool_calls.py)
     "tools": (lambda v: not v, "tool calling is not supported (only null or [])"),
     "tool_choice": (
         lambda v: v in ("none", "auto"),
         "tool calling is not supported (only null, 'none' or 'auto')",
     ),
-    "functions": (lambda v: not v, "function calling is not supported (only null or [])"),
+    # (OpenAI's deprecated form of tools)
+    "functions": (
+        lambda v: not v,
+        "the deprecated function calling is not supported, use tools (only null or [])",
+    ),
     "function_call": (
         lambda v: v in ("none", "auto"),
-        "function calling is not supported (only null, 'none' or 'auto')",
+        "the deprecated function calling is not supported, use tool_choice (only null, "
+        "'none' or 'auto')",
     ),
     # sampling extensions of vLLM and SGLang that would change the output
     # (these are untyped here: the strict types of the other fields are checked by hand, so
@@ -335,29 +351,37 @@ class CompletionRequest(CommonRequest):
 
 
 ROLES = ("system", "developer", "user", "assistant")
+# (a tool's answer: chat only, the Responses route takes no tool outputs)
+CHAT_ROLES = (*ROLES, "tool")
 
 
 class ChatMessage(StrictModel):
-    role: Literal[ROLES]
-    content: str | list[dict[str, Any]] = Field(...)
+    role: Literal[CHAT_ROLES]
+    # (before content, which an assistant's message with tool calls may leave null)
+    tool_calls: HistoryToolCalls = None
+    content: str | list[dict[str, Any]] | None = Field(None, validate_default=True)
     name: str | None = None
-    # (an assistant's tool calls: refused, as tools are, rather than dropped from the history)
-    tool_calls: Any = None
+    tool_call_id: ToolCallId = Field(None, validate_default=True)  # (a tool message's)
+    # (the deprecated function calling: refused, as its functions are, rather than dropped
+    # from the history)
     function_call: Any = None
 
-    @field_validator("tool_calls", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_calls(cls, v, info):
-        if v:  # (null or [] carries no call: clients copy histories with "tool_calls": [])
+    def _no_function_call(cls, v):
+        if v:
             raise field_error(
-                info.field_name, "tool calls are not supported, as tools are not: only null or []"
+                "function_call",
+                "the deprecated function calling is not supported, use tool_calls (only null)",
             )
         return v
 
     @field_validator("content", mode="before")
     @classmethod
-    def _content(cls, v):
+    def _content(cls, v, info: ValidationInfo):
         if isinstance(v, str):
+            return v
+        if v is None and info.data.get("role") == "assistant" and info.data.get("tool_calls"):
             return v
         if isinstance(v, list) and v:
             parts = []
@@ -370,7 +394,11 @@ class ChatMessage(StrictModel):
                     raise field_error("content", "a text content part needs a string 'text'")
                 parts.append(part["text"])
             return "\n".join(parts)
-        raise field_error("content", "must be a string or a non-empty list of text content parts")
+        raise field_error(
+            "content",
+            "must be a string or a non-empty list of text content parts (null only in an "
+            "assistant's message with tool_calls)",
+        )
 
 
 # apply_chat_template's own arguments: what the request's other fields decide, not template
@@ -402,6 +430,12 @@ class ChatCompletionRequest(CommonRequest):
     top_logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 20})
     functions: list[Any] | None = None  # (OpenAI's deprecated form of tools)
     function_call: Any = None
+    # tool calling (server/tool_calls.py); tools and tool_choice are CommonRequest's names,
+    # which the other routes take only at their neutral value
+    tools: Tools = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: bool | None = None  # false: 'required' answers one call
+    _tool_plan: ToolPlan | None = PrivateAttr(None)
     # vLLM's chat template options: the assistant's turn opened after the messages, or the
     # final message continued; variables the template reads (e.g. enable_thinking)
     add_generation_prompt: bool = True
@@ -414,6 +448,30 @@ class ChatCompletionRequest(CommonRequest):
     documents: Any = None  # (vLLM's retrieval documents for the template)
     # vLLM's: the template's text alone, no special tokens added around it, only so
     add_special_tokens: Any = None
+
+    # (the parent's check of the neutral fields, less the tools this route takes)
+    @field_validator(
+        *(f for f in NEUTRAL_FIELDS if f not in ("tools", "tool_choice")), check_fields=False
+    )
+    @classmethod
+    def _only_neutral(cls, v, info: ValidationInfo):
+        return only_neutral(NEUTRAL_FIELDS, info.field_name, v)
+
+    @model_validator(mode="after")
+    def _tool_constraint(self):
+        self._tool_plan = plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        check_alone(self._tool_plan, constraint_fields(self))
+        return self
+
+    def tool_plan(self) -> ToolPlan | None:
+        """How the answer becomes tool calls (None: it is text)."""
+        return self._tool_plan
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        sp = super().sampling_params(max_new_tokens)
+        if self._tool_plan is not None:
+            sp["json_schema"] = self._tool_plan.schema
+        return sp
 
     @field_validator("add_special_tokens", mode="before")
     @classmethod
@@ -506,19 +564,27 @@ class ChatCompletionRequest(CommonRequest):
 
     def template_options(self) -> dict[str, Any]:
         """`Engine.tokenize_chat`'s options."""
-        return {
+        options: dict[str, Any] = {
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
             "template_kwargs": self.chat_template_kwargs,
         }
+        if self.tools:  # (whatever the tool choice, as vLLM renders them)
+            options["tools"] = template_tools(self.tools)
+        return options
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         out = []
         for m in self.messages:
             # The chat templates of small models know "system" but not OpenAI's "developer".
             role = "system" if m.role == "developer" else m.role
-            message = {"role": role, "content": m.content}
+            # (null content, beside tool calls, is "" to the templates and the size checks)
+            message: dict[str, Any] = {"role": role, "content": m.content or ""}
             if m.name is not None:  # (for the templates that render a speaker's name)
                 message["name"] = m.name
+            if m.tool_calls:
+                message["tool_calls"] = [c.for_template() for c in m.tool_calls]
+            if m.role == "tool":
+                message["tool_call_id"] = m.tool_call_id
             out.append(message)
         return out

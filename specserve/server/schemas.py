@@ -60,9 +60,21 @@ class Completion(BaseModel):
     usage: Usage
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: str = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None  # (null beside tool calls)
+    tool_calls: list[ToolCallOut] | None = None  # with tool_choice 'required' or a function
 
 
 class TopLogprob(BaseModel):

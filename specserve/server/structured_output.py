@@ -33,7 +33,7 @@ SOURCES = (
 def structured_output(req) -> tuple[dict[str, Any], dict[str, str]]:
     """(the engine's sampling parameters for the request's structured output, the request's
     field each of them came from: an error the engine finds names that field)."""
-    given = [name for name in SOURCES if _given(name, getattr(req, name, None))]
+    given = constraint_fields(req)
     if not given:
         return {}, {}
     if len(given) > 1:
@@ -43,6 +43,11 @@ def structured_output(req) -> tuple[dict[str, Any], dict[str, str]]:
         )
     engine_field, spec, where = _engine_param(given[0], getattr(req, given[0]))
     return {engine_field: spec}, {engine_field: where}
+
+
+def constraint_fields(req) -> list[str]:
+    """The request's fields that ask for a constraint, in SOURCES' order."""
+    return [name for name in SOURCES if _given(name, getattr(req, name, None))]
 
 
 def _given(name: str, value: Any) -> bool:
