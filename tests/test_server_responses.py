@@ -94,7 +94,8 @@ def test_message_items_instructions_and_roles_make_the_chat_prompt(served):
     earlier = served.client.responses.create(
         input="hi", max_output_tokens=3, temperature=0, extra_body={"ignore_eos": True}
     )
-    history = [item.model_dump(exclude_none=True) for item in earlier.output]
+    # (as the client dumps them: nulls and `phase` included, which OpenAI asks to resend)
+    history = [{**item.model_dump(), "phase": "final_answer"} for item in earlier.output]
     items = [
         {"role": "developer", "content": "be brief"},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
@@ -293,6 +294,7 @@ REFUSED = [
     ({"input": "x" * 20_000}, "input"),  # (more characters than the context holds)
     ({"input": PROMPT * 20}, "input"),  # (more tokens than the context holds)
     ({"model": "other"}, "model"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),  # (not streamed)
 ]
 
 

@@ -234,6 +234,9 @@ def test_tool_choice_none_answers_text_with_the_tools_in_the_template(servers):
     plain = served.client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)
     assert plain.usage.prompt_tokens == len(served.engine.tokenize_chat(MESSAGES))
     assert plain.usage.prompt_tokens < len(prompt)
+    # /tokenize renders them too: its ids are the chat route's prompt
+    r = served.http.post("/tokenize", json={"messages": MESSAGES, "tools": TOOLS})
+    assert r.status_code == 200 and r.json()["tokens"] == prompt
 
 
 def _call_of(call_id: str, name: str, arguments) -> dict:
@@ -378,6 +381,10 @@ REFUSED = [  # (the body's fields beside the messages, the field the 400 names)
         },
         "tools[0].function.parameters",
     ),
+    # a stop string or token would end a call inside its arguments
+    ({"tools": TOOLS, "tool_choice": NAMED, "stop": ["Par"]}, "stop"),
+    ({"tools": TOOLS, "tool_choice": "required", "stop": "x"}, "stop"),
+    ({"tools": TOOLS, "tool_choice": "required", "stop_token_ids": [5]}, "stop_token_ids"),
     # the deprecated functions
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),
@@ -429,6 +436,25 @@ ACCEPTED = [  # neutral values, and what a structured-output field leaves uncons
     {"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "text"}},
     {"tools": [_tool(strict=True, parameters=None, description=None)], "tool_choice": "required"},
     {"functions": [], "function_call": "none"},
+    {"tools": TOOLS, "tool_choice": "none", "stop": ["x"]},
+    {"tools": TOOLS, "tool_choice": NAMED, "stop": [], "stop_token_ids": []},
+    # property names that are also keywords: their schemas' references still resolve
+    {
+        "tools": [
+            _tool(
+                parameters={
+                    "$defs": {"u": {"type": "boolean"}},
+                    "type": "object",
+                    "properties": {
+                        "default": {"$ref": "#/$defs/u"},
+                        "enum": {"$ref": "#/$defs/u"},
+                        "properties": {"$ref": "#/$defs/u"},
+                    },
+                }
+            )
+        ],
+        "tool_choice": "required",
+    },
 ]
 
 

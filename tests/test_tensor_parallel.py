@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -106,10 +107,23 @@ def test_a_missing_draft_is_refused_before_any_rank_starts(
     models, tmp_path, monkeypatch, algorithm
 ):
     # refused as with tp_size 1, from the draft's config, not once every rank has loaded its shard
+    missing = str(tmp_path / "no-such-draft")
+    _refused_alike(models, monkeypatch, algorithm, missing, "no-such-draft")
+
+
+def test_a_draft_of_another_shape_is_refused_before_any_rank_starts(models, tmp_path, monkeypatch):
+    target = load_hf_config(models["llama"])
+    wide = replace(target, hidden_size=2 * target.hidden_size)
+    eagle = write_random_eagle_checkpoint(str(tmp_path / "wide"), wide, "EAGLE", seed=5)
+    _refused_alike(models, monkeypatch, "EAGLE", eagle, "hidden_size")
+    # a whole model of another vocabulary as the draft
+    _refused_alike(models, monkeypatch, "STANDALONE", models["qwen2"], "vocabulary")
+
+
+def _refused_alike(models, monkeypatch, algorithm, path, said):
     from specserve.runtime import tensor_parallel
 
-    missing = str(tmp_path / "no-such-draft")
-    draft = dict(speculative_algorithm=algorithm, speculative_draft_model_path=missing)
+    draft = dict(speculative_algorithm=algorithm, speculative_draft_model_path=path)
     with pytest.raises(InvalidArgument) as alone:
         Engine(model_path=models["llama"], tp_size=1, **draft, **CPU)
 
@@ -120,7 +134,7 @@ def test_a_missing_draft_is_refused_before_any_rank_starts(
     with pytest.raises(InvalidArgument) as split:
         Engine(model_path=models["llama"], tp_size=2, **draft, **CPU)
     assert split.value.field == alone.value.field == "speculative_draft_model_path"
-    assert str(split.value) == str(alone.value) and "no-such-draft" in str(split.value)
+    assert str(split.value) == str(alone.value) and said in str(split.value)
 
 
 def test_tp_size_is_a_resolved_decision():

@@ -239,8 +239,8 @@ def test_drafter_with_the_kernel_drafts_the_reference_trees(monkeypatch, tmp_pat
     trees = []
     plain_draft = drafter_module.TreeDrafter.draft
 
-    def recording_draft(self, batch, shape=None):
-        t = plain_draft(self, batch, shape)
+    def recording_draft(self, batch, shape=None, **kw):
+        t = plain_draft(self, batch, shape, **kw)
         trees.append([x.clone() for x in (t.tokens, t.parents, t.depths, t.scores)])
         return t
 

@@ -86,7 +86,7 @@ def _model_config(cfg: EngineConfig):
     would refuse them seconds later, once every rank had started)."""
     model = read_model_config(cfg.model_path, cfg.load_format)
     context_length(cfg, model)
-    check_draft_readable(cfg)
+    check_draft_readable(cfg, model)
     return model
 
 

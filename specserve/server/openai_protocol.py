@@ -31,6 +31,7 @@ from specserve.server.tool_calls import (
     ToolPlan,
     Tools,
     check_alone,
+    check_unstopped,
     plan,
     template_tools,
 )
@@ -68,10 +69,13 @@ NEUTRAL_FIELDS: dict[str, tuple[Any, str]] = {
     "suffix": (lambda v: not v, "is not supported"),
     "best_of": (lambda v: is_int(v) and v == 1, "only best_of=1 is supported"),
     # (chat takes tools: server/tool_calls.py)
-    "tools": (lambda v: not v, "tool calling is not supported (only null or [])"),
+    "tools": (
+        lambda v: not v,
+        "tool calling is served on /v1/chat/completions only (here only null or [])",
+    ),
     "tool_choice": (
         lambda v: v in ("none", "auto"),
-        "tool calling is not supported (only null, 'none' or 'auto')",
+        "tool calling is served on /v1/chat/completions only (here only null, 'none' or 'auto')",
     ),
     # (OpenAI's deprecated form of tools)
     "functions": (
@@ -461,6 +465,7 @@ class ChatCompletionRequest(CommonRequest):
     def _tool_constraint(self):
         self._tool_plan = plan(self.tools, self.tool_choice, self.parallel_tool_calls)
         check_alone(self._tool_plan, constraint_fields(self))
+        check_unstopped(self._tool_plan, {"stop": self.stop, "stop_token_ids": self.stop_token_ids})
         return self
 
     def tool_plan(self) -> ToolPlan | None:

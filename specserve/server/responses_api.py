@@ -53,6 +53,7 @@ STREAMED_EVENTS: dict[int | str, dict[str, Any]] = {
 async def responses(request: Request, state: ServerState):
     req = await parse_body(request, state, ResponsesRequest)
     check_model(state, req.model)
+    req.check_stream_options()
     ids = await _encode(state, req)
     max_new = max_new_tokens_per_prompt(state, req, [ids], "input")
     params = [req.sampling_params(max_new[0])]

@@ -369,14 +369,17 @@ def _message(item: Any, where: str) -> dict[str, str]:
             f"reasoning or item references), got {short(kind)}",
             param=f"{where}.type",
         )
-    _only_keys(item, ("type", "role", "content", "id", "status"), where)
+    # (an earlier response's output item sent back as history: its id, status and phase, which
+    # OpenAI asks clients to resend, describe the item and are ignored; null is no value)
+    item = {k: v for k, v in item.items() if v is not None}
+    _only_keys(item, ("type", "role", "content", "id", "status", "phase"), where)
     role = item.get("role")
     if role not in ROLES:
         allowed = ", ".join(repr(r) for r in ROLES)
         raise APIError(
             f"{where}.role: must be one of {allowed}, got {short(role)}", param=f"{where}.role"
         )
-    for key in ("id", "status"):  # (an earlier response's output item, sent back as history)
+    for key in ("id", "status", "phase"):
         if key in item and not isinstance(item[key], str):
             raise APIError(
                 f"{where}.{key}: must be a string, got {short(item[key])}", param=f"{where}.{key}"
@@ -410,6 +413,7 @@ def _content(content: Any, where: str) -> str:
             )
         # (an earlier output's text part carries its annotations and log-probs: they describe
         # the text, which is all a prompt takes of it)
+        part = {k: v for k, v in part.items() if v is not None}
         _only_keys(part, ("type", "text", "annotations", "logprobs"), at)
         if not isinstance(part.get("text"), str):
             raise APIError(

@@ -17,7 +17,7 @@ from specserve.server.state import ServerState
 
 # the fields of a chat request that decide how its messages are encoded (checked as there)
 _CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
-                "chat_template_kwargs", "add_special_tokens", "chat_template")  # fmt: skip
+                "chat_template_kwargs", "add_special_tokens", "chat_template", "tools")  # fmt: skip
 
 
 class TokenizeRequest(StrictModel):
@@ -32,6 +32,7 @@ class TokenizeRequest(StrictModel):
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: Any = None
+    tools: list[Any] | None = None  # (rendered by the template, as the chat route renders them)
     return_token_strs: bool = False
 
 
@@ -55,6 +56,8 @@ async def tokenize(request: Request, state: ServerState) -> dict[str, Any]:
         ids = await state.encode(req.prompt, "prompt", special)
     else:
         given = {k: getattr(req, k) for k in _CHAT_FIELDS if getattr(req, k) is not None}
+        if req.tools:  # (the template's input alone: no tool choice constrains anything here)
+            given["tool_choice"] = "none"
         try:
             chat = ChatCompletionRequest.model_validate(given)
         except ValidationError as e:

@@ -33,6 +33,11 @@ NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 CHOICES = ("none", "auto", "required")
 # Keywords whose values are data, not schemas: a "$ref" key there is no reference.
 _DATA_KEYWORDS = frozenset(("enum", "const", "default", "examples"))
+# Keywords whose values map names (of properties, definitions) to schemas: their keys are
+# names, whatever they spell ("default", "enum", "$ref" are valid property names).
+_NAMED_SCHEMAS = frozenset(
+    ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+)
 
 
 # ---- request bodies ---------------------------------------------------------------------------
@@ -268,6 +273,7 @@ def _call_schema(tool: Tool, index: int) -> dict[str, Any]:
 
 
 def _rebased(schema: Any, base: str) -> Any:
+    """A schema (or a list of schemas) with its local references under `base`."""
     if isinstance(schema, list):
         return [_rebased(x, base) for x in schema]
     if not isinstance(schema, dict):
@@ -278,6 +284,8 @@ def _rebased(schema: Any, base: str) -> Any:
             out[key] = "#" + base + value[1:]
         elif key in _DATA_KEYWORDS:
             out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _rebased(sub, base) for name, sub in value.items()}
         else:
             out[key] = _rebased(value, base)
     return out
@@ -291,6 +299,18 @@ def check_alone(plan: ToolPlan | None, constraints: list[str]) -> None:
             f"{constraints[0]}: cannot be combined with tool_choice {choice}, which "
             "constrains the answer to tool calls already",
             param=constraints[0],
+        )
+
+
+def check_unstopped(plan: ToolPlan | None, stops: dict[str, Any]) -> None:
+    """A tool choice that constrains the answer takes no stop string or stop token: one met
+    inside the arguments would end the call before its JSON, looking finished."""
+    given = next((name for name, value in stops.items() if value), None)
+    if plan is not None and given is not None:
+        raise APIError(
+            f"{given}: cannot be combined with a tool choice that constrains the answer "
+            "(a stop met inside the arguments would cut the call short); only null or []",
+            param=given,
         )
 
 

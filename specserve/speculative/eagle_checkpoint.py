@@ -134,6 +134,12 @@ def eagle3_capture_layers(raw: dict, target_layers: int) -> list[int]:
     return sorted(layers)
 
 
+def check_hidden_size(draft: int, target: int) -> None:
+    """A head reads the target's hidden states: its width must be the target's."""
+    if draft != target:
+        raise ValueError(f"draft hidden_size {draft} != target hidden_size {target}")
+
+
 def load_eagle_head(folder: str, algorithm: str, target) -> tuple[torch.nn.Module, dict]:
     raw, cfg = read_draft_config(folder)
     state = {_strip(k): v for k, v in read_state_dict(folder).items()}
@@ -144,10 +150,7 @@ def load_eagle_head(folder: str, algorithm: str, target) -> tuple[torch.nn.Modul
             "(the target's vocabulary)"
         )
     state = {k: v for k, v in state.items() if not k.endswith(_IGNORED) or k == "lm_head.weight"}
-    if cfg.hidden_size != target.config.hidden_size:
-        raise ValueError(
-            f"draft hidden_size {cfg.hidden_size} != target hidden_size {target.config.hidden_size}"
-        )
+    check_hidden_size(cfg.hidden_size, target.config.hidden_size)
     # a head reads the target's embedding (and an EAGLE head its lm_head): its vocabulary is
     # the target's, else it was trained for another model
     if "vocab_size" in raw and cfg.vocab_size != target.config.vocab_size:

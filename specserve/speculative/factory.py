@@ -9,6 +9,7 @@ from specserve.model.loader import load_model, read_model_config
 from specserve.speculative.draft_heads import StandaloneHead
 from specserve.speculative.drafter import TreeDrafter
 from specserve.speculative.eagle_checkpoint import (
+    check_hidden_size,
     eagle3_capture_layers,
     load_eagle_head,
     read_draft_config,
@@ -26,19 +27,30 @@ def _draft_load_format(cfg) -> str:
     return "dummy" if cfg.load_format == "dummy" else "auto"
 
 
-def check_draft_readable(cfg) -> None:
-    """Reads the draft's config alone, refusing what `build_drafter` would refuse for it
-    (tensor parallelism checks it before any rank starts)."""
+def check_draft_readable(cfg, target) -> None:
+    """Reads the draft's config alone (`target`: the target's ModelConfig), refusing what
+    `build_drafter` would refuse from it, as it would (tensor parallelism checks it before
+    any rank starts)."""
     path = cfg.speculative_draft_model_path
     if cfg.speculative_algorithm is None or path is None:
         return
     if cfg.speculative_algorithm == "STANDALONE":
-        read_model_config(path, _draft_load_format(cfg), field="speculative_draft_model_path")
+        draft = read_model_config(path, _draft_load_format(cfg), "speculative_draft_model_path")
+        _check_same_vocabulary(draft.vocab_size, target.vocab_size)
         return
     try:
-        read_draft_config(path)
+        _, draft = read_draft_config(path)
+        check_hidden_size(draft.hidden_size, target.hidden_size)
     except _UNREADABLE_HEAD as e:
         raise InvalidArgument("speculative_draft_model_path", str(e)) from e
+
+
+def _check_same_vocabulary(draft: int, target: int) -> None:
+    if draft != target:
+        raise InvalidArgument(
+            "speculative_draft_model_path",
+            f"draft vocabulary {draft} != target vocabulary {target}",
+        )
 
 
 def build_drafter(
@@ -59,11 +71,7 @@ def build_drafter(
             seed=cfg.random_seed,
             field="speculative_draft_model_path",
         )
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise InvalidArgument(
-                "speculative_draft_model_path",
-                f"draft vocabulary {draft.config.vocab_size} != target vocabulary {target.config.vocab_size}",
-            )
+        _check_same_vocabulary(draft.config.vocab_size, target.config.vocab_size)
         head = StandaloneHead(draft.model)
     else:
         try:
