@@ -20,6 +20,14 @@ another next token only (`match`'s boundary): its target KV is right, its draft 
 entry is not, so the scheduler copies it into a page of the request's own and re-runs that
 one position.
 
+Under load-adaptive speculation a plain step skips the draft, so a request's draft KV may be
+exact only up to some position while its target KV goes further. Its pages past that point
+are cached as target-only nodes (`exact` false): a speculating request's match stops before
+the first of them (`match(..., plain=False)`), and a request that will decode plainly takes
+them too. An exact copy of a target-only page, inserted later by a request that computed it
+with its draft, replaces it (when no live request reads it); a target-only copy never
+replaces an exact one.
+
 Ownership: the cache holds one reference on every page it keeps (kv/allocator.py), a request
 one on every page of its table. A request that reads cached pages locks the node ending its
 prefix, which locks every ancestor: a locked node is never evicted. A request locks only
@@ -40,9 +48,11 @@ from specserve.kv.allocator import PageAllocator
 
 
 class _Node:
-    __slots__ = ("tokens", "pages", "parent", "children", "lock", "last_use", "depth")
+    __slots__ = ("tokens", "pages", "parent", "children", "lock", "last_use", "depth", "exact")
 
-    def __init__(self, tokens: list[int], pages: list[int], parent: _Node | None):
+    def __init__(
+        self, tokens: list[int], pages: list[int], parent: _Node | None, exact: bool = True
+    ):
         # The edge's pages and their tokens (and, with `next_token_in_key`, the next one).
         self.tokens = tokens
         self.pages = pages
@@ -52,6 +62,7 @@ class _Node:
         self.children: dict[tuple[int, ...], _Node] = {}
         self.lock = 0  # requests whose locked prefix passes through here
         self.last_use = 0
+        self.exact = exact  # its pages' draft KV is exact too (else: the target's only)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -103,7 +114,7 @@ class PrefixCache:
         keeps the lower part (and its identity: a handle to it still ends where it did), and
         every lock through it passes through the upper part too."""
         ps, x = self.page_size, self._extra
-        upper = _Node(node.tokens[: k * ps + x], node.pages[:k], node.parent)
+        upper = _Node(node.tokens[: k * ps + x], node.pages[:k], node.parent, node.exact)
         upper.lock, upper.last_use = node.lock, node.last_use
         node.parent.children[self._edge_key(node)] = upper
         node.tokens, node.pages = node.tokens[k * ps :], node.pages[k:]
@@ -112,11 +123,15 @@ class PrefixCache:
         return upper
 
     # ---- lookups ----------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], max_tokens: int) -> tuple[list[int], _Node, bool]:
+    def match(
+        self, tokens: Sequence[int], max_tokens: int, plain: bool = False
+    ) -> tuple[list[int], _Node, bool]:
         """The longest cached prefix of `tokens` in whole pages, at most max_tokens tokens
         (tokens must extend one past them): (its pages, the node ending exactly there, the
         root when none, boundary). boundary: the last page matched its tokens but not the next
-        one (only with `next_token_in_key`): its draft KV's last entry is someone else's."""
+        one (only with `next_token_in_key`): its draft KV's last entry is someone else's.
+        plain: the request decodes plainly, so target-only pages serve it too (else the
+        match stops before them; `exact_pages` says where they begin)."""
         tokens = tokens if isinstance(tokens, list) else list(tokens)
         ps, x = self.page_size, self._extra
         node, pages, boundary = self.root, [], False
@@ -136,7 +151,7 @@ class PrefixCache:
             elif x:  # a sibling whose first page's tokens match, not its next token
                 child = next((c for kk, c in node.children.items() if kk[:-1] == key[:-1]), None)
                 k, boundary = 1, child is not None
-            if child is None:
+            if child is None or not (child.exact or plain):
                 break
             whole = k == len(child.pages)
             if not whole:  # the match ends inside this edge: a node must end there
@@ -148,6 +163,16 @@ class PrefixCache:
                 break
         return pages, node, boundary
 
+    def exact_pages(self, node: _Node) -> int:
+        """How many leading pages of `node`'s prefix have exact draft KV (up to its first
+        target-only node)."""
+        depth = node.depth
+        while node is not self.root:
+            if not node.exact:
+                depth = node.parent.depth
+            node = node.parent
+        return depth
+
     def insert(
         self,
         tokens: Sequence[int],
@@ -155,6 +180,7 @@ class PrefixCache:
         num_tokens: int,
         start: _Node | None = None,
         releasing: bool = False,
+        exact_tokens: int | None = None,
     ) -> _Node:
         """Keep the full pages among the first num_tokens of a request (`pages[i]` holds
         tokens[i*ps : (i+1)*ps]; with `next_token_in_key` tokens must go one further). Where
@@ -168,38 +194,52 @@ class PrefixCache:
         `start` only has its last use refreshed, a pointer walk). releasing: the request is
         done and will not read its pages again: where a live request reads the cached copy,
         the walk goes on under that copy (the request's own is freed with its table), so its
-        later pages are cached too, not lost for its next turn."""
+        later pages are cached too, not lost for its next turn. exact_tokens: the first
+        tokens whose draft KV is exact too (None: all num_tokens); the pages past them are
+        kept as target-only."""
         tokens = tokens if isinstance(tokens, list) else list(tokens)
         ps, x = self.page_size, self._extra
         node = self.root
         count = min(num_tokens // ps, len(pages))
+        exact = count if exact_tokens is None else min(count, exact_tokens // ps)
         now = next(self._clock)
         if start is not None and self._on_path(start, tokens, count):
             node = start
+            # (pages of its path kept target-only that are exact now, the draft having caught
+            # up since: the walk resumes above them, to mark them)
+            while node is not self.root and self.exact_pages(node) < min(exact, node.depth):
+                node = node.parent
             while start is not self.root:  # the prefix resumed over is used now too
                 start.last_use = now
                 start = start.parent
         while node.depth < count:
             i = node.depth
+            own_exact = i < exact
+            end = exact if own_exact else count  # (an edge is all exact or all target-only)
             key = self._key(tokens, i)
             child = node.children.get(key)
             if child is None:  # the rest is new: one edge, one reference per page
-                added = list(pages[i:count])
-                child = _Node(tokens[i * ps : count * ps + x], added, node)
+                added = list(pages[i:end])
+                child = _Node(tokens[i * ps : end * ps + x], added, node, own_exact)
                 node.children[key] = child
                 self.allocator.share(added)
                 self.num_pages += len(added)
                 self.evictable += len(added)
             else:
-                k = self._matching_pages(child, tokens, i, count - i)
+                k = self._matching_pages(child, tokens, i, end - i)
                 if k < len(child.pages):
                     child = self._split(child, k)
                 own = list(pages[i : i + len(child.pages)])
                 if child.pages != own:  # the request computed these positions itself
                     # (a request releasing its pages walks on under the cached copy: the
                     # same tokens' KV, and its own copy is freed with its table)
-                    if child.lock == 0:  # no live request reads the cached copy
+                    if child.exact and not own_exact:
+                        # (an exact copy stays: a target-only one serves fewer requests)
+                        if not releasing:
+                            break
+                    elif child.lock == 0:  # no live request reads the cached copy
                         self._replace_pages(child, own)
+                        child.exact = child.exact or own_exact
                     elif not releasing:
                         # another request reads the cached copy: keep that, and stop where
                         # the copies part, so the request locks only pages it reads; its own
@@ -211,6 +251,8 @@ class PrefixCache:
                         child.last_use = now
                         node = child
                         break
+                elif own_exact and not child.exact:
+                    child.exact = True  # (its own pages, their draft caught up since)
             child.last_use = now
             node = child
         self._push_if_leaf(node)

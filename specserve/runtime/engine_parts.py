@@ -146,6 +146,14 @@ def build_engine_parts(cfg: EngineConfig, tp=None) -> EngineParts:
         _attach_graphs(cfg, worker, context_len, window, alone=tp is None or tp.size == 1)
     scheduler = _scheduler(cfg, table, worker, draft, max_total_tokens)
     adaptive = _adaptive_policy(cfg, tiers, worker, tp)
+    if adaptive is not None:
+        # a request that will decode plainly may reuse cached KV whose draft part is not
+        # exact (plain steps skip the draft): one that asked for no drafts, or any while
+        # speculation does not pay at this load
+        scheduler.will_decode_plainly = lambda req: (
+            not req.params.speculative
+            or not (adaptive.speculation_pays(len(scheduler.running) + 1))
+        )
     if tp is None or tp.size == 1:
         # (a capture on rank 0 alone would wait forever in its collectives: tensor-parallel
         # ranks capture together as steps meet their shapes)

@@ -81,6 +81,9 @@ class Request:
     draft_lag: int = 0  # plain steps launched since the draft was last current
     draft_behind: int = 0  # tokens at the end of the KV without an exact draft entry
     draft_stale: bool = False  # stopped speculating: its draft fell too far behind
+    # the positions whose draft KV is exact, where it reused the target-only KV of cached
+    # pages past them (and so decodes plainly: kv/prefix_cache.py); None: every position's
+    draft_exact_until: int | None = None
     # speculative decoding statistics (SGLang's names)
     # structured output: the grammar's state after the emitted tokens (runtime/grammar.py)
     grammar: Any = None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.kv.prefix_cache import PrefixCache
@@ -62,6 +63,11 @@ class Scheduler:
         self.num_retractions = 0
         self.prefix_query_tokens = 0  # prompt tokens of admitted requests (with a cache)
         self.prefix_hit_tokens = 0  # of those, served from the cache
+        # whether a request about to start will decode plainly, so that the target-only KV
+        # of cached pages serves it too (load-adaptive speculation sets it: the request asked
+        # for no drafts, or speculation does not pay at this load); such a request then
+        # decodes plainly to its end
+        self.will_decode_plainly: Callable[[Request], bool] = lambda req: False
 
     # ---- admission ----------------------------------------------------------------------
     @property
@@ -84,18 +90,26 @@ class Scheduler:
         self._release(req)
 
     # ---- the prefix cache ----------------------------------------------------------------------
-    def _cacheable_tokens(self, req: Request) -> int:
-        """Positions whose KV (the draft's too) is computed from the request's own tokens: the
-        target's KV of position p is exact for p < kv_len, the draft's pairs p with token p + 1
-        and is exact but for the last draft_behind positions (steps that skipped the draft)."""
-        return min(req.kv_len - req.draft_behind, len(req.prompt_ids) + len(req.output_ids) - 1)
+    def _cacheable_tokens(self, req: Request) -> tuple[int, int]:
+        """(positions whose target KV is computed from the request's own tokens, of those the
+        first whose draft KV is too): the target's KV of position p is exact for p < kv_len,
+        the draft's pairs p with token p + 1 and is exact but for the last draft_behind
+        positions (steps that skipped the draft) and past draft_exact_until."""
+        known = len(req.prompt_ids) + len(req.output_ids) - 1  # (a key reads the next token)
+        target = min(req.kv_len, known)
+        exact = min(req.kv_len - req.draft_behind, known)
+        if req.draft_exact_until is not None:
+            exact = min(exact, req.draft_exact_until)
+        return target, exact
 
     def _cache_prefix(self, req: Request) -> None:
         """Put the request's full computed pages in the cache and lock what it now uses."""
         if self.cache is None:
             return
-        n = self._cacheable_tokens(req)
-        node = self.cache.insert(req.all_ids, self.table.pages(req.rid), n, req.cache_node)
+        n, exact = self._cacheable_tokens(req)
+        node = self.cache.insert(
+            req.all_ids, self.table.pages(req.rid), n, req.cache_node, exact_tokens=exact
+        )
         self.cache.lock(node)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
@@ -104,9 +118,11 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Free a request's KV: its computed full pages stay in the cache, unlocked."""
         if self.cache is not None and req.kv_len > 0 and req.kv_trusted:
-            n = self._cacheable_tokens(req)
+            n, exact = self._cacheable_tokens(req)
             pages = self.table.pages(req.rid)
-            self.cache.insert(req.all_ids, pages, n, req.cache_node, releasing=True)
+            self.cache.insert(
+                req.all_ids, pages, n, req.cache_node, releasing=True, exact_tokens=exact
+            )
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
             req.cache_node = None
@@ -118,12 +134,18 @@ class Scheduler:
         draft KV's last entry belongs to another next token): the request re-runs that one
         position in a copy of its own. copy_boundary False: that page is left out instead
         (the copy needs one page more than computing it would)."""
-        pages, node, boundary = self.cache.match(req.all_ids, reuse_limit(req))
-        if boundary and not copy_boundary:
+        plain = self.will_decode_plainly(req)
+        pages, node, boundary = self.cache.match(req.all_ids, reuse_limit(req), plain)
+        exact = self.cache.exact_pages(node) if plain else len(pages)
+        if boundary and (not copy_boundary or exact < len(pages)):
+            # (past its exact pages the request decodes plainly: no draft entry to re-run)
             pages, node, boundary = pages[:-1], self.cache.shorter(node), False
+            exact = min(exact, len(pages))
         self.cache.lock(node)
         req.cache_node = node
         ps = self.table.page_size
+        if exact < len(pages):  # target-only KV reused: its draft has no exact state there
+            req.draft_exact_until, req.draft_stale = exact * ps, True
         if not boundary:
             self.table.adopt(req.rid, pages)
             req.kv_len = len(pages) * ps
@@ -138,6 +160,7 @@ class Scheduler:
         req.cache_node = None
         self.table.release(req.rid)
         req.kv_len = 0
+        req.draft_stale, req.draft_exact_until = False, None
 
     def _count_hit(self, req: Request, copied: bool) -> None:
         """Prompt tokens served from the cache, counted when a request is first admitted (a
@@ -289,7 +312,7 @@ class Scheduler:
         req.kv_len = 0
         req.kv_trusted = True  # (none of it is left: the resumed prefill writes it anew)
         req.draft_lag = req.draft_behind = 0  # the resumed prefill rebuilds the draft's KV
-        req.draft_stale = False
+        req.draft_stale, req.draft_exact_until = False, None
         req.num_retractions += 1
         self.num_retractions += 1
         if req in self.running:

@@ -1,0 +1,114 @@
+"""Under load-adaptive speculation plain steps skip the draft, so a request's draft KV may stop
+short of its target KV. The cache keeps the rest as target-only pages: a request that will
+decode plainly reuses them (and decodes plainly to its end), a speculating one stops before
+them; an exact copy replaces a target-only one, never the other way round. Outputs stay
+those of an engine without a cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.kv.allocator import PageAllocator
+from specserve.kv.prefix_cache import PrefixCache
+from specserve.kv.table import KVTable
+from specserve.model.config import PRESETS
+from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
+from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, spec_args
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 30, "ignore_eos": True}
+
+
+# ---- the cache alone ---------------------------------------------------------------------------
+@pytest.mark.parametrize("next_token_in_key", [False, True])
+def test_target_only_pages_serve_plain_requests_and_exact_copies_replace_them(next_token_in_key):
+    alloc = PageAllocator(64, page_size=2)
+    table = KVTable(alloc)
+    cache = PrefixCache(alloc, next_token_in_key)
+    table.cache = cache
+    tokens = list(range(1, 16))  # 7 full pages and one more token
+    # a: draft exact for its first 6 tokens (3 pages), target KV for 12 (6 pages)
+    assert table.reserve("a", 12)
+    a_pages = table.pages("a")
+    cache.insert(tokens, a_pages, 12, exact_tokens=6)
+    table.release("a")
+    table.check_invariants(set())
+    pages, node, _ = cache.match(tokens, 14)
+    assert pages == a_pages[:3]  # a speculating request stops before the target-only pages
+    pages, node, _ = cache.match(tokens, 14, plain=True)
+    assert pages == a_pages[:6] and cache.exact_pages(node) == 3
+
+    # b computed the same tokens with its draft current: its exact copies replace a's (the
+    # unread ones, as any copy the request holds does)
+    assert table.reserve("b", 12)
+    b_pages = table.pages("b")
+    cache.insert(tokens, b_pages, 12)
+    table.release("b")
+    table.check_invariants(set())
+    pages, node, _ = cache.match(tokens, 14)
+    assert pages == b_pages[:6] and cache.exact_pages(node) == 6
+
+    # c's target-only copies do not replace them
+    assert table.reserve("c", 12)
+    cache.insert(tokens, table.pages("c"), 12, exact_tokens=0, releasing=True)
+    table.release("c")
+    table.check_invariants(set())
+    pages, node, _ = cache.match(tokens, 14)
+    assert pages == b_pages[:6] and cache.exact_pages(node) == 6
+    assert cache.flush() == 6 and alloc.num_free_pages == alloc.num_usable_pages
+
+
+def test_a_request_whose_draft_caught_up_makes_its_own_pages_exact():
+    alloc = PageAllocator(32, page_size=2)
+    table = KVTable(alloc)
+    cache = PrefixCache(alloc)
+    table.cache = cache
+    tokens = list(range(1, 12))
+    assert table.reserve("a", 10)
+    node = cache.insert(tokens, table.pages("a"), 10, exact_tokens=4)  # plain steps ran
+    cache.lock(node)
+    assert len(cache.match(tokens, 10)[0]) == 2
+    node2 = cache.insert(tokens, table.pages("a"), 10, start=node)  # caught up since
+    cache.lock(node2)
+    cache.unlock(node)
+    assert cache.match(tokens, 10)[0] == table.pages("a")[:5]
+    cache.unlock(node2)
+    table.release("a")
+    table.check_invariants(set())
+
+
+# ---- through the engine ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory):
+    return write_random_eagle_checkpoint(
+        str(tmp_path_factory.mktemp("eagle")), PRESETS["tiny"], "EAGLE", seed=3
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 3])
+def test_the_next_turn_of_a_plainly_decoded_answer_reuses_it(eagle, page_size):
+    """Turn one asks for no drafts (so its answer has no draft KV); turn two, plain too,
+    reuses the answer; a speculating request on the same history stops where the draft's KV
+    ends. Every output equals an engine's without a cache."""
+    g = torch.Generator().manual_seed(page_size)
+    first = torch.randint(3, 500, (40,), generator=g).tolist()
+    plain = {**GREEDY, "speculative": False}
+    spec = dict(spec_args(eagle, 2, 3, 6), speculative_adaptive=True, page_size=page_size)
+    with Engine(**TINY, **spec, disable_radix_cache=True) as uncached:
+        answer = uncached.generate(input_ids=first, sampling_params=plain)["output_ids"]
+        history = first + answer + [7, 8, 9]
+        want = uncached.generate(input_ids=history, sampling_params=GREEDY)["output_ids"]
+    with Engine(**TINY, **spec, debug_check_invariants=True) as e:
+        e.core.scheduler.will_decode_plainly = lambda req: not req.params.speculative
+        turn1 = e.generate(input_ids=first, sampling_params=plain)
+        assert turn1["output_ids"] == answer
+        turn2 = e.generate(input_ids=history, sampling_params=plain)
+        cached = turn2["meta_info"]["cached_tokens"]
+        assert cached >= len(first) + len(answer) - page_size, (cached, len(first + answer))
+        assert turn2["output_ids"] == want
+        # a speculating request takes only the pages whose draft KV is exact: the prompt's
+        speculating = e.generate(input_ids=history, sampling_params=GREEDY)
+        assert speculating["meta_info"]["cached_tokens"] <= len(first)
+        assert speculating["output_ids"] == want
+        assert assert_kv_matches_plain_prefill(e.core) == 0
