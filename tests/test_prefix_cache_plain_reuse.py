@@ -59,6 +59,23 @@ def test_target_only_pages_serve_plain_requests_and_exact_copies_replace_them(ne
     assert cache.flush() == 6 and alloc.num_free_pages == alloc.num_usable_pages
 
 
+def test_a_match_stopped_by_a_target_only_node_takes_no_boundary_page():
+    """With the next token in the key, a speculating request's match that a target-only node
+    stops reports no boundary page (the scheduler would copy a page it did not take)."""
+    alloc = PageAllocator(32, page_size=2)
+    cache = PrefixCache(alloc, next_token_in_key=True)
+    pages = alloc.alloc(3)
+    cache.insert([5, 6, 7, 8, 9, 10, 11], pages, 6, exact_tokens=2)  # page 0 exact only
+    # page 1's tokens match, not its next token; its only sibling is target-only
+    taken, _, boundary = cache.match([5, 6, 7, 8, 99, 1], 4)
+    assert taken == [pages[0]] and not boundary
+    taken, _, boundary = cache.match([5, 6, 7, 8, 99, 1], 4, plain=True)
+    assert taken == pages[:2] and boundary  # (a plain request takes it, as a boundary page)
+    only = PrefixCache(PageAllocator(32, page_size=2), next_token_in_key=True)
+    only.insert([5, 6, 7, 8, 9, 10, 11], only.allocator.alloc(3), 6, exact_tokens=0)
+    assert only.match([5, 6, 99, 1, 2], 4)[::2] == ([], False)
+
+
 def test_a_request_whose_draft_caught_up_makes_its_own_pages_exact():
     alloc = PageAllocator(32, page_size=2)
     table = KVTable(alloc)
@@ -112,3 +129,4 @@ def test_the_next_turn_of_a_plainly_decoded_answer_reuses_it(eagle, page_size):
         assert speculating["meta_info"]["cached_tokens"] <= len(first)
         assert speculating["output_ids"] == want
         assert assert_kv_matches_plain_prefill(e.core) == 0
+        assert e.stats()["speculative_adaptive"]["started_plainly_from_cache"] == 1

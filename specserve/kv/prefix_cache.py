@@ -149,9 +149,17 @@ class PrefixCache:
                     boundary = child.tokens[k * ps : (k + 1) * ps] == tokens[j : j + ps]
                     k += boundary
             elif x:  # a sibling whose first page's tokens match, not its next token
-                child = next((c for kk, c in node.children.items() if kk[:-1] == key[:-1]), None)
+                child = next(
+                    (
+                        c
+                        for kk, c in node.children.items()
+                        if kk[:-1] == key[:-1] and (c.exact or plain)
+                    ),
+                    None,
+                )
                 k, boundary = 1, child is not None
             if child is None or not (child.exact or plain):
+                boundary = False  # (nothing of this edge is taken)
                 break
             whole = k == len(child.pages)
             if not whole:  # the match ends inside this edge: a node must end there

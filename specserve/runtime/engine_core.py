@@ -342,6 +342,8 @@ class EngineCore:
         if self.draft_lag is not None:
             out["catch_ups"] = self.draft_lag.num_catch_ups
             out["stopped_speculating"] = self.draft_lag.num_stale
+        # (requests that reused cached KV without exact draft entries, and so decode plainly)
+        out["started_plainly_from_cache"] = self.scheduler.num_plain_reuses
         return out
 
     def _launch_decode(self, reqs: list[Request]):

@@ -68,6 +68,7 @@ class Scheduler:
         # for no drafts, or speculation does not pay at this load); such a request then
         # decodes plainly to its end
         self.will_decode_plainly: Callable[[Request], bool] = lambda req: False
+        self.num_plain_reuses = 0  # requests started from target-only pages (so plainly)
 
     # ---- admission ----------------------------------------------------------------------
     @property
@@ -146,6 +147,7 @@ class Scheduler:
         ps = self.table.page_size
         if exact < len(pages):  # target-only KV reused: its draft has no exact state there
             req.draft_exact_until, req.draft_stale = exact * ps, True
+            self.num_plain_reuses += 1
         if not boundary:
             self.table.adopt(req.rid, pages)
             req.kv_len = len(pages) * ps
@@ -160,6 +162,8 @@ class Scheduler:
         req.cache_node = None
         self.table.release(req.rid)
         req.kv_len = 0
+        if req.draft_exact_until is not None:
+            self.num_plain_reuses -= 1
         req.draft_stale, req.draft_exact_until = False, None
 
     def _count_hit(self, req: Request, copied: bool) -> None:
