@@ -22,6 +22,7 @@ from tests.model_factory import write_hf_model
 from tests.test_server import Served, ServerThread
 from tests.test_server_hardening import error_of
 from tests.test_server_openai_compat import CHAT, events
+from tests.test_structured_output import SCHEMA
 
 TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %} {{ t.function.name }}"
@@ -32,15 +33,7 @@ TEMPLATE = (
     "{% if m.tool_call_id %}RESULT {{ m.tool_call_id }}: {% endif %}{{ m.content }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "answer": {"enum": ["yes", "no"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["answer", "count"],
-    "additionalProperties": False,
-}
+WEATHER = SCHEMA  # (the structured-output tests' schema: an enum and a bounded integer)
 # (a reference into the function's own $defs: it must still resolve inside "required"'s array)
 PING = {
     "$defs": {"flag": {"type": "boolean"}},
