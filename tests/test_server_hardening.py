@@ -593,6 +593,55 @@ def test_slow_grammar_compiles_do_not_stall_other_clients_prompts(hard, monkeypa
     assert results == {0: 200, 1: 200}
 
 
+def test_one_clients_slow_grammars_leave_other_clients_grammars_free(hard, monkeypatch):
+    """A grammar that compiles for seconds (a 50,000-way regex took 10 s) holds up only its own
+    request: while as many of them compile as the grammar pool has workers, a request whose
+    grammar is compiled already is built at once; with one compiling, another client's new
+    grammar compiles beside it (one worker made both wait)."""
+    import specserve.server.state as state_module
+
+    core = hard.engine.core
+    compile_text = core.compile_grammar_text
+
+    def slow_for_some(field, text):
+        if "slow" in text:
+            time.sleep(3.0)
+        return compile_text(field, text)
+
+    monkeypatch.setattr(core, "compile_grammar_text", slow_for_some)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    compiled = {**chat, "response_format": {"type": "json_object"}}
+    assert hard.http.post("/v1/chat/completions", json=compiled).status_code == 200
+
+    def timed(body: dict) -> float:
+        start = time.perf_counter()
+        r = hard.http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return time.perf_counter() - start
+
+    def slow_requests(count: int) -> list[threading.Thread]:
+        threads = [
+            threading.Thread(target=timed, args=({**chat, "regex": f"slow{i}[ab]"},))
+            for i in range(count)
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # (their compiles under way)
+        return threads
+
+    threads = slow_requests(state_module.GRAMMAR_WORKERS)
+    waited = timed(compiled)
+    for t in threads:
+        t.join()
+    assert waited < 2.0, f"a compiled grammar waited {waited:.1f} s behind others' compiles"
+
+    threads = slow_requests(1)
+    waited = timed({**chat, "regex": "[cd]+"})
+    for t in threads:
+        t.join()
+    assert waited < 2.0, f"a new grammar waited {waited:.1f} s behind another's compile"
+
+
 def test_large_prompts_tokenize_beside_other_clients_prompts(hard, monkeypatch):
     """Texts past LARGE_TEXT_CHARS tokenize on a pool of their own: two slow ones leave a
     short prompt's tokenizing free (on the shared pool of two threads, a one-word prompt

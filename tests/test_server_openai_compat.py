@@ -160,6 +160,7 @@ def test_fields_of_features_the_server_lacks_get_400_naming_them(served):
         (COMPLETIONS, "priority", 0),
         (CHAT, "logits_processors", []),
         (COMPLETIONS, "lora_request", None),
+        (CHAT, "lora_path", []),
     ]:
         base = {"messages": MESSAGES} if route == CHAT else {"prompt": [5, 6]}
         r = served.http.post(route, json={**base, "max_tokens": 2, field: value})
@@ -168,6 +169,7 @@ def test_fields_of_features_the_server_lacks_get_400_naming_them(served):
 
 GENERATE_UNSUPPORTED = [
     ("lora_path", "my-adapter"),
+    ("lora_path", [None, "my-adapter"]),
     ("image_data", "data:image/png;base64,AAAA"),
     ("audio_data", ["a.wav"]),
     ("video_data", "v.mp4"),
@@ -187,7 +189,14 @@ def test_generate_fields_of_features_the_server_lacks_get_400_naming_them(served
         err = error_of(r)
         assert r.status_code == 400 and err["param"] == field, (field, r.text)
         assert err["message"].startswith(f"{field}: ") and "only" in err["message"], err
-    for field, value in [("image_data", None), ("modalities", []), ("return_hidden_states", False)]:
+    neutral = [
+        ("image_data", None),
+        ("modalities", []),
+        ("return_hidden_states", False),
+        ("lora_path", []),  # (SGLang's batch form: one adapter or null per prompt)
+        ("lora_path", [None]),
+    ]
+    for field, value in neutral:
         r = served.http.post("/generate", json={**base, field: value})
         assert r.status_code == 200, (field, r.text)
 
@@ -204,6 +213,16 @@ def test_a_response_with_several_choices_has_one_id_as_openais(served, route):
         assert not got.endswith(("-0", "-1")), got
         assert got.split("-")[0] == one.split("-")[0]  # (cmpl- or chatcmpl-)
     assert len(ids) == 1
+
+
+def test_one_model_by_its_id_and_the_list_behind_a_trailing_slash(served):
+    card = served.http.get("/v1/models").json()["data"][0]
+    assert served.http.get(f"/v1/models/{card['id']}").json() == card
+    missing = served.http.get("/v1/models/no-such-model")
+    assert missing.status_code == 404 and error_of(missing)["code"] == "model_not_found"
+    listed = served.http.get("/v1/models/")  # (no id: the list, as other trailing slashes)
+    assert listed.status_code == 307 and listed.headers["location"].endswith("/v1/models")
+    assert served.http.get("/v1/models/", follow_redirects=True).json()["data"] == [card]
 
 
 def test_head_health(served):

@@ -268,6 +268,9 @@ REFUSED = [
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"max_tool_calls": 3}, "max_tool_calls"),
     ({"max_output_tokens": -1}, "max_output_tokens"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": 10_000}, "max_output_tokens"),
@@ -337,7 +340,22 @@ def test_neutral_values_of_unsupported_features_are_accepted(served):
         "service_tier": "auto",
         "prompt_cache_key": "k",
         "safety_identifier": "s",
+        "prompt_cache_retention": "24h",
+        "prompt_cache_options": None,
         "stream_options": None,
+        # (the official client's other fields, as tools that send every field send them)
+        **dict.fromkeys(
+            (
+                "conversation",
+                "prompt",
+                "context_management",
+                "max_tool_calls",
+                "background_options",
+                "moderation",
+                "image",
+                "access_programs",
+            )
+        ),  # fmt: skip
         "text": {"format": {"type": "text"}},
     }
     r = served.http.post(RESPONSES, json=body)

@@ -265,6 +265,14 @@ def test_a_history_with_tool_calls_and_tool_messages_reaches_the_template(server
     odd = {"role": "assistant", "content": None, "tool_calls": [_call_of("c1", "f", "not json")]}
     r = served.http.post(CHAT, json={"messages": [*MESSAGES, odd], "max_tokens": 2})
     assert r.status_code == 200, r.text
+    # and so does JSON nested past the parser's depth (it was a 500 that dropped the
+    # connection): here more than the context holds
+    deep = '{"a":' * 50_000 + "1" + "}" * 50_000
+    odd = {"role": "assistant", "content": None, "tool_calls": [_call_of("c1", "f", deep)]}
+    r = served.http.post(CHAT, json={"messages": [*MESSAGES, odd], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
+    r = served.http.post("/tokenize", json={"messages": [*MESSAGES, odd]})
+    assert r.status_code == 200 and r.json()["count"] > 100_000, r.text[:300]
 
 
 def test_the_template_gets_what_the_server_renders():

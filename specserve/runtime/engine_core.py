@@ -120,6 +120,11 @@ class EngineCore:
         spec = grammar_spec(params)
         return None if spec is None else self.compile_grammar_text(*spec)
 
+    def grammar_compiled(self, field: str, text: str) -> bool:
+        """Whether the grammar of sampling parameter `field` is compiled already (a request
+        asking for it is built at once)."""
+        return self.grammars is not None and self.grammars.is_compiled(field, text)
+
     def compile_grammar_text(self, field: str, text: str):
         """The compiled grammar of sampling parameter `field` (thread-safe, cached)."""
         if self.grammars is None:

@@ -73,6 +73,11 @@ class GrammarCompiler:
                 self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
             return self._compiler
 
+    def is_compiled(self, field: str, spec: str) -> bool:
+        """Whether `compile(field, spec)` answers from the cache (at once)."""
+        with self._lock:
+            return (field, spec) in self._checked
+
     def compile(self, field: str, spec: str):
         """The compiled grammar of `spec` given as sampling parameter `field`."""
         if self.unsupported is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.runtime.logprobs import add_logprobs
@@ -136,7 +136,9 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model:path}", response_model=s.ModelCard)
-    async def v1_model(model: str):
+    async def v1_model(model: str, request: Request):
+        if not model:  # ("/v1/models/": the list, redirected as other trailing slashes are)
+            return RedirectResponse(str(request.url.replace(path="/v1/models")), status_code=307)
         if not state.accepts_model(model):
             raise APIError(
                 f"model: the model {model!r} does not exist",

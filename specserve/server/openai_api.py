@@ -16,13 +16,12 @@ from specserve.runtime.output import verify_tokens
 from specserve.server.logprobs import CompletionLogprobs, chat_content
 from specserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.protocol import APIError, parse
+from specserve.server.run import Run, watch_disconnect
 from specserve.server.state import (
     OFF_LOOP_PROMPT_TOKENS,
-    Run,
     ServerState,
     engine_error,
     prompt_param,
-    watch_disconnect,
 )
 from specserve.server.structured_output import structured_output
 from specserve.server.tool_calls import ToolCallStream, template_chars

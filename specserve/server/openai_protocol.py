@@ -98,7 +98,10 @@ NEUTRAL_FIELDS: dict[str, tuple[Any, str]] = {
     "documents": (lambda v: v == [], "is not supported (only null or [])"),
     # vLLM's and SGLang's extensions that would change the output or its form
     "lora_request": (lambda v: False, "LoRA adapters are not supported (only null)"),
-    "lora_path": (lambda v: False, "LoRA adapters are not supported (only null)"),
+    "lora_path": (
+        lambda v: isinstance(v, list) and all(x is None for x in v),
+        "LoRA adapters are not supported (only null, or a list of nulls: one per prompt)",
+    ),
     "logits_processors": (lambda v: v == [], "is not supported (only null or [])"),
     "custom_logit_processor": (lambda v: False, "is not supported (only null)"),
     "prompt_embeds": (lambda v: False, "is not supported (only null)"),

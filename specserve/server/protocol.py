@@ -165,7 +165,10 @@ def only_neutral(table: dict[str, tuple[Any, str]], name: str, v: Any) -> Any:
 # value (null always), so a request for an adapter, images or hidden states is not served as
 # plain text on the base model.
 _NATIVE_NEUTRAL: dict[str, tuple[Any, str]] = {
-    "lora_path": (lambda v: False, "LoRA adapters are not supported (only null)"),
+    "lora_path": (
+        lambda v: isinstance(v, list) and all(x is None for x in v),
+        "LoRA adapters are not supported (only null, or a list of nulls: one per prompt)",
+    ),
     "image_data": (lambda v: v == [], "images are not supported (only null or [])"),
     "audio_data": (lambda v: v == [], "audio is not supported (only null or [])"),
     "video_data": (lambda v: v == [], "video is not supported (only null or [])"),

@@ -37,7 +37,8 @@ from specserve.server.openai_api import (
 )
 from specserve.server.protocol import APIError
 from specserve.server.responses_protocol import ResponsesRequest
-from specserve.server.state import Run, ServerState
+from specserve.server.run import Run
+from specserve.server.state import ServerState
 
 # /openapi.json: what a 200 may be
 STREAMED_EVENTS: dict[int | str, dict[str, Any]] = {

@@ -70,6 +70,17 @@ _NEUTRAL: dict[str, tuple[Any, str]] = {
         "log-probs are not supported on this route (only null or 0)",
     ),
     "background": (lambda v: v is False, "background responses are not supported (only false)"),
+    "background_options": (lambda v: False, "background responses are not supported (only null)"),
+    "conversation": (
+        lambda v: False,
+        "conversations are not stored (only null); send the conversation in input",
+    ),
+    "prompt": (lambda v: False, "stored prompt templates are not available (only null)"),
+    "context_management": (lambda v: False, "context management is not supported (only null)"),
+    "max_tool_calls": (lambda v: False, "no tools are called (only null)"),
+    "moderation": (lambda v: False, "moderation is not available (only null)"),
+    "image": (lambda v: False, "images are not supported (only null)"),
+    "access_programs": (lambda v: False, "is not supported (only null)"),
 }
 
 
@@ -79,7 +90,9 @@ _OPENAI_FIELDS = (
     "stream", "stream_options", "text", "metadata", "user", "store", "tools",
     "tool_choice", "parallel_tool_calls", "previous_response_id", "reasoning",
     "truncation", "include", "top_logprobs", "background", "service_tier",
-    "prompt_cache_key", "safety_identifier",
+    "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
+    "background_options", "conversation", "prompt", "context_management", "max_tool_calls",
+    "moderation", "image", "access_programs",
 )  # fmt: skip
 
 
@@ -198,6 +211,9 @@ class ResponsesRequest(CommonRequest):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # (the prefix cache keeps what it can, whatever a request asks)
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     # accepted only at their neutral value
     previous_response_id: Any = None
     reasoning: Any = None
@@ -205,6 +221,14 @@ class ResponsesRequest(CommonRequest):
     include: Any = None
     top_logprobs: Any = None
     background: Any = None
+    background_options: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    context_management: Any = None
+    max_tool_calls: Any = None
+    moderation: Any = None
+    image: Any = None
+    access_programs: Any = None
     # the chat route's names (not published)
     max_tokens: SkipJsonSchema[Any] = None
     n: SkipJsonSchema[Any] = None

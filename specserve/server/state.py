@@ -2,11 +2,7 @@
 
 `ServerState` owns the admission limit (`max_queued_requests`: requests submitted and not
 finished), the metrics, and the mapping of engine argument errors onto request fields.
-`Run` is one HTTP request's worth of engine requests (several for a batched /v1/completions):
-the engine's callback posts each incremental output onto the run's asyncio queue through
-the loop's `LoopOutbox` (one event-loop wake-up per burst of outputs). Text held back because
-it could begin a stop string is the engine's business (`request_output`): what arrives here
-can be sent as is.
+It builds each HTTP request's engine requests and submits them as one `Run` (server/run.py).
 
 Tokenization runs on small thread pools, never on the event loop: one large prompt must not
 stall other clients or /health. Large texts tokenize on a pool of their own, so the shared one
@@ -21,13 +17,12 @@ import logging
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from specserve.errors import InvalidArgument
-from specserve.runtime.logprobs import add_logprobs
-from specserve.runtime.output import prompt_rid, sample_rids
+from specserve.runtime.output import sample_rids
 from specserve.runtime.request_inputs import normalize_logprob_options
 from specserve.sampling_params import GRAMMAR_PARAMS, check_field, is_int
 from specserve.server.logprobs import TokenBytes, TokenStrings
@@ -35,6 +30,7 @@ from specserve.server.metrics import ServerMetrics
 from specserve.server.outbox import LoopOutbox
 from specserve.server.protocol import APIError
 from specserve.server.request_size import RequestSize
+from specserve.server.run import Run
 from specserve.server.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -64,6 +60,8 @@ OFF_LOOP_PROMPT_TOKENS = 100_000
 # parse on a pool of their own: a 2 MB prompt takes 6-14 s to tokenize before it can be found
 # too long, and two of them on the shared pool kept a one-word request waiting 9 s.
 LARGE_TEXT_CHARS = 64 * 1024
+# Grammars compiling at once (see `ServerState.grammar_pool`).
+GRAMMAR_WORKERS = 4
 
 T = TypeVar("T")
 
@@ -94,9 +92,11 @@ class ServerState:
         # structured-output grammars compile on a pool of their own: a large JSON schema
         # compiles for seconds, and on the tokenizing pool two such requests kept every other
         # client's text prompt waiting (a one-token chat took 31 s behind two 3,000-property
-        # schemas on a 2-core machine)
+        # schemas on a 2-core machine). Several workers: one client's slow compile (a
+        # 50,000-way regex: 10 s) left every other grammar waiting behind it. (A request whose
+        # grammars are compiled already is built on the tokenizing pool, waiting for none.)
         self.grammar_pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="specserve-grammar"
+            max_workers=GRAMMAR_WORKERS, thread_name_prefix="specserve-grammar"
         )
         self.size = RequestSize(
             self.tokenizer, self.context_len, cfg.max_queued_requests, cfg.max_samples_per_request
@@ -343,7 +343,9 @@ class ServerState:
             args = (prompts, params, rename, prefix, rids, logprob_options, prefixes)
             if held:
                 loop = asyncio.get_running_loop()
-                made = await loop.run_in_executor(self.grammar_pool, self._make, *args)
+                made = await loop.run_in_executor(self.pool, self._make_if_compiled, *args)
+                if made is None:
+                    made = await loop.run_in_executor(self.grammar_pool, self._make, *args)
             elif sum(map(len, prompts)) > OFF_LOOP_PROMPT_TOKENS:
                 made = await self.off_loop(self._make, *args)
             else:
@@ -358,6 +360,22 @@ class ServerState:
             self.release(held)
             raise
         return self._submit(made, total, rename, prefix)
+
+    def _make_if_compiled(self, prompts, params, *rest) -> list[tuple[list, str | None]] | None:
+        """`_make`'s requests if every grammar they ask for is compiled already, else None
+        (they are built on the grammar pool, behind compiles that may take seconds)."""
+        texts: dict[int, str] = {}
+        for sp in params:
+            try:
+                sp = _schema_as_text(sp, texts)
+            except InvalidArgument:  # (refused by `_make`, naming the prompt)
+                return None
+            spec = next(((f, sp[f]) for f in GRAMMAR_PARAMS if sp.get(f) is not None), None)
+            if spec is not None and not (
+                isinstance(spec[1], str) and self.engine.core.grammar_compiled(*spec)
+            ):
+                return None
+        return self._make(prompts, params, *rest)
 
     def _make(
         self,
@@ -465,131 +483,3 @@ def _schema_as_text(sp: dict[str, Any], texts: dict[int, str]) -> dict[str, Any]
     if id(schema) not in texts:
         texts[id(schema)] = check_field("json_schema", schema)
     return {**sp, "json_schema": texts[id(schema)]}
-
-
-class Run:
-    def __init__(
-        self,
-        state: ServerState,
-        loop: asyncio.AbstractEventLoop,
-        rename: dict[str, str] | None = None,
-        prefix: str = "",
-    ):
-        """rename, prefix: the engine's field names as the client wrote them (errors)."""
-        self.state = state
-        self.rename, self.prefix = rename or {}, prefix
-        self.outbox = state.outbox(loop)  # every output reaches the run's queue through it
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.rids: list[str] = []  # engine request ids, by choice index
-        self.names: list[str] = []  # the ids the client sees (meta_info.id), by choice index
-        self.unfinished: set[int] = set()
-        self.id = ""  # the first prompt's id (one for all its choices, as OpenAI's responses)
-
-    def submit(self, reqs: list, rid: str | None) -> None:
-        """Submit one prompt's sample requests (`Engine.make_samples`) as the next choices;
-        rid: the client's id of the prompt."""
-        state, outbox, queue = self.state, self.outbox, self.queue
-        base, n = len(self.rids), len(reqs)
-        rids = [r.name for r in reqs]
-        names = sample_rids(rid, n) if rid else rids
-        prompt = rid if rid and n > 1 else None
-
-        def on_output(j: int, out: dict[str, Any]) -> None:  # runs on the engine's thread
-            try:
-                if out.get("finished"):
-                    state._finished(names[j], out, prompt)
-                out["meta_info"]["id"] = names[j]
-                outbox.post(queue, (base + j, out))
-            except RuntimeError:  # the event loop is gone (server stopped)
-                pass
-            except Exception:
-                log.exception("output delivery failed")
-
-        with state._lock:  # (checked again: another request may have taken the id since)
-            if rid:
-                state.check_ids_free(rid, names)
-            state.active_rids.update(zip(names, rids))
-            if prompt is not None:
-                state.active_prompts[prompt] = n
-        try:
-            state.engine.submit_made(reqs, on_output)
-        except BaseException:
-            with state._lock:
-                for name in names:
-                    state.active_rids.pop(name, None)
-                if prompt is not None:
-                    state._prompt_done(prompt, n)
-            raise
-        if not self.names:
-            self.id = prompt_rid(names)
-        self.rids += rids
-        self.names += names
-        self.unfinished.update(range(base, base + n))
-
-    def abort_error(self, meta: dict[str, Any]) -> APIError:
-        """The error for one of this run's requests that the engine aborted."""
-        return self.state.abort_error(meta, self.rename, self.prefix)
-
-    def abort(self) -> None:
-        """Abort what has not finished (client gone, error, shutdown); frees its KV. By engine
-        request id: never another run's request, even one that reuses this run's rid."""
-        for i in list(self.unfinished):
-            self.state.engine.abort(self.rids[i])
-
-    def end_now(self, message: str) -> None:
-        """Queue a final abort for each unfinished request (thread-safe)."""
-        for i in list(self.unfinished):
-            out = {
-                "text": "",
-                "output_ids": [],
-                "meta_info": {
-                    "id": self.names[i],
-                    "finish_reason": {"type": "abort", "message": message},
-                },
-                "finished": True,
-            }
-            self.outbox.post(self.queue, (i, out))
-
-    async def events(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        """Incremental outputs (index, delta) until every request of the run has finished."""
-        while self.unfinished:
-            index, out = await self.queue.get()
-            if index not in self.unfinished:
-                continue  # already ended (end_now), the engine's own final output came later
-            if out.get("finished"):
-                self.unfinished.discard(index)
-            yield index, out
-
-    async def collect(self) -> list[dict[str, Any]]:
-        """The final outputs (text, ids and log-probs joined), in choice order."""
-        texts: list[list[str]] = [[] for _ in self.rids]
-        ids: list[list[int]] = [[] for _ in self.rids]
-        logprobs: list[dict[str, list]] = [{} for _ in self.rids]
-        final: list[dict[str, Any] | None] = [None] * len(self.rids)
-        async for i, out in self.events():
-            texts[i].append(out["text"])
-            ids[i].extend(out["output_ids"])
-            add_logprobs(logprobs[i], out.get("meta_info", {}))
-            if out.get("finished"):
-                meta = {**out.get("meta_info", {}), **logprobs[i]}
-                final[i] = {
-                    **out,
-                    "text": "".join(texts[i]),
-                    "output_ids": ids[i],
-                    "meta_info": meta,
-                }
-        return final  # type: ignore[return-value]
-
-
-async def watch_disconnect(request, on_disconnect) -> None:
-    """Call on_disconnect() when the client goes away (ASGI http.disconnect)."""
-    try:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                on_disconnect()
-                return
-    except asyncio.CancelledError:
-        raise
-    except Exception:  # the connection is gone in some other way
-        on_disconnect()

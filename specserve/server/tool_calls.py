@@ -132,8 +132,8 @@ class ToolCall(StrictModel):
         if isinstance(arguments, str):
             try:
                 parsed = json.loads(arguments)
-            except ValueError:
-                parsed = None
+            except (ValueError, RecursionError):  # (not JSON, or nested past the parser's
+                parsed = None  # depth: the template shows the text as it came)
             if isinstance(parsed, dict):
                 arguments = parsed
         function = {"name": self.function.name, "arguments": arguments}
