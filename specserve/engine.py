@@ -26,6 +26,7 @@ from specserve.runtime.gc_heap import freeze_startup_heap, unfreeze_heap
 from specserve.runtime.grammar import RequestGrammar, grammar_spec
 from specserve.runtime.logprobs import add_logprobs
 from specserve.runtime.output import output_or_failure, sample_rids
+from specserve.runtime.output_stream import OutputStream
 from specserve.runtime.penalties import check_penalties
 from specserve.runtime.request import Request
 from specserve.runtime.request_inputs import (
@@ -446,25 +447,21 @@ class Engine:
                 out["meta_info"].update(logprobs)
                 return out
 
-    def _stream(self, reqs: list[Request]) -> Iterator[dict]:
+    def _stream(self, reqs: list[Request]) -> OutputStream:
         """Incremental outputs of the samples of one prompt, as they come, each with its
-        sample's `index`."""
+        sample's `index` (the requests submitted now)."""
         self._refuse_on_loop("a stream")
         q: queue.Queue = queue.Queue()
         for i, req in enumerate(reqs):
             req.on_output = self._incremental_callback(lambda idx, out: q.put((idx, out)), i)
         self._enqueue_requests(reqs)
-        unfinished = set(range(len(reqs)))
-        try:
-            while unfinished:
-                index, out = q.get()
-                if out["finished"]:
-                    unfinished.discard(index)
-                yield {**out, "index": index}
-        finally:
-            for i in unfinished:
+
+        def abort(indices: list[int]) -> None:
+            for i in indices:
                 self._inbox.put(("abort", reqs[i]))  # that request, whatever its id names now
             self._wake.set()
+
+        return OutputStream(q, len(reqs), abort)
 
     def _loop(self) -> None:
         core = self.core

@@ -149,15 +149,18 @@ def test_bad_engine_arguments_are_refused():
 
 
 def test_a_kv_pool_too_small_for_one_speculative_request_is_refused_with_its_minimum():
+    """The minimum is a plain engine's (with a standalone draft's root): a request the cache
+    cannot hold with its tree's window decodes plainly."""
     spec = spec_args("tiny", 4, 4, 16)
     with pytest.raises(InvalidArgument) as info:
-        Engine(**TINY, **spec, max_total_tokens=8)
+        Engine(**TINY, **spec, max_total_tokens=2)
     assert info.value.field == "max_total_tokens"
     need = int(str(info.value).rsplit("at least ", 1)[1].split()[0])
-    # the minimum it names serves a one-token prompt
+    assert need == 3
+    # the minimum it names serves a one-token prompt, and one more token
     with Engine(**TINY, **spec, max_total_tokens=need) as engine:
-        out = engine.generate(input_ids=[5], sampling_params={"max_new_tokens": 1})
-    assert len(out["output_ids"]) == 1
+        out = engine.generate(input_ids=[5], sampling_params={"max_new_tokens": 2})
+    assert len(out["output_ids"]) == 2
 
 
 def test_triton_attention_on_a_cpu_is_refused_outside_the_interpreter(monkeypatch):
@@ -241,6 +244,33 @@ def test_a_rid_still_running_is_refused_and_abort_reaches_only_the_running_reque
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
     again = engine.generate(input_ids=[7, 8], sampling_params={"max_new_tokens": 2}, rid="busy")
     assert len(again["output_ids"]) == 2
+
+
+def test_a_stream_is_submitted_when_returned_and_closing_it_aborts_it():
+    """Its request runs from the call on: an abort by its rid before the first read reaches
+    it; a stream closed or dropped unread frees its request; on a shut-down engine the call
+    raises."""
+    engine = _shared_engine()
+    long = {"max_new_tokens": 100000, "ignore_eos": True}
+    stream = engine.generate(input_ids=[4, 5, 6], sampling_params=long, stream=True, rid="s1")
+    engine.abort("s1")
+    outs = list(stream)
+    assert outs[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert sum(len(o["output_ids"]) for o in outs) < 100000
+    for drop in (True, False):
+        stream = engine.generate(input_ids=[4, 5, 6], sampling_params=long, stream=True)
+        if drop:
+            del stream
+        else:
+            stream.close()
+        deadline = time.monotonic() + 30
+        while engine.stats()["num_running_requests"] or engine.stats()["num_waiting_requests"]:
+            assert time.monotonic() < deadline, "an unread stream's request kept running"
+            time.sleep(0.01)
+    with Engine(**TINY) as stopped:
+        pass
+    with pytest.raises(RuntimeError, match="shut down"):
+        stopped.generate(input_ids=[4, 5], stream=True)
 
 
 def test_abort_of_an_unknown_rid_leaves_a_request_named_like_a_sample_of_it_running():

@@ -129,6 +129,8 @@ def test_environment_variables_configure_simulation(monkeypatch):
         (dict(simulate_acc_len=2, simulate_acc_method="gaussian"), "simulate_acc_method"),
         (dict(simulate_acc_len=2, simulate_acc_token_mode="token-100"), "simulate_acc_token_mode"),
         (dict(simulate_acc_len=0.5), "simulate_acc_len"),
+        (dict(simulate_acc_len=float("inf")), "simulate_acc_len"),
+        (dict(simulate_acc_len=float("nan")), "simulate_acc_len"),
         (
             dict(
                 simulate_acc_len=2,

@@ -269,6 +269,8 @@ def test_the_bundled_draft_takes_lower_case_names_and_leaves_a_users_tree_size_t
 def test_a_context_longer_than_the_model_is_refused_and_resolved_args_report_what_runs():
     error = _refused("context_length", **TINY, context_length=10**6)
     assert str(PRESETS["tiny"].max_position_embeddings) in str(error)
+    # (one prompt token and the token it is answered with need two)
+    assert ">= 2" in str(_refused("context_length", **TINY, context_length=1))
     with Engine(**TINY, context_length=100, max_total_tokens=5, page_size=4) as engine:
         resolved = engine.resolved_args()
         assert resolved["context_length"] == 100 == engine.core.context_len

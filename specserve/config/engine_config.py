@@ -130,9 +130,11 @@ class EngineConfig:
         _check_choice("attention_backend", c.attention_backend, ATTENTION_BACKENDS)
         _check_choice("log_level", c.log_level, LOG_LEVELS)
         _check_int("page_size", c.page_size, minimum=1)
-        for name in ("max_total_tokens", "max_running_requests", "context_length"):
+        for name in ("max_total_tokens", "max_running_requests"):
             if getattr(c, name) is not None:
                 _check_int(name, getattr(c, name), minimum=1)
+        if c.context_length is not None:  # (a prompt's token and the one it is answered with)
+            _check_int("context_length", c.context_length, minimum=2)
         if c.max_running_requests is not None:
             _check_int(
                 "max_running_requests", c.max_running_requests, 1, maximum=MAX_RUNNING_REQUESTS

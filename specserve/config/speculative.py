@@ -4,6 +4,7 @@ bundled draft of a packaged model, the tree shape, simulated acceptance."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -347,9 +348,13 @@ def resolve_simulation(c) -> tuple[Any, list[tuple[str, Any, str]]]:
         )
     length = c.simulate_acc_len
     require(
-        isinstance(length, (int, float)) and not isinstance(length, bool) and length >= 1,
+        isinstance(length, (int, float))
+        and not isinstance(length, bool)
+        and math.isfinite(length)
+        and length >= 1,
         "simulate_acc_len",
-        f"must be a number >= 1 (the mean accept length: 1 = every draft rejected), got {length!r}",
+        f"must be a finite number >= 1 (the mean accept length: 1 = every draft rejected), "
+        f"got {length!r}",
     )
     if c.simulate_acc_method is None:
         decide(

@@ -7,6 +7,8 @@ holder lets go, so requests can share the pages of a common prefix.
 
 from __future__ import annotations
 
+SCRATCH_PAGE = 0  # never allocated: padded tokens, and writes past a request's pages, land here
+
 
 class PageAllocator:
     """Pages 1..num_pages-1 are allocatable; page 0 is reserved as a scratch page that

@@ -13,7 +13,7 @@ from collections import Counter
 
 import torch
 
-from specserve.kv.allocator import PageAllocator
+from specserve.kv.allocator import SCRATCH_PAGE, PageAllocator
 
 
 class KVInvariantError(AssertionError):
@@ -88,6 +88,16 @@ class KVTable:
                     self.mirror.on_pages_added(rid, len(h), got)
                 h.extend(got)
         return True
+
+    def scratch_past_pages(self, rid: str, num_tokens: int) -> None:
+        """Point the device mirror's page entries of positions past the request's pages, up
+        to num_tokens, at the scratch page: a step may then write there without a
+        reservation (the entries may still name pages the request freed, which others now
+        hold). Its own pages are unchanged."""
+        held = len(self._pages.get(rid, ()))
+        extra = self.pages_for(num_tokens) - held
+        if self.mirror is not None and extra > 0:
+            self.mirror.on_pages_added(rid, held, [SCRATCH_PAGE] * extra)
 
     def truncate(self, rid: str, num_tokens: int) -> None:
         """Give back the pages past logical position num_tokens."""

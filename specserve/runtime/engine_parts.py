@@ -251,12 +251,12 @@ def _scheduler(
         else PrefixCache(table.allocator, draft.draft_kv_reads_next_token),
     )
     if scheduler.max_prompt_tokens() < 1:
-        # one request needs its prompt, its first token and one step's draft window
+        # one request needs its prompt, the position its next step writes and, with a
+        # standalone draft, the draft's root
         need = max_total_tokens + 1 - scheduler.max_prompt_tokens()
         raise InvalidArgument(
             "max_total_tokens",
-            f"holds {max_total_tokens} tokens, too few for one request with a decode "
-            f"window of {worker.decode_window + worker.kv_lookahead} tokens: "
+            f"holds {max_total_tokens} tokens, too few for one request of one token: "
             f"it must be at least {need}",
         )
     return scheduler

@@ -30,6 +30,9 @@ def engine_stats(core: EngineCore) -> dict[str, Any]:
         "prefix_cache_query_tokens": core.scheduler.prefix_query_tokens,
         "prefix_cache_hit_tokens": core.scheduler.prefix_hit_tokens,
         "num_retractions": core.scheduler.num_retractions,
+        # requests that went on plainly as the only one left, the KV cache holding its next
+        # position but not its speculative step's window
+        "num_decoded_plainly_to_fit": core.scheduler.num_plain_to_fit,
         # (times a step ran the device out of memory and the started requests were retracted
         # to run at most max_running_requests at once: halved, then climbing back slowly)
         "num_out_of_memory_retractions": core.num_out_of_memory_retractions,

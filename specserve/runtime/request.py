@@ -84,6 +84,9 @@ class Request:
     # the positions whose draft KV is exact, where it reused the target-only KV of cached
     # pages past them (and so decodes plainly: kv/prefix_cache.py); None: every position's
     draft_exact_until: int | None = None
+    # decodes plainly because the KV cache cannot hold its speculative step's window (it was
+    # the only request left): each step reserves only the position it writes (scheduler.py)
+    plain_to_fit: bool = False
     # speculative decoding statistics (SGLang's names)
     # structured output: the grammar's state after the emitted tokens (runtime/grammar.py)
     grammar: Any = None

@@ -69,6 +69,7 @@ class Scheduler:
         # decodes plainly to its end
         self.will_decode_plainly: Callable[[Request], bool] = lambda req: False
         self.num_plain_reuses = 0  # requests started from target-only pages (so plainly)
+        self.num_plain_to_fit = 0  # requests decoding plainly where their window did not fit
 
     # ---- admission ----------------------------------------------------------------------
     @property
@@ -76,8 +77,10 @@ class Scheduler:
         return self.table.allocator.num_usable_pages * self.table.page_size
 
     def max_prompt_tokens(self) -> int:
-        """The longest fill that can ever run: alone in the cache, with one step's window."""
-        return self.usable_tokens - self.limits.decode_window - self.limits.kv_lookahead
+        """The longest fill that can ever run: alone in the cache, where a request too long
+        for its speculative step's window decodes plainly (`_decode_plainly_to_fit`), each
+        step writing one position past its KV."""
+        return self.usable_tokens - 1 - self.limits.kv_lookahead
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -272,22 +275,49 @@ class Scheduler:
             self._undo_reuse(req)
         return None
 
+    def _window(self, req: Request) -> int:
+        """Positions past its KV the request's next decode step must own."""
+        return 1 if req.plain_to_fit else self.limits.decode_window
+
     def _schedule_decode(self) -> list[Request]:
-        w = self.limits.decode_window
         while self.running:
-            need = sum(self.table.extra_pages_needed(r.rid, r.kv_len + w) for r in self.running)
+            need = sum(
+                self.table.extra_pages_needed(r.rid, r.kv_len + self._window(r))
+                for r in self.running
+            )
             if need <= self.table.available_pages:
                 break
             victim = self._pick_victim()
             if victim is None:
                 lone = self.running[0]
-                lone.finish("length", length=len(lone.output_ids), message="KV cache exhausted")
-                return []
-            self.retract(victim)
+                if not self._decode_plainly_to_fit(lone):
+                    lone.finish("length", length=len(lone.output_ids), message="KV cache exhausted")
+                    return []
+            else:
+                self.retract(victim)
         for r in self.running:
-            ok = self.table.reserve(r.rid, r.kv_len + w)
+            ok = self.table.reserve(r.rid, r.kv_len + self._window(r))
             assert ok, "reservation failed after the capacity check"
+            if r.plain_to_fit:  # (its tree and draft write past its pages: into scratch)
+                self.table.scratch_past_pages(r.rid, r.kv_len + self.limits.decode_window)
         return list(self.running)
+
+    def _decode_plainly_to_fit(self, req: Request) -> bool:
+        """The only request left cannot own its speculative step's window: it decodes
+        plainly from here if the position a plain step writes fits (as a plain engine with
+        this cache would go on), so speculation never ends an output sooner. Its draft stops
+        (its draft KV past here is not exact: the cache keeps the rest as target-only)."""
+        if req.plain_to_fit or self.limits.decode_window == 1:
+            return False
+        if self.table.extra_pages_needed(req.rid, req.kv_len + 1) > self.table.available_pages:
+            return False
+        req.plain_to_fit = req.draft_stale = True
+        exact = req.kv_len - req.draft_behind
+        if req.draft_exact_until is None or req.draft_exact_until > exact:
+            req.draft_exact_until = exact
+        self.num_plain_to_fit += 1
+        log.debug("%s decodes plainly: the KV cache cannot hold its draft window", req.rid)
+        return True
 
     def schedule_decode_ahead(self, max_accept: int) -> list[Request]:
         """The next decode batch while one step is still in flight (overlap): every running,
@@ -316,7 +346,7 @@ class Scheduler:
         req.kv_len = 0
         req.kv_trusted = True  # (none of it is left: the resumed prefill writes it anew)
         req.draft_lag = req.draft_behind = 0  # the resumed prefill rebuilds the draft's KV
-        req.draft_stale, req.draft_exact_until = False, None
+        req.draft_stale, req.draft_exact_until, req.plain_to_fit = False, None, False
         req.num_retractions += 1
         self.num_retractions += 1
         if req in self.running:
