@@ -52,11 +52,16 @@ def capture_graph(fn, pool, device: torch.device):
     would run on a state nothing checked."""
     current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device)
-    side.wait_stream(current)
+    # (an event wait on the default stream while another thread captures fails that wait:
+    # "operation would make the legacy stream depend on a capturing blocking stream", seen
+    # with two engines on an H100)
+    with DEVICE_WIDE:
+        side.wait_stream(current)
     with torch.cuda.stream(side):
         for _ in range(2):
             fn()
-    current.wait_stream(side)
+    with DEVICE_WIDE:
+        current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
         # thread_local: another thread's allocations (another engine's steps) may go on while
