@@ -429,8 +429,8 @@ class Engine:
     def _refuse_on_loop(self, what: str) -> None:
         if threading.current_thread() is self._thread:  # (it would wait for itself forever)
             raise RuntimeError(
-                f"{what} waits for the engine's loop, which runs this output callback; "
-                "use submit from a callback"
+                f"{what} is read as the engine's loop produces it, and the loop runs this "
+                "output callback; use submit from a callback"
             )
 
     def _wait(self, q: queue.Queue) -> dict:

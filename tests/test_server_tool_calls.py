@@ -273,6 +273,11 @@ def test_a_history_with_tool_calls_and_tool_messages_reaches_the_template(server
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
     r = served.http.post("/tokenize", json={"messages": [*MESSAGES, odd]})
     assert r.status_code == 200 and r.json()["count"] > 100_000, r.text[:300]
+    # arguments deep enough to exhaust the template's recursion, not the parser's, too
+    deep = '{"a":' * 600 + "1" + "}" * 600
+    odd = {"role": "assistant", "content": None, "tool_calls": [_call_of("c1", "f", deep)]}
+    r = served.http.post("/tokenize", json={"messages": [*MESSAGES, odd]})
+    assert r.status_code == 200, r.text[:300]
 
 
 def test_the_template_gets_what_the_server_renders():

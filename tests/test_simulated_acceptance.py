@@ -159,6 +159,8 @@ def test_invalid_simulation_settings_are_refused(sim, field):
 
 
 def test_length_above_steps_plus_one_is_clipped_with_a_reason(caplog):
+    with sim_engine(1, 4, simulate_acc_len=10**400) as e:  # (an int past any float too)
+        assert e.resolved_args()["simulate_acc_len"] == 4.0
     with sim_engine(1, 4, simulate_acc_len=9, simulate_acc_method="match-expected") as e:
         args = e.resolved_args()
     assert any("clipped" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)

@@ -350,7 +350,7 @@ def resolve_simulation(c) -> tuple[Any, list[tuple[str, Any, str]]]:
     require(
         isinstance(length, (int, float))
         and not isinstance(length, bool)
-        and math.isfinite(length)
+        and (not isinstance(length, float) or math.isfinite(length))
         and length >= 1,
         "simulate_acc_len",
         f"must be a finite number >= 1 (the mean accept length: 1 = every draft rejected), "

@@ -50,26 +50,27 @@ def capture_graph(fn, pool, device: torch.device):
     capture cleanly (what it strands in `pool` serves later captures). Any other error
     while the capture ends (the stream left capturing) is no such error: serving on after it
     would run on a state nothing checked."""
-    current = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
-    # (an event wait on the default stream while another thread captures fails that wait:
-    # "operation would make the legacy stream depend on a capturing blocking stream", seen
-    # with two engines on an H100)
+    # One capture at a time in the process, its warm-up included: torch hands out streams
+    # from a pool of 32 in turn, so another engine's warm-up stream may be the one this
+    # capture records (its kernels then replayed with this graph, silently), and an event
+    # wait on the default stream while another thread captures fails ("operation would make
+    # the legacy stream depend on a capturing blocking stream", two engines on an H100).
     with DEVICE_WIDE:
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
         side.wait_stream(current)
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    with DEVICE_WIDE:
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
         current.wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        # thread_local: another thread's allocations (another engine's steps) may go on while
-        # this one captures; what would still break it is device-wide, hence the lock
-        with DEVICE_WIDE, torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            out = fn()
-    finally:  # (torch leaves its capture stream current if ending the capture raises)
-        torch.cuda.set_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: another thread's allocations (another engine's steps) may go on
+            # while this one captures
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                out = fn()
+        finally:  # (torch leaves its capture stream current if ending the capture raises)
+            torch.cuda.set_stream(current)
     return graph, out
 
 

@@ -138,7 +138,7 @@ def create_app(engine, cfg: ServerConfig | None = None, owns_engine: bool = True
     @app.get("/v1/models/{model:path}", response_model=s.ModelCard)
     async def v1_model(model: str, request: Request):
         if not model:  # ("/v1/models/": the list, redirected as other trailing slashes are)
-            return RedirectResponse(str(request.url.replace(path="/v1/models")), status_code=307)
+            return RedirectResponse(str(request.url_for("v1_models")), status_code=307)
         if not state.accepts_model(model):
             raise APIError(
                 f"model: the model {model!r} does not exist",

@@ -101,9 +101,9 @@ class ServerState:
         self.size = RequestSize(
             self.tokenizer, self.context_len, cfg.max_queued_requests, cfg.max_samples_per_request
         )
-        # the most tokens one sequence can reach: its prompt and output share the KV cache,
-        # and each decode step needs room past its KV for its window (a speculative step
-        # writes its whole tree), so a sequence alone in the cache stops that much short of it
+        # the most tokens one sequence can reach: its prompt and output share the KV cache (a
+        # sequence alone in it decodes plainly where its tree's window no longer fits: as
+        # far as plain decoding goes)
         self.kv_tokens: int = engine.core.scheduler.max_prompt_tokens() + 1
         self._outbox: LoopOutbox | None = None
         self._token_bytes = None
@@ -267,7 +267,7 @@ class ServerState:
         if n + max_tokens > self.kv_tokens:
             raise APIError(
                 f"{max_param}: the KV cache holds {self.kv_tokens} tokens of one sequence "
-                f"(its pages less one decode step's window) and the prompt has {n}, so "
+                f"(its pages) and the prompt has {n}, so "
                 f"at most {max(self.kv_tokens - n, 0)} can be generated; {max_tokens} were "
                 "requested",
                 param=max_param,

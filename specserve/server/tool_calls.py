@@ -40,6 +40,24 @@ _NAMED_SCHEMAS = frozenset(
 )
 
 
+# Arguments nested deeper than this reach the template as their text: its `tojson` recurses
+# (600 levels ran out of Python's stack, a 400 that named no reason a client could act on).
+TEMPLATE_DEPTH = 64
+
+
+def _depth(value: Any) -> int:
+    """How deeply a parsed JSON value nests objects and arrays (iteratively)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend(
+                (v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)
+            )
+    return deepest
+
+
 # ---- request bodies ---------------------------------------------------------------------------
 class FunctionDefinition(StrictModel):
     name: str
@@ -134,7 +152,7 @@ class ToolCall(StrictModel):
                 parsed = json.loads(arguments)
             except (ValueError, RecursionError):  # (not JSON, or nested past the parser's
                 parsed = None  # depth: the template shows the text as it came)
-            if isinstance(parsed, dict):
+            if isinstance(parsed, dict) and _depth(parsed) <= TEMPLATE_DEPTH:
                 arguments = parsed
         function = {"name": self.function.name, "arguments": arguments}
         return {"id": self.id, "type": "function", "function": function}
