@@ -65,6 +65,13 @@ def test_one_batch_refuses_a_batch_the_engine_cannot_hold_whole(capsys, extra, l
     assert "decode_throughput_tok_s" not in capsys.readouterr().out  # no batch was run
 
 
+def test_one_batch_refuses_a_prompt_and_output_past_the_context(capsys):
+    """The output would stop short at the context, and the row would say output_len anyway."""
+    argv = ["bench", "one-batch", *TINY, "--batch-size", "1", "--input-len", "2040"]
+    _refused(capsys, [*argv, "--output-len", "100"], "--output-len", "2048")
+    assert "decode_throughput_tok_s" not in capsys.readouterr().out
+
+
 # --- acceptance ------------------------------------------------------------------------
 
 ACCEPTANCE = ["bench", "acceptance", "--num-prompts", "1", "--max-new-tokens", "4"]
@@ -95,6 +102,35 @@ def test_acceptance_fails_when_every_configuration_failed(monkeypatch, capsys):
     assert "every configuration failed" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text", ["{bad\n", "\n", '{"text": "no prompt field"}\n'])
+@pytest.mark.parametrize("command", [["bench", "e2e"], ACCEPTANCE])
+def test_a_prompts_file_that_cannot_be_read_is_refused_before_loading(
+    no_engine, tmp_path, capsys, text, command
+):
+    path = tmp_path / "p.jsonl"
+    path.write_text(text)
+    _refused(capsys, [*command, "--prompts", str(path)], "--prompts", str(path))
+
+
+def test_e2e_checks_every_spec_before_the_first_row_runs(no_engine, capsys):
+    argv = ["bench", "e2e", "--model-path", "tiny", "--skip-hf", "--spec", "3,1,4", "3,2,100"]
+    _refused(capsys, argv, "--spec", "'3,2,100'", "[2, 11]")
+    _refused(capsys, [*argv[:-2], "3,x"], "--spec", "3,x")
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--port", "70000"], "--port"),
+        (["--port", "0"], "--port"),
+        (["--base-url", "http://localhost:70000"], "--base-url"),
+        (["--base-url", "localhost:8000"], "--base-url"),
+    ],
+)
+def test_serving_refuses_an_address_it_cannot_reach(no_engine, capsys, extra, flag):
+    _refused(capsys, ["bench", "serving", *extra], flag)
+
+
 def test_e2e_names_a_missing_model_path(no_engine, capsys):
     err = _refused(capsys, ["bench", "e2e", "--model-path", "/nope/model"], "--model-path")
     assert "/nope/model does not exist" in err and "bundled" not in err
@@ -110,6 +146,16 @@ def test_e2e_names_a_missing_model_path(no_engine, capsys):
 def test_train_eagle_checks_engine_args_before_loading(no_engine, tmp_path, capsys, value, names):
     argv = ["train-eagle", "--out", str(tmp_path / "d"), "--generator", "engine"]
     _refused(capsys, [*argv, "--engine-arg", value], "--engine-arg", *names)
+
+
+@pytest.mark.parametrize("manifest", ["{bad", "[1]"])
+def test_train_eagle_refuses_a_dataset_whose_manifest_cannot_be_read(tmp_path, capsys, manifest):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text(manifest)
+    argv = ["train-eagle", "--target", "tiny", "--load-format", "dummy", "--data-dir", str(data)]
+    _refused(capsys, [*argv, "--out", str(tmp_path / "out")], "--data-dir", "manifest.json")
+    assert not (tmp_path / "out").exists()
 
 
 # --- multiturn -------------------------------------------------------------------------

@@ -381,3 +381,20 @@ def test_a_gguf_of_a_shape_attention_cannot_run_is_refused(tmp_path):
     path, _ = write_gguf_model(str(tmp_path / "m.gguf"), folder, qtype="F32")
     error = _refused("model_path", model_path=path, dtype="float32", device="cpu")
     assert "num_key_value_heads" in str(error)
+
+
+def test_a_kv_cache_the_device_cannot_allocate_is_refused_naming_what_sized_it():
+    # (past any address space: refused even where memory is overcommitted)
+    error = _refused("max_total_tokens", **TINY, max_total_tokens=10**13)
+    assert "GiB" in str(error) and "cannot allocate" in str(error)
+    error = _refused("page_size", **TINY, page_size=10**11)  # (one page past the whole cache)
+    assert "at most" in str(error)
+
+
+@pytest.mark.parametrize("device", ["cudax", "cuda:abc", "cuda:-1", "cuda:", "gpu"])
+def test_a_malformed_device_is_refused_naming_the_forms_taken(device):
+    from specserve.config.engine_config import EngineConfig
+
+    with pytest.raises(InvalidArgument) as info:
+        EngineConfig(**{**TINY, "device": device}).resolve(cuda_available=True)
+    assert info.value.field == "device" and "cuda:N" in str(info.value)

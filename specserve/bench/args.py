@@ -61,8 +61,16 @@ def check_output_files(args, names=("output_json", "output", "plot")) -> None:
 
 
 def _prompt_set(flag: str, value: str, allowed=BUNDLED_PROMPTS) -> None:
-    if value not in allowed and not os.path.isfile(value):
+    if value in allowed:
+        return
+    if not os.path.isfile(value):
         _fail(flag, f"{value!r} is neither one of {', '.join(allowed)} nor a JSONL file")
+    from specserve.train.prompts import load_prompts
+
+    try:  # (read as the run will read it: a line it cannot take is refused now)
+        load_prompts(value)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        _fail(flag, str(e))
 
 
 def _existing(flag: str, path: str | None) -> None:
@@ -101,7 +109,7 @@ def _resolves(kwargs: dict, flags: dict[str, str], what: str = "") -> object:
     except InvalidArgument as e:
         message = str(e).removeprefix(f"{e.field}: ")
         if e.field in flags:  # (`what`: which of the --configs)
-            prefix = what if flags[e.field] == "--configs" else ""
+            prefix = what if flags[e.field] in ("--configs", "--spec") else ""
             _fail(flags[e.field], f"{prefix}{message} ({e.field})")
         _fail("--engine-arg", f"{e.field}: {message}")
 
@@ -204,6 +212,19 @@ def check_e2e(args) -> None:
     _prompt_set("--prompts", args.prompts)
     if args.rounds < 1:
         _fail("--rounds", f"must be >= 1, got {args.rounds}")
+    from specserve.bench.e2e import parse_spec
+    from specserve.errors import InvalidArgument
+
+    flags = {"model_path": "--model-path", "device": "--device", "dtype": "--dtype"}
+    model = {"model_path": args.model_path, "device": args.device, "dtype": args.dtype}
+    for spec in args.spec:  # (each row's engine, checked before the first row runs)
+        try:  # (the draft's algorithm is read from it later; the tree's checks do not need it)
+            _, kwargs = parse_spec(spec, args.algorithm or "EAGLE", args.draft or "random")
+        except InvalidArgument as e:
+            _fail("--spec", str(e).removeprefix("--spec: "))
+        spec_flags = {**flags, **dict.fromkeys(kwargs, "--spec")}
+        spec_flags["speculative_draft_model_path"] = "--draft"
+        _resolves({**model, **kwargs}, spec_flags, f"{spec!r}: ")
     if args.prompt_lookup_tokens < 0:
         _fail(
             "--prompt-lookup-tokens",
@@ -231,6 +252,19 @@ def check_serving(args) -> None:
         _fail("--temperature", f"must be a finite number >= 0, got {args.temperature}")
     if args.vocab_size is not None and args.vocab_size < 1:
         _fail("--vocab-size", f"must be >= 1, got {args.vocab_size}")
+    if not 0 < args.port < 65536:
+        _fail("--port", f"must be in [1, 65535], got {args.port}")
+    if args.base_url is not None:
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(args.base_url)
+            port = parts.port  # (raises ValueError when out of range)
+        except ValueError as e:
+            _fail("--base-url", f"{args.base_url!r}: {e}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            _fail("--base-url", f"{args.base_url!r}: expected http(s)://HOST[:PORT]")
+        del port
 
 
 def check_profile(args) -> None:

@@ -142,6 +142,13 @@ def check_static_batch(engine, batch_size: int, prompt_len: int, output_len: int
     from specserve.errors import InvalidArgument
 
     resolved = engine.resolved_args()
+    context = resolved["context_length"]
+    if prompt_len + output_len > context:  # (the output would stop short: mislabelled rows)
+        raise InvalidArgument(
+            "--output-len",
+            f"a prompt of {prompt_len} tokens and {output_len} more exceed the context of "
+            f"{context} tokens (lower --input-len or --output-len, or raise --context-length)",
+        )
     running = resolved["max_running_requests"]
     if batch_size > running:
         raise InvalidArgument(

@@ -9,6 +9,7 @@ naming the field and the allowed values. Nothing is mutated after resolution.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -33,6 +34,7 @@ DEFAULT_GRAPH_PREFILL_TOKENS = 512
 # Each running request holds a row of device tables (sampling, page table, draft state),
 # allocated as requests arrive; a bound keeps a typo from asking for terabytes.
 MAX_RUNNING_REQUESTS = 1 << 16
+_CUDA_INDEX = re.compile(r"cuda:\d{1,4}")
 SEED_MAX = 2**63 - 1  # torch generators take a signed 64-bit seed
 
 
@@ -161,12 +163,18 @@ class EngineConfig:
                 "CUDA is available" if cuda_available else "no CUDA device",
             )
         require(
-            c.device == "cpu" or c.device.startswith("cuda"),
+            c.device in ("cpu", "cuda") or _CUDA_INDEX.fullmatch(c.device) is not None,
             "device",
             f"{c.device!r} is not one of auto, cpu, cuda, cuda:N",
         )
         if c.device.startswith("cuda") and not cuda_available:
             raise InvalidArgument("device", f"{c.device!r} requested but CUDA is not available")
+        count = _cuda_device_count()
+        if c.device.startswith("cuda:") and count is not None and int(c.device[5:]) >= count:
+            raise InvalidArgument(
+                "device",
+                f"{c.device!r}: this machine's CUDA devices are cuda:0 to cuda:{count - 1}",
+            )
         on_gpu = c.device.startswith("cuda")
         _resolve_tp_size(c, on_gpu, decided)
         if c.dtype == "auto":
@@ -408,6 +416,13 @@ def _check_types(c: EngineConfig) -> None:
         "device",
         f"must be one of auto, cpu, cuda, cuda:N, got {c.device!r}",
     )
+
+
+def _cuda_device_count() -> int | None:
+    """CUDA devices this process sees (None: none, where a caller forced cuda_available)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
 def _gpu_name(device: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +105,8 @@ def build_engine_parts(cfg: EngineConfig, tp=None) -> EngineParts:
     num_pages, kv_decision = kv_pages(cfg, device, per_slot, tp, reserve)
     num_slots = num_pages * cfg.page_size
     max_total_tokens = kv_decision[1]
-    kv_cache = KVCache(mc.num_layers, num_slots, kv_heads, mc.head_dim, dtype, device)
+    with _kv_allocation(cfg, device, num_slots * per_slot):
+        kv_cache = KVCache(mc.num_layers, num_slots, kv_heads, mc.head_dim, dtype, device)
     table = KVTable(PageAllocator(num_pages, cfg.page_size))
     window = draft.window + draft.lookahead
     rows = RequestRows(
@@ -116,7 +118,8 @@ def build_engine_parts(cfg: EngineConfig, tp=None) -> EngineParts:
     table.mirror = rows
     backend = make_attention_backend(cfg.attention_backend, cfg.kernels)
     runner = ModelRunner(loaded.model, kv_cache, backend, cfg.kernels)
-    draft.attach(table, num_slots, backend, rows)
+    with _kv_allocation(cfg, device, num_slots * per_slot):
+        draft.attach(table, num_slots, backend, rows)
     # load-adaptive speculation: each step drafts the tier that pays most (or none); a
     # plain step skips the draft, which catches up when speculation resumes
     tiers = speculation_tiers(draft.shape) if cfg.speculative_adaptive else None
@@ -232,6 +235,23 @@ def _capture_at_start(cfg: EngineConfig, worker: Worker, decode: bool) -> None:
             chunks,
             time.perf_counter() - start,
         )
+
+
+@contextmanager
+def _kv_allocation(cfg: EngineConfig, device: torch.device, nbytes: int):
+    """A KV cache the device cannot allocate is the configuration's fault: refused naming
+    what sized it."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:  # (torch.OutOfMemoryError is a RuntimeError)
+        if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in str(e):
+            raise
+        field = "max_total_tokens" if cfg.max_total_tokens else "mem_fraction_static"
+        raise InvalidArgument(
+            field,
+            f"the KV cache it sizes takes {nbytes / 2**30:.1f} GiB, which {device} cannot "
+            f"allocate ({str(e).splitlines()[0][:120]}); lower it",
+        ) from None
 
 
 def _scheduler(

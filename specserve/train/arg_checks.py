@@ -285,8 +285,16 @@ def check_target(args, generates: bool, data_dir: str | None = None) -> None:
             f"holds the prompt), got {args.max_new_tokens}",
         )
     if data_dir:
-        with open(os.path.join(data_dir, "manifest.json"), encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest_path = os.path.join(data_dir, "manifest.json")
+        try:
+            with open(manifest_path, encoding="utf-8") as f:
+                manifest = json.load(f)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise InvalidArgument("--data-dir", f"{manifest_path} cannot be read: {e}") from None
+        if not isinstance(manifest, dict):
+            raise InvalidArgument(
+                "--data-dir", f"{manifest_path} is not a dataset manifest (a JSON object)"
+            )
         for key, value in (
             ("hidden_size", config.hidden_size),
             ("vocab_size", config.vocab_size),
