@@ -9,6 +9,7 @@ from dataclasses import fields
 from typing import Any
 
 from specserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from specserve.errors import InvalidArgument
 
 ENGINE_HELP = {
     "model_path": "Model: a packaged name (smollm2-135m, the default), a .gguf file, an HF folder, "
@@ -122,12 +123,26 @@ def sampling_dict(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def check_sampling_flags(sp: dict[str, Any]) -> None:
+    """Each sampling flag checked as the engine checks its field, before the model loads,
+    a refusal naming the flag."""
+    from specserve.sampling_params import check_field
+
+    for name, value in sp.items():
+        try:
+            check_field(name, value)
+        except InvalidArgument as e:
+            flag = "--" + name.replace("_", "-")
+            raise InvalidArgument(flag, str(e).removeprefix(f"{e.field}: ")) from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from specserve.engine import Engine
 
+    sp = sampling_dict(args)
+    check_sampling_flags(sp)
     with Engine(**engine_kwargs(args)) as engine:
         print(f"specserve: {engine.config.draft_summary()}", file=sys.stderr)
-        sp = sampling_dict(args)
         if args.chat:
             ids = engine.tokenize_chat([{"role": "user", "content": args.prompt}])
             result = engine.generate(input_ids=ids, sampling_params=sp, stream=not args.json)
@@ -196,8 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     add_token_map_parser(sub)
 
     args = parser.parse_args(argv)
-    from specserve.errors import InvalidArgument
-
     try:
         return args.func(args)
     except InvalidArgument as e:

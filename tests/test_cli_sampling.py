@@ -25,7 +25,23 @@ def test_the_cli_passes_penalties_and_refuses_bad_ones(folder, capsys):
     assert main([*common, "--frequency-penalty", "2", "--presence-penalty", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["output_ids"] != free
     assert main([*common, "--repetition-penalty", "0"]) == 2
-    assert "repetition_penalty" in capsys.readouterr().err
+    assert "--repetition-penalty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--temperature", "nan"), ("--top-p", "2"), ("--max-new-tokens", "-1"), ("--min-p", "2")],
+)
+def test_a_bad_sampling_flag_is_refused_before_the_model_loads(monkeypatch, capsys, flag, value):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the engine was built before the flags were checked")
+
+    monkeypatch.setattr("specserve.engine.Engine", refuse)
+    assert (
+        main(["generate", "hi", "--model-path", "tiny", "--load-format", "dummy", flag, value]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {flag}: ") and "\n" not in err, err
 
 
 def test_the_streamed_summary_says_how_the_output_ended_in_words(folder, capsys):
