@@ -84,6 +84,13 @@ def test_token_map_refuses_a_bad_value_before_generating(tmp_path, capsys):
     ):
         _refused(capsys, ["token-map", "--out", str(out), *flags], named)
     assert not out.exists()
+    # a size past the target's vocabulary (the map would hold all of it, named for more)
+    from tests.model_factory import write_hf_model
+
+    target = write_hf_model(tmp_path / "m", vocab_size=101, with_tokenizer=True)
+    argv = ["token-map", "--out", str(out), "--target", str(target), "--sizes", "64", "102"]
+    assert "vocabulary of 101" in _refused(capsys, argv, "--sizes")
+    assert not out.exists()
 
 
 TINY = ["--model-path", "tiny", "--load-format", "dummy", "--device", "cpu"]

@@ -69,6 +69,7 @@ def write_token_maps(
 
 
 def run_token_map(args) -> int:
+    from specserve.errors import InvalidArgument
     from specserve.model.loader import locate, read_config
     from specserve.train.arg_checks import check_target, check_token_map_args
     from specserve.train.data import DataArgs, generate_answer_set
@@ -76,6 +77,13 @@ def run_token_map(args) -> int:
 
     check_token_map_args(args)
     check_target(args, generates=True)
+    vocab = read_config(locate(args.target, args.load_format)).vocab_size
+    for size in args.sizes:
+        if size > vocab:  # (the map would hold the whole vocabulary, yet be named for more)
+            raise InvalidArgument(
+                "--sizes",
+                f"each size must be at most the target's vocabulary of {vocab}, got {size}",
+            )
     one_file = args.out.endswith(".json")
     t0 = time.perf_counter()
     data_args = DataArgs(
@@ -96,7 +104,6 @@ def run_token_map(args) -> int:
     )
     os.makedirs(data_args.out_dir, exist_ok=True)
     answers, prompt_ids, _ = generate_answer_set(data_args, None)
-    vocab = read_config(locate(args.target, args.load_format)).vocab_size
     source = {
         "target": args.target,
         "prompts": f"{args.prompts} (first {len(prompt_ids)} after the seed-0 shuffle)",
