@@ -88,6 +88,7 @@ def test_token_map_refuses_a_bad_value_before_generating(tmp_path, capsys):
     from tests.model_factory import write_hf_model
 
     target = write_hf_model(tmp_path / "m", vocab_size=101, with_tokenizer=True)
+    capsys.readouterr()  # (its progress bar)
     argv = ["token-map", "--out", str(out), "--target", str(target), "--sizes", "64", "102"]
     assert "vocabulary of 101" in _refused(capsys, argv, "--sizes")
     assert not out.exists()
