@@ -59,24 +59,28 @@ ENGINE_HELP = {
 _NOT_FLAGS = ("decisions", "kernels")  # filled by resolve(); `kernels` is a Python object
 
 
+# SGLang's other spellings of a field's flag
+FLAG_ALIASES = {"tp_size": ("--tensor-parallel-size",)}
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     for f in fields(EngineConfig):
         if f.name in _NOT_FLAGS:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ("--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ()))
         default = f.default
         help_text = ENGINE_HELP.get(f.name, "") + (
             # (`0 in (None, False)` is true: a default of 0 is shown too)
             f" (default: {default})" if default is not None and default is not False else ""
         )
         if isinstance(default, bool):
-            g.add_argument(flag, action="store_true", help=help_text)
+            g.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
         else:
             # the field's own annotation ("int | None", "float", ...) types the flag
             base = str(f.type).replace(" | None", "").strip()
             kind = {"int": int, "float": float}.get(base)
-            g.add_argument(flag, type=kind or str, default=None, help=help_text)
+            g.add_argument(*flags, dest=f.name, type=kind or str, default=None, help=help_text)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -236,6 +236,13 @@ def test_every_numeric_cli_flag_parses_as_its_fields_type():
     assert kwargs["simulate_acc_len"] == 2.5
 
 
+def test_sglangs_other_spelling_of_a_flag_sets_the_same_field():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for argv in (["--tp-size", "2"], ["--tensor-parallel-size", "2"]):
+        assert engine_kwargs(parser.parse_args(argv)) == {"tp_size": 2}
+
+
 def test_a_fixed_simulated_token_without_the_fixed_mode_is_refused():
     cfg = EngineConfig(**TINY, **STANDALONE, simulate_acc_len=2.0, simulate_acc_fixed_token=7)
     with pytest.raises(InvalidArgument) as info:
