@@ -394,8 +394,11 @@ def test_a_kv_cache_the_device_cannot_allocate_is_refused_naming_what_sized_it()
     # (past any address space: refused even where memory is overcommitted)
     error = _refused("max_total_tokens", **TINY, max_total_tokens=10**13)
     assert "GiB" in str(error) and "cannot allocate" in str(error)
-    error = _refused("page_size", **TINY, page_size=10**11)  # (one page past the whole cache)
-    assert "at most" in str(error)
+    error = _refused("page_size", **TINY, page_size=10**12)  # (one page past any cache)
+    assert "cannot allocate" in str(error)
+    # (a page larger than the tokens asked for is one page, as before)
+    with Engine(**TINY, max_total_tokens=5, page_size=16) as engine:
+        assert engine.resolved_args()["max_total_tokens"] == 16
 
 
 @pytest.mark.parametrize("device", ["cudax", "cuda:abc", "cuda:-1", "cuda:", "gpu"])

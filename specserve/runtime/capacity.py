@@ -71,11 +71,6 @@ def kv_pages(
     if tp is not None:
         tokens = tp.min_int(tokens)
         why += ", the same on every rank"
-    if cfg.page_size > tokens:  # (its one page would hold more than the cache is sized for)
-        raise InvalidArgument(
-            "page_size",
-            f"must be at most the KV cache's {tokens} tokens ({why}), got {cfg.page_size}",
-        )
     num_pages = 1 + -(-tokens // cfg.page_size)
     usable = (num_pages - 1) * cfg.page_size
     return num_pages, ("max_total_tokens", usable, f"{why}, in whole pages of {cfg.page_size}")

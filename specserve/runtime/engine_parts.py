@@ -105,7 +105,7 @@ def build_engine_parts(cfg: EngineConfig, tp=None) -> EngineParts:
     num_pages, kv_decision = kv_pages(cfg, device, per_slot, tp, reserve)
     num_slots = num_pages * cfg.page_size
     max_total_tokens = kv_decision[1]
-    with _kv_allocation(cfg, device, num_slots * per_slot):
+    with _kv_allocation(cfg, device, num_slots * per_slot, max_total_tokens):
         kv_cache = KVCache(mc.num_layers, num_slots, kv_heads, mc.head_dim, dtype, device)
     table = KVTable(PageAllocator(num_pages, cfg.page_size))
     window = draft.window + draft.lookahead
@@ -118,7 +118,7 @@ def build_engine_parts(cfg: EngineConfig, tp=None) -> EngineParts:
     table.mirror = rows
     backend = make_attention_backend(cfg.attention_backend, cfg.kernels)
     runner = ModelRunner(loaded.model, kv_cache, backend, cfg.kernels)
-    with _kv_allocation(cfg, device, num_slots * per_slot):
+    with _kv_allocation(cfg, device, num_slots * per_slot, max_total_tokens):
         draft.attach(table, num_slots, backend, rows)
     # load-adaptive speculation: each step drafts the tier that pays most (or none); a
     # plain step skips the draft, which catches up when speculation resumes
@@ -238,19 +238,23 @@ def _capture_at_start(cfg: EngineConfig, worker: Worker, decode: bool) -> None:
 
 
 @contextmanager
-def _kv_allocation(cfg: EngineConfig, device: torch.device, nbytes: int):
+def _kv_allocation(cfg: EngineConfig, device: torch.device, nbytes: int, tokens: int):
     """A KV cache the device cannot allocate is the configuration's fault: refused naming
-    what sized it."""
+    what sized it (tokens: the cache's, in whole pages; a page larger than the tokens asked
+    for is one page)."""
     try:
         yield
     except (RuntimeError, MemoryError) as e:  # (torch.OutOfMemoryError is a RuntimeError)
         if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in str(e):
             raise
-        field = "max_total_tokens" if cfg.max_total_tokens else "mem_fraction_static"
+        if 2 * cfg.page_size > tokens:  # (a page or two: the page's size made it this large)
+            field = "page_size"
+        else:
+            field = "max_total_tokens" if cfg.max_total_tokens else "mem_fraction_static"
         raise InvalidArgument(
             field,
             f"the KV cache it sizes takes {nbytes / 2**30:.1f} GiB, which {device} cannot "
-            f"allocate ({str(e).splitlines()[0][:120]}); lower it",
+            f"allocate ({type(e).__name__}); lower it",
         ) from None
 
 
