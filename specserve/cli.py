@@ -145,6 +145,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     sp = sampling_dict(args)
     check_sampling_flags(sp)
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
     with Engine(**engine_kwargs(args)) as engine:
         print(f"specserve: {engine.config.draft_summary()}", file=sys.stderr)
         if args.chat:
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the prompt; '-' reads it from standard input")
     gen.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model's chat template"
     )

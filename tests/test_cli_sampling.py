@@ -62,3 +62,17 @@ def test_a_bad_default_max_tokens_names_every_allowed_value():
     with pytest.raises(InvalidArgument) as info:
         ServerConfig(default_max_tokens=-2).validate()
     assert info.value.field == "default_max_tokens" and "0 or -1" in str(info.value)
+
+
+def test_a_prompt_of_dash_is_read_from_standard_input(folder, capsys, monkeypatch):
+    import io
+
+    common = ["--model-path", folder, "--dtype", "float32", "--device", "cpu",
+              "--max-new-tokens", "4", "--ignore-eos", "--json", "--log-level", "INFO"]  # fmt: skip
+    assert main(["generate", "hello", *common]) == 0
+    want = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello"))
+    assert main(["generate", "-", *common]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["output_ids"] == want["output_ids"]
+    assert got["meta_info"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]

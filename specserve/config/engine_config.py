@@ -130,6 +130,8 @@ class EngineConfig:
             decide("dtype", DTYPE_ALIASES[c.dtype], f"{c.dtype!r} is SGLang's name for it")
         _check_choice("dtype", c.dtype, (*DTYPES, *DTYPE_ALIASES))
         _check_choice("attention_backend", c.attention_backend, ATTENTION_BACKENDS)
+        if isinstance(c.log_level, str) and c.log_level != c.log_level.lower():
+            decide("log_level", c.log_level.lower(), "log levels are read in any case")
         _check_choice("log_level", c.log_level, LOG_LEVELS)
         _check_int("page_size", c.page_size, minimum=1)
         for name in ("max_total_tokens", "max_running_requests"):
