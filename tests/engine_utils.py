@@ -251,3 +251,34 @@ def record_graph_steps(graphs) -> list[tuple[int, str]]:
 
     graphs.run = recording_run
     return steps
+
+
+def check_plain_next_turn_reuse(base: dict, eagle: str, page_size: int, greedy: dict) -> None:
+    """Under load-adaptive speculation, turn one asks for no drafts (so its answer has no draft
+    KV); turn two, plain too, reuses the answer from the cache; a speculating request on the
+    same history stops where the draft's KV ends (the prompt). Every output equals an
+    engine's without a cache. base: the engine's model and device arguments."""
+    from specserve import Engine
+
+    g = torch.Generator().manual_seed(page_size)
+    first = torch.randint(3, 500, (40,), generator=g).tolist()
+    plain = {**greedy, "speculative": False}
+    spec = dict(spec_args(eagle, 2, 3, 6), speculative_adaptive=True, page_size=page_size)
+    with Engine(**base, **spec, disable_radix_cache=True) as uncached:
+        answer = uncached.generate(input_ids=first, sampling_params=plain)["output_ids"]
+        history = first + answer + [7, 8, 9]
+        want = uncached.generate(input_ids=history, sampling_params=greedy)["output_ids"]
+    with Engine(**base, **spec) as e:
+        e.core.scheduler.will_decode_plainly = lambda req: not req.params.speculative
+        assert e.generate(input_ids=first, sampling_params=plain)["output_ids"] == answer
+        turn2 = e.generate(input_ids=history, sampling_params=plain)
+        cached = turn2["meta_info"]["cached_tokens"]
+        assert cached >= len(first) + len(answer) - page_size, (cached, len(first + answer))
+        assert turn2["output_ids"] == want
+        speculating = e.generate(input_ids=history, sampling_params=greedy)
+        assert speculating["meta_info"]["cached_tokens"] <= len(first)
+        assert speculating["output_ids"] == want
+        assert assert_kv_matches_plain_prefill(e.core) == 0
+        assert e.stats()["speculative_adaptive"]["started_plainly_from_cache"] == 1
+        e.flush_cache()
+        e.core.check_invariants()

@@ -12,7 +12,7 @@ import torch
 from specserve import Engine
 from specserve.model.config import PRESETS
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
-from tests.engine_utils import GPU_TINY, assert_kv_matches_plain_prefill, spec_args
+from tests.engine_utils import GPU_TINY, check_plain_next_turn_reuse
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,29 +63,6 @@ def test_cache_on_cuda_keeps_outputs_and_drafts(tmp_path, dtype, page_size):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_a_plain_next_turn_reuses_target_only_pages_on_cuda(tmp_path, page_size):
-    """Turn one asks for no drafts (its answer has no draft KV); turn two, plain too, reuses
-    the answer from the cache, a speculating request on the same history stops at the
-    prompt's pages; outputs equal an uncached engine's (float32, graphs replayed)."""
+    """`check_plain_next_turn_reuse` on CUDA (float32, graphs replayed)."""
     eagle = write_random_eagle_checkpoint(str(tmp_path / "e"), PRESETS["tiny"], "EAGLE", seed=3)
-    g = torch.Generator().manual_seed(page_size)
-    first = torch.randint(3, 500, (40,), generator=g).tolist()
-    plain = {**GREEDY, "speculative": False}
-    spec = dict(spec_args(eagle, 2, 3, 6), speculative_adaptive=True, page_size=page_size)
-    with Engine(**GPU_TINY, **spec, disable_radix_cache=True) as uncached:
-        answer = uncached.generate(input_ids=first, sampling_params=plain)["output_ids"]
-        history = first + answer + [7, 8, 9]
-        want = uncached.generate(input_ids=history, sampling_params=GREEDY)["output_ids"]
-    with Engine(**GPU_TINY, **spec) as e:
-        e.core.scheduler.will_decode_plainly = lambda req: not req.params.speculative
-        assert e.generate(input_ids=first, sampling_params=plain)["output_ids"] == answer
-        turn2 = e.generate(input_ids=history, sampling_params=plain)
-        cached = turn2["meta_info"]["cached_tokens"]
-        assert cached >= len(first) + len(answer) - page_size, (cached, len(first + answer))
-        assert turn2["output_ids"] == want
-        speculating = e.generate(input_ids=history, sampling_params=GREEDY)
-        assert speculating["meta_info"]["cached_tokens"] <= len(first)
-        assert speculating["output_ids"] == want
-        assert assert_kv_matches_plain_prefill(e.core) == 0
-        assert e.stats()["speculative_adaptive"]["started_plainly_from_cache"] == 1
-        e.flush_cache()
-        e.core.check_invariants()
+    check_plain_next_turn_reuse(GPU_TINY, eagle, page_size, GREEDY)

@@ -7,15 +7,13 @@ those of an engine without a cache."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from specserve import Engine
 from specserve.kv.allocator import PageAllocator
 from specserve.kv.prefix_cache import PrefixCache
 from specserve.kv.table import KVTable
 from specserve.model.config import PRESETS
 from specserve.speculative.eagle_checkpoint import write_random_eagle_checkpoint
-from tests.engine_utils import TINY, assert_kv_matches_plain_prefill, spec_args
+from tests.engine_utils import TINY, check_plain_next_turn_reuse
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 30, "ignore_eos": True}
 
@@ -105,28 +103,6 @@ def eagle(tmp_path_factory):
 
 @pytest.mark.parametrize("page_size", [1, 3])
 def test_the_next_turn_of_a_plainly_decoded_answer_reuses_it(eagle, page_size):
-    """Turn one asks for no drafts (so its answer has no draft KV); turn two, plain too,
-    reuses the answer; a speculating request on the same history stops where the draft's KV
-    ends. Every output equals an engine's without a cache."""
-    g = torch.Generator().manual_seed(page_size)
-    first = torch.randint(3, 500, (40,), generator=g).tolist()
-    plain = {**GREEDY, "speculative": False}
-    spec = dict(spec_args(eagle, 2, 3, 6), speculative_adaptive=True, page_size=page_size)
-    with Engine(**TINY, **spec, disable_radix_cache=True) as uncached:
-        answer = uncached.generate(input_ids=first, sampling_params=plain)["output_ids"]
-        history = first + answer + [7, 8, 9]
-        want = uncached.generate(input_ids=history, sampling_params=GREEDY)["output_ids"]
-    with Engine(**TINY, **spec, debug_check_invariants=True) as e:
-        e.core.scheduler.will_decode_plainly = lambda req: not req.params.speculative
-        turn1 = e.generate(input_ids=first, sampling_params=plain)
-        assert turn1["output_ids"] == answer
-        turn2 = e.generate(input_ids=history, sampling_params=plain)
-        cached = turn2["meta_info"]["cached_tokens"]
-        assert cached >= len(first) + len(answer) - page_size, (cached, len(first + answer))
-        assert turn2["output_ids"] == want
-        # a speculating request takes only the pages whose draft KV is exact: the prompt's
-        speculating = e.generate(input_ids=history, sampling_params=GREEDY)
-        assert speculating["meta_info"]["cached_tokens"] <= len(first)
-        assert speculating["output_ids"] == want
-        assert assert_kv_matches_plain_prefill(e.core) == 0
-        assert e.stats()["speculative_adaptive"]["started_plainly_from_cache"] == 1
+    """A plain next turn reuses a plainly decoded answer; a speculating one stops at the
+    prompt (`check_plain_next_turn_reuse`); the cache's invariants hold every step."""
+    check_plain_next_turn_reuse(dict(TINY, debug_check_invariants=True), eagle, page_size, GREEDY)

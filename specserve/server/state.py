@@ -343,8 +343,9 @@ class ServerState:
             args = (prompts, params, rename, prefix, rids, logprob_options, prefixes)
             if held:
                 loop = asyncio.get_running_loop()
-                made = await loop.run_in_executor(self.pool, self._make_if_compiled, *args)
+                made, as_text = await loop.run_in_executor(self.pool, self._make_if_compiled, *args)
                 if made is None:
+                    args = (prompts, as_text, *args[2:])
                     made = await loop.run_in_executor(self.grammar_pool, self._make, *args)
             elif sum(map(len, prompts)) > OFF_LOOP_PROMPT_TOKENS:
                 made = await self.off_loop(self._make, *args)
@@ -361,21 +362,26 @@ class ServerState:
             raise
         return self._submit(made, total, rename, prefix)
 
-    def _make_if_compiled(self, prompts, params, *rest) -> list[tuple[list, str | None]] | None:
-        """`_make`'s requests if every grammar they ask for is compiled already, else None
-        (they are built on the grammar pool, behind compiles that may take seconds)."""
+    def _make_if_compiled(
+        self, prompts, params, *rest
+    ) -> tuple[list[tuple[list, str | None]] | None, list[dict[str, Any]]]:
+        """(`_make`'s requests if every grammar they ask for is compiled already, else None:
+        they are built on the grammar pool, behind compiles that may take seconds; the
+        parameters with their schemas as text, serialized once for both)."""
         texts: dict[int, str] = {}
+        as_text, compiled = [], True
         for sp in params:
             try:
                 sp = _schema_as_text(sp, texts)
             except InvalidArgument:  # (refused by `_make`, naming the prompt)
-                return None
+                return None, params
+            as_text.append(sp)
             spec = next(((f, sp[f]) for f in GRAMMAR_PARAMS if sp.get(f) is not None), None)
             if spec is not None and not (
                 isinstance(spec[1], str) and self.engine.core.grammar_compiled(*spec)
             ):
-                return None
-        return self._make(prompts, params, *rest)
+                compiled = False
+        return (self._make(prompts, as_text, *rest) if compiled else None), as_text
 
     def _make(
         self,
